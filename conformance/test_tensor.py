@@ -1,0 +1,412 @@
+"""ExtensibleTensor conformance: every test runs on the host driver and on each
+CUDA device (the `device` fixture); physical usage is read from outside extkv."""
+
+from __future__ import annotations
+
+import copy
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import torch
+
+from extkv import DriverError, ExtensibleTensor, FaultInjectingDriver, OutOfMemoryError, StateError
+from extkv.testing.checks import check_readback_matches_bookkeeping, check_usage_matches, readback_one_chunk_per_segment
+from extkv.vmm import FAULTABLE_STEPS, driver_for, live_chunks, live_reservations
+from extkv.usage import open_chunk_fds
+
+
+@pytest.fixture
+def granule(driver) -> int:
+    return driver.granularity
+
+
+@pytest.fixture
+def make(device):
+    """Build ExtensibleTensors that are freed after the test, even on failure."""
+    made: list[ExtensibleTensor] = []
+
+    def make_tensor(*args, **kwargs) -> ExtensibleTensor:
+        kwargs.setdefault("device", device)
+        tensor = ExtensibleTensor(*args, **kwargs)
+        made.append(tensor)
+        return tensor
+
+    yield make_tensor
+    for tensor in made:
+        tensor.free()
+
+
+def _nonzero(counts) -> dict[str, int]:
+    return {kind: count for kind, count in counts.items() if count}
+
+
+def snapshot(tensor: ExtensibleTensor) -> dict:
+    """Everything observable about a tensor's state, for 'changes nothing' checks."""
+    return {
+        "sizes": tensor.segment_sizes,
+        "physical": tensor.physical_bytes,
+        "chunks": [(m.address, m.chunk.size) for m in tensor.mapped_chunks],
+        "base": tensor.base,
+    }
+
+
+def pattern(n: int, seed: int, device) -> torch.Tensor:
+    return (torch.arange(n, dtype=torch.int64) * 131 + seed).remainder(251).add(1).to(torch.uint8).to(device)
+
+
+def test_base_and_view_addresses_fixed_across_growth(make, granule):
+    t = make(8 * granule, segment_capacities=[4 * granule, 4 * granule])
+    base = t.base
+    full = t.full_view()
+    assert full.data_ptr() == base and full.numel() == 8 * granule
+    for step in range(1, 5):
+        t.resize_segments_([step * granule - 7, step * granule // 2])
+        assert t.base == base
+        assert t.full_view().data_ptr() == base
+        assert t.segment_view(0).data_ptr() == base
+        assert t.segment_view(1).data_ptr() == base + 4 * granule
+
+
+def test_contents_kept_and_new_bytes_zero(make, granule, device):
+    t = make(6 * granule, segment_capacities=[3 * granule, 3 * granule])
+    t.resize_segments_([1000, 10], zero_new=True)
+    head = pattern(1000, 1, device)
+    t.segment_view(0).copy_(head)
+    t.segment_view(1).fill_(0xAB)
+    t.resize_segments_([2 * granule + 5, granule], zero_new=True)
+    seg0, seg1 = t.segment_view(0), t.segment_view(1)
+    assert torch.equal(seg0[:1000], head)
+    assert int(seg0[1000:].count_nonzero()) == 0
+    assert torch.all(seg1[:10] == 0xAB)
+    assert int(seg1[10:].count_nonzero()) == 0
+
+
+def test_zero_new_zeroes_exactly_the_new_bytes(make, granule, device):
+    """Bytes already mapped but beyond the committed size are not the caller's;
+    a resize with zero_new must zero them when they become committed, and must
+    leave bytes outside the new range alone."""
+    t = make(2 * granule, segment_capacities=[granule, granule])
+    t.resize_segments_([100, 100], zero_new=True)
+    full = t.full_view()
+    full[: 2 * granule].fill_(0x5A)  # mapped granules, committed or not
+    t.resize_segments_([300, 100], zero_new=True)
+    assert torch.all(full[:100] == 0x5A)
+    assert int(full[100:300].count_nonzero()) == 0
+    assert torch.all(full[300 : 2 * granule] == 0x5A)
+    t.resize_segments_([400, 100], zero_new=False)
+    assert torch.all(full[300:400] == 0x5A)
+
+
+def test_shared_granule_is_mapped_once(make, granule):
+    half = granule // 2
+    t = make(3 * granule, segment_capacities=[granule + half, granule + half])
+    t.resize_segments_([granule + half, granule + half])
+    assert t.physical_bytes == 3 * granule
+    assert t.num_physical_chunks == 1
+    check_readback_matches_bookkeeping(t)
+
+
+def test_shared_granule_grown_by_second_segment_is_not_remapped(make, granule):
+    half = granule // 2
+    t = make(3 * granule, segment_capacities=[granule + half, granule + half])
+    t.resize_segments_([granule + 1, 0])  # maps granules 0 and 1
+    before = t.mapped_chunks
+    t.resize_segments_([granule + 1, 10])  # segment 1 starts inside granule 1
+    assert t.mapped_chunks == before
+    assert t.physical_bytes == 2 * granule
+
+
+def test_one_chunk_per_maximal_run(make, granule):
+    t = make(12 * granule, segment_capacities=[4 * granule] * 3)
+    t.resize_segments_([granule, granule, granule])
+    assert t.num_physical_chunks == 3  # three separated runs
+    t.resize_segments_([4 * granule, granule, granule])
+    assert t.num_physical_chunks == 4  # one run of 3 granules added to segment 0
+    # segment 0 full and segment 1's new granules are contiguous: one run
+    t.resize_segments_([4 * granule, 4 * granule, 3 * granule])
+    assert t.num_physical_chunks == 6
+    assert t.physical_bytes == 11 * granule
+    check_readback_matches_bookkeeping(t)
+
+
+def test_resize_that_grows_nothing_touches_no_mapping(device, granule):
+    inner = driver_for(device)
+    counting = FaultInjectingDriver(inner, {})
+    t = ExtensibleTensor(4 * granule, device=counting, segment_capacities=[2 * granule, 2 * granule])
+    try:
+        t.resize_segments_([granule, 10])
+        calls = dict(counting.calls)
+        t.resize_segments_([granule, 10], zero_new=True)
+        t.resize_segments_([granule - 5 + 5, 100])  # within mapped granules
+        assert counting.calls == calls
+    finally:
+        t.free()
+
+
+def test_one_chunk_query_agrees_with_readback(make, granule):
+    t = make(8 * granule, segment_capacities=[4 * granule, 4 * granule])
+    t.resize_segments_([granule // 2, 3 * granule])
+    t.resize_segments_([3 * granule, 3 * granule + 1])
+    for sizes in ([granule // 2, 3 * granule], [3 * granule, 3 * granule + 1], [0, granule], [granule, 0]):
+        assert t.segments_backed_by_one_chunk(sizes) == readback_one_chunk_per_segment(t, sizes)
+    assert t.segments_backed_by_one_chunk([3 * granule, 3 * granule]) == [False, True]
+    assert t.segments_backed_by_one_chunk([3 * granule, 4 * granule]) == [False, False]  # unmapped tail
+    check_readback_matches_bookkeeping(t)
+
+
+def test_release_keeps_addresses_and_recommit_reads_zero(make, granule, device, usage):
+    baseline = usage.read_outside_torch()
+    t = make(4 * granule, segment_capacities=[2 * granule, 2 * granule])
+    t.resize_segments_([2 * granule, granule], zero_new=True)
+    views = [t.full_view(), t.segment_view(0), t.segment_view(1)]
+    pointers = [v.data_ptr() for v in views]
+    views[0][: 3 * granule].fill_(0xEE)
+    check_usage_matches(usage, baseline, [t])
+    t.release_physical()
+    assert t.physical_bytes == 0 and t.num_physical_chunks == 0 and t.segment_sizes == [0, 0]
+    check_usage_matches(usage, baseline, [t])
+    check_readback_matches_bookkeeping(t)
+    t.resize_segments_([2 * granule, granule], zero_new=True)
+    assert [v.data_ptr() for v in views] == pointers
+    assert int(views[1].count_nonzero()) == 0 and int(views[2].count_nonzero()) == 0
+    check_usage_matches(usage, baseline, [t])
+
+
+def test_usage_equals_physical_bytes_after_every_step(make, granule, usage):
+    baseline = usage.read_outside_torch()
+    tensors = [make(6 * granule, segment_capacities=[3 * granule, 3 * granule]), make(granule)]
+    check_usage_matches(usage, baseline, tensors)
+    steps = [
+        lambda: tensors[0].resize_segments_([100, 0], zero_new=True),
+        lambda: tensors[1].resize_segments_([granule]),
+        lambda: tensors[0].resize_segments_([3 * granule, granule + 1], zero_new=True),
+        lambda: tensors[1].release_physical(),
+        lambda: tensors[0].resize_segments_([3 * granule, 3 * granule]),
+        lambda: tensors[0].release_physical(),
+        lambda: tensors[0].resize_segments_([5, 5], zero_new=True),
+        lambda: tensors[1].free(),
+        lambda: tensors[0].free(),
+    ]
+    for step in steps:
+        step()
+        check_usage_matches(usage, baseline, tensors)
+    assert usage.read_outside_torch() == baseline
+
+
+def test_segment_view_storage_spans_exactly_committed_bytes(make, granule):
+    t = make(4 * granule, segment_capacities=[granule, 3 * granule])
+    t.resize_segments_([123, granule + 7])
+    assert t.segment_view(0).untyped_storage().nbytes() == 123
+    assert t.segment_view(1).untyped_storage().nbytes() == granule + 7
+    assert t.full_view().untyped_storage().nbytes() == 4 * granule
+    assert t.segment_view(0).dtype == torch.uint8
+
+
+def test_zero_size_tensor_reserves_one_granule(make, granule):
+    t = make(0)
+    assert t.reserved_bytes == granule
+    t.resize_segments_([0])
+    assert t.physical_bytes == 0 and t.segment_view(0).numel() == 0
+
+
+INVALID_CONSTRUCTIONS = [
+    (dict(size=-1), ValueError, "size must be a non-negative int"),
+    (dict(size=1.5), ValueError, "size must be a non-negative int"),
+    (dict(size=100, segment_capacities=[50, 49]), ValueError, "sum to 99 bytes, expected size=100"),
+    (dict(size=100, segment_capacities=[]), ValueError, "at least one segment"),
+    (dict(size=100, segment_capacities=[120, -20]), ValueError, r"segment_capacities\[1\]"),
+]
+
+
+@pytest.mark.parametrize("kwargs, error, message", INVALID_CONSTRUCTIONS)
+def test_invalid_construction_raises_and_reserves_nothing(device, kwargs, error, message):
+    reservations = _nonzero(live_reservations)
+    with pytest.raises(error, match=message):
+        ExtensibleTensor(device=device, **kwargs)
+    assert _nonzero(live_reservations) == reservations
+
+
+def test_invalid_device_raises():
+    with pytest.raises(ValueError, match="not supported"):
+        ExtensibleTensor(10, device="meta")
+    with pytest.raises(ValueError, match="not a torch device"):
+        ExtensibleTensor(10, device="gpu7")
+
+
+def test_invalid_calls_raise_and_change_nothing(make, granule):
+    t = make(4 * granule, segment_capacities=[2 * granule, 2 * granule])
+    t.resize_segments_([granule, 10], zero_new=True)
+    state = snapshot(t)
+    calls = [
+        (lambda: t.resize_segments_([granule]), ValueError, "expected 2 segment size"),
+        (lambda: t.resize_segments_([granule, 10, 0]), ValueError, "expected 2 segment size"),
+        (lambda: t.resize_segments_([granule - 1, 10]), ValueError, r"would shrink segment 0"),
+        (lambda: t.resize_segments_([granule, 2 * granule + 1]), ValueError, "exceeds segment 1's capacity"),
+        (lambda: t.resize_segments_([granule, -1]), ValueError, r"sizes\[1\] must be a non-negative int"),
+        (lambda: t.resize_segments_([granule, 10.0]), ValueError, r"sizes\[1\]"),
+        (lambda: t.resize_segments_(5), ValueError, "sequence of ints"),
+        (lambda: t.segment_view(2), IndexError, "segment index 2 out of range"),
+        (lambda: t.segment_view(-1), IndexError, "segment index -1"),
+        (lambda: t.segments_backed_by_one_chunk([1]), ValueError, "expected 2 segment size"),
+        (lambda: t.segments_backed_by_one_chunk([0, 3 * granule]), ValueError, "capacity"),
+    ]
+    for call, error, message in calls:
+        with pytest.raises(error, match=message):
+            call()
+        assert snapshot(t) == state
+
+
+def test_freed_tensor_refuses_work_and_free_is_idempotent(device, granule):
+    t = ExtensibleTensor(granule, device=device)
+    t.resize_segments_([10])
+    t.free()
+    t.free()
+    assert t.is_freed
+    for call in (lambda: t.resize_segments_([20]), t.full_view, lambda: t.segment_view(0), t.release_physical):
+        with pytest.raises(StateError, match="freed ExtensibleTensor"):
+            call()
+
+
+def test_context_manager_frees(device, granule):
+    reservations = _nonzero(live_reservations)
+    with ExtensibleTensor(granule, device=device) as t:
+        t.resize_segments_([granule])
+        assert _nonzero(live_reservations) != reservations
+    assert t.is_freed and _nonzero(live_reservations) == reservations
+
+
+RESIZE_STEPS = ("create", "map", "set_access")
+
+
+@pytest.mark.parametrize("step", RESIZE_STEPS)
+@pytest.mark.parametrize("nth", [1, 2, 3])
+def test_fault_in_resize_leaves_consistent_tensor_and_retry_completes(device, granule, usage, step, nth):
+    """Three runs need three chunks; the nth run's `step` fails."""
+    baseline = usage.read_outside_torch()
+    fds = len(open_chunk_fds())
+    faulty = FaultInjectingDriver(driver_for(device))
+    t = ExtensibleTensor(9 * granule, device=faulty, segment_capacities=[3 * granule] * 3)
+    try:
+        t.resize_segments_([granule // 2] * 3, zero_new=True)  # makes the three runs below separate
+        for i in range(3):
+            t.segment_view(i).fill_(0x77)
+        faulty.fail_in(step, nth)
+        target = [3 * granule] * 3
+        with pytest.raises(DriverError, match=f"{step} \\(injected fault"):
+            t.resize_segments_(target, zero_new=True)
+        assert faulty.fired == [(step, faulty.calls[step])]
+        # Runs before the failing one stay mapped, recorded and accessible.
+        assert t.segment_sizes == [granule // 2] * 3
+        assert t.num_physical_chunks == 3 + (nth - 1)
+        check_readback_matches_bookkeeping(t)
+        check_usage_matches(usage, baseline, [t])
+        for mapped in t.mapped_chunks:
+            t.driver.view(mapped.address, mapped.chunk.size).add_(0)  # readable and writable
+        t.resize_segments_(target, zero_new=True)
+        assert t.segment_sizes == target
+        assert t.physical_bytes == 9 * granule
+        check_readback_matches_bookkeeping(t)
+        check_usage_matches(usage, baseline, [t])
+        for i in range(3):
+            view = t.segment_view(i)
+            assert torch.all(view[: granule // 2] == 0x77)
+            assert int(view[granule // 2 :].count_nonzero()) == 0
+    finally:
+        t.free()
+    assert len(open_chunk_fds()) == fds
+
+
+@pytest.mark.parametrize("step", ["unmap", "release"])
+def test_fault_in_release_is_retried_without_leaks(device, granule, usage, step):
+    baseline = usage.read_outside_torch()
+    faulty = FaultInjectingDriver(driver_for(device), {step: 2})
+    t = ExtensibleTensor(6 * granule, device=faulty, segment_capacities=[3 * granule] * 2)
+    try:
+        t.resize_segments_([granule, granule])
+        t.resize_segments_([3 * granule, 3 * granule])
+        with pytest.raises(DriverError, match=f"{step} \\(injected fault"):
+            t.release_physical()
+        check_readback_matches_bookkeeping(t)
+        assert t.segment_sizes == [0, 0]
+        t.release_physical()
+        assert t.physical_bytes == 0
+        check_usage_matches(usage, baseline, [t])
+    finally:
+        t.free()
+
+
+def test_out_of_memory_create_reclaims_cache_and_retries_once(device, granule):
+    faulty = FaultInjectingDriver(driver_for(device), {"create": 1}, out_of_memory=True)
+    t = ExtensibleTensor(2 * granule, device=faulty)
+    try:
+        if device.type == "cuda":
+            scratch = torch.empty(64 << 20, dtype=torch.uint8, device=device)
+            del scratch
+            assert torch.cuda.memory_reserved(device) > 0
+            t.resize_segments_([2 * granule], zero_new=True)
+            assert torch.cuda.memory_reserved(device) == 0  # the cache was emptied before the retry
+            assert faulty.calls["create"] == 2 and t.physical_bytes == 2 * granule
+        else:
+            # The host has no framework cache to reclaim: the error surfaces.
+            with pytest.raises(OutOfMemoryError, match="INJECTED_OUT_OF_MEMORY"):
+                t.resize_segments_([2 * granule])
+            assert faulty.calls["create"] == 1 and t.physical_bytes == 0
+    finally:
+        t.free()
+
+
+def test_driver_error_names_call_code_size_and_address(device, granule):
+    driver = driver_for(device)
+    address = driver.reserve(granule)
+    try:
+        chunk = driver.create(granule)
+        try:
+            with pytest.raises(DriverError) as raised:
+                driver.map(address + 1, chunk)  # misaligned
+            error = raised.value
+            assert error.size == granule and error.address == address + 1
+            assert hex(error.address) in str(error) and str(granule) in str(error)
+            assert error.code_name in str(error) and error.call.split("(")[0] in str(error)
+        finally:
+            driver.release(chunk)
+    finally:
+        driver.free_reservation(address, granule)
+
+
+def test_create_free_cycles_return_everything_to_baseline(device, granule, usage):
+    baseline = usage.read_outside_torch()
+    reservations, chunks, fds = _nonzero(live_reservations), _nonzero(live_chunks), len(open_chunk_fds())
+    for cycle in range(1000):
+        t = ExtensibleTensor(4 * granule, device=device, segment_capacities=[2 * granule, 2 * granule])
+        t.resize_segments_([cycle % 3 * granule // 2, granule])
+        if cycle % 5 == 0:
+            t.release_physical()
+        t.free()
+    assert _nonzero(live_reservations) == reservations and _nonzero(live_chunks) == chunks
+    assert len(open_chunk_fds()) == fds
+    assert usage.read_outside_torch() == baseline
+
+
+def test_views_survive_interpreter_teardown(device):
+    """Views alive at exit are destroyed after Python's modules are gone; their
+    deleter must not need the interpreter."""
+    script = textwrap.dedent(
+        f"""
+        import torch
+        from extkv import ExtensibleTensor
+        t = ExtensibleTensor(3 << 20, device={str(device)!r}, segment_capacities=[1 << 20, 2 << 20])
+        t.resize_segments_([1 << 20, 1 << 20], zero_new=True)
+        views = [t.full_view(), t.segment_view(0), t.segment_view(1)]
+        views[1].fill_(3)
+        assert int(views[0][:16].sum()) == 48
+        import builtins
+        builtins.kept_views = views  # alive until the very end
+        t.free()
+        print("ok")
+        """
+    )
+    result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.strip() == "ok"

@@ -1,0 +1,57 @@
+"""Exceptions raised by extkv.
+
+Everything extkv raises on purpose derives from `ExtkvError`. Bad arguments are
+`ValueError` / `IndexError` (also `ExtkvError` subclasses where they come from
+extkv's own checks), so callers that already catch the builtin still work.
+A driver call that fails becomes a `DriverError` naming the call, the result
+code, the size and the address, because "cuMemMap failed" alone is useless when
+a 64 GiB reservation fails at one granule out of thousands.
+"""
+
+from __future__ import annotations
+
+
+class ExtkvError(Exception):
+    """Base class of every exception extkv raises on purpose."""
+
+
+class DriverError(ExtkvError, RuntimeError):
+    """A virtual-memory driver call failed.
+
+    `code` is the CUresult (CUDA) or errno (host) as an int; `code_name` is its
+    symbolic name. `size` and `address` are the arguments of the failed call
+    (None where the call takes none).
+    """
+
+    def __init__(
+        self,
+        call: str,
+        code: int,
+        code_name: str,
+        *,
+        size: int | None = None,
+        address: int | None = None,
+        detail: str = "",
+    ):
+        self.call = call
+        self.code = code
+        self.code_name = code_name
+        self.size = size
+        self.address = address
+        parts = [f"{call} failed: {code_name} ({code})"]
+        if size is not None:
+            parts.append(f"size {size} bytes ({size:#x})")
+        if address is not None:
+            parts.append(f"address {address:#x}")
+        message = ", ".join(parts)
+        if detail:
+            message += f". {detail}"
+        super().__init__(message)
+
+
+class OutOfMemoryError(DriverError):
+    """The driver could not create physical memory of the requested size."""
+
+
+class StateError(ExtkvError, RuntimeError):
+    """An operation is not legal in the object's current state (e.g. freed)."""

@@ -1,0 +1,1 @@
+"""Reusable pieces of the conformance harness (also used by stress runs)."""

@@ -1,0 +1,128 @@
+"""Physical memory usage, read from outside the library.
+
+Theory of operation
+-------------------
+extkv's own `physical_bytes` is bookkeeping; these probes are the check on it.
+They ask the operating system or the GPU's management library what is really
+held, so a chunk extkv forgot to release, or a mapping it thinks it dropped,
+shows up as a difference.
+
+- Host: every chunk is a memfd named `extkv-chunk`; the kernel reports the pages
+  a file really holds (`st_blocks`). The probe sums them over the process's open
+  descriptors, found through `/proc/self/fd`.
+- CUDA: NVML's per-process used memory for this process on the device. Where
+  NVML cannot list this process (a PID namespace hides it, or the driver does
+  not report per-process usage), the probe falls back to the device-wide used
+  memory and says so in `source`; that reading includes other processes.
+
+Readings are absolute; compare them against a baseline taken before the work.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+
+import torch
+
+from .vmm import MEMFD_NAME
+
+_MEMFD_LINK = f"/memfd:{MEMFD_NAME}"
+
+
+def open_chunk_fds() -> list[int]:
+    """Descriptors of this process that are extkv host chunks."""
+    fds = []
+    for name in os.listdir("/proc/self/fd"):
+        try:
+            target = os.readlink(f"/proc/self/fd/{name}")
+        except OSError:  # closed between listdir and readlink
+            continue
+        if target.startswith(_MEMFD_LINK):
+            fds.append(int(name))
+    return fds
+
+
+def host_chunk_bytes() -> int:
+    """Bytes of pages the kernel holds for this process's extkv memfds."""
+    total = 0
+    for fd in open_chunk_fds():
+        try:
+            total += os.stat(f"/proc/self/fd/{fd}").st_blocks * 512
+        except OSError:
+            continue
+    return total
+
+
+@functools.lru_cache(maxsize=None)
+def _nvml():
+    import pynvml
+
+    pynvml.nvmlInit()
+    return pynvml
+
+
+def _nvml_handle(index: int):
+    nvml = _nvml()
+    # NVML numbers GPUs physically; CUDA_VISIBLE_DEVICES renumbers them for
+    # CUDA. The UUID is the same in both worlds.
+    uuid = str(torch.cuda.get_device_properties(index).uuid)
+    if not uuid.startswith("GPU-"):
+        uuid = f"GPU-{uuid}"
+    return nvml.nvmlDeviceGetHandleByUUID(uuid)
+
+
+class UsageProbe:
+    """Reads physical memory in use on one device, from outside extkv."""
+
+    def __init__(self, device: torch.device | str):
+        self.device = torch.device(device)
+        if self.device.type == "cpu":
+            self.source = "memfd pages (/proc/self/fd, st_blocks)"
+        elif self.device.type == "cuda":
+            index = self.device.index if self.device.index is not None else torch.cuda.current_device()
+            self._handle = _nvml_handle(index)
+            self.source = (
+                "NVML per-process used memory"
+                if self._process_usage() is not None
+                else "NVML device-wide used memory (this process is not in NVML's process list)"
+            )
+        else:
+            raise ValueError(f"no usage probe for device {self.device}; expected cpu or cuda:N")
+
+    @property
+    def per_process(self) -> bool:
+        return self.device.type == "cpu" or self.source.startswith("NVML per-process")
+
+    def _process_usage(self) -> int | None:
+        nvml = _nvml()
+        try:
+            processes = nvml.nvmlDeviceGetComputeRunningProcesses(self._handle)
+        except nvml.NVMLError:
+            return None
+        for process in processes:
+            if process.pid == os.getpid() and isinstance(process.usedGpuMemory, int):
+                return process.usedGpuMemory
+        return None
+
+    def read(self) -> int:
+        """Bytes in use now."""
+        if self.device.type == "cpu":
+            return host_chunk_bytes()
+        if self.per_process:
+            used = self._process_usage()
+            if used is not None:
+                return used
+            # A process with no CUDA work left may drop out of the list.
+            return 0
+        return _nvml().nvmlDeviceGetMemoryInfo(self._handle).used
+
+    def read_outside_torch(self) -> int:
+        """Bytes in use now less what torch's caching allocator holds, so that
+        tensors a caller allocates through torch do not count."""
+        if self.device.type == "cuda":
+            return self.read() - torch.cuda.memory_reserved(self.device)
+        return self.read()
+
+    def __repr__(self) -> str:
+        return f"UsageProbe({self.device}, source={self.source!r})"

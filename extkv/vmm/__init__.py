@@ -1,0 +1,79 @@
+"""Virtual-memory drivers: the only code in extkv that talks to CUDA or Linux.
+
+`driver_for(device)` picks the driver: `cpu` gives the host driver (Linux
+virtual memory), `cuda:N` the CUDA driver for device N, and a `Driver`
+instance (a host driver with another granularity, a fault injector) is used
+as given.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+
+from .base import Chunk, Driver, live_chunks, live_reservations
+from .faults import FAULTABLE_STEPS, FaultInjectingDriver
+from .host import DEFAULT_HOST_GRANULARITY, MEMFD_NAME, HostDriver
+
+
+
+def cuda_usable() -> bool:
+    """Whether the CUDA driver can run here: torch sees a GPU and cuda-python imports."""
+    if not torch.cuda.is_available():
+        return False
+    try:
+        from cuda.bindings import driver  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+@functools.lru_cache(maxsize=None)
+def _default_host_driver() -> HostDriver:
+    return HostDriver()
+
+
+@functools.lru_cache(maxsize=None)
+def _cuda_driver(index: int) -> Driver:
+    from .cuda import CudaDriver
+
+    return CudaDriver(torch.device("cuda", index))
+
+
+def driver_for(device: torch.device | str | int | Driver | None = None) -> Driver:
+    """The driver for `device`. None means the current CUDA device when CUDA is
+    usable, else the host."""
+    if isinstance(device, Driver):
+        return device
+    if device is None:
+        device = torch.device("cuda") if cuda_usable() else torch.device("cpu")
+    try:
+        device = torch.device(device)
+    except (RuntimeError, TypeError) as error:
+        raise ValueError(f"device {device!r} is not a torch device, index or Driver: {error}") from None
+    if device.type == "cpu":
+        return _default_host_driver()
+    if device.type == "cuda":
+        if not cuda_usable():
+            raise ValueError(
+                f"device {device} needs CUDA, but torch sees no GPU or cuda-python (cuda-bindings) is missing"
+            )
+        index = torch.cuda.current_device() if device.index is None else device.index
+        return _cuda_driver(index)
+    raise ValueError(f"device {device} is not supported: expected cpu (host driver) or cuda:N")
+
+
+__all__ = [
+    "Chunk",
+    "DEFAULT_HOST_GRANULARITY",
+    "Driver",
+    "FAULTABLE_STEPS",
+    "FaultInjectingDriver",
+    "HostDriver",
+    "MEMFD_NAME",
+    "cuda_usable",
+    "driver_for",
+    "live_chunks",
+    "live_reservations",
+]

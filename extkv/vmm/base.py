@@ -1,0 +1,158 @@
+"""The driver interface: the only seam between extkv and a virtual-memory system.
+
+Theory of operation
+-------------------
+A driver offers the five steps of the virtual-memory protocol that CUDA's VMM
+API and Linux share: reserve address space, create a physical chunk, map the
+chunk at a fixed address inside a reservation, grant read/write access, and
+the reverse steps (unmap, release the chunk, free the reservation). Nothing in a
+driver knows about segments, blocks or KV caches.
+
+Public methods here do the bookkeeping every driver needs (live reservation and
+chunk counts, which the test harness uses to prove nothing leaks) and delegate
+the real work to `_`-prefixed methods that concrete drivers implement. A
+wrapper such as the fault injector delegates to the public methods of the
+driver it wraps, so counts stay with the real driver.
+
+`chunk_at(address)` reads back, from the driver or kernel, which chunk backs an
+address; it never consults bookkeeping, so tests can check bookkeeping with it.
+"""
+
+from __future__ import annotations
+
+import abc
+import collections
+import threading
+from dataclasses import dataclass
+from typing import Hashable, Iterable
+
+import torch
+
+# How many reservations and chunks are alive, per driver kind ("host", "cuda").
+# Read by the test harness after every test.
+_live_lock = threading.Lock()
+live_reservations: collections.Counter[str] = collections.Counter()
+live_chunks: collections.Counter[str] = collections.Counter()
+
+
+@dataclass(frozen=True)
+class Chunk:
+    """One physical allocation.
+
+    `handle` is what the driver needs to map or release it (a CUDA allocation
+    handle, or a memfd file descriptor).
+    """
+
+    handle: int
+    size: int
+
+
+class Driver(abc.ABC):
+    """A virtual-memory system for one device."""
+
+    #: "host" or "cuda": which family this driver belongs to.
+    kind: str
+    device: torch.device
+    #: Size and alignment unit of every reservation, chunk and mapping.
+    granularity: int
+
+    # -- reservations -------------------------------------------------------
+    def reserve(self, size: int) -> int:
+        """Reserve `size` bytes of address space (a multiple of the granularity)."""
+        self._check_granular("reserve", size)
+        address = self._reserve(size)
+        with _live_lock:
+            live_reservations[self.kind] += 1
+        return address
+
+    def free_reservation(self, address: int, size: int) -> None:
+        self._free_reservation(address, size)
+        with _live_lock:
+            live_reservations[self.kind] -= 1
+
+    # -- chunks --------------------------------------------------------------
+    def create(self, size: int) -> Chunk:
+        """Create a physical chunk of `size` bytes (a multiple of the granularity)."""
+        self._check_granular("create", size)
+        chunk = self._create(size)
+        with _live_lock:
+            live_chunks[self.kind] += 1
+        return chunk
+
+    def release(self, chunk: Chunk) -> None:
+        self._release(chunk)
+        with _live_lock:
+            live_chunks[self.kind] -= 1
+
+    # -- mappings ------------------------------------------------------------
+    def map(self, address: int, chunk: Chunk) -> None:
+        """Map the whole of `chunk` at `address`; not yet accessible."""
+        self._map(address, chunk)
+
+    def set_access(self, address: int, size: int) -> None:
+        """Make `[address, address+size)` readable and writable; the range may
+        span several mapped chunks but must be wholly mapped."""
+        self._set_access(address, size)
+
+    def unmap(self, address: int, size: int) -> None:
+        """Unmap one whole chunk's mapping. Callers synchronize first."""
+        self._unmap(address, size)
+
+    # -- everything else -----------------------------------------------------
+    @abc.abstractmethod
+    def synchronize(self) -> None:
+        """Wait until no queued work can still touch memory about to be unmapped."""
+
+    @abc.abstractmethod
+    def reclaim_cache(self) -> bool:
+        """Return cached memory of the framework to the driver, so that a failed
+        create may succeed when retried. False where there is nothing to reclaim."""
+
+    @abc.abstractmethod
+    def chunk_at(self, address: int) -> Hashable | None:
+        """Identity of the chunk mapped at `address`, read back from the driver
+        or kernel; None where nothing is mapped."""
+
+    def chunks_at(self, addresses: Iterable[int]) -> list[Hashable | None]:
+        """`chunk_at` for many addresses; equal results mean the same chunk."""
+        return [self.chunk_at(address) for address in addresses]
+
+    @abc.abstractmethod
+    def view(self, address: int, size: int) -> torch.Tensor:
+        """A uint8 tensor over `[address, address+size)` that owns nothing."""
+
+    @abc.abstractmethod
+    def describe(self) -> dict[str, str]:
+        """Facts for report headers: device name, driver version, granularity."""
+
+    # -- to implement ----------------------------------------------------------
+    @abc.abstractmethod
+    def _reserve(self, size: int) -> int: ...
+
+    @abc.abstractmethod
+    def _free_reservation(self, address: int, size: int) -> None: ...
+
+    @abc.abstractmethod
+    def _create(self, size: int) -> Chunk: ...
+
+    @abc.abstractmethod
+    def _release(self, chunk: Chunk) -> None: ...
+
+    @abc.abstractmethod
+    def _map(self, address: int, chunk: Chunk) -> None: ...
+
+    @abc.abstractmethod
+    def _set_access(self, address: int, size: int) -> None: ...
+
+    @abc.abstractmethod
+    def _unmap(self, address: int, size: int) -> None: ...
+
+    def _check_granular(self, call: str, size: int) -> None:
+        if size <= 0 or size % self.granularity:
+            raise ValueError(
+                f"{call}: size {size} is not a positive multiple of the "
+                f"granularity {self.granularity}"
+            )
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}({self.device}, granularity={self.granularity})"

@@ -1,0 +1,194 @@
+"""CUDA driver: the virtual-memory protocol on CUDA's VMM API (cuda-python).
+
+Theory of operation
+-------------------
+Every call into `cuda.bindings.driver` in extkv happens in this module. Each
+public step maps to one driver call (`cuMemAddressReserve`, `cuMemCreate`,
+`cuMemMap`, `cuMemSetAccess`, `cuMemUnmap`, `cuMemRelease`,
+`cuMemAddressFree`), run with the device's primary context pushed, the same
+context torch's runtime uses, so addresses are valid for torch kernels.
+A failing CUresult becomes a `DriverError` naming the call, the code, the size
+and the address.
+
+Chunks are created pinned on the device and exportable as POSIX file
+descriptors, which is what a KV connector needs to hand a segment to another
+process. `chunk_at` asks the driver which allocation backs an address
+(`cuMemRetainAllocationHandle`) and drops the extra reference it took.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+from typing import Hashable, Iterator
+
+import torch
+
+from ..errors import DriverError, OutOfMemoryError
+from .base import Chunk, Driver
+from .dlpack import uint8_view
+
+
+@functools.lru_cache(maxsize=None)
+def _bindings():
+    # Imported on first use: importing extkv must work without a GPU driver.
+    from cuda.bindings import driver
+
+    return driver
+
+
+def _check(call: str, result, *, size: int | None = None, address: int | None = None):
+    """Unpack a cuda-python result tuple, raising DriverError on failure."""
+    cu = _bindings()
+    status, *values = result
+    if status != cu.CUresult.CUDA_SUCCESS:
+        _, name = cu.cuGetErrorName(status)
+        name = name.decode() if isinstance(name, bytes) else str(status)
+        error_type = OutOfMemoryError if status == cu.CUresult.CUDA_ERROR_OUT_OF_MEMORY else DriverError
+        raise error_type(call, int(status), name, size=size, address=address)
+    if not values:
+        return None
+    return values[0] if len(values) == 1 else tuple(values)
+
+
+def _allocation_prop(index: int):
+    """Pinned device memory on device `index`, exportable as a POSIX fd."""
+    cu = _bindings()
+    prop = cu.CUmemAllocationProp()
+    prop.type = cu.CUmemAllocationType.CU_MEM_ALLOCATION_TYPE_PINNED
+    prop.location.type = cu.CUmemLocationType.CU_MEM_LOCATION_TYPE_DEVICE
+    prop.location.id = index
+    prop.requestedHandleTypes = cu.CUmemAllocationHandleType.CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR
+    return prop
+
+
+def _granularity(prop) -> int:
+    cu = _bindings()
+    option = cu.CUmemAllocationGranularity_flags.CU_MEM_ALLOC_GRANULARITY_MINIMUM
+    return int(_check("cuMemGetAllocationGranularity", cu.cuMemGetAllocationGranularity(prop, option)))
+
+
+class CudaDriver(Driver):
+    """CUDA virtual memory management on one device."""
+
+    kind = "cuda"
+
+    def __init__(self, device: torch.device):
+        if device.type != "cuda":
+            raise ValueError(f"CudaDriver needs a cuda device, got {device}")
+        index = torch.cuda.current_device() if device.index is None else device.index
+        if not 0 <= index < torch.cuda.device_count():
+            raise ValueError(
+                f"cuda device index {index} is out of range: {torch.cuda.device_count()} device(s) visible"
+            )
+        self.device = torch.device("cuda", index)
+        cu = _bindings()
+        # torch's runtime owns the primary context; initializing torch's CUDA
+        # state first means we share it rather than create a second one.
+        torch.cuda.init()
+        _check("cuInit", cu.cuInit(0))
+        self._cu_device = _check("cuDeviceGet", cu.cuDeviceGet(index))
+        self._context = _check("cuDevicePrimaryCtxRetain", cu.cuDevicePrimaryCtxRetain(self._cu_device))
+        self._prop = _allocation_prop(index)
+        access = cu.CUmemAccessDesc()
+        access.location.type = cu.CUmemLocationType.CU_MEM_LOCATION_TYPE_DEVICE
+        access.location.id = index
+        access.flags = cu.CUmemAccess_flags.CU_MEM_ACCESS_FLAGS_PROT_READWRITE
+        self._access = [access]
+        self.granularity = _granularity(self._prop)
+
+    @contextlib.contextmanager
+    def _active(self) -> Iterator[None]:
+        cu = _bindings()
+        _check("cuCtxPushCurrent", cu.cuCtxPushCurrent(self._context))
+        try:
+            yield
+        finally:
+            _check("cuCtxPopCurrent", cu.cuCtxPopCurrent())
+
+    def _reserve(self, size: int) -> int:
+        cu = _bindings()
+        with self._active():
+            pointer = _check("cuMemAddressReserve", cu.cuMemAddressReserve(size, self.granularity, 0, 0), size=size)
+        return int(pointer)
+
+    def _free_reservation(self, address: int, size: int) -> None:
+        cu = _bindings()
+        with self._active():
+            _check("cuMemAddressFree", cu.cuMemAddressFree(address, size), size=size, address=address)
+
+    def _create(self, size: int) -> Chunk:
+        cu = _bindings()
+        with self._active():
+            handle = _check("cuMemCreate", cu.cuMemCreate(size, self._prop, 0), size=size)
+        return Chunk(handle=int(handle), size=size)
+
+    def _release(self, chunk: Chunk) -> None:
+        cu = _bindings()
+        with self._active():
+            _check("cuMemRelease", cu.cuMemRelease(chunk.handle), size=chunk.size)
+
+    def _map(self, address: int, chunk: Chunk) -> None:
+        cu = _bindings()
+        with self._active():
+            _check("cuMemMap", cu.cuMemMap(address, chunk.size, 0, chunk.handle, 0), size=chunk.size, address=address)
+
+    def _set_access(self, address: int, size: int) -> None:
+        cu = _bindings()
+        with self._active():
+            _check("cuMemSetAccess", cu.cuMemSetAccess(address, size, self._access, 1), size=size, address=address)
+
+    def _unmap(self, address: int, size: int) -> None:
+        cu = _bindings()
+        with self._active():
+            _check("cuMemUnmap", cu.cuMemUnmap(address, size), size=size, address=address)
+
+    def synchronize(self) -> None:
+        torch.cuda.synchronize(self.device)
+
+    def reclaim_cache(self) -> bool:
+        torch.cuda.synchronize(self.device)
+        torch.cuda.empty_cache()
+        return True
+
+    def chunk_at(self, address: int) -> Hashable | None:
+        cu = _bindings()
+        with self._active():
+            status, handle = cu.cuMemRetainAllocationHandle(address)
+            if status != cu.CUresult.CUDA_SUCCESS:
+                return None
+            identity = int(handle)
+            _check("cuMemRelease (retained handle)", cu.cuMemRelease(handle), address=address)
+        return identity
+
+    def view(self, address: int, size: int) -> torch.Tensor:
+        return uint8_view(address, size, self.device)
+
+    def export_posix_fd(self, chunk: Chunk) -> int:
+        """A new file descriptor for `chunk`, for another process to import."""
+        cu = _bindings()
+        with self._active():
+            fd = _check(
+                "cuMemExportToShareableHandle",
+                cu.cuMemExportToShareableHandle(
+                    chunk.handle, cu.CUmemAllocationHandleType.CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR, 0
+                ),
+                size=chunk.size,
+            )
+        return int(fd)
+
+    def describe(self) -> dict[str, str]:
+        cu = _bindings()
+        version = int(_check("cuDriverGetVersion", cu.cuDriverGetVersion()))
+        return {
+            "device": f"{self.device} {torch.cuda.get_device_name(self.device)}",
+            "driver": f"CUDA driver API {version // 1000}.{version % 1000 // 10}",
+            "granularity": f"{self.granularity >> 20} MiB" if self.granularity % (1 << 20) == 0 else str(self.granularity),
+        }
+
+
+def query_granularity(index: int) -> int:
+    """Minimum VMM granularity of CUDA device `index`, without creating a
+    context (report headers use it in processes that run no GPU work)."""
+    _check("cuInit", _bindings().cuInit(0))
+    return _granularity(_allocation_prop(index))
