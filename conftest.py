@@ -28,10 +28,11 @@ import torch  # noqa: E402
 from hypothesis import HealthCheck, settings  # noqa: E402
 
 from extkv import vmm  # noqa: E402
+from extkv.testing.checks import warm_up_kernels  # noqa: E402
 from extkv.usage import UsageProbe, open_chunk_fds  # noqa: E402
 
 settings.register_profile(
-    "ci", derandomize=True, max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow]
+    "ci", derandomize=True, max_examples=40, stateful_step_count=20, deadline=None, suppress_health_check=[HealthCheck.too_slow]
 )
 settings.register_profile("dev", max_examples=100, deadline=None)
 settings.register_profile(
@@ -120,6 +121,7 @@ _probes: dict[torch.device, UsageProbe] = {}
 def _probe(device: torch.device) -> UsageProbe:
     if device not in _probes:
         _probes[device] = UsageProbe(device)
+        warm_up_kernels(device)
     return _probes[device]
 
 

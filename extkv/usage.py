@@ -25,7 +25,7 @@ import os
 
 import torch
 
-from .vmm import MEMFD_NAME
+from .vmm import MEMFD_NAME, driver_for
 
 _MEMFD_LINK = f"/memfd:{MEMFD_NAME}"
 
@@ -81,6 +81,10 @@ class UsageProbe:
             self.source = "memfd pages (/proc/self/fd, st_blocks)"
         elif self.device.type == "cuda":
             index = self.device.index if self.device.index is not None else torch.cuda.current_device()
+            self.device = torch.device("cuda", index)
+            # NVML lists a process only once it holds a context on the device;
+            # creating it here also keeps its cost out of every later reading.
+            driver_for(self.device)
             self._handle = _nvml_handle(index)
             self.source = (
                 "NVML per-process used memory"
