@@ -344,9 +344,10 @@ def test_out_of_memory_create_reclaims_cache_and_retries_once(device, granule):
         if device.type == "cuda":
             scratch = torch.empty(64 << 20, dtype=torch.uint8, device=device)
             del scratch
-            assert torch.cuda.memory_reserved(device) > 0
+            cached = torch.cuda.memory_reserved(device)
             t.resize_segments_([2 * granule], zero_new=True)
-            assert torch.cuda.memory_reserved(device) == 0  # the cache was emptied before the retry
+            # The 64 MiB torch cached but no longer used went back before the retry.
+            assert torch.cuda.memory_reserved(device) <= cached - (64 << 20)
             assert faulty.calls["create"] == 2 and t.physical_bytes == 2 * granule
         else:
             # The host has no framework cache to reclaim: the error surfaces.
@@ -410,3 +411,54 @@ def test_views_survive_interpreter_teardown(device):
     result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, result.stderr
     assert result.stdout.strip() == "ok"
+
+
+def fragmented_tensor(driver, granule) -> ExtensibleTensor:
+    """Segment 0 spans two chunks (granule 0, granules 1-2); segment 1 one."""
+    t = ExtensibleTensor(6 * granule, device=driver, segment_capacities=[3 * granule, 3 * granule])
+    t.resize_segments_([granule, granule], zero_new=True)
+    t.resize_segments_([3 * granule, granule], zero_new=True)
+    for i in range(2):
+        view = t.segment_view(i)
+        view.copy_(pattern(view.numel(), 11 * (i + 1), view.device))
+    return t
+
+
+def test_defragment_segment_keeps_bytes_and_addresses(device, granule, usage):
+    baseline = usage.read_outside_torch()
+    t = fragmented_tensor(driver_for(device), granule)
+    try:
+        before = [t.segment_view(i).clone() for i in range(2)]
+        assert t.segments_backed_by_one_chunk(t.segment_sizes) == [False, True]
+        assert t.defragment_segment_(0) is True
+        assert t.defragment_segment_(1) is False  # already one chunk: untouched
+        assert readback_one_chunk_per_segment(t, t.segment_sizes) == [True, True]
+        assert t.num_physical_chunks == 2
+        assert all(torch.equal(t.segment_view(i), before[i]) for i in range(2))
+        check_readback_matches_bookkeeping(t)
+        check_usage_matches(usage, baseline, [t])
+    finally:
+        t.free()
+
+
+@pytest.mark.parametrize("step, nth", [("create", 1), ("reserve", 1), ("map", 1), ("set_access", 1), ("unmap", 1), ("unmap", 2), ("map", 2)])
+def test_fault_in_defragment_leaves_old_mapping_and_bytes(device, granule, usage, step, nth):
+    """map #2 fails the final mapping after the old chunks were unmapped: the
+    undo maps them back. unmap #2 fails after one old chunk was unmapped."""
+    baseline = usage.read_outside_torch()
+    faulty = FaultInjectingDriver(driver_for(device))
+    t = fragmented_tensor(faulty, granule)
+    try:
+        before = [t.segment_view(i).clone() for i in range(2)]
+        chunks = t.mapped_chunks
+        faulty.fail_in(step, nth)
+        with pytest.raises(DriverError, match="injected fault"):
+            t.defragment_segment_(0)
+        assert t.mapped_chunks == chunks
+        assert all(torch.equal(t.segment_view(i), before[i]) for i in range(2))
+        check_readback_matches_bookkeeping(t)
+        check_usage_matches(usage, baseline, [t])
+        assert t.defragment_segment_(0) is True
+        assert all(torch.equal(t.segment_view(i), before[i]) for i in range(2))
+    finally:
+        t.free()

@@ -22,6 +22,12 @@ With `zero_new`, exactly the new logical bytes are zeroed on the current
 stream, interleaved with mapping so the device zeroes one run while the CPU
 maps the next.
 
+`defragment_segment_` moves one segment onto a single chunk at the same
+address and keeps every byte: the new chunk is filled through a scratch mapping,
+then swapped in for the old chunks. Only the chunks touching that segment are
+duplicated at any moment, so the transient extra memory is one segment (plus
+any chunk it shares with a neighbour), not the whole tensor.
+
 `release_physical` synchronizes the device, then unmaps and releases every
 chunk; addresses stay reserved, so views and captured CUDA graphs keep valid
 pointers that read again once memory is recommitted.
@@ -54,6 +60,7 @@ _LEGAL_IN: dict[str, frozenset[_State]] = {
     "full_view": frozenset({_State.LIVE}),
     "segment_view": frozenset({_State.LIVE}),
     "segments_backed_by_one_chunk": frozenset({_State.LIVE}),
+    "defragment_segment_": frozenset({_State.LIVE}),
     "free": frozenset({_State.LIVE, _State.FREED}),
 }
 
@@ -313,6 +320,58 @@ class ExtensibleTensor:
             owners = {id(self._owner[index]) if self._owner[index] else None for index in self._granule_span(offset, size)}
             result.append(size == 0 or (len(owners) == 1 and None not in owners))
         return result
+
+    # -- content-preserving defragmentation ----------------------------------
+    def defragment_segment_(self, index: int) -> bool:
+        """Back segment `index`'s committed bytes with one chunk, keeping every
+        mapped byte at its address. Returns False when it already was.
+
+        The chunks overlapping the segment are replaced together by one new
+        chunk spanning them all (a chunk shared with a neighbouring segment
+        moves with it). Steps: create the chunk, map it at a scratch
+        reservation, copy, synchronize, unmap the old chunks, map the new one
+        in their place; each step is undone if a later one fails, so a failure
+        leaves the old mapping and its contents in place.
+        """
+        self._require("defragment_segment_")
+        self._check_segment_index(index)
+        size = self._sizes[index]
+        if self.segments_backed_by_one_chunk([size if i == index else 0 for i in range(len(self._sizes))])[index]:
+            return False
+        span = self._granule_span(self.segment_offsets[index], size)
+        old = sorted({id(m): m for m in (self._owner[g] for g in span)}.values(), key=lambda m: m.first_granule)
+        first = old[0].first_granule
+        count = old[-1].first_granule + old[-1].num_granules - first
+        nbytes = count * self.granularity
+        address = self.base + first * self.granularity
+        driver = self._driver
+        with _Undo() as undo:
+            chunk = self._create_chunk(nbytes)
+            undo.push(lambda: driver.release(chunk))
+            scratch = driver.reserve(nbytes)
+            undo.push(lambda: driver.free_reservation(scratch, nbytes))
+            driver.map(scratch, chunk)
+            undo.push(lambda: driver.unmap(scratch, nbytes))
+            driver.set_access(scratch, nbytes)
+            driver.view(scratch, nbytes).copy_(driver.view(address, nbytes))
+            driver.synchronize()
+            for mapped in old:
+                driver.unmap(mapped.address, mapped.chunk.size)
+                undo.push(lambda m=mapped: (driver.map(m.address, m.chunk), driver.set_access(m.address, m.chunk.size)))
+            driver.map(address, chunk)
+            undo.push(lambda: driver.unmap(address, nbytes))
+            driver.set_access(address, nbytes)
+        # Past this point the new mapping is in place; what is left is cleanup.
+        for mapped in old:
+            del self._chunks[mapped.first_granule]
+        replacement = MappedChunk(chunk=chunk, address=address, first_granule=first, num_granules=count)
+        self._chunks[first] = replacement
+        self._owner[first : first + count] = [replacement] * count
+        self._unreleased.extend(m.chunk for m in old)
+        self._release_unreleased()
+        driver.unmap(scratch, nbytes)
+        driver.free_reservation(scratch, nbytes)
+        return True
 
     # -- release ----------------------------------------------------------------
     def release_physical(self) -> None:

@@ -130,3 +130,20 @@ class UsageProbe:
 
     def __repr__(self) -> str:
         return f"UsageProbe({self.device}, source={self.source!r})"
+
+
+def device_memory_info(device: torch.device | str) -> tuple[int, int]:
+    """(free, total) bytes of the device's memory: CUDA's own answer on a GPU,
+    MemAvailable and MemTotal from /proc/meminfo on the host."""
+    device = torch.device(device)
+    if device.type == "cuda":
+        free, total = torch.cuda.mem_get_info(device)
+        return int(free), int(total)
+    if device.type != "cpu":
+        raise ValueError(f"no memory information for device {device}; expected cpu or cuda:N")
+    fields = {}
+    with open("/proc/meminfo") as meminfo:
+        for line in meminfo:
+            name, value = line.split(":", 1)
+            fields[name] = int(value.split()[0]) * 1024
+    return fields["MemAvailable"], fields["MemTotal"]

@@ -1,0 +1,357 @@
+"""ExtensibleKVCache conformance on every layout, MLA, mixed-stride and padded
+configs, on the host driver and each CUDA device. Physical usage is read from
+outside extkv after every step."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from hypothesis import given
+from hypothesis import strategies as st
+
+from extkv.cache import ExtensibleKVCache
+from extkv.layout import (
+    FullAttentionSpec,
+    KVCacheConfig,
+    KVCacheGroupSpec,
+    KVCacheLayout,
+    KVCacheTensor,
+    MLAAttentionSpec,
+    build_kv_cache_config,
+    granule_block_alignment,
+    pad_kv_cache_segments,
+)
+from extkv.testing.checks import check_readback_matches_bookkeeping, check_usage_matches, readback_one_chunk_per_segment
+from extkv.vmm import driver_for
+
+GRANULE = 2 << 20
+FULL = FullAttentionSpec(block_size=16, num_kv_heads=2, head_size=64, dtype=torch.float16)  # 8 KiB pages
+FULL_WIDE = FullAttentionSpec(block_size=16, num_kv_heads=2, head_size=96, dtype=torch.float16)  # 12 KiB pages
+MLA = MLAAttentionSpec(block_size=16, head_size=576, dtype=torch.bfloat16)  # 18 KiB pages
+CAPACITY = 700
+
+
+def groups(*specs_and_layers):
+    return [KVCacheGroupSpec(layer_names=names, kv_cache_spec=spec) for spec, names in specs_and_layers]
+
+
+def layers(prefix: str, count: int) -> list[str]:
+    return [f"{prefix}.{i}" for i in range(count)]
+
+
+def config_for(kind: str, layout: KVCacheLayout) -> KVCacheConfig:
+    if kind == "full":
+        return build_kv_cache_config(groups((FULL, layers("attn", 3))), CAPACITY, layout)
+    if kind == "mla":
+        return build_kv_cache_config(groups((MLA, layers("mla", 2))), CAPACITY, layout)
+    if kind == "mixed":  # two page sizes: separate regions, two strides
+        return build_kv_cache_config(groups((FULL, layers("a", 2)), (FULL_WIDE, layers("b", 2))), CAPACITY, layout)
+    if kind == "padded":
+        return pad_kv_cache_segments(
+            build_kv_cache_config(groups((FULL_WIDE, layers("p", 3))), CAPACITY, layout), layout, GRANULE
+        )
+    raise AssertionError(kind)
+
+
+CASES = [
+    *[("full", layout) for layout in KVCacheLayout],
+    ("mla", KVCacheLayout.LBHNC),
+    ("mla", KVCacheLayout.BLNHC),
+    ("mixed", KVCacheLayout.LBHNC),
+    ("mixed", KVCacheLayout.LBNHC),
+    ("padded", KVCacheLayout.LBHNC),
+    ("padded", KVCacheLayout.BLHNC),
+]
+CASE_IDS = [f"{kind}-{layout.name}" for kind, layout in CASES]
+
+
+@pytest.fixture(params=CASES, ids=CASE_IDS)
+def case(request):
+    kind, layout = request.param
+    return kind, layout, config_for(kind, layout)
+
+
+@pytest.fixture
+def cache(case, device):
+    _, layout, config = case
+    kv_cache = ExtensibleKVCache(config, device, layout)
+    yield kv_cache
+    kv_cache.free()
+
+
+def fill_committed(kv_cache: ExtensibleKVCache, seed: int) -> list[torch.Tensor]:
+    """Write a distinct pattern over each segment's committed bytes; return them."""
+    patterns = []
+    for i in range(len(kv_cache.segment_strides)):
+        view = kv_cache.buffer.segment_view(i)
+        values = (torch.arange(view.numel(), dtype=torch.int32, device=view.device) * 7 + seed + 31 * i) % 251 + 1
+        view.copy_(values.to(torch.uint8))
+        patterns.append(view.clone())
+    return patterns
+
+
+def test_segment_geometry(case, cache):
+    kind, layout, config = case
+    strides = cache.segment_strides
+    assert cache.bytes_per_block == sum(strides)
+    assert cache.segment_offsets[0] == 0 and cache.segment_offsets == sorted(cache.segment_offsets)
+    assert sum(cache.buffer.segment_capacities) == config.kv_cache_tensors[0].size
+    for offset, stride, capacity in zip(cache.segment_offsets, strides, cache.buffer.segment_capacities):
+        assert capacity >= CAPACITY * stride  # padding only adds room
+    num_layers = sum(len(t.layers) for t in config.kv_cache_tensors)
+    if layout.is_block_outermost or not layout.is_block_compact:
+        assert len(set(strides)) == 1
+    else:
+        # one segment per layer region (aliasing groups share regions)
+        assert len(strides) == len({t.layer_offset(i) for t in config.kv_cache_tensors for i in range(len(t.layers))})
+    if kind == "padded" and layout is KVCacheLayout.LBHNC:
+        assert all(offset % GRANULE == 0 for offset in cache.segment_offsets)
+    if kind == "mixed":
+        assert len(set(strides)) == 2
+    assert num_layers >= 1
+
+
+def test_allocate_commits_only_the_null_block(cache, usage):
+    baseline = usage.read_outside_torch()
+    full = cache.allocate(cache.size)
+    assert cache.num_committed_blocks == 1
+    assert full.data_ptr() == cache.buffer.base and full.numel() == cache.size
+    assert cache.physical_bytes == cache.physical_bytes_for(1)
+    check_usage_matches(usage, baseline, [cache.buffer])
+    with pytest.raises(ValueError, match=f"backs exactly {cache.size} bytes"):
+        cache.allocate(cache.size + 1)
+
+
+def test_addresses_fixed_contents_kept_new_blocks_zero(cache, usage):
+    baseline = usage.read_outside_torch()
+    cache.commit(5)
+    base = cache.buffer.base
+    pointers = [cache.buffer.segment_view(i).data_ptr() for i in range(len(cache.segment_strides))]
+    patterns = fill_committed(cache, seed=3)
+    for target in (6, 100, 333, CAPACITY):
+        cache.commit(target)
+        assert cache.num_committed_blocks == target and cache.buffer.base == base
+        for i, (pattern, stride) in enumerate(zip(patterns, cache.segment_strides)):
+            view = cache.buffer.segment_view(i)
+            assert view.data_ptr() == pointers[i]
+            assert view.numel() == target * stride
+            assert torch.equal(view[: pattern.numel()], pattern)
+            assert int(view[pattern.numel() :].count_nonzero()) == 0
+        assert cache.physical_bytes == cache.physical_bytes_for(target)
+        check_usage_matches(usage, baseline, [cache.buffer])
+        patterns = fill_committed(cache, seed=target)
+
+
+def test_commit_at_or_below_committed_touches_nothing(cache):
+    cache.commit(50)
+    patterns = fill_committed(cache, seed=1)
+    chunks = cache.buffer.mapped_chunks
+    for n in (50, 10, 0):
+        cache.commit(n)
+        assert cache.num_committed_blocks == 50 and cache.buffer.mapped_chunks == chunks
+    assert all(torch.equal(cache.buffer.segment_view(i), p) for i, p in enumerate(patterns))
+
+
+def test_commit_clamps_to_capacity(cache):
+    cache.commit(CAPACITY * 10)
+    assert cache.num_committed_blocks == CAPACITY
+    assert cache.physical_bytes_for(CAPACITY * 10) == cache.physical_bytes_for(CAPACITY) == cache.physical_bytes
+
+
+def test_shrink_remaps_to_exactly_physical_bytes_for(cache, usage):
+    baseline = usage.read_outside_torch()
+    cache.commit(CAPACITY)
+    fill_committed(cache, seed=9)
+    for n in (400, 37, 1):
+        cache.commit(n, shrink=True)
+        assert cache.num_committed_blocks == n
+        assert cache.physical_bytes == cache.physical_bytes_for(n)
+        check_usage_matches(usage, baseline, [cache.buffer])
+        for i in range(len(cache.segment_strides)):
+            assert int(cache.buffer.segment_view(i).count_nonzero()) == 0  # remapped: fresh zero pages
+
+
+def fragment(cache) -> int:
+    """Commit so that segments span two chunks; return the block count."""
+    alignment = granule_block_alignment(cache.segment_strides, cache.buffer.granularity)
+    n = min(alignment + 1, CAPACITY)
+    cache.commit(1)
+    cache.commit(n)
+    assert not all(cache.buffer.segments_backed_by_one_chunk([n * s for s in cache.segment_strides]))
+    return n
+
+
+def test_defragment_discarding_leaves_one_chunk_per_segment(cache, usage):
+    baseline = usage.read_outside_torch()
+    n = fragment(cache)
+    sizes = [n * s for s in cache.segment_strides]
+    cache.commit(n, defragment=True)
+    assert readback_one_chunk_per_segment(cache.buffer, sizes) == [True] * len(sizes)
+    assert cache.buffer.segments_backed_by_one_chunk(sizes) == [True] * len(sizes)
+    assert cache.num_committed_blocks == n
+    check_readback_matches_bookkeeping(cache.buffer)
+    check_usage_matches(usage, baseline, [cache.buffer])
+
+
+def test_defragment_preserving_keeps_every_byte(cache, usage):
+    baseline = usage.read_outside_torch()
+    n = fragment(cache)
+    sizes = [n * s for s in cache.segment_strides]
+    patterns = fill_committed(cache, seed=5)
+    pointers = [cache.buffer.segment_view(i).data_ptr() for i in range(len(sizes))]
+    cache.commit(n, defragment=True, preserve_contents=True)
+    assert readback_one_chunk_per_segment(cache.buffer, sizes) == [True] * len(sizes)
+    for i, pattern in enumerate(patterns):
+        view = cache.buffer.segment_view(i)
+        assert view.data_ptr() == pointers[i] and torch.equal(view, pattern)
+    check_readback_matches_bookkeeping(cache.buffer)
+    check_usage_matches(usage, baseline, [cache.buffer])
+    # Growing and defragmenting in one call keeps the old blocks and zeroes the new.
+    cache.commit(min(2 * n, CAPACITY), defragment=True, preserve_contents=True)
+    for i, pattern in enumerate(patterns):
+        view = cache.buffer.segment_view(i)
+        assert torch.equal(view[: pattern.numel()], pattern)
+        assert int(view[pattern.numel() :].count_nonzero()) == 0
+    check_usage_matches(usage, baseline, [cache.buffer])
+
+
+def test_release_and_recommit_zero_at_same_addresses(cache, usage):
+    baseline = usage.read_outside_torch()
+    cache.commit(200)
+    fill_committed(cache, seed=2)
+    pointers = [cache.buffer.segment_view(i).data_ptr() for i in range(len(cache.segment_strides))]
+    cache.release_physical()
+    assert cache.physical_bytes == 0
+    check_usage_matches(usage, baseline, [cache.buffer])
+    cache.recommit()
+    assert cache.num_committed_blocks == 200 and cache.physical_bytes == cache.physical_bytes_for(200)
+    for i, pointer in enumerate(pointers):
+        view = cache.buffer.segment_view(i)
+        assert view.data_ptr() == pointer and int(view.count_nonzero()) == 0
+    check_usage_matches(usage, baseline, [cache.buffer])
+
+
+def test_committed_views_and_tensors_agree_with_the_reservation(case, cache):
+    _, layout, config = case
+    n = 123
+    cache.commit(n)
+    committed = KVCacheConfig(num_blocks=n, kv_cache_tensors=config.kv_cache_tensors, kv_cache_groups=config.kv_cache_groups)
+    views = cache.committed_views(committed, layout)
+    if not layout.is_block_compact:
+        assert views is None
+        return
+    placements = cache.committed_kv_cache_tensors(committed, layout, n)
+    assert all(p.size == n * cache.bytes_per_block for p in placements)
+    where = {name: (p, i) for p in placements for i, name in enumerate(p.layers)}
+    assert set(where) == set(views)
+    full = cache.buffer.full_view()
+    block = n - 1
+    for name, view in views.items():
+        placement, index = where[name]
+        storage = view.untyped_storage()
+        storage_start = storage.data_ptr() - cache.buffer.base
+        assert storage_start in cache.segment_offsets
+        segment = cache.segment_offsets.index(storage_start)
+        assert storage.nbytes() == n * cache.segment_strides[segment]  # exactly the committed blocks
+        # Write one block through the view; find it where the placement says.
+        page = view[block].view(torch.uint8)
+        page.fill_(0xC3)
+        start = storage_start + placement.offset + index * placement.layer_stride + block * placement.block_stride
+        assert torch.all(full[start : start + page.numel()] == 0xC3)
+        written = sum(int(cache.buffer.segment_view(i).count_nonzero()) for i in range(len(cache.segment_strides)))
+        assert written == page.numel()
+        page.zero_()
+
+
+def test_committed_views_refuse_a_stale_block_count(case, cache):
+    _, layout, config = case
+    cache.commit(10)
+    stale = KVCacheConfig(num_blocks=11, kv_cache_tensors=config.kv_cache_tensors, kv_cache_groups=config.kv_cache_groups)
+    if layout.is_block_compact:
+        with pytest.raises(ValueError, match="11.*10 blocks are committed"):
+            cache.committed_views(stale, layout)
+
+
+@given(num_bytes=st.integers(-(1 << 20), 80 << 20))
+def test_blocks_within_is_the_largest_fit(num_bytes):
+    config = config_for("mixed", KVCacheLayout.LBHNC)
+    kv_cache = ExtensibleKVCache(config, "cpu", KVCacheLayout.LBHNC)
+    try:
+        k = kv_cache.blocks_within(num_bytes)
+        assert 0 <= k <= CAPACITY
+        if k > 0:
+            assert kv_cache.physical_bytes_for(k) <= num_bytes
+        if k < CAPACITY:
+            assert kv_cache.physical_bytes_for(k + 1) > num_bytes
+    finally:
+        kv_cache.free()
+
+
+@given(a=st.integers(0, CAPACITY), b=st.integers(0, CAPACITY))
+def test_physical_bytes_for_is_monotone_and_granular(a, b):
+    kv_cache = ExtensibleKVCache(config_for("full", KVCacheLayout.LBNHC), "cpu", KVCacheLayout.LBNHC)
+    try:
+        low, high = sorted((a, b))
+        assert kv_cache.physical_bytes_for(low) <= kv_cache.physical_bytes_for(high)
+        assert kv_cache.physical_bytes_for(high) % kv_cache.buffer.granularity == 0
+        assert kv_cache.physical_bytes_for(high) >= high * kv_cache.bytes_per_block
+    finally:
+        kv_cache.free()
+
+
+def test_invalid_configs_raise_value_errors_naming_the_problem(device):
+    good = config_for("full", KVCacheLayout.LBHNC)
+    bad = [
+        (KVCacheConfig(num_blocks=10, kv_cache_tensors=[], kv_cache_groups=good.kv_cache_groups), "no kv_cache_tensors"),
+        (KVCacheConfig(num_blocks=0, kv_cache_tensors=good.kv_cache_tensors, kv_cache_groups=good.kv_cache_groups), "num_blocks"),
+        (
+            KVCacheConfig(
+                num_blocks=CAPACITY,
+                kv_cache_tensors=[KVCacheTensor(size=100, layers=["x"], layer_stride=0, block_stride=7)],
+                kv_cache_groups=good.kv_cache_groups,
+            ),
+            "not a whole number",
+        ),
+        (
+            KVCacheConfig(
+                num_blocks=CAPACITY,
+                kv_cache_tensors=[
+                    KVCacheTensor(size=CAPACITY * 8192 * 2, layers=["a"], layer_stride=0, block_stride=8192),
+                    KVCacheTensor(size=CAPACITY * 8192 * 2, layers=["b"], layer_stride=0, block_stride=4096),
+                ],
+                kv_cache_groups=good.kv_cache_groups,
+            ),
+            "block strides",
+        ),
+    ]
+    from extkv.vmm import live_reservations
+
+    before = {k: v for k, v in live_reservations.items() if v}
+    for config, message in bad:
+        with pytest.raises(ValueError, match=message):
+            ExtensibleKVCache(config, device, KVCacheLayout.BLHNC if "whole" in message else KVCacheLayout.LBHNC)
+    assert {k: v for k, v in live_reservations.items() if v} == before
+
+
+def test_invalid_calls_raise_and_change_nothing(cache):
+    cache.commit(20)
+    chunks = cache.buffer.mapped_chunks
+    for call, message in [
+        (lambda: cache.commit(-1), "non-negative int block count"),
+        (lambda: cache.commit(2.5), "non-negative int block count"),
+        (lambda: cache.commit(30, preserve_contents=True), "only applies with defragment"),
+        (lambda: cache.physical_bytes_for(-3), "non-negative"),
+        (lambda: cache.blocks_within(1.5), "must be an int"),
+        (lambda: cache.set_torch_memory_limit(-5), "non-negative int"),
+    ]:
+        with pytest.raises(ValueError, match=message):
+            call()
+        assert cache.num_committed_blocks == 20 and cache.buffer.mapped_chunks == chunks
+    assert cache.torch_memory_limit is None
+
+
+def test_torch_memory_limit_is_set_and_lifted(cache):
+    cache.set_torch_memory_limit(1 << 30)
+    assert cache.torch_memory_limit == 1 << 30
+    cache.set_torch_memory_limit(None)
+    assert cache.torch_memory_limit is None

@@ -1,0 +1,358 @@
+"""ExtensibleKVCache: a KV cache whose blocks are committed on demand.
+
+Theory of operation
+-------------------
+The cache reserves address space for `kv_cache_config.num_blocks` blocks (its
+capacity) in one `ExtensibleTensor` and commits a prefix of blocks: committing
+n blocks backs the first `n * stride` bytes of every *segment*. Which segments a
+config has depends on the layout (`kv_cache_segments`): one per layer region
+for block-compact layer-outermost layouts, equal slices of one block stride
+otherwise. Blocks never move, so views and captured CUDA graphs over the
+reservation stay valid while the committed prefix grows.
+
+The committed count only grows, except on request:
+
+- `commit(n)` grows to n blocks (clamped to capacity) and zeroes the new ones;
+  a commit at or below the committed count touches nothing, because engines
+  re-run warmup while the cache holds live data.
+- `commit(n, shrink=True)` below the committed count remaps a smaller prefix:
+  contents are discarded and the physical footprint becomes exactly
+  `physical_bytes_for(n)`.
+- `commit(n, defragment=True)` makes every segment one physical chunk (what
+  RDMA registration needs). Like the reference, it discards contents; with
+  `preserve_contents=True` it instead moves one segment at a time onto a single
+  chunk at the same address and keeps every byte.
+- `release_physical()` / `recommit()`: sleep and wake; the recommitted pages
+  read as zero.
+
+The memory arithmetic lives in `extkv.sizing`; this module only applies it to
+live readings of free memory.
+"""
+
+from __future__ import annotations
+
+import bisect
+import gc
+import logging
+from dataclasses import replace
+
+import torch
+
+from .layout import (
+    KVCacheConfig,
+    KVCacheLayout,
+    KVCacheTensor,
+    create_kv_cache_views,
+    kv_cache_segments,
+    layer_kernel_block_size,
+    layer_spec_for_tensor,
+)
+from .sizing import (
+    blocks_within,
+    committable_bytes,
+    measure_kv_cache_bytes,
+    segment_physical_bytes,
+    torch_memory_limit_bytes,
+)
+from .tensor import ExtensibleTensor
+from .usage import device_memory_info
+from .vmm import Driver
+
+logger = logging.getLogger(__name__)
+
+GiB = float(1 << 30)
+
+
+def _check_block_count(name: str, value) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        raise ValueError(f"{name} must be a non-negative int block count, got {value!r}")
+    return value
+
+
+class ExtensibleKVCache:
+    """Growable backing allocation for the KV cache of `kv_cache_config`."""
+
+    def __init__(
+        self,
+        kv_cache_config: KVCacheConfig,
+        device: torch.device | str | Driver | None,
+        layout: KVCacheLayout,
+    ):
+        if not isinstance(kv_cache_config, KVCacheConfig):
+            raise ValueError(f"kv_cache_config must be a KVCacheConfig, got {kv_cache_config!r}")
+        if not kv_cache_config.kv_cache_tensors:
+            raise ValueError("kv_cache_config has no kv_cache_tensors; the cache needs at least one")
+        self.capacity_blocks = kv_cache_config.num_blocks
+        if isinstance(self.capacity_blocks, bool) or not isinstance(self.capacity_blocks, int) or self.capacity_blocks <= 0:
+            raise ValueError(f"kv_cache_config.num_blocks must be a positive int, got {self.capacity_blocks!r}")
+        self.segment_offsets, self.segment_strides = kv_cache_segments(kv_cache_config, layout)
+        self.size = kv_cache_config.kv_cache_tensors[0].size
+        self.layout = layout
+        self.bytes_per_block = sum(self.segment_strides)
+        self.num_committed_blocks = 0
+        #: Memory to keep free while committing before the final sizing: the
+        #: profiled activation peak that warmup is about to reach.
+        self.reserved_headroom_bytes = 0
+        #: Blocks warmup may commit: the minimum of `committable_blocks()` over ranks.
+        self.warmup_committable_blocks = 0
+        #: Cap on torch's caching allocator once the cache is sized; None: no cap.
+        self.torch_memory_limit: int | None = None
+        ends = self.segment_offsets[1:] + [self.size]
+        self.buffer = ExtensibleTensor(
+            self.size,
+            device=device,
+            segment_capacities=[end - start for start, end in zip(self.segment_offsets, ends)],
+        )
+
+    # -- committing -----------------------------------------------------------
+    def allocate(self, size: int) -> torch.Tensor:
+        """Allocator hook for an engine's KV cache allocation: commits only the
+        null block and returns the whole reservation."""
+        if size != self.size:
+            raise ValueError(f"allocate({size!r}): this cache backs exactly {self.size} bytes")
+        self.commit(1)
+        return self.buffer.full_view()
+
+    def commit(
+        self,
+        num_blocks: int,
+        defragment: bool = False,
+        shrink: bool = False,
+        *,
+        preserve_contents: bool = False,
+    ) -> None:
+        """Back the first `num_blocks` blocks (clamped to capacity); new blocks
+        read as zero.
+
+        Grow-only unless `shrink`, which remaps a smaller prefix and discards
+        contents. `defragment` backs each segment with one chunk; it discards
+        contents unless `preserve_contents`, which moves one segment at a time
+        and keeps every byte.
+        """
+        num_blocks = min(_check_block_count("num_blocks", num_blocks), self.capacity_blocks)
+        if preserve_contents and not defragment:
+            raise ValueError("preserve_contents=True only applies with defragment=True")
+        sizes = self._sizes_for(num_blocks)
+        fragmented = defragment and not all(self.buffer.segments_backed_by_one_chunk(sizes))
+        shrinking = shrink and num_blocks < self.num_committed_blocks
+        if shrinking or (fragmented and not preserve_contents):
+            self.buffer.release_physical()
+            self.num_committed_blocks = 0
+        if num_blocks > self.num_committed_blocks:
+            self.buffer.resize_segments_(sizes, zero_new=True)
+            self.num_committed_blocks = num_blocks
+        if fragmented and preserve_contents:
+            for index in range(len(sizes)):
+                self.buffer.defragment_segment_(index)
+        logger.debug(
+            "Committed %d of %d KV cache blocks (%.2f GiB physical).",
+            self.num_committed_blocks,
+            self.capacity_blocks,
+            self.physical_bytes / GiB,
+        )
+
+    def _sizes_for(self, num_blocks: int) -> list[int]:
+        return [num_blocks * stride for stride in self.segment_strides]
+
+    def release_physical(self) -> None:
+        """Drop the physical pages for sleep; addresses and views stay valid."""
+        self.buffer.release_physical()
+
+    def recommit(self) -> None:
+        """Map fresh zeroed pages for the blocks committed before release."""
+        num_blocks = self.num_committed_blocks
+        self.num_committed_blocks = 0
+        self.commit(num_blocks)
+
+    # -- sizes ------------------------------------------------------------------
+    @property
+    def physical_bytes(self) -> int:
+        """Physically mapped bytes, granule rounding included."""
+        return self.buffer.physical_bytes
+
+    def physical_bytes_for(self, num_blocks: int) -> int:
+        """Bytes a commit of `num_blocks` maps: the granules every segment's
+        committed prefix touches, a granule shared by two segments once."""
+        num_blocks = min(_check_block_count("num_blocks", num_blocks), self.capacity_blocks)
+        return segment_physical_bytes(num_blocks, self.segment_strides, self.buffer.granularity, self.segment_offsets)
+
+    def blocks_within(self, num_bytes: int) -> int:
+        """Most blocks whose physical footprint fits in `num_bytes`."""
+        if isinstance(num_bytes, bool) or not isinstance(num_bytes, int):
+            raise ValueError(f"num_bytes must be an int, got {num_bytes!r}")
+        return blocks_within(
+            num_bytes, self.segment_strides, self.buffer.granularity, self.capacity_blocks, self.segment_offsets
+        )
+
+    def committable_blocks(self) -> int:
+        """Blocks committable now without eating into warmup's headroom (see
+        `sizing.committable_bytes`); never below the committed count."""
+        free_memory, _ = device_memory_info(self.buffer.device)
+        budget = committable_bytes(free_memory, self.physical_bytes, self.reserved_headroom_bytes)
+        return max(self.blocks_within(budget), self.num_committed_blocks)
+
+    # -- views ------------------------------------------------------------------
+    def _locate(self, start: int) -> tuple[int, int]:
+        """Segment index of allocation byte `start`, and its offset in it."""
+        segment = bisect.bisect_right(self.segment_offsets, start) - 1
+        return segment, start - self.segment_offsets[segment]
+
+    def committed_views(
+        self,
+        kv_cache_config: KVCacheConfig,
+        layout: KVCacheLayout,
+        kernel_block_sizes: list[int] | None = None,
+    ) -> dict[str, torch.Tensor] | None:
+        """Per-layer views whose storage spans exactly the committed blocks of
+        their segment, at the reservation's addresses (connectors size memory
+        by `untyped_storage().nbytes()`). None for layouts whose layers span
+        several segments. `kv_cache_config.num_blocks` must equal the
+        committed count."""
+        if not layout.is_block_compact:
+            return None
+        if kv_cache_config.num_blocks != self.num_committed_blocks:
+            raise ValueError(
+                f"kv_cache_config.num_blocks is {kv_cache_config.num_blocks}, but "
+                f"{self.num_committed_blocks} blocks are committed; views describe the committed blocks"
+            )
+        views: dict[str, torch.Tensor] = {}
+        for tensor in kv_cache_config.kv_cache_tensors:
+            group_id, spec = layer_spec_for_tensor(kv_cache_config, tensor)
+            if not spec.has_layer_views:
+                # The layer lays itself out over the raw bytes and keeps the
+                # whole reservation, as at allocation.
+                full = self.buffer.full_view()
+                views.update((name, full) for name in tensor.layers)
+                continue
+            kernel_block_size = layer_kernel_block_size(group_id, kernel_block_sizes)
+            for layer_index, name in enumerate(tensor.layers):
+                segment, offset = self._locate(tensor.layer_offset(layer_index))
+                (view,) = create_kv_cache_views(
+                    self.buffer.segment_view(segment),
+                    spec,
+                    kv_cache_config.num_blocks,
+                    layout,
+                    replace(tensor, layers=[name], offset=offset),
+                    kernel_block_size=kernel_block_size,
+                )
+                views[name] = view
+        return views
+
+    def committed_kv_cache_tensors(
+        self, kv_cache_config: KVCacheConfig, layout: KVCacheLayout, num_blocks: int
+    ) -> list[KVCacheTensor]:
+        """Placements matching `committed_views` for `num_blocks` blocks.
+
+        `size` is the committed total. Block-outermost layouts commit one
+        prefix of the allocation, so capacity placements still hold. Under
+        layer-outermost layouts each layer's view has its own storage over its
+        committed prefix, described as a one-layer tensor at the start of it.
+        """
+        num_blocks = _check_block_count("num_blocks", num_blocks)
+        size = num_blocks * self.bytes_per_block
+        tensors = [replace(tensor, size=size) for tensor in kv_cache_config.kv_cache_tensors]
+        if layout.is_block_outermost:
+            return tensors
+        committed: list[KVCacheTensor] = []
+        for tensor in tensors:
+            _, spec = layer_spec_for_tensor(kv_cache_config, tensor)
+            for layer_index, name in enumerate(tensor.layers):
+                start = tensor.layer_offset(layer_index)
+                _, offset = self._locate(start)
+                committed.append(
+                    KVCacheTensor(
+                        size=size,
+                        layers=[name],
+                        layer_stride=num_blocks * tensor.block_stride,
+                        block_stride=tensor.block_stride,
+                        # A state layer keeps the whole reservation as storage.
+                        offset=offset if spec.has_layer_views else start,
+                    )
+                )
+        return committed
+
+    # -- torch's allocator and teardown ---------------------------------------
+    def set_torch_memory_limit(self, num_bytes: int | None) -> None:
+        """Cap what torch's caching allocator reserves on this device, or lift
+        the cap (None). At the cap torch frees cached blocks before growing,
+        instead of taking memory the cache or others need."""
+        if num_bytes is not None and (isinstance(num_bytes, bool) or not isinstance(num_bytes, int) or num_bytes < 0):
+            raise ValueError(f"torch memory limit must be None or a non-negative int, got {num_bytes!r}")
+        self.torch_memory_limit = num_bytes
+        device = self.buffer.device
+        if device.type != "cuda":
+            logger.info("Torch has no memory cap for %s; recorded a limit of %s bytes only.", device, num_bytes)
+            return
+        _, total = device_memory_info(device)
+        fraction = 1.0 if num_bytes is None else min(num_bytes / total, 1.0)
+        torch.cuda.set_per_process_memory_fraction(fraction, device)
+
+    def free(self) -> None:
+        """Release everything. Lifts torch's cap: the process may start another
+        engine, which must not inherit it."""
+        if self.torch_memory_limit is not None:
+            self.set_torch_memory_limit(None)
+        self.buffer.free()
+        self.num_committed_blocks = 0
+
+    def __repr__(self) -> str:
+        return (
+            f"ExtensibleKVCache({self.num_committed_blocks}/{self.capacity_blocks} blocks, "
+            f"{len(self.segment_strides)} segments, {self.physical_bytes / GiB:.2f} GiB physical, "
+            f"{self.buffer.device})"
+        )
+
+
+def measure_kv_cache_blocks(
+    kv_cache: ExtensibleKVCache,
+    device: torch.device | str,
+    *,
+    init_free_memory: int,
+    requested_memory: int,
+    ipc_reserve_bytes: int = 0,
+) -> int:
+    """Size the cache from the memory free after warmup, and cap torch.
+
+    Keeps free `kv_cache.reserved_headroom_bytes` (the larger of the profiled
+    peak and warmup's transient peak). Torch's cache is emptied first: its
+    cached blocks may not fit the workspaces the first real steps allocate.
+    `ipc_reserve_bytes` is kept aside (multimodal IPC in engines that use it).
+    Then torch's caching allocator is capped so that
+    KV_CACHE_NON_TORCH_RESERVE_BYTES stay free for allocations outside it.
+    """
+    device = torch.device(device)
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+        gc.collect()
+        torch.cuda.empty_cache()
+    free_memory, _ = device_memory_info(device)
+    transient_peak = kv_cache.reserved_headroom_bytes
+    available = measure_kv_cache_bytes(
+        init_free_memory=init_free_memory,
+        free_memory=free_memory,
+        committed_bytes=kv_cache.physical_bytes,
+        requested_memory=requested_memory,
+        transient_peak_bytes=transient_peak,
+    )
+    kv_cache_bytes = max(available - ipc_reserve_bytes, 0)
+    num_blocks = kv_cache.blocks_within(kv_cache_bytes)
+    reserved_by_torch = torch.cuda.memory_reserved(device) if device.type == "cuda" else 0
+    limit = torch_memory_limit_bytes(
+        free_memory=free_memory,
+        memory_reserved=reserved_by_torch,
+        kv_growth_bytes=max(kv_cache.physical_bytes_for(num_blocks) - kv_cache.physical_bytes, 0),
+        ipc_reserve_bytes=available - kv_cache_bytes,
+    )
+    kv_cache.set_torch_memory_limit(limit)
+    logger.info(
+        "Memory after warmup: %.2f GiB free, %.2f GiB committed to the KV cache, %.2f GiB kept for "
+        "transients; %d KV cache blocks (%.2f GiB) fit the requested %.2f GiB. Torch may reserve up to %.2f GiB.",
+        free_memory / GiB,
+        kv_cache.physical_bytes / GiB,
+        transient_peak / GiB,
+        num_blocks,
+        num_blocks * kv_cache.bytes_per_block / GiB,
+        requested_memory / GiB,
+        limit / GiB,
+    )
+    return num_blocks
