@@ -16,6 +16,11 @@ driver it wraps, so counts stay with the real driver.
 
 `chunk_at(address)` reads back, from the driver or kernel, which chunk backs an
 address; it never consults bookkeeping, so tests can check bookkeeping with it.
+
+Chunks cross process boundaries as POSIX file descriptors: `export_fd` gives
+a new descriptor the caller owns, `import_fd` turns a descriptor another
+process exported into a chunk of this driver. An imported chunk is an ordinary
+chunk from then on: it counts as live and goes back with `release()`.
 """
 
 from __future__ import annotations
@@ -84,6 +89,28 @@ class Driver(abc.ABC):
         with _live_lock:
             live_chunks[self.kind] -= 1
 
+    # -- sharing chunks between processes --------------------------------------
+    def export_fd(self, chunk: Chunk) -> int:
+        """A new file descriptor for `chunk` that another process can import
+        (`import_fd`). The caller owns it and must close it; the chunk stays
+        this process's to release."""
+        return self._export_fd(chunk)
+
+    def import_fd(self, fd: int, size: int) -> Chunk:
+        """A chunk of `size` bytes (a multiple of the granularity) over the
+        memory another process exported as `fd`.
+
+        `fd` stays the caller's to close (the chunk holds its own reference);
+        the chunk counts as live until `release()`, like a created one.
+        """
+        if isinstance(fd, bool) or not isinstance(fd, int) or fd < 0:
+            raise ValueError(f"import_fd: fd must be a non-negative int file descriptor, got {fd!r}")
+        self._check_granular("import_fd", size)
+        chunk = self._import_fd(fd, size)
+        with _live_lock:
+            live_chunks[self.kind] += 1
+        return chunk
+
     # -- mappings ------------------------------------------------------------
     def map(self, address: int, chunk: Chunk) -> None:
         """Map the whole of `chunk` at `address`; not yet accessible."""
@@ -139,6 +166,12 @@ class Driver(abc.ABC):
     def _release(self, chunk: Chunk) -> None: ...
 
     @abc.abstractmethod
+    def _export_fd(self, chunk: Chunk) -> int: ...
+
+    @abc.abstractmethod
+    def _import_fd(self, fd: int, size: int) -> Chunk: ...
+
+    @abc.abstractmethod
     def _map(self, address: int, chunk: Chunk) -> None: ...
 
     @abc.abstractmethod
@@ -148,7 +181,7 @@ class Driver(abc.ABC):
     def _unmap(self, address: int, size: int) -> None: ...
 
     def _check_granular(self, call: str, size: int) -> None:
-        if size <= 0 or size % self.granularity:
+        if isinstance(size, bool) or not isinstance(size, int) or size <= 0 or size % self.granularity:
             raise ValueError(
                 f"{call}: size {size} is not a positive multiple of the "
                 f"granularity {self.granularity}"

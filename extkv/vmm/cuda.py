@@ -11,8 +11,10 @@ A failing CUresult becomes a `DriverError` naming the call, the code, the size
 and the address.
 
 Chunks are created pinned on the device and exportable as POSIX file
-descriptors, which is what a KV connector needs to hand a segment to another
-process. `chunk_at` asks the driver which allocation backs an address
+descriptors (`cuMemExportToShareableHandle`), which is what a KV connector
+needs to hand a segment to another process; that process turns the descriptor
+back into a handle with `cuMemImportFromShareableHandle` and releases it with
+`cuMemRelease` like any other. `chunk_at` asks the driver which allocation backs an address
 (`cuMemRetainAllocationHandle`) and drops the extra reference it took.
 """
 
@@ -51,6 +53,10 @@ def _check(call: str, result, *, size: int | None = None, address: int | None = 
     return values[0] if len(values) == 1 else tuple(values)
 
 
+def _posix_fd_handle_type():
+    return _bindings().CUmemAllocationHandleType.CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR
+
+
 def _allocation_prop(index: int):
     """Pinned device memory on device `index`, exportable as a POSIX fd."""
     cu = _bindings()
@@ -58,7 +64,7 @@ def _allocation_prop(index: int):
     prop.type = cu.CUmemAllocationType.CU_MEM_ALLOCATION_TYPE_PINNED
     prop.location.type = cu.CUmemLocationType.CU_MEM_LOCATION_TYPE_DEVICE
     prop.location.id = index
-    prop.requestedHandleTypes = cu.CUmemAllocationHandleType.CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR
+    prop.requestedHandleTypes = _posix_fd_handle_type()
     return prop
 
 
@@ -164,18 +170,28 @@ class CudaDriver(Driver):
     def view(self, address: int, size: int) -> torch.Tensor:
         return uint8_view(address, size, self.device)
 
-    def export_posix_fd(self, chunk: Chunk) -> int:
-        """A new file descriptor for `chunk`, for another process to import."""
+    def _export_fd(self, chunk: Chunk) -> int:
         cu = _bindings()
         with self._active():
             fd = _check(
-                "cuMemExportToShareableHandle",
-                cu.cuMemExportToShareableHandle(
-                    chunk.handle, cu.CUmemAllocationHandleType.CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR, 0
-                ),
+                "cuMemExportToShareableHandle(POSIX_FILE_DESCRIPTOR)",
+                cu.cuMemExportToShareableHandle(chunk.handle, _posix_fd_handle_type(), 0),
                 size=chunk.size,
             )
         return int(fd)
+
+    def _import_fd(self, fd: int, size: int) -> Chunk:
+        cu = _bindings()
+        with self._active():
+            # cuda-python passes an int osHandle through as the void* the C
+            # API expects, which for a POSIX fd is the descriptor's value. The
+            # driver takes its own reference: the caller still closes fd.
+            handle = _check(
+                f"cuMemImportFromShareableHandle(fd {fd}, POSIX_FILE_DESCRIPTOR)",
+                cu.cuMemImportFromShareableHandle(fd, _posix_fd_handle_type()),
+                size=size,
+            )
+        return Chunk(handle=int(handle), size=size)
 
     def describe(self) -> dict[str, str]:
         cu = _bindings()

@@ -16,8 +16,10 @@ import torch
 from ..errors import DriverError, OutOfMemoryError
 from .base import Chunk, Driver
 
-#: Steps a fault can be planned for, in the order a resize performs them.
-FAULTABLE_STEPS = ("reserve", "create", "map", "set_access", "unmap", "release")
+#: Steps a fault can be planned for, in the order a resize performs them, then
+#: the two that share chunks between processes (a KV connector's export and
+#: its peer's import).
+FAULTABLE_STEPS = ("reserve", "create", "map", "set_access", "unmap", "release", "export", "import")
 
 
 class FaultInjectingDriver(Driver):
@@ -87,6 +89,14 @@ class FaultInjectingDriver(Driver):
     def _release(self, chunk: Chunk) -> None:
         self._maybe_fail("release", chunk.size, None)
         self.inner._release(chunk)
+
+    def _export_fd(self, chunk: Chunk) -> int:
+        self._maybe_fail("export", chunk.size, None)
+        return self.inner._export_fd(chunk)
+
+    def _import_fd(self, fd: int, size: int) -> Chunk:
+        self._maybe_fail("import", size, None)
+        return self.inner._import_fd(fd, size)
 
     def _map(self, address: int, chunk: Chunk) -> None:
         self._maybe_fail("map", chunk.size, address)

@@ -15,6 +15,10 @@ virtual memory, so every invariant that needs no GPU is proven for real.
 - release: `close(memfd)`; the kernel frees the pages once nothing maps them.
 - read-back: `/proc/self/maps` names the file (device, inode) and offset that
   back each address.
+- export / import: a chunk *is* a file descriptor, so exporting is `dup` and
+  importing is `dup` too (the imported chunk owns its own descriptor, and the
+  caller closes the one it received). Another process gets the descriptor
+  through a Unix socket (SCM_RIGHTS) and maps the same pages.
 """
 
 from __future__ import annotations
@@ -116,6 +120,26 @@ class HostDriver(Driver):
             os.close(chunk.handle)
         except OSError as error:
             raise _fail("close(memfd)", chunk.size, None, error.errno) from None
+
+    def _export_fd(self, chunk: Chunk) -> int:
+        try:
+            return os.dup(chunk.handle)
+        except OSError as error:
+            raise _fail("dup(memfd) export", chunk.size, None, error.errno) from None
+
+    def _import_fd(self, fd: int, size: int) -> Chunk:
+        try:
+            file_size = os.fstat(fd).st_size
+        except OSError as error:
+            raise _fail(f"fstat(fd {fd}) import", size, None, error.errno) from None
+        if file_size < size:
+            # Mapping past the end of the file would succeed and then fault
+            # (SIGBUS) on first touch; refuse here instead.
+            raise ValueError(f"import_fd: fd {fd} holds {file_size} bytes, fewer than the {size} bytes to import")
+        try:
+            return Chunk(handle=os.dup(fd), size=size)
+        except OSError as error:
+            raise _fail(f"dup(fd {fd}) import", size, None, error.errno) from None
 
     def _map(self, address: int, chunk: Chunk) -> None:
         self._mmap("mmap(MAP_FIXED, memfd)", address, chunk.size, PROT_NONE, MAP_SHARED | MAP_FIXED, chunk.handle)
