@@ -56,10 +56,15 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="extkv", description=__doc__.split("\n\n")[0])
     commands = parser.add_subparsers(dest="command", required=True)
     commands.add_parser("info", help="show the devices and drivers extkv would use").set_defaults(run=_info)
-    check = commands.add_parser("check", help="run the conformance suite on the GPUs found, else on the host")
-    check.add_argument("pytest_args", nargs=argparse.REMAINDER, help="extra arguments passed to pytest")
+    check = commands.add_parser(
+        "check", help="run the conformance suite on the GPUs found, else on the host; other arguments go to pytest"
+    )
     check.set_defaults(run=_check)
-    args = parser.parse_args(argv)
+    # Whatever `check` does not know is for pytest (-x, -k EXPR, -rs, ...).
+    args, extra = parser.parse_known_args(argv)
+    if extra and args.run is not _check:
+        parser.error(f"unrecognized arguments: {' '.join(extra)}")
+    args.pytest_args = extra
     return args.run(args)
 
 
