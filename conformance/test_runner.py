@@ -109,10 +109,23 @@ def test_graphs_captured_before_growth_replay_on_new_blocks(runners):
     runner.allocate_kv_cache()
     ensure_kv_cache_blocks(runner, 8)
     runner.capture_cuda_graphs(BATCHES)
-    committed_at_capture = runner.num_committed_blocks
-    extend_kv_cache(runner, runner.allocated_config, CAPACITY)
     kv_cache = runner.extensible_kv_cache
-    first_block = 4 * committed_at_capture  # every block these sequences use was unmapped at capture
+    # The first block past every granule mapped at capture: the sequences
+    # below live on pages that did not exist when the graphs were captured.
+    first_block = -(-kv_cache.buffer.granularity // min(kv_cache.segment_strides))
+    for offset, stride in zip(kv_cache.segment_offsets, kv_cache.segment_strides):
+        assert kv_cache.buffer.driver.chunk_at(kv_cache.buffer.base + offset + first_block * stride) is None
+    extend_kv_cache(runner, runner.allocated_config, CAPACITY)
+    assert_graph_matches_eager(runner, first_block)
+
+    # Growth left two chunks per segment; a content-preserving defragment
+    # moves every segment onto one chunk.
+    sizes = kv_cache.buffer.segment_sizes
+    assert not all(kv_cache.buffer.segments_backed_by_one_chunk(sizes))
+    contents = cache_contents(runner)
+    kv_cache.commit(CAPACITY, defragment=True, preserve_contents=True)
+    assert all(kv_cache.buffer.segments_backed_by_one_chunk(sizes))
+    assert all(torch.equal(a, b) for a, b in zip(contents, cache_contents(runner)))
     assert_graph_matches_eager(runner, first_block)
 
     # Sleep and wake: same addresses, fresh zeroed pages; the graphs still hold.
@@ -120,15 +133,6 @@ def test_graphs_captured_before_growth_replay_on_new_blocks(runners):
     assert kv_cache.physical_bytes == 0
     runner.wake()
     assert all(int(c.count_nonzero()) == 0 for c in cache_contents(runner))
-    assert_graph_matches_eager(runner, first_block)
-
-    # A content-preserving defragment moves every segment onto one chunk.
-    sizes = kv_cache.buffer.segment_sizes
-    assert not all(kv_cache.buffer.segments_backed_by_one_chunk(sizes))
-    contents = cache_contents(runner)
-    kv_cache.commit(CAPACITY, defragment=True, preserve_contents=True)
-    assert all(kv_cache.buffer.segments_backed_by_one_chunk(sizes))
-    assert all(torch.equal(a, b) for a, b in zip(contents, cache_contents(runner)))
     assert_graph_matches_eager(runner, first_block)
 
 
@@ -258,14 +262,25 @@ def test_weight_update_on_a_full_gpu_borrows_the_cache(runners):
     kv_cache = runner.extensible_kv_cache
     needed = 2 * max_layer_reload_bytes(runner.model)
     assert kv_cache.physical_bytes > 2 * needed
+    kv_cache.buffer.segment_view(0).fill_(5)
     torch.cuda.empty_cache()
-    free, _ = torch.cuda.mem_get_info()
-    hog = torch.empty(free - needed // 2, dtype=torch.uint8, device="cuda")
+    hogs = fill_gpu_until_free_is(needed // 2)
     try:
+        assert torch.cuda.mem_get_info()[0] < needed
         weights = new_weights(runner, seed=11)
         runner.update_weights(weights, reclaimable=True, fail_if_short=True)
         assert all(torch.equal(p.cpu(), weights[n]) for n, p in runner.model.state_dict().items())
         assert kv_cache.physical_bytes == kv_cache.physical_bytes_for(2048)
+        assert int(kv_cache.buffer.segment_view(0).count_nonzero()) == 0  # lent, then recommitted zeroed
     finally:
-        del hog
+        hogs.clear()
         torch.cuda.empty_cache()
+
+
+def fill_gpu_until_free_is(target: int) -> list[torch.Tensor]:
+    """Allocate through torch until the GPU has about `target` bytes free."""
+    granule, hogs = 2 << 20, []
+    while (excess := torch.cuda.mem_get_info()[0] - target) >= 2 * granule:
+        size = min(excess - granule, 8 << 30) // granule * granule
+        hogs.append(torch.empty(size, dtype=torch.uint8, device="cuda"))
+    return hogs
