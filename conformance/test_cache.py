@@ -11,47 +11,13 @@ from hypothesis import strategies as st
 
 from extkv.cache import ExtensibleKVCache
 from extkv.layout import (
-    FullAttentionSpec,
     KVCacheConfig,
-    KVCacheGroupSpec,
     KVCacheLayout,
     KVCacheTensor,
-    MLAAttentionSpec,
-    build_kv_cache_config,
     granule_block_alignment,
-    pad_kv_cache_segments,
 )
+from extkv.testing.configs import CAPACITY, GRANULE, config_for, fill_segments
 from extkv.testing.checks import check_readback_matches_bookkeeping, check_usage_matches, readback_one_chunk_per_segment
-from extkv.vmm import driver_for
-
-GRANULE = 2 << 20
-FULL = FullAttentionSpec(block_size=16, num_kv_heads=2, head_size=64, dtype=torch.float16)  # 8 KiB pages
-FULL_WIDE = FullAttentionSpec(block_size=16, num_kv_heads=2, head_size=96, dtype=torch.float16)  # 12 KiB pages
-MLA = MLAAttentionSpec(block_size=16, head_size=576, dtype=torch.bfloat16)  # 18 KiB pages
-CAPACITY = 700
-
-
-def groups(*specs_and_layers):
-    return [KVCacheGroupSpec(layer_names=names, kv_cache_spec=spec) for spec, names in specs_and_layers]
-
-
-def layers(prefix: str, count: int) -> list[str]:
-    return [f"{prefix}.{i}" for i in range(count)]
-
-
-def config_for(kind: str, layout: KVCacheLayout) -> KVCacheConfig:
-    if kind == "full":
-        return build_kv_cache_config(groups((FULL, layers("attn", 3))), CAPACITY, layout)
-    if kind == "mla":
-        return build_kv_cache_config(groups((MLA, layers("mla", 2))), CAPACITY, layout)
-    if kind == "mixed":  # two page sizes: separate regions, two strides
-        return build_kv_cache_config(groups((FULL, layers("a", 2)), (FULL_WIDE, layers("b", 2))), CAPACITY, layout)
-    if kind == "padded":
-        return pad_kv_cache_segments(
-            build_kv_cache_config(groups((FULL_WIDE, layers("p", 3))), CAPACITY, layout), layout, GRANULE
-        )
-    raise AssertionError(kind)
-
 
 CASES = [
     *[("full", layout) for layout in KVCacheLayout],
@@ -77,17 +43,6 @@ def cache(case, device):
     kv_cache = ExtensibleKVCache(config, device, layout)
     yield kv_cache
     kv_cache.free()
-
-
-def fill_committed(kv_cache: ExtensibleKVCache, seed: int) -> list[torch.Tensor]:
-    """Write a distinct pattern over each segment's committed bytes; return them."""
-    patterns = []
-    for i in range(len(kv_cache.segment_strides)):
-        view = kv_cache.buffer.segment_view(i)
-        values = (torch.arange(view.numel(), dtype=torch.int32, device=view.device) * 7 + seed + 31 * i) % 251 + 1
-        view.copy_(values.to(torch.uint8))
-        patterns.append(view.clone())
-    return patterns
 
 
 def test_segment_geometry(case, cache):
@@ -127,7 +82,7 @@ def test_addresses_fixed_contents_kept_new_blocks_zero(cache, usage):
     cache.commit(5)
     base = cache.buffer.base
     pointers = [cache.buffer.segment_view(i).data_ptr() for i in range(len(cache.segment_strides))]
-    patterns = fill_committed(cache, seed=3)
+    patterns = fill_segments(cache, seed=3)
     for target in (6, 100, 333, CAPACITY):
         cache.commit(target)
         assert cache.num_committed_blocks == target and cache.buffer.base == base
@@ -139,12 +94,12 @@ def test_addresses_fixed_contents_kept_new_blocks_zero(cache, usage):
             assert int(view[pattern.numel() :].count_nonzero()) == 0
         assert cache.physical_bytes == cache.physical_bytes_for(target)
         check_usage_matches(usage, baseline, [cache.buffer])
-        patterns = fill_committed(cache, seed=target)
+        patterns = fill_segments(cache, seed=target)
 
 
 def test_commit_at_or_below_committed_touches_nothing(cache):
     cache.commit(50)
-    patterns = fill_committed(cache, seed=1)
+    patterns = fill_segments(cache, seed=1)
     chunks = cache.buffer.mapped_chunks
     for n in (50, 10, 0):
         cache.commit(n)
@@ -161,7 +116,7 @@ def test_commit_clamps_to_capacity(cache):
 def test_shrink_remaps_to_exactly_physical_bytes_for(cache, usage):
     baseline = usage.read_outside_torch()
     cache.commit(CAPACITY)
-    fill_committed(cache, seed=9)
+    fill_segments(cache, seed=9)
     for n in (400, 37, 1):
         cache.commit(n, shrink=True)
         assert cache.num_committed_blocks == n
@@ -197,7 +152,7 @@ def test_defragment_preserving_keeps_every_byte(cache, usage):
     baseline = usage.read_outside_torch()
     n = fragment(cache)
     sizes = [n * s for s in cache.segment_strides]
-    patterns = fill_committed(cache, seed=5)
+    patterns = fill_segments(cache, seed=5)
     pointers = [cache.buffer.segment_view(i).data_ptr() for i in range(len(sizes))]
     cache.commit(n, defragment=True, preserve_contents=True)
     assert readback_one_chunk_per_segment(cache.buffer, sizes) == [True] * len(sizes)
@@ -218,7 +173,7 @@ def test_defragment_preserving_keeps_every_byte(cache, usage):
 def test_release_and_recommit_zero_at_same_addresses(cache, usage):
     baseline = usage.read_outside_torch()
     cache.commit(200)
-    fill_committed(cache, seed=2)
+    fill_segments(cache, seed=2)
     pointers = [cache.buffer.segment_view(i).data_ptr() for i in range(len(cache.segment_strides))]
     cache.release_physical()
     assert cache.physical_bytes == 0

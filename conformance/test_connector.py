@@ -35,33 +35,16 @@ from extkv.connector import (
 )
 from extkv.errors import DriverError, ExtkvError, StateError
 from extkv.layout import (
-    FullAttentionSpec,
-    KVCacheGroupSpec,
     KVCacheLayout,
-    build_kv_cache_config,
     granule_block_alignment,
-    pad_kv_cache_segments,
 )
 from extkv.testing.checks import check_usage_matches
+from extkv.testing.configs import CAPACITY, GRANULE, config_for, fill_segments
 from extkv.vmm import FaultInjectingDriver, driver_for, live_chunks, live_reservations
 
-GRANULE = 2 << 20
-FULL = FullAttentionSpec(block_size=16, num_kv_heads=2, head_size=64, dtype=torch.float16)  # 8 KiB pages
-FULL_WIDE = FullAttentionSpec(block_size=16, num_kv_heads=2, head_size=96, dtype=torch.float16)  # 12 KiB pages
-CAPACITY = 700
 #: Generous: the peer imports torch (and creates a CUDA context) before it connects.
 PEER_TIMEOUT_S = 120
 REPO_ROOT = Path(extkv.__file__).resolve().parent.parent
-
-
-def config_for(kind: str, layout: KVCacheLayout):
-    if kind == "full":
-        groups = [KVCacheGroupSpec(layer_names=[f"attn.{i}" for i in range(3)], kv_cache_spec=FULL)]
-        return build_kv_cache_config(groups, CAPACITY, layout)
-    if kind == "padded":
-        groups = [KVCacheGroupSpec(layer_names=[f"p.{i}" for i in range(3)], kv_cache_spec=FULL_WIDE)]
-        return pad_kv_cache_segments(build_kv_cache_config(groups, CAPACITY, layout), layout, GRANULE)
-    raise AssertionError(kind)
 
 
 # (id, config kind, layout, blocks to commit, expected segments, expected
@@ -95,14 +78,6 @@ def connector():
     connector = SegmentExportConnector()
     yield connector
     connector.close()
-
-
-def fill_segments(kv_cache: ExtensibleKVCache, seed: int) -> None:
-    """A distinct pattern over each segment's committed bytes (never all zero)."""
-    for i in range(len(kv_cache.segment_strides)):
-        view = kv_cache.buffer.segment_view(i)
-        values = (torch.arange(view.numel(), dtype=torch.int32, device=view.device) * 7 + seed + 31 * i) % 251 + 1
-        view.copy_(values.to(torch.uint8))
 
 
 def digests_here(kv_cache: ExtensibleKVCache) -> list[str]:

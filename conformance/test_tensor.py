@@ -3,7 +3,6 @@ CUDA device (the `device` fixture); physical usage is read from outside extkv.""
 
 from __future__ import annotations
 
-import copy
 import subprocess
 import sys
 import textwrap
@@ -13,7 +12,7 @@ import torch
 
 from extkv import DriverError, ExtensibleTensor, FaultInjectingDriver, OutOfMemoryError, StateError
 from extkv.testing.checks import check_readback_matches_bookkeeping, check_usage_matches, readback_one_chunk_per_segment
-from extkv.vmm import FAULTABLE_STEPS, driver_for, live_chunks, live_reservations
+from extkv.vmm import driver_for, live_chunks, live_reservations
 from extkv.usage import open_chunk_fds
 
 
@@ -342,8 +341,7 @@ def test_out_of_memory_create_reclaims_cache_and_retries_once(device, granule):
     t = ExtensibleTensor(2 * granule, device=faulty)
     try:
         if device.type == "cuda":
-            scratch = torch.empty(64 << 20, dtype=torch.uint8, device=device)
-            del scratch
+            torch.empty(64 << 20, dtype=torch.uint8, device=device)  # dropped at once: cached, unused
             cached = torch.cuda.memory_reserved(device)
             t.resize_segments_([2 * granule], zero_new=True)
             # The 64 MiB torch cached but no longer used went back before the retry.

@@ -3,7 +3,6 @@ Python model of what it must hold, and checks every invariant after each step.""
 
 from __future__ import annotations
 
-import pytest
 import torch
 from hypothesis import note
 from hypothesis import strategies as st

@@ -38,6 +38,7 @@ from dataclasses import replace
 
 import torch
 
+from .errors import require_non_negative_int
 from .layout import (
     KVCacheConfig,
     KVCacheLayout,
@@ -61,12 +62,6 @@ from .vmm import Driver
 logger = logging.getLogger(__name__)
 
 GiB = float(1 << 30)
-
-
-def _check_block_count(name: str, value) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
-        raise ValueError(f"{name} must be a non-negative int block count, got {value!r}")
-    return value
 
 
 class ExtensibleKVCache:
@@ -129,7 +124,7 @@ class ExtensibleKVCache:
         contents unless `preserve_contents`, which moves one segment at a time
         and keeps every byte.
         """
-        num_blocks = min(_check_block_count("num_blocks", num_blocks), self.capacity_blocks)
+        num_blocks = min(require_non_negative_int("num_blocks", num_blocks, "block count"), self.capacity_blocks)
         if preserve_contents and not defragment:
             raise ValueError("preserve_contents=True only applies with defragment=True")
         sizes = self._sizes_for(num_blocks)
@@ -173,7 +168,7 @@ class ExtensibleKVCache:
     def physical_bytes_for(self, num_blocks: int) -> int:
         """Bytes a commit of `num_blocks` maps: the granules every segment's
         committed prefix touches, a granule shared by two segments once."""
-        num_blocks = min(_check_block_count("num_blocks", num_blocks), self.capacity_blocks)
+        num_blocks = min(require_non_negative_int("num_blocks", num_blocks, "block count"), self.capacity_blocks)
         return segment_physical_bytes(num_blocks, self.segment_strides, self.buffer.granularity, self.segment_offsets)
 
     def blocks_within(self, num_bytes: int) -> int:
@@ -248,7 +243,7 @@ class ExtensibleKVCache:
         layer-outermost layouts each layer's view has its own storage over its
         committed prefix, described as a one-layer tensor at the start of it.
         """
-        num_blocks = _check_block_count("num_blocks", num_blocks)
+        num_blocks = require_non_negative_int("num_blocks", num_blocks, "block count")
         size = num_blocks * self.bytes_per_block
         tensors = [replace(tensor, size=size) for tensor in kv_cache_config.kv_cache_tensors]
         if layout.is_block_outermost:

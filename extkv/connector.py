@@ -51,7 +51,6 @@ import json
 import os
 import socket
 import struct
-import sys
 from dataclasses import dataclass
 from typing import Protocol, Sequence, runtime_checkable
 

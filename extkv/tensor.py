@@ -45,7 +45,7 @@ from typing import Callable, Sequence
 
 import torch
 
-from .errors import OutOfMemoryError, StateError
+from .errors import OutOfMemoryError, StateError, require_non_negative_int
 from .vmm import Chunk, Driver, driver_for
 
 
@@ -98,12 +98,6 @@ class _Undo:
                     error.add_note(f"while undoing: {undo_error}")
 
 
-def _check_byte_count(what: str, value) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
-        raise ValueError(f"{what} must be a non-negative int, got {value!r}")
-    return value
-
-
 class ExtensibleTensor:
     """A reservation of `size` bytes split into segments that commit on demand.
 
@@ -118,11 +112,11 @@ class ExtensibleTensor:
         device: torch.device | str | int | Driver | None = None,
         segment_capacities: Sequence[int] | None = None,
     ):
-        size = _check_byte_count("size", size)
+        size = require_non_negative_int("size", size)
         if segment_capacities is None:
             capacities = [size]
         else:
-            capacities = [_check_byte_count(f"segment_capacities[{i}]", c) for i, c in enumerate(segment_capacities)]
+            capacities = [require_non_negative_int(f"segment_capacities[{i}]", c) for i, c in enumerate(segment_capacities)]
             if not capacities:
                 raise ValueError("segment_capacities must name at least one segment")
             if sum(capacities) != size:
@@ -238,7 +232,7 @@ class ExtensibleTensor:
         if len(sizes) != len(self._sizes):
             raise ValueError(f"expected {len(self._sizes)} segment size(s), got {len(sizes)}: {sizes}")
         for i, (size, capacity) in enumerate(zip(sizes, self.segment_capacities)):
-            _check_byte_count(f"sizes[{i}]", size)
+            require_non_negative_int(f"sizes[{i}]", size)
             if size > capacity:
                 raise ValueError(f"sizes[{i}] = {size} exceeds segment {i}'s capacity of {capacity} bytes")
             if grow_only and size < self._sizes[i]:
@@ -286,9 +280,11 @@ class ExtensibleTensor:
             driver.map(address, chunk)
             undo.push(lambda: driver.unmap(address, size))
             driver.set_access(address, size)
-        mapped = MappedChunk(chunk=chunk, address=address, first_granule=first, num_granules=count)
-        self._chunks[first] = mapped
-        self._owner[first : first + count] = [mapped] * count
+        self._record(MappedChunk(chunk=chunk, address=address, first_granule=first, num_granules=count))
+
+    def _record(self, mapped: MappedChunk) -> None:
+        self._chunks[mapped.first_granule] = mapped
+        self._owner[mapped.first_granule : mapped.first_granule + mapped.num_granules] = [mapped] * mapped.num_granules
 
     def _create_chunk(self, size: int) -> Chunk:
         try:
@@ -364,9 +360,7 @@ class ExtensibleTensor:
         # Past this point the new mapping is in place; what is left is cleanup.
         for mapped in old:
             del self._chunks[mapped.first_granule]
-        replacement = MappedChunk(chunk=chunk, address=address, first_granule=first, num_granules=count)
-        self._chunks[first] = replacement
-        self._owner[first : first + count] = [replacement] * count
+        self._record(MappedChunk(chunk=chunk, address=address, first_granule=first, num_granules=count))
         self._unreleased.extend(m.chunk for m in old)
         self._release_unreleased()
         driver.unmap(scratch, nbytes)

@@ -52,6 +52,11 @@ class Chunk:
     size: int
 
 
+def format_granularity(granularity: int) -> str:
+    """"2 MiB" for whole MiB, else the byte count."""
+    return f"{granularity >> 20} MiB" if granularity % (1 << 20) == 0 else f"{granularity} bytes"
+
+
 class Driver(abc.ABC):
     """A virtual-memory system for one device."""
 

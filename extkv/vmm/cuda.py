@@ -27,7 +27,7 @@ from typing import Hashable, Iterator
 import torch
 
 from ..errors import DriverError, OutOfMemoryError
-from .base import Chunk, Driver
+from .base import Chunk, Driver, format_granularity
 from .dlpack import uint8_view
 
 
@@ -199,7 +199,7 @@ class CudaDriver(Driver):
         return {
             "device": f"{self.device} {torch.cuda.get_device_name(self.device)}",
             "driver": f"CUDA driver API {version // 1000}.{version % 1000 // 10}",
-            "granularity": f"{self.granularity >> 20} MiB" if self.granularity % (1 << 20) == 0 else str(self.granularity),
+            "granularity": format_granularity(self.granularity),
         }
 
 

@@ -31,7 +31,7 @@ from typing import Hashable, Iterable
 import torch
 
 from ..errors import DriverError, OutOfMemoryError
-from .base import Chunk, Driver
+from .base import Chunk, Driver, format_granularity
 from .dlpack import uint8_view
 
 PROT_NONE = 0x0
@@ -186,5 +186,5 @@ class HostDriver(Driver):
         return {
             "device": "host (Linux virtual memory, memfd chunks)",
             "driver": f"Linux {os.uname().release}",
-            "granularity": f"{self.granularity >> 20} MiB" if self.granularity % (1 << 20) == 0 else str(self.granularity),
+            "granularity": format_granularity(self.granularity),
         }
