@@ -273,18 +273,24 @@ class ExtensibleTensor:
         grant access, each step undone if a later one fails."""
         size = count * self.granularity
         address = self.base + first * self.granularity
-        driver = self._driver
         with _Undo() as undo:
-            chunk = self._create_chunk(size)
-            undo.push(lambda: driver.release(chunk))
-            driver.map(address, chunk)
-            undo.push(lambda: driver.unmap(address, size))
-            driver.set_access(address, size)
+            chunk = self._new_chunk_mapped_at(address, size, undo)
         self._record(MappedChunk(chunk=chunk, address=address, first_granule=first, num_granules=count))
 
     def _record(self, mapped: MappedChunk) -> None:
         self._chunks[mapped.first_granule] = mapped
         self._owner[mapped.first_granule : mapped.first_granule + mapped.num_granules] = [mapped] * mapped.num_granules
+
+    def _new_chunk_mapped_at(self, address: int, size: int, undo: _Undo) -> Chunk:
+        """Create a chunk, map it at `address` and grant access, registering
+        the undo of each step."""
+        driver = self._driver
+        chunk = self._create_chunk(size)
+        undo.push(lambda: driver.release(chunk))
+        driver.map(address, chunk)
+        undo.push(lambda: driver.unmap(address, size))
+        driver.set_access(address, size)
+        return chunk
 
     def _create_chunk(self, size: int) -> Chunk:
         try:
@@ -324,8 +330,8 @@ class ExtensibleTensor:
 
         The chunks overlapping the segment are replaced together by one new
         chunk spanning them all (a chunk shared with a neighbouring segment
-        moves with it). Steps: create the chunk, map it at a scratch
-        reservation, copy, synchronize, unmap the old chunks, map the new one
+        moves with it). Steps: reserve scratch address space, create the
+        chunk and map it there, copy, synchronize, unmap the old chunks, map the new one
         in their place; each step is undone if a later one fails, so a failure
         leaves the old mapping and its contents in place.
         """
@@ -342,13 +348,9 @@ class ExtensibleTensor:
         address = self.base + first * self.granularity
         driver = self._driver
         with _Undo() as undo:
-            chunk = self._create_chunk(nbytes)
-            undo.push(lambda: driver.release(chunk))
             scratch = driver.reserve(nbytes)
             undo.push(lambda: driver.free_reservation(scratch, nbytes))
-            driver.map(scratch, chunk)
-            undo.push(lambda: driver.unmap(scratch, nbytes))
-            driver.set_access(scratch, nbytes)
+            chunk = self._new_chunk_mapped_at(scratch, nbytes, undo)
             driver.view(scratch, nbytes).copy_(driver.view(address, nbytes))
             driver.synchronize()
             for mapped in old:
