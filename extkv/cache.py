@@ -173,8 +173,6 @@ class ExtensibleKVCache:
 
     def blocks_within(self, num_bytes: int) -> int:
         """Most blocks whose physical footprint fits in `num_bytes`."""
-        if isinstance(num_bytes, bool) or not isinstance(num_bytes, int):
-            raise ValueError(f"num_bytes must be an int, got {num_bytes!r}")
         return blocks_within(
             num_bytes, self.segment_strides, self.buffer.granularity, self.capacity_blocks, self.segment_offsets
         )
@@ -271,8 +269,8 @@ class ExtensibleKVCache:
         """Cap what torch's caching allocator reserves on this device, or lift
         the cap (None). At the cap torch frees cached blocks before growing,
         instead of taking memory the cache or others need."""
-        if num_bytes is not None and (isinstance(num_bytes, bool) or not isinstance(num_bytes, int) or num_bytes < 0):
-            raise ValueError(f"torch memory limit must be None or a non-negative int, got {num_bytes!r}")
+        if num_bytes is not None:
+            require_non_negative_int("torch memory limit", num_bytes, "byte count (or None to lift it)")
         self.torch_memory_limit = num_bytes
         device = self.buffer.device
         if device.type != "cuda":

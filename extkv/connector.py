@@ -57,7 +57,7 @@ from typing import Protocol, Sequence, runtime_checkable
 import torch
 
 from .cache import ExtensibleKVCache
-from .errors import ExtkvError, StateError
+from .errors import ExtkvError, StateError, require_non_negative_int
 # The same undo helper ExtensibleTensor's transactions use.
 from .tensor import ExtensibleTensor, MappedChunk, _Undo
 from .vmm import Chunk, Driver, HostDriver, cuda_usable, driver_for
@@ -464,9 +464,7 @@ def _checked_geometry(header: dict) -> tuple[list[int], list[tuple[int | None, i
         raise ValueError(f"peer speaks protocol {header.get('protocol')!r}; expected {PROTOCOL!r}")
 
     def count(value, what: str) -> int:
-        if isinstance(value, bool) or not isinstance(value, int) or value < 0:
-            raise ValueError(f"header field {what} must be a non-negative int, got {value!r}")
-        return value
+        return require_non_negative_int(f"header field {what}", value)
 
     try:
         chunk_sizes = [count(chunk["size"], f"chunks[{i}].size") for i, chunk in enumerate(header["chunks"])]

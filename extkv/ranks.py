@@ -28,6 +28,7 @@ import torch
 import torch.distributed as dist
 
 from .cache import ExtensibleKVCache
+from .errors import require_non_negative_int
 
 logger = logging.getLogger(__name__)
 
@@ -36,8 +37,7 @@ MAX_REDUCIBLE_VALUE = (1 << 63) - 1
 
 
 def _check_value(value) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
-        raise ValueError(f"value must be a non-negative int, got {value!r}")
+    require_non_negative_int("value", value)
     if value > MAX_REDUCIBLE_VALUE:
         raise ValueError(f"value must fit in int64 to be reduced across ranks, got {value!r}")
     return value

@@ -39,7 +39,7 @@ from typing import TYPE_CHECKING, Iterator, Protocol, runtime_checkable
 import torch
 from torch import nn
 
-from .cache import ExtensibleKVCache
+from .cache import ExtensibleKVCache, measure_kv_cache_blocks
 from .errors import ExtkvError
 from .layout import (
     FullAttentionSpec,
@@ -50,6 +50,7 @@ from .layout import (
     create_kv_cache_views,
     pad_kv_cache_segments,
 )
+from .ranks import agree_on_committable_blocks
 from .sizing import WEIGHT_UPDATE_PEAK_LAYER_FACTOR
 from .usage import device_memory_info
 from .vmm import driver_for
@@ -442,8 +443,6 @@ class ReferenceModelRunner:
         """Agree across ranks on the committable blocks, commit them, and run
         a decode step per batch size. Returns the blocks committed."""
         if self.extensible_kv_cache is not None:
-            from .ranks import agree_on_committable_blocks
-
             agree_on_committable_blocks(self.extensible_kv_cache)
         ensure_kv_cache_blocks(self, num_committable_kv_blocks(self))
         for batch in batch_sizes:
@@ -471,8 +470,6 @@ class ReferenceModelRunner:
 
     def measure_and_extend(self, *, init_free_memory: int, requested_memory: int) -> int:
         """Size the cache from the memory left after warmup, then extend it."""
-        from .cache import measure_kv_cache_blocks
-
         kv_cache = self.extensible_kv_cache
         if kv_cache is None:
             raise ExtkvError("measure_and_extend needs an extensible KV cache")

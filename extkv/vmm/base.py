@@ -33,6 +33,8 @@ from typing import Hashable, Iterable
 
 import torch
 
+from ..errors import require_non_negative_int
+
 # How many reservations and chunks are alive, per driver kind ("host", "cuda").
 # Read by the test harness after every test.
 _live_lock = threading.Lock()
@@ -108,8 +110,7 @@ class Driver(abc.ABC):
         `fd` stays the caller's to close (the chunk holds its own reference);
         the chunk counts as live until `release()`, like a created one.
         """
-        if isinstance(fd, bool) or not isinstance(fd, int) or fd < 0:
-            raise ValueError(f"import_fd: fd must be a non-negative int file descriptor, got {fd!r}")
+        require_non_negative_int("import_fd: fd", fd, "file descriptor")
         self._check_granular("import_fd", size)
         chunk = self._import_fd(fd, size)
         with _live_lock:
