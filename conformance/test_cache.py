@@ -292,12 +292,12 @@ def test_invalid_calls_raise_and_change_nothing(cache):
     cache.commit(20)
     chunks = cache.buffer.mapped_chunks
     for call, message in [
-        (lambda: cache.commit(-1), "non-negative int block count"),
-        (lambda: cache.commit(2.5), "non-negative int block count"),
+        (lambda: cache.commit(-1), r"num_blocks must be an int >= 0 \(a block count\), got -1"),
+        (lambda: cache.commit(2.5), r"num_blocks must be an int >= 0 \(a block count\), got 2.5"),
         (lambda: cache.commit(30, preserve_contents=True), "only applies with defragment"),
-        (lambda: cache.physical_bytes_for(-3), "non-negative"),
-        (lambda: cache.blocks_within(1.5), "must be an int"),
-        (lambda: cache.set_torch_memory_limit(-5), "non-negative int"),
+        (lambda: cache.physical_bytes_for(-3), "num_blocks must be an int >= 0"),
+        (lambda: cache.blocks_within(1.5), "num_bytes must be an int"),
+        (lambda: cache.set_torch_memory_limit(-5), "torch memory limit must be an int >= 0"),
     ]:
         with pytest.raises(ValueError, match=message):
             call()

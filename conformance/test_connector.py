@@ -435,7 +435,7 @@ def test_peer_refuses_a_bad_header_and_says_why():
                 "chunks": [{"size": -1}],
                 "segments": [],
             },
-            r"chunks\[0\].size must be a non-negative int, got -1",
+            r"chunks\[0\].size must be an int >= 0, got -1",
         ),
     ],
 )

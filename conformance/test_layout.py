@@ -140,22 +140,22 @@ def test_specs_are_frozen_and_hashable():
 @pytest.mark.parametrize(
     "make, match",
     [
-        (lambda: FullAttentionSpec(0, 1, 1, torch.float16), "block_size must be a positive int, got 0"),
+        (lambda: FullAttentionSpec(0, 1, 1, torch.float16), "block_size must be an int >= 1, got 0"),
         (lambda: FullAttentionSpec(-16, 1, 1, torch.float16), "block_size .* got -16"),
-        (lambda: FullAttentionSpec(16.0, 1, 1, torch.float16), "block_size must be an int, got 16.0"),
-        (lambda: FullAttentionSpec(True, 1, 1, torch.float16), "block_size must be an int, got True"),
-        (lambda: FullAttentionSpec(16, 0, 1, torch.float16), "num_kv_heads must be a positive int, got 0"),
-        (lambda: FullAttentionSpec(16, 1, -2, torch.float16), "head_size must be a positive int, got -2"),
+        (lambda: FullAttentionSpec(16.0, 1, 1, torch.float16), "block_size must be an int >= 1, got 16.0"),
+        (lambda: FullAttentionSpec(True, 1, 1, torch.float16), "block_size must be an int >= 1, got True"),
+        (lambda: FullAttentionSpec(16, 0, 1, torch.float16), "num_kv_heads must be an int >= 1, got 0"),
+        (lambda: FullAttentionSpec(16, 1, -2, torch.float16), "head_size must be an int >= 1, got -2"),
         (lambda: FullAttentionSpec(16, 1, 1, "float16"), "dtype must be a torch.dtype, got 'float16'"),
         (lambda: FullAttentionSpec(16, 1, 1, None), "dtype must be a torch.dtype, got None"),
-        (lambda: MLAAttentionSpec(16, 0, torch.float16), "head_size must be a positive int, got 0"),
-        (lambda: MLAAttentionSpec("16", 4, torch.float16), "block_size must be an int, got '16'"),
+        (lambda: MLAAttentionSpec(16, 0, torch.float16), "head_size must be an int >= 1, got 0"),
+        (lambda: MLAAttentionSpec("16", 4, torch.float16), "block_size must be an int >= 1, got '16'"),
         (lambda: MLAAttentionSpec(16, 4, float), "dtype must be a torch.dtype"),
         (lambda: MambaStateSpec(4, (), torch.float16), "shapes must be a non-empty"),
-        (lambda: MambaStateSpec(4, ((2, 0),), torch.float16), r"shapes\[0\]\[1\] must be a positive int, got 0"),
+        (lambda: MambaStateSpec(4, ((2, 0),), torch.float16), r"shapes\[0\]\[1\] must be an int >= 1, got 0"),
         (lambda: MambaStateSpec(4, (5,), torch.float16), r"shapes\[0\] must be a tuple of ints, got 5"),
         (lambda: MambaStateSpec(4, ((8,),), torch.float16, page_size_padded=8), "page_size_padded must be >= the state size 16, got 8"),
-        (lambda: MambaStateSpec(4, ((8,),), torch.float16, page_size_padded=0), "page_size_padded must be a positive int, got 0"),
+        (lambda: MambaStateSpec(4, ((8,),), torch.float16, page_size_padded=0), "page_size_padded must be an int >= 1, got 0"),
     ],
 )
 def test_invalid_specs_raise(make, match):
@@ -168,7 +168,7 @@ def test_invalid_specs_raise(make, match):
     [
         (dict(size=-1, layers=["a"], layer_stride=0, block_stride=1), "size must be an int >= 0, got -1"),
         (dict(size=8, layers=["a"], layer_stride=-4, block_stride=1), "layer_stride must be an int >= 0, got -4"),
-        (dict(size=8, layers=["a"], layer_stride=0, block_stride=0), "block_stride must be a positive int, got 0"),
+        (dict(size=8, layers=["a"], layer_stride=0, block_stride=0), "block_stride must be an int >= 1, got 0"),
         (dict(size=8, layers=["a"], layer_stride=0, block_stride=1, offset=-1), "offset must be an int >= 0, got -1"),
         (dict(size=8, layers=[], layer_stride=0, block_stride=1), r"layers must name at least one layer"),
         (dict(size=8, layers="abc", layer_stride=0, block_stride=1), "layers must be a list of layer names, got 'abc'"),
@@ -206,7 +206,7 @@ def test_round_up():
     assert round_up(1, 4) == 4
     assert round_up(8, 4) == 8
     assert round_up(3 * MiB + 1, 2 * MiB) == 4 * MiB
-    with pytest.raises(ValueError, match="multiple must be a positive int, got 0"):
+    with pytest.raises(ValueError, match="multiple must be an int >= 1, got 0"):
         round_up(5, 0)
     with pytest.raises(ValueError, match="n must be an int >= 0, got -1"):
         round_up(-1, 4)
@@ -374,7 +374,7 @@ def test_builder_hybrid_state_aliases_attention_when_padded():
     "call, match",
     [
         (lambda: build_kv_cache_config([], 4, L.LBHNC), "groups must hold at least one"),
-        (lambda: build_kv_cache_config([KVCacheGroupSpec(["a"], FULL)], 0, L.LBHNC), "num_blocks must be a positive int, got 0"),
+        (lambda: build_kv_cache_config([KVCacheGroupSpec(["a"], FULL)], 0, L.LBHNC), "num_blocks must be an int >= 1, got 0"),
         (lambda: build_kv_cache_config([KVCacheGroupSpec(["a"], FULL)], 4, "LBHNC"), "layout must be a KVCacheLayout, got 'LBHNC'"),
         (lambda: build_kv_cache_config([FULL], 4, L.LBHNC), r"groups\[0\] must be a KVCacheGroupSpec"),
         (
@@ -584,13 +584,13 @@ def test_view_invalid_input_raises():
     buffer = torch.zeros(768, dtype=torch.uint8)
     with pytest.raises(ValueError, match="kernel_block_size 3 does not divide the block size 4"):
         create_kv_cache_views(buffer, FULL, 3, L.LBHNC, tensor, kernel_block_size=3)
-    with pytest.raises(ValueError, match="kernel_block_size must be a positive int, got 0"):
+    with pytest.raises(ValueError, match="kernel_block_size must be an int >= 1, got 0"):
         create_kv_cache_views(buffer, FULL, 3, L.LBHNC, tensor, kernel_block_size=0)
     with pytest.raises(ValueError, match="buffer must be a contiguous 1-D uint8 tensor, got dtype torch.float32"):
         create_kv_cache_views(torch.zeros(192), FULL, 3, L.LBHNC, tensor)
     with pytest.raises(ValueError, match=r"spans bytes \[0, 768\) but the buffer holds 767"):
         create_kv_cache_views(buffer[:767], FULL, 3, L.LBHNC, tensor)
-    with pytest.raises(ValueError, match="num_blocks must be a positive int, got 0"):
+    with pytest.raises(ValueError, match="num_blocks must be an int >= 1, got 0"):
         create_kv_cache_views(buffer, FULL, 0, L.LBHNC, tensor)
 
     with pytest.raises(ValueError, match="offset of 2 bytes is not a multiple of the 4-byte"):
@@ -645,7 +645,7 @@ def test_segments_invalid_configs_raise():
         kv_cache_segments(config(), L.LBHNC)
     with pytest.raises(ValueError, match=r"must describe one allocation, got sizes \[8, 16\]"):
         kv_cache_segments(config(KVCacheTensor(8, ["a"], 4, 2), KVCacheTensor(16, ["b"], 4, 2)), L.LBHNC)
-    with pytest.raises(ValueError, match="config.num_blocks must be a positive int, got 0"):
+    with pytest.raises(ValueError, match="config.num_blocks must be an int >= 1, got 0"):
         kv_cache_segments(config(KVCacheTensor(8, ["a"], 4, 2), num_blocks=0), L.LBHNC)
     with pytest.raises(ValueError, match=r"BLHNC needs one block stride for every tensor, got \[4, 8\]"):
         kv_cache_segments(config(KVCacheTensor(24, ["a"], 4, 4), KVCacheTensor(24, ["b"], 8, 8)), L.BLHNC)
@@ -720,7 +720,7 @@ def test_padding_invalid_input_raises():
     with pytest.raises(ValueError, match="LHBNC has no per-layer segments to pad"):
         pad_kv_cache_segments(config, L.LHBNC, 1024)
     config = build_kv_cache_config([KVCacheGroupSpec(names("l", 3), FULL)], 3, L.LBHNC)
-    with pytest.raises(ValueError, match="granule must be a positive int, got 0"):
+    with pytest.raises(ValueError, match="granule must be an int >= 1, got 0"):
         pad_kv_cache_segments(config, L.LBHNC, 0)
     gap = KVCacheConfig(3, [KVCacheTensor(4096, ["a"], 768, 256, offset=1024)], [])
     with pytest.raises(ValueError, match="expected one at 0, found 1024"):
@@ -762,9 +762,9 @@ def test_granule_alignment_is_an_lcm_not_a_max():
 def test_granule_alignment_invalid_input_raises():
     with pytest.raises(ValueError, match="strides must hold at least one segment stride"):
         granule_block_alignment([], 2 * MiB)
-    with pytest.raises(ValueError, match=r"strides\[1\] must be a positive int, got 0"):
+    with pytest.raises(ValueError, match=r"strides\[1\] must be an int >= 1, got 0"):
         granule_block_alignment([64, 0], 2 * MiB)
-    with pytest.raises(ValueError, match="granule must be a positive int, got -2"):
+    with pytest.raises(ValueError, match="granule must be an int >= 1, got -2"):
         granule_block_alignment([64], -2)
     with pytest.raises(ValueError, match="num_blocks must be an int >= 0, got -1"):
         granule_aligned_blocks(-1, [64], 2 * MiB)

@@ -131,19 +131,19 @@ def test_measure_kv_cache_bytes_properties(init_free, free, committed, requested
 @pytest.mark.parametrize(
     "override, match",
     [
-        (dict(init_free_memory=-1), "init_free_memory must be >= 0 bytes, got -1"),
-        (dict(free_memory=-5), "free_memory must be >= 0 bytes, got -5"),
-        (dict(committed_bytes=-1), "committed_bytes must be >= 0 bytes, got -1"),
-        (dict(requested_memory=-1), "requested_memory must be >= 0 bytes, got -1"),
-        (dict(transient_peak_bytes=-1), "transient_peak_bytes must be >= 0 bytes, got -1"),
-        (dict(margin_floor_bytes=-1), "margin_floor_bytes must be >= 0 bytes, got -1"),
+        (dict(init_free_memory=-1), "init_free_memory must be an int >= 0, got -1"),
+        (dict(free_memory=-5), "free_memory must be an int >= 0, got -5"),
+        (dict(committed_bytes=-1), "committed_bytes must be an int >= 0, got -1"),
+        (dict(requested_memory=-1), "requested_memory must be an int >= 0, got -1"),
+        (dict(transient_peak_bytes=-1), "transient_peak_bytes must be an int >= 0, got -1"),
+        (dict(margin_floor_bytes=-1), "margin_floor_bytes must be an int >= 0, got -1"),
         (dict(margin_fraction=-0.5), "margin_fraction must be finite and >= 0, got -0.5"),
         (dict(margin_fraction=math.nan), "margin_fraction must be finite and >= 0, got nan"),
         (dict(margin_fraction=math.inf), "margin_fraction must be finite and >= 0, got inf"),
         (dict(margin_fraction="0.75"), "margin_fraction must be a real number, got '0.75'"),
-        (dict(free_memory=1.5), "free_memory must be an int byte count, got 1.5"),
-        (dict(free_memory=None), "free_memory must be an int byte count, got None"),
-        (dict(committed_bytes=True), "committed_bytes must be an int byte count, got True"),
+        (dict(free_memory=1.5), "free_memory must be an int >= 0, got 1.5"),
+        (dict(free_memory=None), "free_memory must be an int >= 0, got None"),
+        (dict(committed_bytes=True), "committed_bytes must be an int >= 0, got True"),
     ],
 )
 def test_measure_kv_cache_bytes_invalid_input_raises(override, match):
@@ -207,14 +207,14 @@ def test_committable_bytes_properties(free, physical, reserved):
 @pytest.mark.parametrize(
     "args, kwargs, match",
     [
-        ((-1, 0, 0), {}, "free_memory must be >= 0 bytes, got -1"),
-        ((0, -1, 0), {}, "physical_bytes must be >= 0 bytes, got -1"),
-        ((0, 0, -1), {}, "reserved_headroom_bytes must be >= 0 bytes, got -1"),
+        ((-1, 0, 0), {}, "free_memory must be an int >= 0, got -1"),
+        ((0, -1, 0), {}, "physical_bytes must be an int >= 0, got -1"),
+        ((0, 0, -1), {}, "reserved_headroom_bytes must be an int >= 0, got -1"),
         ((0, 0, 0), dict(warmup_reserve_fraction=1.5), r"warmup_reserve_fraction must be in \[0, 1\], got 1.5"),
         ((0, 0, 0), dict(warmup_reserve_fraction=-0.1), r"warmup_reserve_fraction must be in \[0, 1\]"),
-        ((0, 0, 0), dict(margin_floor_bytes=-1), "margin_floor_bytes must be >= 0 bytes, got -1"),
+        ((0, 0, 0), dict(margin_floor_bytes=-1), "margin_floor_bytes must be an int >= 0, got -1"),
         ((0, 0, 0), dict(margin_fraction=-1), "margin_fraction must be finite and >= 0, got -1"),
-        ((0.5, 0, 0), {}, "free_memory must be an int byte count, got 0.5"),
+        ((0.5, 0, 0), {}, "free_memory must be an int >= 0, got 0.5"),
     ],
 )
 def test_committable_bytes_invalid_input_raises(args, kwargs, match):
@@ -272,12 +272,12 @@ def test_blocks_within_matches_linear_search(num_bytes, strides, granule, capaci
     [
         (lambda: segment_physical_bytes(-1, [64], 2 * MiB), "num_blocks must be an int >= 0, got -1"),
         (lambda: segment_physical_bytes(1, [], 2 * MiB), "strides must hold at least one"),
-        (lambda: segment_physical_bytes(1, [64, -2], 2 * MiB), r"strides\[1\] must be a positive int, got -2"),
-        (lambda: segment_physical_bytes(1, [64], 0), "granule must be a positive int, got 0"),
-        (lambda: segment_physical_bytes(1, [64.0], 2 * MiB), r"strides\[0\] must be an int, got 64.0"),
-        (lambda: blocks_within(1.0, [64], 2 * MiB, 10), "num_bytes must be an int byte count, got 1.0"),
+        (lambda: segment_physical_bytes(1, [64, -2], 2 * MiB), r"strides\[1\] must be an int >= 1, got -2"),
+        (lambda: segment_physical_bytes(1, [64], 0), "granule must be an int >= 1, got 0"),
+        (lambda: segment_physical_bytes(1, [64.0], 2 * MiB), r"strides\[0\] must be an int >= 1, got 64.0"),
+        (lambda: blocks_within(1.0, [64], 2 * MiB, 10), "num_bytes must be an int, got 1.0"),
         (lambda: blocks_within(10, [64], 2 * MiB, -1), "capacity_blocks must be an int >= 0, got -1"),
-        (lambda: blocks_within(10, [64], "2M", 1), "granule must be an int, got '2M'"),
+        (lambda: blocks_within(10, [64], "2M", 1), "granule must be an int >= 1, got '2M'"),
     ],
 )
 def test_footprint_invalid_input_raises(call, match):
@@ -303,16 +303,21 @@ def test_torch_memory_limit_bytes():
     assert torch_memory_limit_bytes(
         free_memory=GiB, memory_reserved=0, kv_growth_bytes=0, non_torch_reserve_bytes=0
     ) == GiB
-    with pytest.raises(ValueError, match="kv_growth_bytes must be >= 0 bytes, got -1"):
-        torch_memory_limit_bytes(free_memory=0, memory_reserved=0, kv_growth_bytes=-1)
-    with pytest.raises(ValueError, match="memory_reserved must be an int byte count, got None"):
+    # A shrinking extend frees memory torch may grow into (the reference
+    # subtracts the signed growth).
+    assert torch_memory_limit_bytes(
+        free_memory=GiB, memory_reserved=0, kv_growth_bytes=-2 * GiB, non_torch_reserve_bytes=0
+    ) == 3 * GiB
+    with pytest.raises(ValueError, match="kv_growth_bytes must be an int, got 1.5"):
+        torch_memory_limit_bytes(free_memory=0, memory_reserved=0, kv_growth_bytes=1.5)
+    with pytest.raises(ValueError, match="memory_reserved must be an int >= 0, got None"):
         torch_memory_limit_bytes(free_memory=0, memory_reserved=None, kv_growth_bytes=0)
 
 
 def test_weight_update_peak_bytes():
     assert weight_update_peak_bytes(3 * GiB) == 6 * GiB
     assert weight_update_peak_bytes(0) == 0
-    with pytest.raises(ValueError, match="largest_layer_bytes must be >= 0 bytes, got -1"):
+    with pytest.raises(ValueError, match="largest_layer_bytes must be an int >= 0, got -1"):
         weight_update_peak_bytes(-1)
 
 

@@ -211,8 +211,8 @@ def test_zero_size_tensor_reserves_one_granule(make, granule):
 
 
 INVALID_CONSTRUCTIONS = [
-    (dict(size=-1), ValueError, "size must be a non-negative int"),
-    (dict(size=1.5), ValueError, "size must be a non-negative int"),
+    (dict(size=-1), ValueError, "size must be an int >= 0"),
+    (dict(size=1.5), ValueError, "size must be an int >= 0"),
     (dict(size=100, segment_capacities=[50, 49]), ValueError, "sum to 99 bytes, expected size=100"),
     (dict(size=100, segment_capacities=[]), ValueError, "at least one segment"),
     (dict(size=100, segment_capacities=[120, -20]), ValueError, r"segment_capacities\[1\]"),
@@ -243,11 +243,11 @@ def test_invalid_calls_raise_and_change_nothing(make, granule):
         (lambda: t.resize_segments_([granule, 10, 0]), ValueError, "expected 2 segment size"),
         (lambda: t.resize_segments_([granule - 1, 10]), ValueError, r"would shrink segment 0"),
         (lambda: t.resize_segments_([granule, 2 * granule + 1]), ValueError, "exceeds segment 1's capacity"),
-        (lambda: t.resize_segments_([granule, -1]), ValueError, r"sizes\[1\] must be a non-negative int"),
+        (lambda: t.resize_segments_([granule, -1]), ValueError, r"sizes\[1\] must be an int >= 0, got -1"),
         (lambda: t.resize_segments_([granule, 10.0]), ValueError, r"sizes\[1\]"),
         (lambda: t.resize_segments_(5), ValueError, "sequence of ints"),
-        (lambda: t.segment_view(2), IndexError, "segment index 2 out of range"),
-        (lambda: t.segment_view(-1), IndexError, "segment index -1"),
+        (lambda: t.segment_view(2), IndexError, r"segment index must be an int >= 0 and <= 1, got 2: the tensor has 2 segment\(s\)"),
+        (lambda: t.segment_view(-1), IndexError, "segment index must be an int >= 0 and <= 1, got -1"),
         (lambda: t.segments_backed_by_one_chunk([1]), ValueError, "expected 2 segment size"),
         (lambda: t.segments_backed_by_one_chunk([0, 3 * granule]), ValueError, "capacity"),
     ]

@@ -25,6 +25,11 @@ The committed count only grows, except on request:
 - `release_physical()` / `recommit()`: sleep and wake; the recommitted pages
   read as zero.
 
+Lifecycle, as data: `_LEGAL_IN` names the states each public operation is
+legal in; on a freed cache every operation raises `StateError` naming it, and
+nothing changes. Every state-changing operation holds the buffer's lock (the
+one `ExtensibleTensor` lock of the reservation), so threads take turns.
+
 The memory arithmetic lives in `extkv.sizing`; this module only applies it to
 live readings of free memory.
 """
@@ -32,13 +37,16 @@ live readings of free memory.
 from __future__ import annotations
 
 import bisect
+import enum
+import functools
 import gc
 import logging
 from dataclasses import replace
 
 import torch
 
-from .errors import require_non_negative_int
+from . import validate
+from .errors import StateError
 from .layout import (
     KVCacheConfig,
     KVCacheLayout,
@@ -64,6 +72,52 @@ logger = logging.getLogger(__name__)
 GiB = float(1 << 30)
 
 
+class _State(enum.Enum):
+    LIVE = "live"
+    FREED = "freed"
+
+
+_EVERY_STATE = frozenset(_State)
+_LEGAL_IN: dict[str, frozenset[_State]] = {
+    "allocate": frozenset({_State.LIVE}),
+    "commit": frozenset({_State.LIVE}),
+    "release_physical": frozenset({_State.LIVE}),
+    "recommit": frozenset({_State.LIVE}),
+    "physical_bytes_for": frozenset({_State.LIVE}),
+    "blocks_within": frozenset({_State.LIVE}),
+    "committable_blocks": frozenset({_State.LIVE}),
+    "committed_views": frozenset({_State.LIVE}),
+    "committed_kv_cache_tensors": frozenset({_State.LIVE}),
+    "set_torch_memory_limit": frozenset({_State.LIVE}),
+    "free": _EVERY_STATE,
+}
+
+
+def _operation(method):
+    """Run `method` holding the buffer's lock, once the cache's state allows it."""
+    name = method.__name__
+
+    @functools.wraps(method)
+    def locked(self, *args, **kwargs):
+        with self.buffer.lock:
+            if self._state not in _LEGAL_IN[name]:
+                raise StateError(f"ExtensibleKVCache.{name}() is not allowed on a {self._state.value} cache")
+            return method(self, *args, **kwargs)
+
+    return locked
+
+
+def _check_config_and_layout(kv_cache_config, layout) -> None:
+    if not isinstance(kv_cache_config, KVCacheConfig):
+        raise ValueError(f"kv_cache_config must be a KVCacheConfig, got {kv_cache_config!r}")
+    if not isinstance(layout, KVCacheLayout):
+        raise ValueError(f"layout must be a KVCacheLayout (e.g. KVCacheLayout.LBHNC), got {layout!r}")
+
+
+def _block_count(num_blocks) -> int:
+    return validate.integer("num_blocks", num_blocks, what="a block count")
+
+
 class ExtensibleKVCache:
     """Growable backing allocation for the KV cache of `kv_cache_config`."""
 
@@ -73,13 +127,10 @@ class ExtensibleKVCache:
         device: torch.device | str | Driver | None,
         layout: KVCacheLayout,
     ):
-        if not isinstance(kv_cache_config, KVCacheConfig):
-            raise ValueError(f"kv_cache_config must be a KVCacheConfig, got {kv_cache_config!r}")
+        _check_config_and_layout(kv_cache_config, layout)
         if not kv_cache_config.kv_cache_tensors:
             raise ValueError("kv_cache_config has no kv_cache_tensors; the cache needs at least one")
-        self.capacity_blocks = kv_cache_config.num_blocks
-        if isinstance(self.capacity_blocks, bool) or not isinstance(self.capacity_blocks, int) or self.capacity_blocks <= 0:
-            raise ValueError(f"kv_cache_config.num_blocks must be a positive int, got {self.capacity_blocks!r}")
+        self.capacity_blocks = validate.integer("kv_cache_config.num_blocks", kv_cache_config.num_blocks, minimum=1)
         self.segment_offsets, self.segment_strides = kv_cache_segments(kv_cache_config, layout)
         self.size = kv_cache_config.kv_cache_tensors[0].size
         self.layout = layout
@@ -98,16 +149,19 @@ class ExtensibleKVCache:
             device=device,
             segment_capacities=[end - start for start, end in zip(self.segment_offsets, ends)],
         )
+        self._state = _State.LIVE
 
     # -- committing -----------------------------------------------------------
+    @_operation
     def allocate(self, size: int) -> torch.Tensor:
         """Allocator hook for an engine's KV cache allocation: commits only the
         null block and returns the whole reservation."""
-        if size != self.size:
+        if validate.integer("size", size, what="bytes") != self.size:
             raise ValueError(f"allocate({size!r}): this cache backs exactly {self.size} bytes")
         self.commit(1)
         return self.buffer.full_view()
 
+    @_operation
     def commit(
         self,
         num_blocks: int,
@@ -122,11 +176,20 @@ class ExtensibleKVCache:
         Grow-only unless `shrink`, which remaps a smaller prefix and discards
         contents. `defragment` backs each segment with one chunk; it discards
         contents unless `preserve_contents`, which moves one segment at a time
-        and keeps every byte.
+        and keeps every byte. Flags must be bools; contradictory ones raise
+        before anything changes.
         """
-        num_blocks = min(require_non_negative_int("num_blocks", num_blocks, "block count"), self.capacity_blocks)
+        num_blocks = min(_block_count(num_blocks), self.capacity_blocks)
+        defragment = validate.flag("defragment", defragment)
+        shrink = validate.flag("shrink", shrink)
+        preserve_contents = validate.flag("preserve_contents", preserve_contents)
         if preserve_contents and not defragment:
             raise ValueError("preserve_contents=True only applies with defragment=True")
+        if preserve_contents and shrink:
+            raise ValueError(
+                "preserve_contents=True contradicts shrink=True: a shrink remaps a smaller prefix and "
+                "discards contents; shrink and defragment in two commits if that is what you want"
+            )
         sizes = self._sizes_for(num_blocks)
         fragmented = defragment and not all(self.buffer.segments_backed_by_one_chunk(sizes))
         shrinking = shrink and num_blocks < self.num_committed_blocks
@@ -149,15 +212,17 @@ class ExtensibleKVCache:
     def _sizes_for(self, num_blocks: int) -> list[int]:
         return [num_blocks * stride for stride in self.segment_strides]
 
+    @_operation
     def release_physical(self) -> None:
         """Drop the physical pages for sleep; addresses and views stay valid."""
         self.buffer.release_physical()
 
+    @_operation
     def recommit(self) -> None:
-        """Map fresh zeroed pages for the blocks committed before release."""
-        num_blocks = self.num_committed_blocks
-        self.num_committed_blocks = 0
-        self.commit(num_blocks)
+        """Map fresh zeroed pages for the blocks committed before release.
+        The committed count is kept throughout, so a recommit that fails
+        half way is completed by calling it again."""
+        self.buffer.resize_segments_(self._sizes_for(self.num_committed_blocks), zero_new=True)
 
     # -- sizes ------------------------------------------------------------------
     @property
@@ -165,18 +230,21 @@ class ExtensibleKVCache:
         """Physically mapped bytes, granule rounding included."""
         return self.buffer.physical_bytes
 
+    @_operation
     def physical_bytes_for(self, num_blocks: int) -> int:
         """Bytes a commit of `num_blocks` maps: the granules every segment's
         committed prefix touches, a granule shared by two segments once."""
-        num_blocks = min(require_non_negative_int("num_blocks", num_blocks, "block count"), self.capacity_blocks)
+        num_blocks = min(_block_count(num_blocks), self.capacity_blocks)
         return segment_physical_bytes(num_blocks, self.segment_strides, self.buffer.granularity, self.segment_offsets)
 
+    @_operation
     def blocks_within(self, num_bytes: int) -> int:
         """Most blocks whose physical footprint fits in `num_bytes`."""
         return blocks_within(
             num_bytes, self.segment_strides, self.buffer.granularity, self.capacity_blocks, self.segment_offsets
         )
 
+    @_operation
     def committable_blocks(self) -> int:
         """Blocks committable now without eating into warmup's headroom (see
         `sizing.committable_bytes`); never below the committed count."""
@@ -190,6 +258,7 @@ class ExtensibleKVCache:
         segment = bisect.bisect_right(self.segment_offsets, start) - 1
         return segment, start - self.segment_offsets[segment]
 
+    @_operation
     def committed_views(
         self,
         kv_cache_config: KVCacheConfig,
@@ -201,6 +270,7 @@ class ExtensibleKVCache:
         by `untyped_storage().nbytes()`). None for layouts whose layers span
         several segments. `kv_cache_config.num_blocks` must equal the
         committed count."""
+        _check_config_and_layout(kv_cache_config, layout)
         if not layout.is_block_compact:
             return None
         if kv_cache_config.num_blocks != self.num_committed_blocks:
@@ -231,6 +301,7 @@ class ExtensibleKVCache:
                 views[name] = view
         return views
 
+    @_operation
     def committed_kv_cache_tensors(
         self, kv_cache_config: KVCacheConfig, layout: KVCacheLayout, num_blocks: int
     ) -> list[KVCacheTensor]:
@@ -241,7 +312,8 @@ class ExtensibleKVCache:
         layer-outermost layouts each layer's view has its own storage over its
         committed prefix, described as a one-layer tensor at the start of it.
         """
-        num_blocks = require_non_negative_int("num_blocks", num_blocks, "block count")
+        _check_config_and_layout(kv_cache_config, layout)
+        num_blocks = _block_count(num_blocks)
         size = num_blocks * self.bytes_per_block
         tensors = [replace(tensor, size=size) for tensor in kv_cache_config.kv_cache_tensors]
         if layout.is_block_outermost:
@@ -265,12 +337,13 @@ class ExtensibleKVCache:
         return committed
 
     # -- torch's allocator and teardown ---------------------------------------
+    @_operation
     def set_torch_memory_limit(self, num_bytes: int | None) -> None:
         """Cap what torch's caching allocator reserves on this device, or lift
         the cap (None). At the cap torch frees cached blocks before growing,
         instead of taking memory the cache or others need."""
         if num_bytes is not None:
-            require_non_negative_int("torch memory limit", num_bytes, "byte count (or None to lift it)")
+            num_bytes = validate.integer("torch memory limit", num_bytes, what="bytes, or None to lift it")
         self.torch_memory_limit = num_bytes
         device = self.buffer.device
         if device.type != "cuda":
@@ -280,13 +353,21 @@ class ExtensibleKVCache:
         fraction = 1.0 if num_bytes is None else min(num_bytes / total, 1.0)
         torch.cuda.set_per_process_memory_fraction(fraction, device)
 
+    @_operation
     def free(self) -> None:
         """Release everything. Lifts torch's cap: the process may start another
-        engine, which must not inherit it."""
+        engine, which must not inherit it. Idempotent."""
+        if self._state is _State.FREED:
+            return
         if self.torch_memory_limit is not None:
             self.set_torch_memory_limit(None)
         self.buffer.free()
         self.num_committed_blocks = 0
+        self._state = _State.FREED
+
+    @property
+    def is_freed(self) -> bool:
+        return self._state is _State.FREED
 
     def __repr__(self) -> str:
         return (
@@ -313,7 +394,12 @@ def measure_kv_cache_blocks(
     Then torch's caching allocator is capped so that
     KV_CACHE_NON_TORCH_RESERVE_BYTES stay free for allocations outside it.
     """
-    device = torch.device(device)
+    if not isinstance(kv_cache, ExtensibleKVCache):
+        raise ValueError(f"measure_kv_cache_blocks needs an ExtensibleKVCache, got {kv_cache!r}")
+    if kv_cache.is_freed:
+        raise StateError("measure_kv_cache_blocks() is not allowed on a freed ExtensibleKVCache")
+    device = _cache_device(kv_cache, device)
+    ipc_reserve_bytes = validate.integer("ipc_reserve_bytes", ipc_reserve_bytes, what="bytes")
     if device.type == "cuda":
         torch.cuda.synchronize(device)
         gc.collect()
@@ -333,7 +419,9 @@ def measure_kv_cache_blocks(
     limit = torch_memory_limit_bytes(
         free_memory=free_memory,
         memory_reserved=reserved_by_torch,
-        kv_growth_bytes=max(kv_cache.physical_bytes_for(num_blocks) - kv_cache.physical_bytes, 0),
+        # Signed, as in the reference: an extend that shrinks the cache frees
+        # memory that torch may then use.
+        kv_growth_bytes=kv_cache.physical_bytes_for(num_blocks) - kv_cache.physical_bytes,
         ipc_reserve_bytes=available - kv_cache_bytes,
     )
     kv_cache.set_torch_memory_limit(limit)
@@ -349,3 +437,18 @@ def measure_kv_cache_blocks(
         limit / GiB,
     )
     return num_blocks
+
+
+def _cache_device(kv_cache: ExtensibleKVCache, device) -> torch.device:
+    """`device` as a torch device, which must be the one the cache lives on:
+    memory readings of another device would size this cache wrongly."""
+    try:
+        device = torch.device(device)
+    except (RuntimeError, TypeError):
+        raise ValueError(f"device must be a torch device, got {device!r}") from None
+    own = kv_cache.buffer.device
+    if device.type == "cuda" and device.index is None and torch.cuda.is_available():
+        device = torch.device("cuda", torch.cuda.current_device())
+    if device != own:
+        raise ValueError(f"device {device} is not the KV cache's device {own}")
+    return own

@@ -57,7 +57,8 @@ from typing import Protocol, Sequence, runtime_checkable
 import torch
 
 from .cache import ExtensibleKVCache
-from .errors import ExtkvError, StateError, require_non_negative_int
+from . import validate
+from .errors import ExtkvError, StateError
 # The same undo helper ExtensibleTensor's transactions use.
 from .tensor import ExtensibleTensor, MappedChunk, _Undo
 from .vmm import Chunk, Driver, HostDriver, cuda_usable, driver_for
@@ -464,7 +465,7 @@ def _checked_geometry(header: dict) -> tuple[list[int], list[tuple[int | None, i
         raise ValueError(f"peer speaks protocol {header.get('protocol')!r}; expected {PROTOCOL!r}")
 
     def count(value, what: str) -> int:
-        return require_non_negative_int(f"header field {what}", value)
+        return validate.integer(f"header field {what}", value)
 
     try:
         chunk_sizes = [count(chunk["size"], f"chunks[{i}].size") for i, chunk in enumerate(header["chunks"])]

@@ -53,13 +53,5 @@ class OutOfMemoryError(DriverError):
     """The driver could not create physical memory of the requested size."""
 
 
-def require_non_negative_int(name: str, value, unit: str = "") -> int:
-    """`value` if it is a non-negative int (not a bool), else a ValueError
-    naming `name`, the value and what was expected."""
-    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
-        raise ValueError(f"{name} must be a non-negative int{' ' + unit if unit else ''}, got {value!r}")
-    return value
-
-
 class StateError(ExtkvError, RuntimeError):
     """An operation is not legal in the object's current state (e.g. freed)."""

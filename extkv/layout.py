@@ -59,6 +59,8 @@ from dataclasses import dataclass, field, replace
 
 import torch
 
+from . import validate
+
 __all__ = [
     "FullAttentionSpec",
     "KVCacheConfig",
@@ -82,25 +84,15 @@ __all__ = [
 
 # --------------------------------------------------------------------------
 # Argument checks. Every message names the argument, the value and what was
-# wanted: "block_size must be a positive int, got 0" beats a bare assert.
-
-
-def _check_int(name: str, value: object, *, minimum: int) -> int:
-    # bool is an int subclass; True blocks or False heads are always a bug.
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise ValueError(f"{name} must be an int, got {value!r}")
-    if value < minimum:
-        wanted = "a positive int" if minimum == 1 else f"an int >= {minimum}"
-        raise ValueError(f"{name} must be {wanted}, got {value}")
-    return value
+# wanted (extkv.validate): "block_size must be an int >= 1, got 0" beats a bare assert.
 
 
 def _check_positive(name: str, value: object) -> int:
-    return _check_int(name, value, minimum=1)
+    return validate.integer(name, value, minimum=1)
 
 
 def _check_non_negative(name: str, value: object) -> int:
-    return _check_int(name, value, minimum=0)
+    return validate.integer(name, value)
 
 
 def _check_dtype(value: object) -> torch.dtype:

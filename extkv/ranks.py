@@ -28,7 +28,7 @@ import torch
 import torch.distributed as dist
 
 from .cache import ExtensibleKVCache
-from .errors import require_non_negative_int
+from . import validate
 
 logger = logging.getLogger(__name__)
 
@@ -37,10 +37,7 @@ MAX_REDUCIBLE_VALUE = (1 << 63) - 1
 
 
 def _check_value(value) -> int:
-    require_non_negative_int("value", value)
-    if value > MAX_REDUCIBLE_VALUE:
-        raise ValueError(f"value must fit in int64 to be reduced across ranks, got {value!r}")
-    return value
+    return validate.integer("value", value, maximum=MAX_REDUCIBLE_VALUE, what="fits the int64 reduced across ranks")
 
 
 def distributed_is_initialized() -> bool:

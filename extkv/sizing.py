@@ -42,6 +42,8 @@ import math
 import numbers
 from collections.abc import Sequence
 
+from . import validate
+
 __all__ = [
     "KV_CACHE_MARGIN_FLOOR_BYTES",
     "KV_CACHE_MARGIN_FRACTION",
@@ -87,19 +89,11 @@ WEIGHT_UPDATE_PEAK_LAYER_FACTOR = 2
 
 
 def _check_bytes(name: str, value: object) -> int:
-    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
-        raise ValueError(f"{name} must be an int byte count, got {value!r}")
-    if value < 0:
-        raise ValueError(f"{name} must be >= 0 bytes, got {value}")
-    return int(value)
+    return validate.integer(name, value)
 
 
 def _check_count(name: str, value: object) -> int:
-    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
-        raise ValueError(f"{name} must be an int, got {value!r}")
-    if value < 0:
-        raise ValueError(f"{name} must be an int >= 0, got {value}")
-    return int(value)
+    return validate.integer(name, value)
 
 
 def _check_fraction(name: str, value: object, *, at_most_one: bool = False) -> float:
@@ -185,20 +179,12 @@ def committable_bytes(
     return max(headroom - margin - reserve, 0)
 
 
-def _check_strides(strides: Sequence[int], granule: int) -> list[int]:
-    if isinstance(granule, bool) or not isinstance(granule, numbers.Integral):
-        raise ValueError(f"granule must be an int, got {granule!r}")
-    if granule <= 0:
-        raise ValueError(f"granule must be a positive int, got {granule}")
+def _check_strides(strides: Sequence[int], granule: int) -> tuple[list[int], int]:
+    granule = validate.integer("granule", granule, minimum=1)
     strides = list(strides)
     if not strides:
         raise ValueError("strides must hold at least one segment stride, got none")
-    for i, stride in enumerate(strides):
-        if isinstance(stride, bool) or not isinstance(stride, numbers.Integral):
-            raise ValueError(f"strides[{i}] must be an int, got {stride!r}")
-        if stride <= 0:
-            raise ValueError(f"strides[{i}] must be a positive int, got {stride}")
-    return strides
+    return [validate.integer(f"strides[{i}]", stride, minimum=1) for i, stride in enumerate(strides)], granule
 
 
 def segment_physical_bytes(
@@ -212,7 +198,7 @@ def segment_physical_bytes(
     once; without them every segment is rounded on its own (an upper bound).
     """
     num_blocks = _check_count("num_blocks", num_blocks)
-    strides = _check_strides(strides, granule)
+    strides, granule = _check_strides(strides, granule)
     if offsets is None:
         return sum(-(-num_blocks * stride // granule) * granule for stride in strides)
     offsets = list(offsets)
@@ -239,10 +225,9 @@ def blocks_within(
     """Most blocks (up to `capacity_blocks`) whose physical footprint
     (`segment_physical_bytes`, granule rounding included) fits in
     `num_bytes`. Negative budgets fit nothing."""
-    if isinstance(num_bytes, bool) or not isinstance(num_bytes, numbers.Integral):
-        raise ValueError(f"num_bytes must be an int byte count, got {num_bytes!r}")
+    num_bytes = validate.integer("num_bytes", num_bytes, minimum=None)
     capacity_blocks = _check_count("capacity_blocks", capacity_blocks)
-    strides = _check_strides(strides, granule)
+    strides, granule = _check_strides(strides, granule)
     if num_bytes <= 0:
         return 0
     # Rounding only adds bytes, so bytes // bytes_per_block bounds the answer;
@@ -273,7 +258,8 @@ def torch_memory_limit_bytes(
     """
     free_memory = _check_bytes("free_memory", free_memory)
     memory_reserved = _check_bytes("memory_reserved", memory_reserved)
-    kv_growth_bytes = _check_bytes("kv_growth_bytes", kv_growth_bytes)
+    # Signed: an extend that shrinks the cache frees memory torch may grow into.
+    kv_growth_bytes = validate.integer("kv_growth_bytes", kv_growth_bytes, minimum=None)
     ipc_reserve_bytes = _check_bytes("ipc_reserve_bytes", ipc_reserve_bytes)
     non_torch_reserve_bytes = _check_bytes(
         "non_torch_reserve_bytes", non_torch_reserve_bytes

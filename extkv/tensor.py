@@ -32,6 +32,20 @@ any chunk it shares with a neighbour), not the whole tensor.
 chunk; addresses stay reserved, so views and captured CUDA graphs keep valid
 pointers that read again once memory is recommitted.
 
+Cleanup that cannot be undone (releasing chunks a defragmentation replaced,
+unmapping and freeing its scratch reservation) is recorded before it is tried.
+A step that fails stays recorded and is retried by the next `release_physical`
+or `free`, so no path leaves a chunk, mapping or reservation behind.
+
+Threads: every state-changing operation holds the tensor's `lock` (one
+re-entrant lock per reservation) from its first check to its last driver call,
+so operations from several threads run one after another and each sees the
+state the previous one left. Reads are not blocked by a long commit: committed
+sizes and mapped chunks are replaced, never edited in place, so a reader sees
+the state before or after an operation, never half of one. A view taken while
+another thread releases memory reads unmapped pages, as it would from one
+thread: ordering release against use is the caller's job.
+
 Lifecycle, as data: every public operation names the states it is legal in
 (`_LEGAL_IN`); anything else raises `StateError` and changes nothing.
 """
@@ -39,13 +53,16 @@ Lifecycle, as data: every public operation names the states it is legal in
 from __future__ import annotations
 
 import enum
+import functools
+import threading
 import warnings
 from dataclasses import dataclass
 from typing import Callable, Sequence
 
 import torch
 
-from .errors import OutOfMemoryError, StateError, require_non_negative_int
+from . import validate
+from .errors import OutOfMemoryError, StateError
 from .vmm import Chunk, Driver, driver_for
 
 
@@ -98,6 +115,30 @@ class _Undo:
                     error.add_note(f"while undoing: {undo_error}")
 
 
+def _operation(method):
+    """Run `method` holding the tensor's lock, once its state allows it."""
+    name = method.__name__
+
+    @functools.wraps(method)
+    def locked(self, *args, **kwargs):
+        with self.lock:
+            self._require(name)
+            return method(self, *args, **kwargs)
+
+    return locked
+
+
+class ReservationView(torch.Tensor):
+    """The uint8 tensor `full_view` returns: a plain tensor in every use, but
+    its repr reads no element, since most of a reservation is unmapped and
+    reading there kills the process. Operations on it return plain tensors."""
+
+    __torch_function__ = torch._C._disabled_torch_function_impl
+
+    def __repr__(self, *, tensor_contents=None) -> str:
+        return f"ReservationView({self.numel()} bytes at {self.data_ptr():#x}, device={self.device})"
+
+
 class ExtensibleTensor:
     """A reservation of `size` bytes split into segments that commit on demand.
 
@@ -112,16 +153,26 @@ class ExtensibleTensor:
         device: torch.device | str | int | Driver | None = None,
         segment_capacities: Sequence[int] | None = None,
     ):
-        size = require_non_negative_int("size", size)
+        driver = driver_for(device)
+        # Bounded before any driver call: a size past the address space would
+        # otherwise reach C truncated.
+        limit = driver.max_reservation_bytes
+        size = validate.integer("size", size, maximum=limit)
         if segment_capacities is None:
             capacities = [size]
         else:
-            capacities = [require_non_negative_int(f"segment_capacities[{i}]", c) for i, c in enumerate(segment_capacities)]
+            capacities = [
+                validate.integer(f"segment_capacities[{i}]", c, maximum=limit)
+                for i, c in enumerate(segment_capacities)
+            ]
             if not capacities:
                 raise ValueError("segment_capacities must name at least one segment")
             if sum(capacities) != size:
                 raise ValueError(f"segment_capacities sum to {sum(capacities)} bytes, expected size={size}")
-        self._driver = driver_for(device)
+        self._driver = driver
+        #: Held by every state-changing operation; re-entrant, so a caller
+        #: may hold it around several operations that must not interleave.
+        self.lock = threading.RLock()
         self.size = size
         self.segment_capacities = capacities
         offsets, end = [], 0
@@ -136,7 +187,10 @@ class ExtensibleTensor:
         self._sizes = [0] * len(capacities)
         self._owner: list[MappedChunk | None] = [None] * (self.reserved_bytes // granule)
         self._chunks: dict[int, MappedChunk] = {}  # by first granule
-        self._unreleased: list[Chunk] = []  # unmapped, but their release failed
+        self._unreleased: list[Chunk] = []  # unmapped, not yet released
+        # Scratch reservations of defragmentation not yet freed: (address,
+        # size, whether the new chunk is still mapped there).
+        self._scratch: list[tuple[int, int, bool]] = []
 
     # -- read-only facts ------------------------------------------------------
     @property
@@ -168,7 +222,7 @@ class ExtensibleTensor:
     @property
     def mapped_chunks(self) -> list[MappedChunk]:
         """Every mapped chunk, in address order."""
-        return [self._chunks[first] for first in sorted(self._chunks)]
+        return sorted(self._chunks.values(), key=lambda mapped: mapped.first_granule)
 
     @property
     def is_freed(self) -> bool:
@@ -182,29 +236,37 @@ class ExtensibleTensor:
 
     # -- views ------------------------------------------------------------------
     def full_view(self) -> torch.Tensor:
-        """uint8 tensor over the whole allocation [base, base+size)."""
+        """uint8 tensor over the whole allocation [base, base+size).
+
+        Most of it may be unmapped: reading there faults (SIGSEGV on the host,
+        an illegal address on a GPU). Its repr names the range and reads
+        nothing, but views derived from it are plain tensors whose repr reads
+        every element, so never print one that reaches uncommitted blocks."""
         self._require("full_view")
-        return self._driver.view(self.base, self.size)
+        return self._driver.view(self.base, self.size).as_subclass(ReservationView)
 
     def segment_view(self, index: int) -> torch.Tensor:
         """uint8 tensor over segment `index`'s committed bytes; its storage is
         exactly that long, so consumers that size by storage see no more."""
         self._require("segment_view")
-        self._check_segment_index(index)
+        index = self._checked_segment_index(index)
         return self._driver.view(self.base + self.segment_offsets[index], self._sizes[index])
 
-    def _check_segment_index(self, index) -> None:
-        if isinstance(index, bool) or not isinstance(index, int) or not 0 <= index < len(self._sizes):
-            raise IndexError(f"segment index {index!r} out of range: the tensor has {len(self._sizes)} segment(s)")
+    def _checked_segment_index(self, index) -> int:
+        try:
+            return validate.integer("segment index", index, maximum=len(self._sizes) - 1)
+        except ValueError as error:
+            raise IndexError(f"{error}: the tensor has {len(self._sizes)} segment(s)") from None
 
     # -- growth -----------------------------------------------------------------
+    @_operation
     def resize_segments_(self, sizes: Sequence[int], zero_new: bool = False) -> None:
         """Grow each segment to `sizes[i]` committed bytes (grow-only).
 
         Maps only granules not mapped yet, one chunk per maximal run. With
         `zero_new`, zeroes exactly the bytes that become committed.
         """
-        self._require("resize_segments_")
+        zero_new = validate.flag("zero_new", zero_new)
         sizes = self._validated_sizes(sizes, grow_only=True)
         runs = self._unmapped_runs(sizes)
         new_ranges = [
@@ -231,8 +293,9 @@ class ExtensibleTensor:
             raise ValueError(f"sizes must be a sequence of ints, one per segment, got {sizes!r}") from None
         if len(sizes) != len(self._sizes):
             raise ValueError(f"expected {len(self._sizes)} segment size(s), got {len(sizes)}: {sizes}")
+        checked = []
         for i, (size, capacity) in enumerate(zip(sizes, self.segment_capacities)):
-            require_non_negative_int(f"sizes[{i}]", size)
+            size = validate.integer(f"sizes[{i}]", size)
             if size > capacity:
                 raise ValueError(f"sizes[{i}] = {size} exceeds segment {i}'s capacity of {capacity} bytes")
             if grow_only and size < self._sizes[i]:
@@ -240,7 +303,8 @@ class ExtensibleTensor:
                     f"sizes[{i}] = {size} would shrink segment {i} from {self._sizes[i]} bytes; "
                     "resize_segments_ only grows (release_physical, then grow, to shrink)"
                 )
-        return sizes
+            checked.append(size)
+        return checked
 
     def _granule_span(self, offset: int, size: int) -> range:
         """Granules covering bytes [offset, offset+size) of the allocation."""
@@ -275,18 +339,26 @@ class ExtensibleTensor:
         address = self.base + first * self.granularity
         with _Undo() as undo:
             chunk = self._new_chunk_mapped_at(address, size, undo)
-        self._record(MappedChunk(chunk=chunk, address=address, first_granule=first, num_granules=count))
+        self._publish(added=[MappedChunk(chunk=chunk, address=address, first_granule=first, num_granules=count)])
 
-    def _record(self, mapped: MappedChunk) -> None:
-        self._chunks[mapped.first_granule] = mapped
-        self._owner[mapped.first_granule : mapped.first_granule + mapped.num_granules] = [mapped] * mapped.num_granules
+    def _publish(self, *, added: Sequence[MappedChunk] = (), removed: Sequence[MappedChunk] = ()) -> None:
+        """Record a change of mapping. `_chunks` is replaced, never edited, so
+        a reader in another thread iterates a whole state."""
+        chunks = dict(self._chunks)
+        for mapped in removed:
+            del chunks[mapped.first_granule]
+            self._owner[mapped.first_granule : mapped.first_granule + mapped.num_granules] = [None] * mapped.num_granules
+        for mapped in added:
+            chunks[mapped.first_granule] = mapped
+            self._owner[mapped.first_granule : mapped.first_granule + mapped.num_granules] = [mapped] * mapped.num_granules
+        self._chunks = chunks
 
     def _new_chunk_mapped_at(self, address: int, size: int, undo: _Undo) -> Chunk:
         """Create a chunk, map it at `address` and grant access, registering
         the undo of each step."""
         driver = self._driver
         chunk = self._create_chunk(size)
-        undo.push(lambda: driver.release(chunk))
+        undo.push(lambda: self._release_later(chunk))
         driver.map(address, chunk)
         undo.push(lambda: driver.unmap(address, size))
         driver.set_access(address, size)
@@ -312,18 +384,19 @@ class ExtensibleTensor:
             if low < high:
                 self._driver.view(low, high - low).zero_()
 
+    @_operation
     def segments_backed_by_one_chunk(self, sizes: Sequence[int]) -> list[bool]:
         """For each segment, whether its first `sizes[i]` bytes are mapped and
         all lie in one chunk (an empty prefix counts as backed)."""
-        self._require("segments_backed_by_one_chunk")
         sizes = self._validated_sizes(sizes, grow_only=False)
-        result = []
-        for offset, size in zip(self.segment_offsets, sizes):
-            owners = {id(self._owner[index]) if self._owner[index] else None for index in self._granule_span(offset, size)}
-            result.append(size == 0 or (len(owners) == 1 and None not in owners))
-        return result
+        return [self._backed_by_one_chunk(offset, size) for offset, size in zip(self.segment_offsets, sizes)]
+
+    def _backed_by_one_chunk(self, offset: int, size: int) -> bool:
+        owners = {id(self._owner[index]) if self._owner[index] else None for index in self._granule_span(offset, size)}
+        return size == 0 or (len(owners) == 1 and None not in owners)
 
     # -- content-preserving defragmentation ----------------------------------
+    @_operation
     def defragment_segment_(self, index: int) -> bool:
         """Back segment `index`'s committed bytes with one chunk, keeping every
         mapped byte at its address. Returns False when it already was.
@@ -335,12 +408,11 @@ class ExtensibleTensor:
         in their place; each step is undone if a later one fails, so a failure
         leaves the old mapping and its contents in place.
         """
-        self._require("defragment_segment_")
-        self._check_segment_index(index)
-        size = self._sizes[index]
-        if self.segments_backed_by_one_chunk([size if i == index else 0 for i in range(len(self._sizes))])[index]:
+        index = self._checked_segment_index(index)
+        offset, size = self.segment_offsets[index], self._sizes[index]
+        if self._backed_by_one_chunk(offset, size):
             return False
-        span = self._granule_span(self.segment_offsets[index], size)
+        span = self._granule_span(offset, size)
         old = sorted({id(m): m for m in (self._owner[g] for g in span)}.values(), key=lambda m: m.first_granule)
         first = old[0].first_granule
         count = old[-1].first_granule + old[-1].num_granules - first
@@ -359,17 +431,18 @@ class ExtensibleTensor:
             driver.map(address, chunk)
             undo.push(lambda: driver.unmap(address, nbytes))
             driver.set_access(address, nbytes)
-        # Past this point the new mapping is in place; what is left is cleanup.
-        for mapped in old:
-            del self._chunks[mapped.first_granule]
-        self._record(MappedChunk(chunk=chunk, address=address, first_granule=first, num_granules=count))
+        # The new mapping is in place. What is left cannot be undone, only
+        # finished: record it all first, so a failing step is retried later.
+        self._publish(
+            removed=old, added=[MappedChunk(chunk=chunk, address=address, first_granule=first, num_granules=count)]
+        )
         self._unreleased.extend(m.chunk for m in old)
-        self._release_unreleased()
-        driver.unmap(scratch, nbytes)
-        driver.free_reservation(scratch, nbytes)
+        self._scratch.append((scratch, nbytes, True))
+        self._finish_cleanup()
         return True
 
     # -- release ----------------------------------------------------------------
+    @_operation
     def release_physical(self) -> None:
         """Unmap and release every chunk after synchronizing the device.
 
@@ -377,31 +450,58 @@ class ExtensibleTensor:
         driver step fails, what was released stays released and a retry
         continues with the rest.
         """
-        self._require("release_physical")
         self._sizes = [0] * len(self._sizes)
-        self._release_unreleased()
+        self._finish_cleanup()
         if not self._chunks:
             return
         # Kernels still queued may touch these pages; unmapping under them is
         # an illegal-address fault.
         self._driver.synchronize()
-        for first in sorted(self._chunks):
-            mapped = self._chunks[first]
-            self._driver.unmap(mapped.address, mapped.chunk.size)
-            del self._chunks[first]
-            self._owner[first : first + mapped.num_granules] = [None] * mapped.num_granules
-            self._unreleased.append(mapped.chunk)
-            self._release_unreleased()
+        unmapped: list[MappedChunk] = []
+        try:
+            for mapped in self.mapped_chunks:
+                self._driver.unmap(mapped.address, mapped.chunk.size)
+                unmapped.append(mapped)
+        finally:
+            self._publish(removed=unmapped)
+            self._unreleased.extend(mapped.chunk for mapped in unmapped)
+        self._release_unreleased()
+
+    def _release_later(self, chunk: Chunk) -> None:
+        """Release `chunk` now, or, if that fails, at the next cleanup."""
+        self._unreleased.append(chunk)
+        self._release_unreleased()
 
     def _release_unreleased(self) -> None:
         while self._unreleased:
             self._driver.release(self._unreleased[-1])
             self._unreleased.pop()
 
+    def _free_scratch(self) -> None:
+        while self._scratch:
+            address, size, mapped = self._scratch[-1]
+            if mapped:
+                self._driver.unmap(address, size)
+                self._scratch[-1] = (address, size, False)
+            self._driver.free_reservation(address, size)
+            self._scratch.pop()
+
+    def _finish_cleanup(self) -> None:
+        """Release recorded chunks and free recorded scratch reservations,
+        trying both even if one fails; the first failure is raised."""
+        failure: Exception | None = None
+        for step in (self._release_unreleased, self._free_scratch):
+            try:
+                step()
+            except Exception as error:
+                failure = failure or error
+        if failure is not None:
+            raise failure
+
+    @_operation
     def free(self) -> None:
         """Release everything, the reservation included. Idempotent; views must
         not be used afterwards."""
-        self._require("free")
         if self._state is _State.FREED:
             return
         self.release_physical()

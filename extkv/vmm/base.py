@@ -33,7 +33,7 @@ from typing import Hashable, Iterable
 
 import torch
 
-from ..errors import require_non_negative_int
+from .. import validate
 
 # How many reservations and chunks are alive, per driver kind ("host", "cuda").
 # Read by the test harness after every test.
@@ -67,6 +67,9 @@ class Driver(abc.ABC):
     device: torch.device
     #: Size and alignment unit of every reservation, chunk and mapping.
     granularity: int
+    #: Largest reservation worth asking for: x86-64 and aarch64 give user
+    #: space 47 bits of address, and a GPU's unified address space is no wider.
+    max_reservation_bytes: int = 1 << 47
 
     # -- reservations -------------------------------------------------------
     def reserve(self, size: int) -> int:
@@ -110,7 +113,7 @@ class Driver(abc.ABC):
         `fd` stays the caller's to close (the chunk holds its own reference);
         the chunk counts as live until `release()`, like a created one.
         """
-        require_non_negative_int("import_fd: fd", fd, "file descriptor")
+        fd = validate.integer("import_fd: fd", fd, what="a file descriptor")
         self._check_granular("import_fd", size)
         chunk = self._import_fd(fd, size)
         with _live_lock:
@@ -187,10 +190,12 @@ class Driver(abc.ABC):
     def _unmap(self, address: int, size: int) -> None: ...
 
     def _check_granular(self, call: str, size: int) -> None:
-        if isinstance(size, bool) or not isinstance(size, int) or size <= 0 or size % self.granularity:
+        # Checked here, before any C call: ctypes and cuda-python truncate an
+        # over-wide size silently, which would reserve or map the wrong range.
+        if isinstance(size, bool) or not isinstance(size, int) or not 0 < size <= self.max_reservation_bytes or size % self.granularity:
             raise ValueError(
-                f"{call}: size {size} is not a positive multiple of the "
-                f"granularity {self.granularity}"
+                f"{call}: size {size!r} is not a positive multiple of the "
+                f"granularity {self.granularity} of at most {self.max_reservation_bytes} bytes"
             )
 
     def __repr__(self) -> str:

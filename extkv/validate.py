@@ -1,0 +1,56 @@
+"""Argument checks shared by every public entry point of extkv.
+
+Theory of operation
+-------------------
+One rule, one wording, everywhere. An integer argument is anything
+`operator.index` accepts (Python ints, numpy and torch integer scalars), but
+never a bool: `True` blocks or `False` bytes are always a bug, and numpy's
+`bool_` is refused the same way. A flag is a real bool (Python's or numpy's):
+`shrink="no"` is truthy, and silently acting on it is worse than refusing it.
+
+Failures are `ValueError`s that name the argument, the value and what was
+expected, in one form: "num_blocks must be an int >= 0, got -1". They are
+raised before anything changes, so a refused call leaves every object as it
+was.
+"""
+
+from __future__ import annotations
+
+import operator
+
+
+def _is_bool(value: object) -> bool:
+    # numpy.bool_ is no subclass of bool; recognizing it by its type keeps
+    # numpy an optional dependency.
+    kind = type(value)
+    return isinstance(value, bool) or (kind.__module__ == "numpy" and kind.__name__ in ("bool_", "bool"))
+
+
+def integer(name: str, value: object, *, minimum: int | None = 0, maximum: int | None = None, what: str = "") -> int:
+    """`value` as a Python int, or a ValueError naming `name`.
+
+    `minimum=None` accepts any sign. `what` says what the number counts
+    ("a block count", "bytes") when the name alone does not.
+    """
+    wanted = "an int" if minimum is None else f"an int >= {minimum}"
+    if maximum is not None:
+        wanted = f"{wanted} and <= {maximum}" if minimum is not None else f"an int <= {maximum}"
+    if what:
+        wanted = f"{wanted} ({what})"
+    if _is_bool(value):
+        raise ValueError(f"{name} must be {wanted}, got {value!r}")
+    try:
+        number = operator.index(value)
+    except TypeError:
+        raise ValueError(f"{name} must be {wanted}, got {value!r}") from None
+    if (minimum is not None and number < minimum) or (maximum is not None and number > maximum):
+        raise ValueError(f"{name} must be {wanted}, got {value!r}")
+    return number
+
+
+def flag(name: str, value: object) -> bool:
+    """`value` as a bool, or a ValueError naming `name`: only True and False
+    (Python's or numpy's) are flags."""
+    if not _is_bool(value):
+        raise ValueError(f"{name} must be a bool (True or False), got {value!r}")
+    return bool(value)
