@@ -4,10 +4,15 @@ preallocated everything, sleep/wake measured outside extkv, weight updates."""
 
 from __future__ import annotations
 
+import logging
+import re
+
 import pytest
 import torch
 from torch import nn
 
+from extkv import DriverError, ExtensibleKVCache, FaultInjectingDriver, KVCacheLayout, StateError, driver_for
+from extkv.connector import KVConnector, SegmentExportConnector
 from extkv.runner import (
     ReferenceModelRunner,
     TinyDecoderConfig,
@@ -19,6 +24,7 @@ from extkv.runner import (
     num_committable_kv_blocks,
     registers_kv_cache_memory,
 )
+from extkv.testing.configs import config_for
 from extkv.usage import device_memory_info
 
 CAPACITY = 256
@@ -289,3 +295,309 @@ def fill_gpu_until_free_is(target: int) -> list[torch.Tensor]:
         size = min(excess - granule, 8 << 30) // granule * granule
         hogs.append(torch.empty(size, dtype=torch.uint8, device="cuda"))
     return hogs
+
+
+# -- the committed geometry, argument checks, and every way out of a lend ------
+class RecordingConnector:
+    """A KVConnector that records what the runner hands it. It is the
+    runner's behaviour under test; `fail_restore` makes `restore_kv_caches`
+    raise the way a connector in the wrong state does."""
+
+    def __init__(self, *, registers_kv_cache_memory: bool = False, fail_restore: bool = False):
+        self.registers_kv_cache_memory = registers_kv_cache_memory
+        self.fail_restore = fail_restore
+        self.calls: list[tuple] = []
+
+    def register_kv_caches(self, kv_cache, *, kv_cache_config=None) -> None:
+        self.calls.append(("register", kv_cache, kv_cache_config))
+
+    def unregister_kv_caches(self) -> None:
+        self.calls.append(("unregister",))
+
+    def restore_kv_caches(self) -> None:
+        self.calls.append(("restore",))
+        if self.fail_restore:
+            raise StateError("restore_kv_caches() is not allowed: the RecordingConnector is closed")
+
+    def close(self) -> None:
+        self.calls.append(("close",))
+
+    @property
+    def operations(self) -> list[str]:
+        return [call[0] for call in self.calls]
+
+
+@pytest.mark.parametrize("registers", [False, True], ids=["plain-connector", "registering-connector"])
+def test_extend_hands_the_connector_the_committed_geometry(device, runners, registers):
+    connector = RecordingConnector(registers_kv_cache_memory=registers)
+    assert isinstance(connector, KVConnector)
+    runner = runners(device, CAPACITY, connector=connector)
+    runner.allocate_kv_cache()
+    ensure_kv_cache_blocks(runner, 8)
+    kv_cache, allocated, layout = runner.extensible_kv_cache, runner.allocated_config, runner.kv_cache_layout
+    extend_kv_cache(runner, allocated, 40)
+
+    # Unregistered before the commit remapped the memory, registered after.
+    assert connector.operations == ["unregister", "register"]
+    _, registered, given = connector.calls[-1]
+    assert registered is kv_cache
+    assert given.num_blocks == 40 == kv_cache.num_committed_blocks
+    assert given.kv_cache_tensors == kv_cache.committed_kv_cache_tensors(allocated, layout, 40)
+    assert given.kv_cache_tensors != allocated.kv_cache_tensors
+    assert given.kv_cache_groups == allocated.kv_cache_groups
+    # The committed placements are where the rebuilt views really are.
+    views = dict(zip(runner.layer_names, runner.kv_caches))
+    for tensor in given.kv_cache_tensors:
+        for index, name in enumerate(tensor.layers):
+            view = views[name]
+            start = view.data_ptr() - view.untyped_storage().data_ptr()
+            assert start == tensor.layer_offset(index)
+            assert view.stride(0) * view.element_size() == tensor.block_stride
+    # The runner's config keeps the allocated placements (views are located
+    # from them) with the committed count; the caller's config is untouched.
+    assert runner.kv_cache_config.num_blocks == 40
+    assert runner.kv_cache_config.kv_cache_tensors == allocated.kv_cache_tensors
+    assert allocated.num_blocks == CAPACITY
+
+
+def test_extend_past_the_capacity_describes_what_was_committed(device, runners):
+    connector = RecordingConnector()
+    runner = runners(device, CAPACITY, connector=connector)
+    runner.allocate_kv_cache()
+    kv_cache = runner.extensible_kv_cache
+    extend_kv_cache(runner, runner.allocated_config, CAPACITY + 100)
+    _, _, given = connector.calls[-1]
+    assert given.num_blocks == CAPACITY == kv_cache.num_committed_blocks == runner.kv_cache_config.num_blocks
+    assert given.kv_cache_tensors == kv_cache.committed_kv_cache_tensors(
+        runner.allocated_config, runner.kv_cache_layout, CAPACITY
+    )
+
+
+def test_extend_registers_a_segment_export_connector_with_the_committed_config(device, runners):
+    connector = SegmentExportConnector()
+    try:
+        runner = runners(device, CAPACITY, connector=connector)
+        runner.allocate_kv_cache()
+        extend_kv_cache(runner, runner.allocated_config, 40)
+        kv_cache = runner.extensible_kv_cache
+        assert connector.is_registered
+        assert connector.kv_cache_config.num_blocks == 40
+        assert connector.kv_cache_config.kv_cache_tensors == kv_cache.committed_kv_cache_tensors(
+            runner.allocated_config, runner.kv_cache_layout, 40
+        )
+    finally:
+        connector.close()
+
+
+@pytest.mark.parametrize("num_blocks", [-1, None, True, 2.0, "40"], ids=repr)
+def test_extend_refuses_a_bad_block_count_before_logging_or_changing_anything(device, runners, caplog, num_blocks):
+    connector = RecordingConnector()
+    runner = runners(device, CAPACITY, connector=connector)
+    runner.allocate_kv_cache()
+    ensure_kv_cache_blocks(runner, 16)
+    kv_cache = runner.extensible_kv_cache
+    config, pointers = runner.kv_cache_config, [view.data_ptr() for view in runner.kv_caches]
+    caplog.set_level(logging.DEBUG, logger="extkv")
+    with pytest.raises(ValueError, match=r"num_blocks must be .*got " + re.escape(repr(num_blocks))):
+        extend_kv_cache(runner, runner.allocated_config, num_blocks)
+    assert [record.getMessage() for record in caplog.records] == []
+    assert kv_cache.num_committed_blocks == 16 and kv_cache.physical_bytes == kv_cache.physical_bytes_for(16)
+    assert runner.kv_cache_config is config and [view.data_ptr() for view in runner.kv_caches] == pointers
+    assert connector.calls == []
+
+
+NOT_RUNNERS = [None, "runner", object(), nn.Linear(1, 1)]
+
+
+@pytest.mark.parametrize("not_a_runner", NOT_RUNNERS, ids=["None", "str", "object", "module"])
+@pytest.mark.parametrize(
+    "call",
+    [
+        lambda runner: registers_kv_cache_memory(runner),
+        lambda runner: num_committable_kv_blocks(runner),
+        lambda runner: ensure_kv_cache_blocks(runner, 4),
+        lambda runner: extend_kv_cache(runner, config_for("full", KVCacheLayout.LBHNC), 4),
+    ],
+    ids=["registers_kv_cache_memory", "num_committable_kv_blocks", "ensure_kv_cache_blocks", "extend_kv_cache"],
+)
+def test_lifecycle_functions_refuse_what_is_not_a_runner(call, not_a_runner):
+    expected = r"needs a model runner \(the Runner protocol\), got " + re.escape(repr(not_a_runner))
+    with pytest.raises(ValueError, match=expected):
+        call(not_a_runner)
+
+
+def test_lifecycle_functions_refuse_a_runner_with_a_bad_cache_or_connector(device, runners):
+    runner = runners(device, CAPACITY)
+    runner.allocate_kv_cache()
+    kv_cache = runner.extensible_kv_cache
+    runner.kv_connector = "connector"
+    with pytest.raises(ValueError, match="runner.kv_connector must be a KVConnector .* or None, got 'connector'"):
+        registers_kv_cache_memory(runner)
+    runner.kv_connector = RecordingConnector(registers_kv_cache_memory="yes")
+    with pytest.raises(ValueError, match="RecordingConnector.registers_kv_cache_memory must be a bool"):
+        registers_kv_cache_memory(runner)
+    with pytest.raises(ValueError, match="registers_kv_cache_memory must be a bool"):
+        extend_kv_cache(runner, runner.allocated_config, 40)
+    assert runner.kv_connector.calls == [] and kv_cache.num_committed_blocks == 1
+    runner.kv_connector = None
+    runner.extensible_kv_cache = "cache"
+    try:
+        with pytest.raises(ValueError, match="runner.extensible_kv_cache must be an ExtensibleKVCache or None, got 'c"):
+            ensure_kv_cache_blocks(runner, 8)
+    finally:
+        runner.extensible_kv_cache = kv_cache
+
+
+def test_extend_refuses_a_config_or_runner_it_cannot_extend(device, runners):
+    connector = RecordingConnector()
+    runner = runners(device, CAPACITY, connector=connector)
+    runner.allocate_kv_cache()
+    ensure_kv_cache_blocks(runner, 16)
+    kv_cache = runner.extensible_kv_cache
+    with pytest.raises(ValueError, match="kv_cache_config must be the KVCacheConfig the cache was allocated from, got No"):
+        extend_kv_cache(runner, None, 40)
+    other = config_for("full", KVCacheLayout.LBHNC)
+    with pytest.raises(ValueError, match="kv_cache_config does not describe this cache's allocation"):
+        extend_kv_cache(runner, other, 40)
+    assert connector.calls == [] and kv_cache.num_committed_blocks == 16
+
+    plain = runners(device, CAPACITY, extensible=False)
+    plain.allocate_kv_cache()
+    with pytest.raises(StateError, match="runner.extensible_kv_cache is None"):
+        extend_kv_cache(plain, plain.allocated_config, 40)
+    with pytest.raises(ValueError, match="num_blocks must be an int >= 0"):
+        ensure_kv_cache_blocks(plain, -1)  # a plain cache ignores the count, but not a wrong one
+
+    runner.free()
+    with pytest.raises(StateError, match="extend_kv_cache: the extensible KV cache was freed"):
+        extend_kv_cache(runner, runner.allocated_config, 40)
+    with pytest.raises(StateError, match="the extensible KV cache was freed"):
+        ensure_kv_cache_blocks(runner, 8)
+    with pytest.raises(StateError, match="the extensible KV cache was freed"):
+        num_committable_kv_blocks(runner)
+    assert connector.calls == []
+
+
+def test_reference_runner_refuses_bad_arguments(device, runners):
+    for kwargs, message in [
+        ({"capacity_blocks": 0}, "capacity_blocks must be an int >= 1"),
+        ({"capacity_blocks": True}, "capacity_blocks must be an int >= 1"),
+        ({"capacity_blocks": "256"}, "capacity_blocks must be an int >= 1"),
+        ({"extensible": "no"}, "extensible must be a bool"),
+        ({"config": None}, "config must be a TinyDecoderConfig, got None"),
+        ({"layout": "LBHNC"}, "attention reads LBHNC pages, got layout 'LBHNC'"),
+        ({"connector": object()}, "connector must be a KVConnector"),
+    ]:
+        with pytest.raises(ValueError, match=re.escape(message)):
+            runners(device, **{"capacity_blocks": CAPACITY, **kwargs})
+    runner = runners(device, CAPACITY)
+    with pytest.raises(ValueError, match="max_batch must be an int >= 1"):
+        runner.profile_run(0)
+    with pytest.raises(ValueError, match=re.escape("batch_sizes[1] must be an int >= 1")):
+        runner.warmup([1, 0])
+    with pytest.raises(ValueError, match="batch_sizes must be a list of ints"):
+        runner.warmup(4)
+    plain = runners(device, CAPACITY, extensible=False)
+    for operation in (plain.sleep, plain.wake):
+        with pytest.raises(StateError, match="needs an extensible KV cache; this runner preallocated a plain one"):
+            operation()
+
+
+def test_weight_update_refuses_bad_arguments_before_changing_anything(device, runners):
+    runner = runners(device, CAPACITY)
+    runner.allocate_kv_cache()
+    ensure_kv_cache_blocks(runner, CAPACITY)
+    kv_cache = runner.extensible_kv_cache
+    kv_cache.set_torch_memory_limit(1 << 40)
+    huge = HugeLayerModel(device_memory_info(device)[1])  # would be lent
+    held = kv_cache.physical_bytes
+    good = {"reclaimable": True, "fail_if_short": True}
+    for cache in (kv_cache, None):
+        for args, kwargs, message in [
+            (("x", huge), good, "kv_cache must be an ExtensibleKVCache or None (a standard cache), got 'x'"),
+            ((cache, "model"), good, "model must be a torch.nn.Module, got 'model'"),
+            ((cache, huge), {**good, "reclaimable": "yes"}, "reclaimable must be a bool (True or False), got 'yes'"),
+            ((cache, huge), {**good, "fail_if_short": 1}, "fail_if_short must be a bool (True or False), got 1"),
+            ((cache, huge), {**good, "connector": "c"}, "connector must be a KVConnector"),
+        ]:
+            # Refused at the call, before the context is entered.
+            with pytest.raises(ValueError, match=re.escape(message)):
+                kv_cache_lent_for_weight_update(*args, **kwargs)
+    assert kv_cache.physical_bytes == held and kv_cache.torch_memory_limit == 1 << 40
+    with pytest.raises(ValueError, match="model must be a torch.nn.Module, got None"):
+        max_layer_reload_bytes(None)
+    runner.free()
+    with pytest.raises(StateError, match="kv_cache_lent_for_weight_update: the extensible KV cache was freed"):
+        kv_cache_lent_for_weight_update(kv_cache, huge, **good)
+
+
+def lendable_runner(runners, device, **kwargs):
+    """A runner whose full cache a weight update of `HugeLayerModel` must
+    borrow, with torch's memory capped."""
+    runner = runners(device, CAPACITY, **kwargs)
+    runner.allocate_kv_cache()
+    ensure_kv_cache_blocks(runner, CAPACITY)
+    runner.extensible_kv_cache.set_torch_memory_limit(1 << 40)
+    return runner, HugeLayerModel(device_memory_info(device)[1])
+
+
+@pytest.mark.parametrize("connector_kind", ["unregistered-segment-export", "failing-restore"])
+def test_weight_update_puts_the_torch_cap_back_when_the_connector_cannot_restore(device, runners, connector_kind):
+    if connector_kind == "unregistered-segment-export":
+        connector = SegmentExportConnector()  # never registered: restore_kv_caches() is refused
+    else:
+        connector = RecordingConnector(fail_restore=True)
+    runner, huge = lendable_runner(runners, device)
+    kv_cache = runner.extensible_kv_cache
+    held = kv_cache.physical_bytes
+    with pytest.raises(StateError, match="restore_kv_caches"):
+        with kv_cache_lent_for_weight_update(kv_cache, huge, reclaimable=True, fail_if_short=True, connector=connector):
+            assert kv_cache.physical_bytes == 0 and kv_cache.torch_memory_limit is None  # lent, cap lifted
+    assert kv_cache.torch_memory_limit == 1 << 40
+    assert kv_cache.physical_bytes == held  # recommitted before the restore failed
+    connector.close()
+
+
+def test_weight_update_puts_the_torch_cap_back_when_the_body_raises(device, runners):
+    connector = RecordingConnector()
+    runner, huge = lendable_runner(runners, device, connector=connector)
+    kv_cache = runner.extensible_kv_cache
+    held = kv_cache.physical_bytes
+    with pytest.raises(RuntimeError, match="the update failed"):
+        with kv_cache_lent_for_weight_update(kv_cache, huge, reclaimable=True, fail_if_short=True, connector=connector):
+            assert kv_cache.physical_bytes == 0
+            raise RuntimeError("the update failed")
+    assert kv_cache.torch_memory_limit == 1 << 40
+    assert kv_cache.physical_bytes == held and connector.operations == ["unregister", "restore"]
+
+
+def test_weight_update_puts_the_torch_cap_back_when_the_recommit_fails(device):
+    faulty = FaultInjectingDriver(driver_for(device))
+    layout = KVCacheLayout.LBHNC
+    kv_cache = ExtensibleKVCache(config_for("padded", layout), faulty, layout)
+    connector = RecordingConnector()
+    try:
+        kv_cache.commit(64)
+        kv_cache.set_torch_memory_limit(1 << 40)
+        huge = HugeLayerModel(device_memory_info(device)[1])
+        with pytest.raises(DriverError, match="injected fault"):
+            with kv_cache_lent_for_weight_update(kv_cache, huge, reclaimable=True, fail_if_short=True, connector=connector):
+                assert kv_cache.physical_bytes == 0
+                faulty.fail_in("map")
+        assert kv_cache.torch_memory_limit == 1 << 40
+        # The memory is not back, so the connector was not restored over it.
+        assert connector.operations == ["unregister"]
+    finally:
+        kv_cache.free()
+
+
+def test_weight_update_with_a_closed_connector_fails_before_lending(device, runners):
+    connector = SegmentExportConnector()
+    connector.close()
+    runner, huge = lendable_runner(runners, device)
+    kv_cache = runner.extensible_kv_cache
+    held = kv_cache.physical_bytes
+    with pytest.raises(StateError, match="closed"):
+        with kv_cache_lent_for_weight_update(kv_cache, huge, reclaimable=True, fail_if_short=True, connector=connector):
+            pytest.fail("the update must not start")
+    assert kv_cache.physical_bytes == held and kv_cache.torch_memory_limit == 1 << 40

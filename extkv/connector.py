@@ -57,6 +57,7 @@ from typing import Protocol, Sequence, runtime_checkable
 import torch
 
 from .cache import ExtensibleKVCache
+from .layout import KVCacheConfig
 from . import validate
 from .errors import ExtkvError, StateError
 # The same undo helper ExtensibleTensor's transactions use.
@@ -91,8 +92,11 @@ class KVConnector(Protocol):
     #: needs one physical chunk per segment: commit with defragment=True.
     registers_kv_cache_memory: bool
 
-    def register_kv_caches(self, kv_cache: ExtensibleKVCache) -> None:
-        """Register the committed memory of `kv_cache`."""
+    def register_kv_caches(self, kv_cache: ExtensibleKVCache, *, kv_cache_config: KVCacheConfig | None = None) -> None:
+        """Register the committed memory of `kv_cache`. `kv_cache_config`, when
+        given, describes the committed geometry: `num_blocks` committed blocks
+        and `kv_cache_tensors` placed as the committed views are
+        (`ExtensibleKVCache.committed_kv_cache_tensors`)."""
 
     def unregister_kv_caches(self) -> None:
         """Forget the registration before the cache's memory is released."""
@@ -143,6 +147,8 @@ class SegmentExportConnector:
         self._state = _State.UNREGISTERED
         self._kv_cache: ExtensibleKVCache | None = None
         self._registrations: list[SegmentRegistration] = []
+        #: The committed geometry given to the last `register_kv_caches`, or None.
+        self.kv_cache_config: KVCacheConfig | None = None
 
     @property
     def registrations(self) -> list[SegmentRegistration]:
@@ -153,8 +159,10 @@ class SegmentExportConnector:
     def is_registered(self) -> bool:
         return self._state is _State.REGISTERED
 
-    def register_kv_caches(self, kv_cache: ExtensibleKVCache) -> None:
-        """Record, per segment, the chunk backing its committed bytes.
+    def register_kv_caches(self, kv_cache: ExtensibleKVCache, *, kv_cache_config: KVCacheConfig | None = None) -> None:
+        """Record, per segment, the chunk backing its committed bytes, and keep
+        `kv_cache_config` (the committed geometry, see `KVConnector`) as
+        `self.kv_cache_config`.
 
         Raises `SegmentNotContiguousError` (naming the segments) when a
         segment spans several chunks; nothing is registered then.
@@ -165,6 +173,7 @@ class SegmentExportConnector:
         registrations = _segment_registrations(kv_cache.buffer)
         self._kv_cache = kv_cache
         self._registrations = registrations
+        self.kv_cache_config = kv_cache_config
         self._state = _State.REGISTERED
 
     def unregister_kv_caches(self) -> None:

@@ -26,6 +26,42 @@ the reference gives it:
 `Runner` is the small protocol these functions need. `ReferenceModelRunner`
 is its one real implementation: a few-layer decoder whose attention reads and
 writes a paged KV cache through block tables, driven through every stage.
+
+Every function checks its arguments before it changes anything: a runner
+that is not one, a cache or connector of the wrong type, a count that is not
+a non-negative int, a flag that is not a bool are `ValueError`s naming the
+value; a runner without an extensible cache, or a freed cache, where one is
+needed is a `StateError`.
+
+Deliberate differences from the reference
+-----------------------------------------
+- Engine state is passed in, not looked up: the functions take the runner
+  (`registers_kv_cache_memory(runner)`, not a vLLM config) and the weight
+  update takes its `connector` as an argument instead of a process-global KV
+  transfer group. Free memory for a weight update is read on the cache's
+  device, not the current one. Not even the largest layer fitting is a
+  `WeightUpdateMemoryError` (a `RuntimeError`, as in the reference).
+- Two configs after `extend_kv_cache`, as in the reference, but never by
+  mutating the caller's: `runner.kv_cache_config` becomes a copy of the
+  allocated config with the committed `num_blocks` and the *allocated*
+  `kv_cache_tensors`, because `committed_views` locates each layer's segment
+  from its placement in the allocation. The connector gets another copy whose
+  `kv_cache_tensors` are `committed_kv_cache_tensors(...)`, the storages the
+  rebuilt views really have (`register_kv_caches(kv_cache,
+  kv_cache_config=...)`).
+- The connector's `num_blocks` is the count actually committed: a request
+  past the capacity is clamped by `commit`, and the connector is told the
+  clamped count (the reference hands it the request).
+- The reference creates its connector during the extension; ours exists
+  already, so it is unregistered before the commit (which may shrink or
+  defragment, remapping what it registered) and registered afterwards. If the
+  commit itself fails, the connector stays unregistered.
+- `kv_cache_lent_for_weight_update` checks its arguments when called, not
+  when the context is entered, and puts torch's memory cap back on every
+  way out: when the body, the recommit or the connector's restore raises,
+  the cap is restored and that error propagates (the reference leaves the
+  cap lifted when the recommit or the restore fails). A failed recommit
+  skips the connector's restore: there is no memory to register.
 """
 
 from __future__ import annotations
@@ -34,13 +70,15 @@ import contextlib
 import copy
 import logging
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Iterator, Protocol, runtime_checkable
+from typing import Iterator, Protocol, runtime_checkable
 
 import torch
 from torch import nn
 
+from . import validate
 from .cache import ExtensibleKVCache, measure_kv_cache_blocks
-from .errors import ExtkvError
+from .connector import KVConnector
+from .errors import ExtkvError, StateError
 from .layout import (
     FullAttentionSpec,
     KVCacheConfig,
@@ -54,9 +92,6 @@ from .ranks import agree_on_committable_blocks
 from .sizing import WEIGHT_UPDATE_PEAK_LAYER_FACTOR
 from .usage import device_memory_info
 from .vmm import driver_for
-
-if TYPE_CHECKING:
-    from .connector import KVConnector
 
 logger = logging.getLogger(__name__)
 
@@ -78,42 +113,121 @@ class Runner(Protocol):
         """Point every attention layer at its view of the KV cache."""
 
 
+# -- argument checks -----------------------------------------------------------
+def _check_runner(runner: object, function: str) -> Runner:
+    """`runner` if it is a model runner, else a ValueError naming it."""
+    if not isinstance(runner, Runner):
+        missing = [name for name in _RUNNER_MEMBERS if not hasattr(runner, name)]
+        raise ValueError(
+            f"{function} needs a model runner (the Runner protocol), got {runner!r}, which lacks {', '.join(missing)}"
+        )
+    kv_cache = runner.extensible_kv_cache
+    if kv_cache is not None and not isinstance(kv_cache, ExtensibleKVCache):
+        raise ValueError(f"runner.extensible_kv_cache must be an ExtensibleKVCache or None, got {kv_cache!r}")
+    _check_connector("runner.kv_connector", runner.kv_connector)
+    return runner
+
+
+_RUNNER_MEMBERS = (
+    "device",
+    "kv_cache_config",
+    "kv_cache_layout",
+    "kernel_block_sizes",
+    "extensible_kv_cache",
+    "kv_connector",
+    "bind_kv_caches",
+)
+
+
+def _check_connector(name: str, connector: object) -> None:
+    if connector is not None and not isinstance(connector, KVConnector):
+        raise ValueError(
+            f"{name} must be a KVConnector (registers_kv_cache_memory, register_kv_caches, "
+            f"unregister_kv_caches, restore_kv_caches, close) or None, got {connector!r}"
+        )
+
+
+def _check_live(kv_cache: ExtensibleKVCache, function: str) -> ExtensibleKVCache:
+    if kv_cache.buffer.is_freed:
+        raise StateError(f"{function}: the extensible KV cache was freed")
+    return kv_cache
+
+
+def _check_model(model: object) -> nn.Module:
+    if not isinstance(model, nn.Module):
+        raise ValueError(f"model must be a torch.nn.Module, got {model!r}")
+    return model
+
+
 # -- the reference's runner-level functions -----------------------------------
 def registers_kv_cache_memory(runner: Runner) -> bool:
     """Whether the runner's KV connector registers the committed memory (RDMA,
     IPC export), which needs each segment backed by one physical chunk."""
-    connector = runner.kv_connector
-    return connector is not None and bool(connector.registers_kv_cache_memory)
+    connector = _check_runner(runner, "registers_kv_cache_memory").kv_connector
+    if connector is None:
+        return False
+    return validate.flag(f"{type(connector).__name__}.registers_kv_cache_memory", connector.registers_kv_cache_memory)
 
 
 def num_committable_kv_blocks(runner: Runner) -> int:
     """Blocks warmup may address: all of them for a standard cache; for an
     extensible one the count agreed across ranks, so every rank warms up the
     same shapes."""
-    kv_cache = runner.extensible_kv_cache
+    kv_cache = _check_runner(runner, "num_committable_kv_blocks").extensible_kv_cache
     if kv_cache is None:
         return runner.kv_cache_config.num_blocks
-    return kv_cache.warmup_committable_blocks
+    return _check_live(kv_cache, "num_committable_kv_blocks").warmup_committable_blocks
 
 
 def ensure_kv_cache_blocks(runner: Runner, num_blocks: int) -> None:
     """Commit enough of an extensible KV cache to address `num_blocks` blocks."""
-    kv_cache = runner.extensible_kv_cache
+    kv_cache = _check_runner(runner, "ensure_kv_cache_blocks").extensible_kv_cache
+    num_blocks = validate.integer("num_blocks", num_blocks, what="a block count")
     if kv_cache is not None:
-        kv_cache.commit(num_blocks)
+        _check_live(kv_cache, "ensure_kv_cache_blocks").commit(num_blocks)
 
 
 def extend_kv_cache(runner: Runner, kv_cache_config: KVCacheConfig, num_blocks: int) -> None:
     """Commit the final size once post-warmup memory is known.
 
-    Afterwards the runner matches one that allocated `num_blocks` up front:
-    views are rebuilt over the committed bytes (same addresses), and the
-    connector is registered against the final memory. `kv_cache_config` is
-    the config the cache was allocated from.
+    Afterwards the runner matches one that allocated `num_blocks` up front
+    (clamped to the capacity, as `commit` does): views are rebuilt over the
+    committed bytes (same addresses), and the connector is registered against
+    the final memory with a config describing it (`num_blocks` committed,
+    `kv_cache_tensors` from `committed_kv_cache_tensors`). `kv_cache_config`
+    is the config the cache was allocated from; `runner.kv_cache_config`
+    becomes a copy of it with the committed `num_blocks` and the allocated
+    tensors (see the module header). Arguments are checked before anything
+    changes; a connector is unregistered before the commit remaps memory.
     """
+    _check_runner(runner, "extend_kv_cache")
     kv_cache = runner.extensible_kv_cache
     if kv_cache is None:
-        raise ExtkvError("extend_kv_cache needs a runner with an extensible KV cache")
+        raise StateError(
+            "extend_kv_cache needs a runner with an extensible KV cache; runner.extensible_kv_cache is None"
+        )
+    _check_live(kv_cache, "extend_kv_cache")
+    if not isinstance(kv_cache_config, KVCacheConfig):
+        raise ValueError(
+            f"kv_cache_config must be the KVCacheConfig the cache was allocated from, got {kv_cache_config!r}"
+        )
+    num_blocks = validate.integer("num_blocks", num_blocks, what="a block count")
+    layout = runner.kv_cache_layout
+    if layout is not kv_cache.layout:
+        raise ValueError(
+            f"runner.kv_cache_layout is {layout!r}, but the KV cache was allocated with {kv_cache.layout!r}"
+        )
+    sizes = sorted({tensor.size for tensor in kv_cache_config.kv_cache_tensors})
+    if sizes != [kv_cache.size]:
+        raise ValueError(
+            f"kv_cache_config does not describe this cache's allocation: its kv_cache_tensors have sizes {sizes}, "
+            f"the cache backs {kv_cache.size} bytes; pass the config the cache was allocated from"
+        )
+    defragment = registers_kv_cache_memory(runner)
+    final_blocks = min(num_blocks, kv_cache.capacity_blocks)
+    # Computed before anything changes: a config the cache cannot place fails here.
+    committed_tensors = kv_cache.committed_kv_cache_tensors(kv_cache_config, layout, final_blocks)
+
     if num_blocks < kv_cache.num_committed_blocks:
         # Warmup committed more than the measured budget fits (its transient
         # peak beat the reserve); those blocks hold warmup garbage.
@@ -122,27 +236,33 @@ def extend_kv_cache(runner: Runner, kv_cache_config: KVCacheConfig, num_blocks: 
             kv_cache.num_committed_blocks,
             num_blocks,
         )
-    kv_cache.commit(num_blocks, defragment=registers_kv_cache_memory(runner), shrink=True)
+    connector = runner.kv_connector
+    if connector is not None:
+        # The commit may remap registered memory (shrink, defragment).
+        connector.unregister_kv_caches()
+    kv_cache.commit(num_blocks, defragment=defragment, shrink=True)
     committed = copy.copy(kv_cache_config)
     committed.num_blocks = kv_cache.num_committed_blocks
     runner.kv_cache_config = committed
     logger.info(
         "Extended KV cache to %d blocks (%.2f GiB).", kv_cache.num_committed_blocks, kv_cache.physical_bytes / GiB
     )
-    views = kv_cache.committed_views(committed, runner.kv_cache_layout, runner.kernel_block_sizes)
+    views = kv_cache.committed_views(committed, layout, runner.kernel_block_sizes)
     if views is not None:
         runner.bind_kv_caches(views)
-    if runner.kv_connector is not None:
-        # Registered memory may have been remapped by this commit.
-        runner.kv_connector.unregister_kv_caches()
-        runner.kv_connector.register_kv_caches(kv_cache)
+    if connector is not None:
+        # Connectors that derive geometry from the config see the committed
+        # storages the rebuilt views have.
+        connector_config = copy.copy(committed)
+        connector_config.kv_cache_tensors = committed_tensors
+        connector.register_kv_caches(kv_cache, kv_cache_config=connector_config)
 
 
 def max_layer_reload_bytes(model: nn.Module) -> int:
     """Bytes of the largest layer a layer-by-layer update reloads at once:
     the largest child module, looking inside ModuleLists and Sequentials."""
     largest = 0
-    pending = list(model.children())
+    pending = list(_check_model(model).children())
     while pending:
         module = pending.pop()
         if isinstance(module, (nn.ModuleList, nn.Sequential, nn.ModuleDict)):
@@ -204,7 +324,6 @@ class WeightUpdateMemoryError(ExtkvError, RuntimeError):
     """Not even the largest layer fits beside the KV cache; nothing was changed."""
 
 
-@contextlib.contextmanager
 def kv_cache_lent_for_weight_update(
     kv_cache: ExtensibleKVCache | None,
     model: nn.Module,
@@ -212,38 +331,74 @@ def kv_cache_lent_for_weight_update(
     reclaimable: bool,
     fail_if_short: bool,
     connector: KVConnector | None = None,
-) -> Iterator[None]:
+) -> contextlib.AbstractContextManager[None]:
     """Make room for a layer-by-layer weight update of `model` in the context.
 
     Only an extensible cache (None: a standard one) leaves free memory short,
     since it keeps free just the transients warmup measured. When short, the
     cache's physical memory is lent to the update if it holds nothing worth
-    keeping (`reclaimable`) and recommitted, zeroed, afterwards; otherwise the
-    context fails before any weight changes when not even the largest layer
-    fits and `fail_if_short`, or warns. Torch's memory cap is lifted inside.
+    keeping (`reclaimable`) and recommitted, zeroed, afterwards (then
+    `connector` is restored); otherwise the context fails before any weight
+    changes when not even the largest layer fits and `fail_if_short`, or
+    warns. Torch's memory cap is lifted inside and put back on every way out,
+    also when the body, the recommit or the connector's restore raises (that
+    error propagates). Arguments are checked here, at the call.
     """
+    if kv_cache is not None:
+        if not isinstance(kv_cache, ExtensibleKVCache):
+            raise ValueError(f"kv_cache must be an ExtensibleKVCache or None (a standard cache), got {kv_cache!r}")
+        _check_live(kv_cache, "kv_cache_lent_for_weight_update")
+    _check_model(model)
+    reclaimable = validate.flag("reclaimable", reclaimable)
+    fail_if_short = validate.flag("fail_if_short", fail_if_short)
+    _check_connector("connector", connector)
+    return _lent_for_weight_update(
+        kv_cache, model, reclaimable=reclaimable, fail_if_short=fail_if_short, connector=connector
+    )
+
+
+@contextlib.contextmanager
+def _lent_for_weight_update(
+    kv_cache: ExtensibleKVCache | None,
+    model: nn.Module,
+    *,
+    reclaimable: bool,
+    fail_if_short: bool,
+    connector: KVConnector | None,
+) -> Iterator[None]:
     if kv_cache is None:
         yield
         return
+    # Fails before changing anything (except a connector whose unregister
+    # succeeded when the release itself fails).
     lent = _release_for_weight_update(
         kv_cache, model, reclaimable=reclaimable, fail_if_short=fail_if_short, connector=connector
     )
-    # Weight processing allocates through torch beyond the cap sized for serving.
     torch_memory_limit = kv_cache.torch_memory_limit
-    if torch_memory_limit is not None:
-        kv_cache.set_torch_memory_limit(None)
     try:
+        # Weight processing allocates through torch beyond the cap sized for serving.
+        if torch_memory_limit is not None:
+            kv_cache.set_torch_memory_limit(None)
         yield
     finally:
-        device = kv_cache.buffer.device
-        if (lent or torch_memory_limit is not None) and device.type == "cuda":
-            torch.cuda.empty_cache()
-        if lent:
-            kv_cache.recommit()
-            if connector is not None:
-                connector.restore_kv_caches()
-        if torch_memory_limit is not None:
-            kv_cache.set_torch_memory_limit(torch_memory_limit)
+        try:
+            if (lent or torch_memory_limit is not None) and kv_cache.buffer.device.type == "cuda":
+                torch.cuda.empty_cache()
+            if lent:
+                kv_cache.recommit()
+                # Only once the memory is back: a restore registers the mapping.
+                if connector is not None:
+                    connector.restore_kv_caches()
+        finally:
+            # Whatever failed above, the cap sized for serving comes back.
+            if torch_memory_limit is not None:
+                kv_cache.set_torch_memory_limit(torch_memory_limit)
+
+
+def _batch_sizes(batch_sizes: object) -> list[int]:
+    if isinstance(batch_sizes, (str, bytes)) or not hasattr(batch_sizes, "__iter__"):
+        raise ValueError(f"batch_sizes must be a list of ints >= 1, got {batch_sizes!r}")
+    return [validate.integer(f"batch_sizes[{i}]", b, minimum=1, what="a batch size") for i, b in enumerate(batch_sizes)]
 
 
 # -- a reference model --------------------------------------------------------
@@ -372,9 +527,15 @@ class ReferenceModelRunner:
         extensible: bool = True,
         seed: int = 0,
     ):
+        capacity_blocks = validate.integer("capacity_blocks", capacity_blocks, minimum=1, what="a block count")
+        extensible = validate.flag("extensible", extensible)
+        seed = validate.integer("seed", seed, minimum=None)
+        if not isinstance(config, TinyDecoderConfig):
+            raise ValueError(f"config must be a TinyDecoderConfig, got {config!r}")
+        if layout is not KVCacheLayout.LBHNC:
+            raise ValueError(f"the reference model's attention reads LBHNC pages, got layout {layout!r}")
+        _check_connector("connector", connector)
         self.device = torch.device(device)
-        if layout not in (KVCacheLayout.LBHNC,):
-            raise ValueError(f"the reference model's attention reads LBHNC pages, got {layout.name}")
         self.config = config
         self.kv_cache_layout = layout
         self.kernel_block_sizes = None
@@ -409,6 +570,7 @@ class ReferenceModelRunner:
     def profile_run(self, max_batch: int) -> int:
         """Run one forward at `max_batch` without a KV cache and keep its
         activation peak as the cache's reserved headroom. Returns the peak."""
+        max_batch = validate.integer("max_batch", max_batch, minimum=1, what="a batch size")
         c = self.config
         scratch = torch.zeros(1, 2, c.block_size, c.num_kv_heads, c.head_size, dtype=c.dtype, device=self.device)
         peak = 0
@@ -442,6 +604,7 @@ class ReferenceModelRunner:
     def warmup(self, batch_sizes: list[int]) -> int:
         """Agree across ranks on the committable blocks, commit them, and run
         a decode step per batch size. Returns the blocks committed."""
+        batch_sizes = _batch_sizes(batch_sizes)
         if self.extensible_kv_cache is not None:
             agree_on_committable_blocks(self.extensible_kv_cache)
         ensure_kv_cache_blocks(self, num_committable_kv_blocks(self))
@@ -452,6 +615,7 @@ class ReferenceModelRunner:
     def capture_cuda_graphs(self, batch_sizes: list[int]) -> None:
         """Capture one decode step per batch size. The inputs point at the null
         block; replays may point anywhere in the capacity."""
+        batch_sizes = _batch_sizes(batch_sizes)
         if self.device.type != "cuda":
             raise ExtkvError(f"CUDA graphs need a CUDA device, this runner is on {self.device}")
         pool = None
@@ -470,22 +634,29 @@ class ReferenceModelRunner:
 
     def measure_and_extend(self, *, init_free_memory: int, requested_memory: int) -> int:
         """Size the cache from the memory left after warmup, then extend it."""
-        kv_cache = self.extensible_kv_cache
-        if kv_cache is None:
-            raise ExtkvError("measure_and_extend needs an extensible KV cache")
+        kv_cache = self._require_extensible("measure_and_extend")
         num_blocks = measure_kv_cache_blocks(
             kv_cache, self.device, init_free_memory=init_free_memory, requested_memory=requested_memory
         )
         extend_kv_cache(self, self.allocated_config, num_blocks)
         return num_blocks
 
+    def _require_extensible(self, operation: str) -> ExtensibleKVCache:
+        if self.extensible_kv_cache is None:
+            raise StateError(f"{operation} needs an extensible KV cache; this runner preallocated a plain one")
+        return _check_live(self.extensible_kv_cache, operation)
+
     def sleep(self) -> None:
+        """Release the cache's physical memory (connector unregistered first)."""
+        kv_cache = self._require_extensible("sleep")
         if self.kv_connector is not None:
             self.kv_connector.unregister_kv_caches()
-        self.extensible_kv_cache.release_physical()
+        kv_cache.release_physical()
 
     def wake(self) -> None:
-        self.extensible_kv_cache.recommit()
+        """Recommit what `sleep` released, zeroed; then restore the connector."""
+        kv_cache = self._require_extensible("wake")
+        kv_cache.recommit()
         if self.kv_connector is not None:
             self.kv_connector.restore_kv_caches()
 
@@ -546,8 +717,9 @@ class ReferenceModelRunner:
         return captured.logits.clone()
 
     def free(self) -> None:
+        """Drop graphs and views and free the cache. Idempotent."""
         self.graphs.clear()
         self.kv_caches = []
         self._plain_buffer = None
-        if self.extensible_kv_cache is not None:
+        if self.extensible_kv_cache is not None and not self.extensible_kv_cache.buffer.is_freed:
             self.extensible_kv_cache.free()
