@@ -9,6 +9,7 @@ import torch
 from hypothesis import given
 from hypothesis import strategies as st
 
+from extkv import KV_CACHE_NON_TORCH_RESERVE_BYTES, DriverError, FaultInjectingDriver, measure_kv_cache_blocks
 from extkv.cache import ExtensibleKVCache
 from extkv.layout import (
     KVCacheConfig,
@@ -18,6 +19,8 @@ from extkv.layout import (
 )
 from extkv.testing.configs import CAPACITY, GRANULE, config_for, fill_segments
 from extkv.testing.checks import check_readback_matches_bookkeeping, check_usage_matches, readback_one_chunk_per_segment
+from extkv.usage import device_memory_info
+from extkv.vmm import driver_for
 
 CASES = [
     *[("full", layout) for layout in KVCacheLayout],
@@ -310,3 +313,50 @@ def test_torch_memory_limit_is_set_and_lifted(cache):
     assert cache.torch_memory_limit == 1 << 30
     cache.set_torch_memory_limit(None)
     assert cache.torch_memory_limit is None
+
+
+def test_recommit_that_fails_half_way_is_completed_by_calling_it_again(device, usage):
+    baseline = usage.read_outside_torch()
+    faulty = FaultInjectingDriver(driver_for(device))
+    kv_cache = ExtensibleKVCache(config_for("full", KVCacheLayout.LBHNC), faulty, KVCacheLayout.LBHNC)
+    try:
+        kv_cache.commit(100)  # three runs of granules: granule 0, 2-3 and 5
+        kv_cache.release_physical()
+        faulty.fail_in("map", 2)
+        with pytest.raises(DriverError, match="injected fault"):
+            kv_cache.recommit()
+        assert 0 < kv_cache.physical_bytes < kv_cache.physical_bytes_for(100)
+        assert kv_cache.num_committed_blocks == 100
+        kv_cache.recommit()
+        assert kv_cache.buffer.segment_sizes == [100 * s for s in kv_cache.segment_strides]
+        assert kv_cache.physical_bytes == kv_cache.physical_bytes_for(100)
+        check_readback_matches_bookkeeping(kv_cache.buffer)
+        check_usage_matches(usage, baseline, [kv_cache.buffer])
+    finally:
+        kv_cache.free()
+
+
+def test_torch_cap_grows_by_what_a_shrinking_extend_frees(device):
+    """The reference subtracts the signed growth: when the measured budget is
+    below what warmup committed, the shrink frees memory that torch may use,
+    so the cap sits that much above free memory less the non-torch reserve."""
+    layout = KVCacheLayout.LBHNC
+    kv_cache = ExtensibleKVCache(config_for("padded", layout, 20_000), device, layout)
+    try:
+        kv_cache.commit(kv_cache.blocks_within(512 << 20))
+        committed = kv_cache.physical_bytes
+        assert committed >= 500 << 20
+        free_before, _ = device_memory_info(device)
+        # Nothing else used memory since init, and nothing is requested: the
+        # budget is zero blocks, so the extend would free all that is committed.
+        num_blocks = measure_kv_cache_blocks(
+            kv_cache, device, init_free_memory=free_before + committed, requested_memory=0
+        )
+        assert num_blocks == 0
+        reserved = torch.cuda.memory_reserved(device) if device.type == "cuda" else 0
+        # Other processes move free memory a little between the two readings.
+        noise = 128 << 20
+        unsigned_cap = reserved + free_before - KV_CACHE_NON_TORCH_RESERVE_BYTES
+        assert kv_cache.torch_memory_limit >= unsigned_cap + committed - noise
+    finally:
+        kv_cache.free()

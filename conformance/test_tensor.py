@@ -460,3 +460,55 @@ def test_fault_in_defragment_leaves_old_mapping_and_bytes(device, granule, usage
         assert all(torch.equal(t.segment_view(i), before[i]) for i in range(2))
     finally:
         t.free()
+
+
+@pytest.mark.parametrize("step, nth", [("release", 1), ("release", 2), ("unmap", 3)])
+def test_fault_in_defragment_cleanup_is_finished_by_free(device, granule, usage, step, nth):
+    """Past the swap nothing can be undone, only finished: release #1 and #2
+    release the replaced chunks, unmap #3 drops the scratch mapping. A fault
+    there leaves the new mapping in place and the leftovers recorded, and
+    free() returns every chunk, mapping and reservation."""
+    baseline = usage.read_outside_torch()
+    reservations, chunks = _nonzero(live_reservations), _nonzero(live_chunks)
+    faulty = FaultInjectingDriver(driver_for(device))
+    t = fragmented_tensor(faulty, granule)
+    try:
+        before = [t.segment_view(i).clone() for i in range(2)]
+        faulty.fail_in(step, nth)
+        with pytest.raises(DriverError, match="injected fault"):
+            t.defragment_segment_(0)
+        assert faulty.fired == [(step, faulty.calls[step])]
+        assert readback_one_chunk_per_segment(t, t.segment_sizes) == [True, True]
+        assert all(torch.equal(t.segment_view(i), before[i]) for i in range(2))
+        check_readback_matches_bookkeeping(t)
+    finally:
+        t.free()
+    assert _nonzero(live_reservations) == reservations and _nonzero(live_chunks) == chunks
+    check_usage_matches(usage, baseline, [])
+
+
+def test_size_past_the_address_space_is_refused_before_any_call(device):
+    before = _nonzero(live_reservations)
+    for kwargs in (dict(size=2**64), dict(size=2**64, segment_capacities=[2**64 - 1, 1]), dict(size=1 << 60)):
+        with pytest.raises(ValueError, match=r"size must be an int >= 0 and <= \d+, got"):
+            ExtensibleTensor(device=device, **kwargs)
+    assert _nonzero(live_reservations) == before
+
+
+def test_full_view_repr_reads_nothing(device, granule):
+    """The full view spans unmapped pages; printing it must not touch them
+    (it killed the process with SIGSEGV on the host)."""
+    script = textwrap.dedent(
+        f"""
+        import torch
+        from extkv import ExtensibleTensor
+        t = ExtensibleTensor(64 * {granule}, device={str(device)!r})
+        t.resize_segments_([{granule}], zero_new=True)
+        view = t.full_view()
+        print(view, repr(view), f"{{view}}", [view])
+        t.free()
+        """
+    )
+    result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, f"exit {result.returncode}: {result.stderr[-2000:]}"
+    assert result.stdout.count(f"ReservationView({64 * granule} bytes at 0x") == 4

@@ -103,8 +103,8 @@ def _check_dtype(value: object) -> torch.dtype:
 
 def round_up(n: int, multiple: int) -> int:
     """Smallest multiple of `multiple` that is >= n."""
-    _check_non_negative("n", n)
-    _check_positive("multiple", multiple)
+    n = _check_non_negative("n", n)
+    multiple = _check_positive("multiple", multiple)
     return -(-n // multiple) * multiple
 
 
@@ -179,9 +179,9 @@ class FullAttentionSpec(KVCacheSpec):
     dtype: torch.dtype
 
     def __post_init__(self) -> None:
-        _check_positive("block_size", self.block_size)
-        _check_positive("num_kv_heads", self.num_kv_heads)
-        _check_positive("head_size", self.head_size)
+        object.__setattr__(self, "block_size", _check_positive("block_size", self.block_size))
+        object.__setattr__(self, "num_kv_heads", _check_positive("num_kv_heads", self.num_kv_heads))
+        object.__setattr__(self, "head_size", _check_positive("head_size", self.head_size))
         _check_dtype(self.dtype)
 
     @property
@@ -208,8 +208,8 @@ class MLAAttentionSpec(KVCacheSpec):
     dtype: torch.dtype
 
     def __post_init__(self) -> None:
-        _check_positive("block_size", self.block_size)
-        _check_positive("head_size", self.head_size)
+        object.__setattr__(self, "block_size", _check_positive("block_size", self.block_size))
+        object.__setattr__(self, "head_size", _check_positive("head_size", self.head_size))
         _check_dtype(self.dtype)
 
     @property
@@ -237,7 +237,7 @@ class MambaStateSpec(KVCacheSpec):
     page_size_padded: int | None = None
 
     def __post_init__(self) -> None:
-        _check_positive("block_size", self.block_size)
+        object.__setattr__(self, "block_size", _check_positive("block_size", self.block_size))
         _check_dtype(self.dtype)
         if not isinstance(self.shapes, (tuple, list)) or not self.shapes:
             raise ValueError(
@@ -247,13 +247,11 @@ class MambaStateSpec(KVCacheSpec):
         for i, shape in enumerate(self.shapes):
             if not isinstance(shape, (tuple, list)):
                 raise ValueError(f"shapes[{i}] must be a tuple of ints, got {shape!r}")
-            for j, dim in enumerate(shape):
-                _check_positive(f"shapes[{i}][{j}]", dim)
-            shapes.append(tuple(shape))
+            shapes.append(tuple(_check_positive(f"shapes[{i}][{j}]", dim) for j, dim in enumerate(shape)))
         # Lists would make the frozen spec unhashable.
         object.__setattr__(self, "shapes", tuple(shapes))
         if self.page_size_padded is not None:
-            _check_positive("page_size_padded", self.page_size_padded)
+            object.__setattr__(self, "page_size_padded", _check_positive("page_size_padded", self.page_size_padded))
             if self.page_size_padded < self.state_bytes:
                 raise ValueError(
                     f"page_size_padded must be >= the state size "
@@ -295,10 +293,10 @@ class KVCacheTensor:
     offset: int = 0
 
     def __post_init__(self) -> None:
-        _check_non_negative("size", self.size)
-        _check_non_negative("layer_stride", self.layer_stride)
-        _check_positive("block_stride", self.block_stride)
-        _check_non_negative("offset", self.offset)
+        object.__setattr__(self, "size", _check_non_negative("size", self.size))
+        object.__setattr__(self, "layer_stride", _check_non_negative("layer_stride", self.layer_stride))
+        object.__setattr__(self, "block_stride", _check_positive("block_stride", self.block_stride))
+        object.__setattr__(self, "offset", _check_non_negative("offset", self.offset))
         if isinstance(self.layers, str) or not isinstance(self.layers, Sequence):
             raise ValueError(
                 f"layers must be a list of layer names, got {self.layers!r}"
@@ -351,7 +349,7 @@ class KVCacheConfig:
     kv_cache_groups: list[KVCacheGroupSpec] = field(default_factory=list)
 
     def __post_init__(self) -> None:
-        _check_non_negative("num_blocks", self.num_blocks)
+        object.__setattr__(self, "num_blocks", _check_non_negative("num_blocks", self.num_blocks))
 
 
 # --------------------------------------------------------------------------
@@ -407,7 +405,7 @@ def build_kv_cache_config(
     """
     if not isinstance(layout, KVCacheLayout):
         raise ValueError(f"layout must be a KVCacheLayout, got {layout!r}")
-    _check_positive("num_blocks", num_blocks)
+    num_blocks = _check_positive("num_blocks", num_blocks)
     groups = list(groups)
     if not groups:
         raise ValueError("groups must hold at least one KVCacheGroupSpec, got none")
@@ -593,7 +591,7 @@ def pad_kv_cache_segments(
     """
     if not isinstance(layout, KVCacheLayout):
         raise ValueError(f"layout must be a KVCacheLayout, got {layout!r}")
-    _check_positive("granule", granule)
+    granule = _check_positive("granule", granule)
     if layout.is_block_outermost:
         return config
     if not layout.is_block_compact:
@@ -650,13 +648,13 @@ def pad_kv_cache_segments(
 def granule_block_alignment(strides: Sequence[int], granule: int) -> int:
     """Smallest block count at which every segment of `strides` ends on a
     granule: the lcm over strides s of ``granule / gcd(s, granule)``."""
-    _check_positive("granule", granule)
+    granule = _check_positive("granule", granule)
     strides = list(strides)
     if not strides:
         raise ValueError("strides must hold at least one segment stride, got none")
     alignment = 1
     for i, stride in enumerate(strides):
-        _check_positive(f"strides[{i}]", stride)
+        stride = _check_positive(f"strides[{i}]", stride)
         alignment = math.lcm(alignment, granule // math.gcd(stride, granule))
     return alignment
 
@@ -665,7 +663,7 @@ def granule_aligned_blocks(num_blocks: int, strides: Sequence[int], granule: int
     """`num_blocks` rounded down to a multiple of `granule_block_alignment`:
     the most blocks whose segments all end on a granule (no partly used
     granule at any segment's end)."""
-    _check_non_negative("num_blocks", num_blocks)
+    num_blocks = _check_non_negative("num_blocks", num_blocks)
     alignment = granule_block_alignment(strides, granule)
     return num_blocks - num_blocks % alignment
 
@@ -696,7 +694,7 @@ def layer_kernel_block_size(
 ) -> int | None:
     """Kernel block size the attention backend uses for a group, or None when
     the runner gave none (kernel blocks are then the cache's blocks)."""
-    _check_non_negative("group_id", group_id)
+    group_id = _check_non_negative("group_id", group_id)
     if kernel_block_sizes is None:
         return None
     if group_id >= len(kernel_block_sizes):
@@ -754,14 +752,14 @@ def create_kv_cache_views(
         raise ValueError(f"layout must be a KVCacheLayout, got {layout!r}")
     if not isinstance(tensor, KVCacheTensor):
         raise ValueError(f"tensor must be a KVCacheTensor, got {tensor!r}")
-    _check_positive("num_blocks", num_blocks)
+    num_blocks = _check_positive("num_blocks", num_blocks)
     if not spec.has_layer_views:
         return [buffer for _ in tensor.layers]
 
     block_size = spec.block_size
     if kernel_block_size is None:
         kernel_block_size = block_size
-    _check_positive("kernel_block_size", kernel_block_size)
+    kernel_block_size = _check_positive("kernel_block_size", kernel_block_size)
     if block_size % kernel_block_size:
         raise ValueError(
             f"kernel_block_size {kernel_block_size} does not divide the block "

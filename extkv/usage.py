@@ -8,8 +8,12 @@ held, so a chunk extkv forgot to release, or a mapping it thinks it dropped,
 shows up as a difference.
 
 - Host: every chunk is a memfd named `extkv-chunk`; the kernel reports the pages
-  a file really holds (`st_blocks`). The probe sums them over the process's open
-  descriptors, found through `/proc/self/fd`.
+  a file really holds (`st_blocks`). The probe sums them over every such file
+  the process still reaches, each file once: through an open descriptor
+  (`/proc/self/fd`) or through a mapping whose descriptor was closed
+  (`/proc/self/maps`, the file stat'ed through `/proc/self/map_files`). A
+  mapping left behind after its chunk was released holds the pages as surely
+  as an open descriptor does, so it must count.
 - CUDA: NVML's per-process used memory for this process on the device. Where
   NVML cannot list this process (a PID namespace hides it, or the driver does
   not report per-process usage), the probe falls back to the device-wide used
@@ -44,14 +48,33 @@ def open_chunk_fds() -> list[int]:
 
 
 def host_chunk_bytes() -> int:
-    """Bytes of pages the kernel holds for this process's extkv memfds."""
-    total = 0
+    """Bytes of pages the kernel holds for the extkv memfds this process
+    reaches by descriptor or by mapping, each file counted once."""
+    held: dict[tuple[int, int], int] = {}
     for fd in open_chunk_fds():
         try:
-            total += os.stat(f"/proc/self/fd/{fd}").st_blocks * 512
-        except OSError:
+            status = os.stat(f"/proc/self/fd/{fd}")
+        except OSError:  # closed meanwhile
             continue
-    return total
+        held[(status.st_dev, status.st_ino)] = status.st_blocks * 512
+    mapped_extent: dict[tuple[int, int], int] = {}
+    with open("/proc/self/maps") as maps:
+        for line in maps:
+            fields = line.split(maxsplit=5)
+            if len(fields) < 6 or not fields[5].startswith(_MEMFD_LINK):
+                continue
+            major, minor = (int(part, 16) for part in fields[3].split(":"))
+            key = (os.makedev(major, minor), int(fields[4]))
+            if key in held:
+                continue
+            try:
+                held[key] = os.stat(f"/proc/self/map_files/{fields[0]}").st_blocks * 512
+            except OSError:
+                # map_files is closed to this process (older kernels, no
+                # CAP_SYS_ADMIN): the mapped extent is what it holds at least.
+                start, end = (int(part, 16) for part in fields[0].split("-"))
+                mapped_extent[key] = mapped_extent.get(key, 0) + end - start
+    return sum(held.values()) + sum(mapped_extent.values())
 
 
 @functools.lru_cache(maxsize=None)
@@ -78,7 +101,7 @@ class UsageProbe:
     def __init__(self, device: torch.device | str):
         self.device = torch.device(device)
         if self.device.type == "cpu":
-            self.source = "memfd pages (/proc/self/fd, st_blocks)"
+            self.source = "memfd pages (/proc/self/fd and /proc/self/maps, st_blocks)"
         elif self.device.type == "cuda":
             index = self.device.index if self.device.index is not None else torch.cuda.current_device()
             self.device = torch.device("cuda", index)
