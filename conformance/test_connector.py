@@ -7,13 +7,25 @@ compares them with digests computed here. Patterns differ per segment, so a
 swapped segment, a wrong offset within a chunk or a view one byte too long or
 short changes a digest. In-process imports (a socket pair) cover the peer's
 failure paths with the fault-injecting driver.
+
+Invariant 8 (exports cannot harm the exporter) is tested against real peers:
+a forked process that attacks the descriptors it received (truncate, punch,
+write, map writable, reopen through /proc), peers whose credentials the
+connector refuses, and hand-made exports a careful peer must refuse (nested
+JSON, files that are not sealed memfds, silence).
 """
 
 from __future__ import annotations
 
+import ctypes
+import errno
 import hashlib
+import mmap
 import os
 import socket
+import stat
+import struct
+import time
 import subprocess
 import sys
 import tempfile
@@ -25,11 +37,15 @@ import torch
 import extkv
 from extkv.cache import ExtensibleKVCache
 from extkv.connector import (
+    PROTOCOL,
     KVConnector,
+    PeerRefusedError,
     SegmentExportConnector,
     SegmentNotContiguousError,
     StaleRegistrationError,
     import_segments,
+    listen_privately,
+    peer_credentials,
     receive_message,
     send_message,
 )
@@ -58,13 +74,11 @@ CASES = [
 ]
 
 
-@pytest.fixture
-def make_cache(device):
-    """Build ExtensibleKVCaches that are freed after the test, even on failure."""
+def _cache_maker(default_device):
     made: list[ExtensibleKVCache] = []
 
     def make(kind: str, layout: KVCacheLayout, on=None) -> ExtensibleKVCache:
-        kv_cache = ExtensibleKVCache(config_for(kind, layout), device if on is None else on, layout)
+        kv_cache = ExtensibleKVCache(config_for(kind, layout), default_device if on is None else on, layout)
         made.append(kv_cache)
         return kv_cache
 
@@ -74,17 +88,34 @@ def make_cache(device):
 
 
 @pytest.fixture
+def make_cache(device):
+    """Build ExtensibleKVCaches that are freed after the test, even on failure."""
+    yield from _cache_maker(device)
+
+
+@pytest.fixture
+def make_host_cache():
+    """`make_cache` on the host driver, for what only host chunks promise
+    (read-only descriptors, seals)."""
+    yield from _cache_maker(torch.device("cpu"))
+
+
+@pytest.fixture
 def connector():
     connector = SegmentExportConnector()
     yield connector
     connector.close()
 
 
+def digest(view: torch.Tensor) -> str:
+    # Computed apart from the connector's own digest (a copy of the bytes,
+    # not a buffer over them), so a bug there does not cancel out here.
+    host = view.cpu().contiguous()
+    return hashlib.sha256(ctypes.string_at(host.data_ptr(), host.numel())).hexdigest()
+
+
 def digests_here(kv_cache: ExtensibleKVCache) -> list[str]:
-    return [
-        hashlib.sha256(kv_cache.buffer.segment_view(i).cpu().numpy().tobytes()).hexdigest()
-        for i in range(len(kv_cache.segment_strides))
-    ]
+    return [digest(kv_cache.buffer.segment_view(i)) for i in range(len(kv_cache.segment_strides))]
 
 
 def peer_env() -> dict[str, str]:
@@ -96,36 +127,31 @@ def peer_env() -> dict[str, str]:
 def run_peer_with(send) -> tuple[dict, int, str]:
     """Start a peer process, let `send(sock)` talk to it, and return its
     reply, exit status and stderr. Every wait is bounded: a hang fails."""
-    # A short directory: a Unix socket path must fit in 108 bytes.
-    with tempfile.TemporaryDirectory(prefix="extkv-") as directory:
-        path = os.path.join(directory, "peer.sock")
-        with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as listener:
-            listener.bind(path)
-            listener.listen(1)
-            listener.settimeout(PEER_TIMEOUT_S)
-            peer = subprocess.Popen(
-                [sys.executable, "-m", "extkv.peer", "--peer", path, "--timeout", str(PEER_TIMEOUT_S)],
-                env=peer_env(),
-                stdout=subprocess.PIPE,
-                stderr=subprocess.PIPE,
-                text=True,
-            )
+    with listen_privately() as listener:
+        listener.socket.settimeout(PEER_TIMEOUT_S)
+        peer = subprocess.Popen(
+            [sys.executable, "-m", "extkv.peer", "--peer", listener.path, "--timeout", str(PEER_TIMEOUT_S)],
+            env=peer_env(),
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        try:
             try:
-                try:
-                    connection, _ = listener.accept()
-                except socket.timeout:
-                    peer.kill()
-                    _, stderr = peer.communicate(timeout=PEER_TIMEOUT_S)
-                    raise AssertionError(f"peer never connected within {PEER_TIMEOUT_S} s:\n{stderr}") from None
-                with connection:
-                    connection.settimeout(PEER_TIMEOUT_S)
-                    send(connection)
-                    reply = receive_message(connection)
+                connection = listener.accept()
+            except socket.timeout:
+                peer.kill()
                 _, stderr = peer.communicate(timeout=PEER_TIMEOUT_S)
-            finally:
-                if peer.poll() is None:
-                    peer.kill()
-                    peer.communicate(timeout=PEER_TIMEOUT_S)
+                raise AssertionError(f"peer never connected within {PEER_TIMEOUT_S} s:\n{stderr}") from None
+            with connection:
+                connection.settimeout(PEER_TIMEOUT_S)
+                send(connection)
+                reply = receive_message(connection)
+            _, stderr = peer.communicate(timeout=PEER_TIMEOUT_S)
+        finally:
+            if peer.poll() is None:
+                peer.kill()
+                peer.communicate(timeout=PEER_TIMEOUT_S)
     return reply, peer.returncode, stderr
 
 
@@ -283,22 +309,184 @@ def test_stale_registration_is_refused_until_restored(device, make_cache, connec
             receiver.setblocking(False)
 
 
-def test_in_process_import_shares_the_physical_memory(device, make_cache, connector, usage):
+def maps_permissions(address: int) -> str:
+    """The kernel's permissions ("rw-s") of the mapping holding `address`."""
+    with open("/proc/self/maps") as maps:
+        for line in maps:
+            span, permissions = line.split()[:2]
+            start, end = (int(part, 16) for part in span.split("-"))
+            if start <= address < end:
+                return permissions
+    raise AssertionError(f"nothing is mapped at {address:#x}")
+
+
+def test_in_process_import_shares_the_physical_memory(device, make_cache, usage):
     baseline = usage.read_outside_torch()
     kv_cache = make_cache("full", KVCacheLayout.LBHNC)
     kv_cache.commit(37, defragment=True)
     fill_segments(kv_cache, seed=8)
+    connector = SegmentExportConnector(writable_exports=True)
     connector.register_kv_caches(kv_cache)
     sender, receiver = socket.socketpair()
     with sender, receiver:
         connector.export_to(sender)
         with import_segments(receiver) as imported:
+            assert imported.writable is True
             assert imported.segment_sizes == kv_cache.buffer.segment_sizes
             assert imported.views[1].data_ptr() != kv_cache.buffer.segment_view(1).data_ptr()
+            if device.type == "cpu":
+                assert maps_permissions(imported.views[1].data_ptr()) == "rw-s"
             imported.views[1][-4:].fill_(0xEE)  # written there, read here
             assert torch.all(kv_cache.buffer.segment_view(1)[-4:] == 0xEE)
             assert imported.digests() == digests_here(kv_cache)
+    connector.close()
     check_usage_matches(usage, baseline, [kv_cache.buffer])
+
+
+def test_exports_are_read_only_by_default(make_host_cache, connector):
+    """The peer's host mapping is read-only, read back from the kernel; the
+    exporter's own mapping stays writable and the peer sees its writes."""
+    kv_cache = make_host_cache("padded", KVCacheLayout.LBHNC)
+    kv_cache.commit(300, defragment=True)
+    fill_segments(kv_cache, seed=9)
+    connector.register_kv_caches(kv_cache)
+    sender, receiver = socket.socketpair()
+    with sender, receiver:
+        connector.export_to(sender)
+        with import_segments(receiver) as imported:
+            assert imported.writable is False
+            for i, view in enumerate(imported.views):
+                assert maps_permissions(view.data_ptr()) == "r--s"
+                assert maps_permissions(kv_cache.buffer.segment_view(i).data_ptr()) == "rw-s"
+            kv_cache.buffer.segment_view(2)[:3].fill_(0)
+            assert torch.all(imported.views[2][:3] == 0)
+            assert imported.digests() == digests_here(kv_cache)
+
+
+# What a peer tries on every chunk descriptor it received; each entry is "ok"
+# or the errno name the kernel answered.
+def _attempt(action) -> str:
+    try:
+        action()
+    except OSError as error:
+        return errno.errorcode[error.errno]
+    return "ok"
+
+
+def _attack(fd: int, size: int) -> dict[str, str]:
+    libc = ctypes.CDLL(None, use_errno=True)
+    FALLOC_FL_KEEP_SIZE, FALLOC_FL_PUNCH_HOLE = 0x1, 0x2
+
+    def punch_hole(target):
+        if libc.fallocate(target, FALLOC_FL_PUNCH_HOLE | FALLOC_FL_KEEP_SIZE, ctypes.c_long(0), ctypes.c_long(size)):
+            raise OSError(ctypes.get_errno(), "fallocate(PUNCH_HOLE)")
+
+    def read_mapping():
+        with mmap.mmap(fd, size, mmap.MAP_SHARED, mmap.PROT_READ) as mapping:
+            mapping[size - 1]
+
+    results = {
+        "link": "memfd" if os.readlink(f"/proc/self/fd/{fd}").startswith("/memfd:") else "other",
+        "map readable": _attempt(read_mapping),
+        "ftruncate to 0": _attempt(lambda: os.ftruncate(fd, 0)),
+        "punch hole": _attempt(lambda: punch_hole(fd)),
+        "map writable": _attempt(lambda: mmap.mmap(fd, size, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE).close()),
+        "write": _attempt(lambda: os.pwrite(fd, b"x", 0)),
+    }
+    # What /proc allows beyond the descriptor: a read-write reopen of the
+    # same memfd. The seals must still hold on that one.
+    try:
+        reopened = os.open(f"/proc/self/fd/{fd}", os.O_RDWR)
+    except OSError as error:
+        results["reopen read-write"] = errno.errorcode[error.errno]
+        return results
+    results["reopen read-write"] = "ok"
+    results["reopened: ftruncate to 0"] = _attempt(lambda: os.ftruncate(reopened, 0))
+    results["reopened: grow"] = _attempt(lambda: os.ftruncate(reopened, 2 * size))
+    os.close(reopened)
+    return results
+
+
+def _hostile_peer(sock: socket.socket, uid: int | None) -> None:
+    """The forked peer: become `uid` (if given), receive the export, attack
+    every descriptor, reply with the results. Never returns."""
+    status = 1
+    try:
+        if uid is not None:
+            os.setgroups([])
+            os.setgid(uid)
+            os.setuid(uid)
+            # A credential change makes the process non-dumpable, which
+            # would close /proc/self/fd to it for a reason other than the
+            # memfd's mode; the reopen must meet the mode.
+            PR_SET_DUMPABLE = 4
+            ctypes.CDLL(None).prctl(PR_SET_DUMPABLE, 1, 0, 0, 0)
+        header = receive_message(sock)
+        _, fds, _, _ = socket.recv_fds(sock, 1, len(header["chunks"]))
+        results = [_attack(fd, chunk["size"]) for fd, chunk in zip(fds, header["chunks"])]
+        send_message(sock, {"uid": os.getuid(), "results": results})
+        status = 0
+    finally:
+        os._exit(status)
+
+
+def attack_from_peer(connector: SegmentExportConnector, uid: int | None) -> dict:
+    """Export to a forked peer process that attacks what it receives; its report."""
+    mine, theirs = socket.socketpair()
+    with mine:
+        pid = os.fork()
+        if pid == 0:
+            mine.close()
+            _hostile_peer(theirs, uid)
+        theirs.close()
+        try:
+            mine.settimeout(PEER_TIMEOUT_S)
+            connector.export_to(mine)
+            return receive_message(mine)
+        finally:
+            _, status = os.waitpid(pid, 0)
+            assert os.waitstatus_to_exitcode(status) == 0
+
+
+ANOTHER_UID = 65534  # nobody
+
+
+@pytest.mark.parametrize("uid", [None, ANOTHER_UID], ids=["same-uid", "another-uid"])
+def test_peer_cannot_truncate_punch_or_write_a_read_only_export(make_host_cache, connector, uid):
+    """Invariant 8 on the host: through what it receives, a peer process can
+    read the chunks but not truncate, punch, write or map them writable; the
+    seals hold even where /proc lets it reopen the memfd read-write (same
+    uid), and a peer under another uid cannot reopen it at all. The exporter
+    reads every byte afterwards, unchanged."""
+    if uid is not None and os.getuid() != 0:
+        pytest.skip("starting a peer under another uid needs root")
+    kv_cache = make_host_cache("padded", KVCacheLayout.LBHNC)
+    kv_cache.commit(300, defragment=True)
+    fill_segments(kv_cache, seed=10)
+    if uid is not None:
+        connector = SegmentExportConnector(allowed_uids={os.getuid()})  # the socket pair is this process's
+    connector.register_kv_caches(kv_cache)
+    before = digests_here(kv_cache)
+
+    report = attack_from_peer(connector, uid)
+
+    assert report["uid"] == (os.getuid() if uid is None else uid)
+    refused = {
+        "link": "memfd",
+        "map readable": "ok",
+        "ftruncate to 0": "EINVAL",  # not open for writing
+        "punch hole": "EBADF",
+        "map writable": "EACCES",
+        "write": "EBADF",
+    }
+    if uid is None:
+        # Documented limit: the same uid may reopen; the seals still hold.
+        refused |= {"reopen read-write": "ok", "reopened: ftruncate to 0": "EPERM", "reopened: grow": "EPERM"}
+    else:
+        refused |= {"reopen read-write": "EACCES"}  # the memfd is 0600
+    assert report["results"] == [refused] * 3
+    assert digests_here(kv_cache) == before
+    connector.close()
 
 
 @pytest.mark.parametrize("step, nth", [("reserve", 1), ("import", 2), ("map", 3), ("set_access", 1)])
@@ -375,9 +563,9 @@ def test_driver_export_and_import_check_their_arguments(device):
     granule = driver.granularity
     counts, fds = live_counts(), fd_count()
     for fd, size, message in [
-        (-1, granule, "non-negative int file descriptor, got -1"),
-        ("3", granule, "file descriptor, got '3'"),
-        (True, granule, "file descriptor, got True"),
+        (-1, granule, r"fd must be an int >= 0 \(a file descriptor\), got -1"),
+        ("3", granule, r"\(a file descriptor\), got '3'"),
+        (True, granule, r"\(a file descriptor\), got True"),
         (0, 0, "size 0 is not a positive multiple"),
         (0, granule + 1, f"size {granule + 1} is not a positive multiple"),
     ]:
@@ -402,20 +590,26 @@ def test_driver_export_and_import_check_their_arguments(device):
 
 
 def test_peer_refuses_a_bad_header_and_says_why():
-    reply, returncode, stderr = run_peer_with(lambda sock: send_message(sock, {"protocol": "extkv-segments/0"}))
+    reply, returncode, stderr = run_peer_with(lambda sock: send_message(sock, {"protocol": "extkv-segments/1"}))
     assert returncode == 1, stderr
     assert reply == {
-        "error": "ValueError: peer speaks protocol 'extkv-segments/0'; expected 'extkv-segments/1'"
+        "error": "ValueError: peer speaks protocol 'extkv-segments/1'; expected 'extkv-segments/2'"
     }
 
 
 @pytest.mark.parametrize(
     "header, message",
     [
-        ({"protocol": "extkv-segments/1", "chunks": [{"size": 4096}]}, "malformed segment header"),
+        ({"protocol": "extkv-segments/2", "writable": False, "chunks": [{"size": 4096}]}, "malformed segment header"),
+        # A long header is shown cut short: the message may travel back to the exporter.
+        (
+            {"protocol": "extkv-segments/2", "writable": False, "chunks": [{"size": 4096}] * 1000},
+            r"malformed segment header \(KeyError: 'segments'\): \{.{290,300}\.\.\. \(\d+ characters\)$",
+        ),
         (
             {
-                "protocol": "extkv-segments/1",
+                "protocol": "extkv-segments/2",
+                "writable": False,
                 "chunks": [{"size": GRANULE}],
                 "segments": [{"chunk": 0, "offset_in_chunk": GRANULE - 8, "committed_bytes": 9}],
             },
@@ -423,7 +617,8 @@ def test_peer_refuses_a_bad_header_and_says_why():
         ),
         (
             {
-                "protocol": "extkv-segments/1",
+                "protocol": "extkv-segments/2",
+                "writable": False,
                 "chunks": [],
                 "segments": [{"chunk": 1, "offset_in_chunk": 0, "committed_bytes": 9}],
             },
@@ -431,11 +626,12 @@ def test_peer_refuses_a_bad_header_and_says_why():
         ),
         (
             {
-                "protocol": "extkv-segments/1",
+                "protocol": "extkv-segments/2",
+                "writable": False,
                 "chunks": [{"size": -1}],
                 "segments": [],
             },
-            r"chunks\[0\].size must be an int >= 0, got -1",
+            r"header field chunks\[0\].size must be an int >= 0, got -1",
         ),
     ],
 )
@@ -447,6 +643,189 @@ def test_import_refuses_malformed_headers_before_importing(header, message):
         with pytest.raises(ValueError, match=message):
             import_segments(receiver)
     assert live_counts() == counts and fd_count() == fds
+
+
+def host_header(chunk_sizes: list[int], segments: list[tuple[int, int, int]]) -> dict:
+    """A well-formed header of a host export, for hand-made exports."""
+    return {
+        "protocol": PROTOCOL,
+        "driver": "host",
+        "device": {"type": "cpu", "index": None, "uuid": None},
+        "granularity": GRANULE,
+        "writable": False,
+        "chunks": [{"size": size} for size in chunk_sizes],
+        "segments": [
+            {"chunk": chunk, "offset_in_chunk": offset, "committed_bytes": size} for chunk, offset, size in segments
+        ],
+    }
+
+
+def test_import_refuses_deeply_nested_json_with_a_value_error():
+    counts, fds = live_counts(), fd_count()
+    sender, receiver = socket.socketpair()
+    with sender, receiver:
+        payload = b"[" * 100_000
+        sender.sendall(struct.pack(">Q", len(payload)) + payload)
+        with pytest.raises(ValueError, match=r"message of 100000 bytes nests JSON arrays or objects too deeply"):
+            import_segments(receiver)
+    assert live_counts() == counts and fd_count() == fds
+
+
+@pytest.mark.parametrize("kind", ["regular file", "unsealed memfd"])
+def test_import_refuses_a_descriptor_that_is_not_a_sealed_memfd(kind):
+    """A regular file, or a memfd without seals, could be truncated by its
+    sender under the importer's mapping: refused before anything is mapped."""
+    counts, fds = live_counts(), fd_count()
+    if kind == "regular file":
+        fd, path = tempfile.mkstemp(prefix="extkv-")
+        os.unlink(path)
+    else:
+        fd = os.memfd_create("extkv-chunk", os.MFD_CLOEXEC)
+    try:
+        os.ftruncate(fd, GRANULE)
+        sender, receiver = socket.socketpair()
+        with sender, receiver:
+            send_message(sender, host_header([GRANULE], [(0, 0, GRANULE)]))
+            socket.send_fds(sender, [b"F"], [fd])
+            with pytest.raises(ValueError, match=r"is not a memfd sealed with F_SEAL_SHRINK\|F_SEAL_GROW"):
+                import_segments(receiver)
+    finally:
+        os.close(fd)
+    assert live_counts() == counts and fd_count() == fds
+
+
+def test_peer_error_reply_names_no_address():
+    """The peer's mmap of a write-only descriptor fails with a DriverError
+    that names the address; the reply says what failed, not where."""
+    driver = driver_for("cpu")
+    chunk = driver.create(GRANULE)
+    write_only = os.open(f"/proc/self/fd/{chunk.handle}", os.O_WRONLY | os.O_CLOEXEC)
+    try:
+
+        def send(sock):
+            send_message(sock, host_header([GRANULE], [(0, 0, GRANULE)]))
+            socket.send_fds(sock, [b"F"], [write_only])
+
+        reply, returncode, stderr = run_peer_with(send)
+    finally:
+        os.close(write_only)
+        driver.release(chunk)
+    assert returncode == 1
+    assert reply == {"error": "DriverError: mmap(MAP_FIXED, memfd) failed: EACCES (13)"}
+    assert "address 0x" in stderr  # the peer's own report keeps it
+
+
+def test_import_gives_up_when_the_exporter_stalls_and_restores_the_timeout():
+    counts, fds = live_counts(), fd_count()
+    sender, receiver = socket.socketpair()
+    with sender, receiver:
+        for sent in ("nothing", "the header but no descriptors"):
+            if sent != "nothing":
+                send_message(sender, host_header([GRANULE], [(0, 0, GRANULE)]))
+            started = time.monotonic()
+            with pytest.raises(TimeoutError):
+                import_segments(receiver, timeout=0.2)
+            assert time.monotonic() - started < 5, sent
+            assert receiver.gettimeout() is None
+        for timeout in (0, -1.0, True, "1"):
+            with pytest.raises(ValueError, match=f"timeout must be a number of seconds > 0, or None, got {timeout!r}"):
+                import_segments(receiver, timeout=timeout)
+    assert live_counts() == counts and fd_count() == fds
+
+
+@pytest.mark.parametrize("refusal", ["another uid", "another pid"])
+def test_export_refuses_a_peer_it_does_not_allow_and_sends_nothing(make_host_cache, refusal):
+    kv_cache = make_host_cache("full", KVCacheLayout.LBHNC)
+    kv_cache.commit(37, defragment=True)
+    if refusal == "another uid":
+        connector = SegmentExportConnector(allowed_uids={os.getuid() + 1})
+    else:
+        connector = SegmentExportConnector(allowed_pids={os.getpid()})
+    connector.register_kv_caches(kv_cache)
+
+    def send(sock):
+        pid, uid, gid = peer_credentials(sock)
+        assert pid != os.getpid() and uid == os.getuid()
+        fds = fd_count()
+        with pytest.raises(PeerRefusedError) as raised:
+            connector.export_to(sock)
+        assert isinstance(raised.value, PermissionError) and isinstance(raised.value, ExtkvError)
+        why = (
+            f"uid {uid} is not among the allowed uids [{os.getuid() + 1}]"
+            if refusal == "another uid"
+            else f"pid {pid} is not among the allowed pids [{os.getpid()}]"
+        )
+        assert str(raised.value) == (
+            f"export_to refused the peer (pid {pid}, uid {uid}, gid {gid}): {why}; nothing was sent"
+        )
+        assert fd_count() == fds
+        sock.shutdown(socket.SHUT_WR)  # the peer reads end of file, and may still answer
+
+    reply, returncode, stderr = run_peer_with(send)
+    assert returncode == 1
+    assert reply == {"error": "ConnectionError: connection closed after 0 of 8 bytes"}, stderr
+    assert connector.is_registered
+    connector.close()
+
+
+def test_export_serves_an_allowed_peer_and_checks_its_arguments(make_host_cache):
+    kv_cache = make_host_cache("full", KVCacheLayout.LBHNC)
+    kv_cache.commit(37, defragment=True)
+    fill_segments(kv_cache, seed=11)
+    default = SegmentExportConnector()
+    assert default.allowed_uids == {os.getuid()} and default.allowed_pids is None
+    assert default.writable_exports is False
+    default.close()
+    sender, receiver = socket.socketpair()  # both ends are this process
+    with sender, receiver:
+        allowed = SegmentExportConnector(allowed_pids={os.getpid()}, allowed_uids=[os.getuid(), os.getuid() + 1])
+        allowed.register_kv_caches(kv_cache)
+        allowed.export_to(sender)
+        with import_segments(receiver) as imported:
+            assert imported.digests() == digests_here(kv_cache)
+        allowed.close()
+
+        refusing = SegmentExportConnector(allowed_uids={os.getuid() + 1})
+        refusing.register_kv_caches(kv_cache)
+        with pytest.raises(PeerRefusedError, match=f"pid {os.getpid()}, uid {os.getuid()}"):
+            refusing.export_to(sender)
+        receiver.setblocking(False)
+        with pytest.raises(BlockingIOError):
+            receiver.recv(1)  # nothing was sent
+        refusing.close()
+
+    for arguments, message in [
+        ({"allowed_uids": [-1]}, r"allowed_uids\[0\] must be an int >= 0, got -1"),
+        ({"allowed_uids": 0}, "allowed_uids must be an iterable of ints >= 0, got 0"),
+        ({"allowed_pids": ["1"]}, r"allowed_pids\[0\] must be an int >= 0, got '1'"),
+        ({"allowed_pids": [True]}, r"allowed_pids\[0\] must be an int >= 0, got True"),
+        ({"writable_exports": "yes"}, r"writable_exports must be a bool \(True or False\), got 'yes'"),
+    ]:
+        with pytest.raises(ValueError, match=message):
+            SegmentExportConnector(**arguments)
+
+
+def test_listen_privately_binds_where_only_this_uid_can_reach():
+    with listen_privately() as listener:
+        directory, sock = os.stat(listener.directory), os.stat(listener.path)
+        assert stat.S_ISDIR(directory.st_mode) and stat.S_IMODE(directory.st_mode) == 0o700
+        assert stat.S_ISSOCK(sock.st_mode) and stat.S_IMODE(sock.st_mode) == 0o600
+        assert directory.st_uid == sock.st_uid == os.getuid()
+        assert os.path.dirname(listener.path) == listener.directory
+        with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as client:
+            client.connect(listener.path)
+            with listener.accept() as connection:
+                assert peer_credentials(connection) == (os.getpid(), os.getuid(), os.getgid())
+    assert not os.path.exists(listener.directory)
+    listener.close()  # idempotent
+
+    # A parent whose socket path would not fit in 108 bytes: nothing is left behind.
+    with tempfile.TemporaryDirectory(prefix="d" * 100) as parent:
+        with pytest.raises(OSError, match="AF_UNIX path too long"):
+            listen_privately(parent)
+        assert os.listdir(parent) == []
+    with pytest.raises(ValueError, match="backlog must be an int >= 1, got 0"):
+        listen_privately(backlog=0)
 
 
 def test_runner_with_a_registering_connector_defragments_and_exports(device):

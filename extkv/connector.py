@@ -25,16 +25,41 @@ memory changes afterwards (released, recommitted, grown), `export_to` refuses
 with `StaleRegistrationError` instead of exporting chunks that no longer back
 the segments; `restore_kv_caches()` registers the current mapping.
 
+Trust (a peer receives only what it is given and cannot harm the exporter):
+- Who: before sending anything, `export_to` reads the connected peer's
+  credentials (`SO_PEERCRED`: pid, uid, gid, taken by the kernel at connect
+  time) and refuses, with `PeerRefusedError` and nothing sent, a peer whose
+  uid is not allowed (by default only this process's uid) or, when
+  `allowed_pids` is given, whose pid is not in it. The listening socket must
+  live in a private directory, or any local user could connect first:
+  `listen_privately()` binds it in a fresh 0700 directory with mode 0600.
+- What: exports are read-only unless the connector was built with
+  `writable_exports=True`, which trusts every allowed peer to write. A host
+  chunk travels as a read-only descriptor of a memfd sealed against shrinking
+  and growing (extkv.vmm.host says what that does and does not stop); the
+  peer's mapping is then read-only too. On CUDA a POSIX-fd shareable handle
+  carries no access mode: the header says `"writable": false` and the
+  exporter cannot enforce it. A CUDA peer could map read-only with
+  `cuMemSetAccess(PROT_READ)`, but the driver interface grants read-write
+  only, so today it maps read-write: CUDA exports are as trusted as the peer.
+
 The peer (`import_segments`, or `python -m extkv.peer --peer PATH`)
 receives the descriptors, imports each chunk with the driver for the device
 the header names, maps the chunks back to back in one fresh reservation,
 grants access over it and exposes a uint8 view of each segment's committed
 bytes. The import is one transaction: a failing step undoes the earlier ones,
 and the received descriptors are closed whatever happens. `close()` unmaps,
-releases and frees everything.
+releases and frees everything. What arrives is checked before it is used:
+every wait on the socket is bounded (`timeout`, DEFAULT_PEER_TIMEOUT_S by
+default), a message is at most MAX_MESSAGE_BYTES of JSON that must not nest
+deeper than the parser can go, every header field is validated, and a host
+descriptor must be a sealed memfd (a regular file is refused: its owner could
+truncate it under the mapping). An error reply names the error's type and
+what failed, never an address of this process.
 
 Wire format, one connection: a message is an 8-byte big-endian length and that
-many bytes of UTF-8 JSON. The exporter sends the header message, then the
+many bytes of UTF-8 JSON. The exporter sends the header message (geometry,
+and `"writable"`: whether the descriptors allow writing), then the
 descriptors in batches of at most 253 (the kernel's SCM_MAX_FD), each batch on
 one byte of its own. The peer answers with one message: `{"digests": [...]}`
 (sha256 of each segment's committed bytes, in segment order) or
@@ -45,33 +70,36 @@ from __future__ import annotations
 
 import argparse
 import array
+import ctypes
 import enum
 import hashlib
 import json
 import os
 import socket
 import struct
+import tempfile
 from dataclasses import dataclass
-from typing import Protocol, Sequence, runtime_checkable
+from typing import Iterable, Protocol, Sequence, runtime_checkable
 
 import torch
 
 from .cache import ExtensibleKVCache
 from .layout import KVCacheConfig
 from . import validate
-from .errors import ExtkvError, StateError
+from .errors import DriverError, ExtkvError, StateError
 # The same undo helper ExtensibleTensor's transactions use.
 from .tensor import ExtensibleTensor, MappedChunk, _Undo
 from .vmm import Chunk, Driver, HostDriver, cuda_usable, driver_for
+from .vmm.host import reopen
 
 #: Names the wire format; a peer refuses any other.
-PROTOCOL = "extkv-segments/1"
+PROTOCOL = "extkv-segments/2"
 #: Linux refuses more descriptors than this in one SCM_RIGHTS message.
 MAX_FDS_PER_MESSAGE = 253
 #: A header is a few hundred bytes per segment; anything near this is garbage.
 MAX_MESSAGE_BYTES = 64 << 20
 _LENGTH = struct.Struct(">Q")
-#: Seconds the peer entry point waits on its socket before giving up.
+#: Seconds the peer waits on its socket (each wait) before giving up.
 DEFAULT_PEER_TIMEOUT_S = 120.0
 
 
@@ -82,6 +110,11 @@ class SegmentNotContiguousError(ExtkvError, ValueError):
 
 class StaleRegistrationError(StateError):
     """The cache's memory changed since it was registered."""
+
+
+class PeerRefusedError(ExtkvError, PermissionError):
+    """The process at the other end of the socket is not allowed to receive
+    the export."""
 
 
 @runtime_checkable
@@ -139,11 +172,27 @@ _LEGAL_IN: dict[str, frozenset[_State]] = {
 
 class SegmentExportConnector:
     """Exports each committed segment of an ExtensibleKVCache to another
-    process as file descriptors of the chunks that back it."""
+    process as file descriptors of the chunks that back it.
+
+    `writable_exports=True` lets peers write the segments (host descriptors
+    open read-write); only for peers trusted with the cache's contents.
+    `allowed_uids` (default: this process's uid only) and `allowed_pids`
+    (default: any pid) say which peers `export_to` serves; a peer must pass
+    both.
+    """
 
     registers_kv_cache_memory = True
 
-    def __init__(self) -> None:
+    def __init__(
+        self,
+        *,
+        writable_exports: bool = False,
+        allowed_uids: Iterable[int] | None = None,
+        allowed_pids: Iterable[int] | None = None,
+    ) -> None:
+        self.writable_exports = validate.flag("writable_exports", writable_exports)
+        self.allowed_uids = frozenset({os.getuid()} if allowed_uids is None else _ids("allowed_uids", allowed_uids))
+        self.allowed_pids = None if allowed_pids is None else frozenset(_ids("allowed_pids", allowed_pids))
         self._state = _State.UNREGISTERED
         self._kv_cache: ExtensibleKVCache | None = None
         self._registrations: list[SegmentRegistration] = []
@@ -203,25 +252,49 @@ class SegmentExportConnector:
     def export_to(self, sock: socket.socket) -> None:
         """Send the registered segments to the process at the other end of
         `sock` (a connected AF_UNIX stream socket): the header, then one
-        exported descriptor per distinct chunk. The descriptors exported here
-        are closed before returning, whether or not sending succeeded."""
+        exported descriptor per distinct chunk, read-only unless
+        `writable_exports`. The descriptors exported here are closed before
+        returning, whether or not sending succeeded.
+
+        Raises `PeerRefusedError`, having sent nothing, when the peer's
+        credentials are not allowed.
+        """
         self._require("export_to")
         if sock.family != socket.AF_UNIX:
             raise ValueError(f"export_to needs an AF_UNIX socket to pass file descriptors, got family {sock.family!r}")
+        self._check_peer(sock)
         assert self._kv_cache is not None
         buffer = self._kv_cache.buffer
         self._check_current(buffer)
-        header, chunks = _header(buffer.driver, self._registrations)
         driver = buffer.driver
+        header, chunks = _header(driver, self._registrations, self.writable_exports)
         fds: list[int] = []
         try:
             for mapped in chunks:
-                fds.append(driver.export_fd(mapped.chunk))
+                fd = driver.export_fd(mapped.chunk)
+                fds.append(fd)
+                if self.writable_exports and driver.kind == "host":
+                    # The driver exports host chunks read-only; this process
+                    # owns the memfd and may reopen it read-write.
+                    fds[-1] = reopen(fd, writable=True)
+                    os.close(fd)
             send_message(sock, header)
             _send_fds(sock, fds)
         finally:
             for fd in fds:
                 os.close(fd)
+
+    def _check_peer(self, sock: socket.socket) -> None:
+        pid, uid, gid = peer_credentials(sock)
+        refused = []
+        if uid not in self.allowed_uids:
+            refused.append(f"uid {uid} is not among the allowed uids {sorted(self.allowed_uids)}")
+        if self.allowed_pids is not None and pid not in self.allowed_pids:
+            refused.append(f"pid {pid} is not among the allowed pids {sorted(self.allowed_pids)}")
+        if refused:
+            raise PeerRefusedError(
+                f"export_to refused the peer (pid {pid}, uid {uid}, gid {gid}): {'; '.join(refused)}; nothing was sent"
+            )
 
     def _check_current(self, buffer: ExtensibleTensor) -> None:
         """Refuse a registration whose chunks no longer back the segments."""
@@ -243,6 +316,75 @@ class SegmentExportConnector:
 
     def __repr__(self) -> str:
         return f"SegmentExportConnector({self._state.value}, {len(self._registrations)} segment(s))"
+
+
+def _ids(name: str, values: Iterable[int]) -> list[int]:
+    try:
+        items = list(values)
+    except TypeError:
+        raise ValueError(f"{name} must be an iterable of ints >= 0, got {values!r}") from None
+    return [validate.integer(f"{name}[{i}]", value) for i, value in enumerate(items)]
+
+
+def peer_credentials(sock: socket.socket) -> tuple[int, int, int]:
+    """(pid, uid, gid) of the process at the other end of a connected AF_UNIX
+    socket, as the kernel recorded them when it connected (SO_PEERCRED)."""
+    ucred = struct.Struct("3i")
+    return ucred.unpack(sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, ucred.size))
+
+
+class PrivateListener:
+    """A listening AF_UNIX socket (`socket`) bound at `path` inside
+    `directory`, made by `listen_privately`. `close()` closes the socket and
+    removes the socket file and the directory."""
+
+    def __init__(self, sock: socket.socket, path: str, directory: str):
+        self.socket = sock
+        self.path = path
+        self.directory = directory
+
+    def accept(self) -> socket.socket:
+        """The next connection (blocking as the listening socket's timeout says)."""
+        connection, _ = self.socket.accept()
+        return connection
+
+    def close(self) -> None:
+        """Idempotent."""
+        self.socket.close()
+        for remove, path in ((os.unlink, self.path), (os.rmdir, self.directory)):
+            try:
+                remove(path)
+            except FileNotFoundError:
+                pass
+
+    def __enter__(self) -> "PrivateListener":
+        return self
+
+    def __exit__(self, *exc_info) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        return f"PrivateListener({self.path!r})"
+
+
+def listen_privately(parent: str | None = None, *, backlog: int = 1) -> PrivateListener:
+    """A listening socket for `export_to`'s peers, `export.sock` in a fresh
+    directory under `parent` (default: the temporary directory) that only
+    this uid can enter (0700); the socket file is 0600. A Unix socket path
+    must fit in 108 bytes, so keep `parent` short."""
+    backlog = validate.integer("backlog", backlog, minimum=1)
+    # mkdtemp creates the directory 0700 atomically: no other user can reach
+    # the socket, even before its own mode is narrowed.
+    directory = tempfile.mkdtemp(prefix="extkv-", dir=parent)
+    listener = PrivateListener(socket.socket(socket.AF_UNIX, socket.SOCK_STREAM), os.path.join(directory, "export.sock"), directory)
+    try:
+        listener.socket.bind(listener.path)
+        os.chmod(listener.path, 0o600)
+        listener.socket.listen(backlog)
+    except BaseException:
+        listener.close()
+        raise
+    return listener
 
 
 def _segment_registrations(buffer: ExtensibleTensor) -> list[SegmentRegistration]:
@@ -267,7 +409,7 @@ def _segment_registrations(buffer: ExtensibleTensor) -> list[SegmentRegistration
     return registrations
 
 
-def _header(driver: Driver, registrations: Sequence[SegmentRegistration]) -> tuple[dict, list[MappedChunk]]:
+def _header(driver: Driver, registrations: Sequence[SegmentRegistration], writable: bool) -> tuple[dict, list[MappedChunk]]:
     """The header describing `registrations`, and the distinct chunks in the
     order their descriptors follow it."""
     chunk_index: dict[int, int] = {}
@@ -294,6 +436,7 @@ def _header(driver: Driver, registrations: Sequence[SegmentRegistration]) -> tup
         "driver": driver.kind,
         "device": {"type": device.type, "index": device.index, "uuid": _cuda_uuid(device)},
         "granularity": driver.granularity,
+        "writable": writable,
         "chunks": [{"size": mapped.chunk.size} for mapped in chunks],
         "segments": segments,
     }
@@ -325,6 +468,8 @@ def receive_message(sock: socket.socket) -> dict:
         message = json.loads(payload)
     except ValueError as error:
         raise ValueError(f"message is not JSON: {error}") from None
+    except RecursionError:
+        raise ValueError(f"message of {length} bytes nests JSON arrays or objects too deeply to parse") from None
     if not isinstance(message, dict):
         raise ValueError(f"message must be a JSON object, got {type(message).__name__}")
     return message
@@ -376,16 +521,32 @@ def _receive_fds(sock: socket.socket, count: int) -> list[int]:
 
 
 # -- the peer ---------------------------------------------------------------------
+def sha256_hex(tensor: torch.Tensor) -> str:
+    """sha256 (hex) of a tensor's bytes in logical order, on any device."""
+    host = tensor.detach().cpu().contiguous()
+    nbytes = host.numel() * host.element_size()
+    if nbytes == 0:
+        return hashlib.sha256().hexdigest()
+    # Hashed in place through the buffer protocol: no numpy, no extra copy of
+    # a host tensor. `host` stays referenced until hashing is done.
+    return hashlib.sha256((ctypes.c_ubyte * nbytes).from_address(host.data_ptr())).hexdigest()
+
+
 class ImportedSegments:
     """Segments another process exported, mapped into this one.
 
     `views[i]` is a uint8 tensor over segment i's committed bytes (empty where
-    none are committed). `close()` unmaps and releases everything; the views
-    must not be used afterwards.
+    none are committed); write through them only when `writable`. `close()`
+    unmaps and releases everything; the views must not be used afterwards.
     """
 
-    def __init__(self, driver: Driver, reservation: int | None, reserved_bytes: int, mapped: list[tuple[int, Chunk]]):
+    def __init__(
+        self, driver: Driver, reservation: int | None, reserved_bytes: int, mapped: list[tuple[int, Chunk]], writable: bool
+    ):
         self.driver = driver
+        #: Whether the exporter allowed writing. Host mappings of a read-only
+        #: export are read-only: writing through `views` faults.
+        self.writable = writable
         self.views: list[torch.Tensor] = []
         self._reservation = reservation
         self._reserved_bytes = reserved_bytes
@@ -404,7 +565,7 @@ class ImportedSegments:
     def digests(self) -> list[str]:
         """sha256 (hex) of each segment's committed bytes."""
         self._require_open("digests")
-        return [hashlib.sha256(view.cpu().numpy()).hexdigest() for view in self.views]
+        return [sha256_hex(view) for view in self.views]
 
     def close(self) -> None:
         """Unmap, release and free everything. Idempotent; if a driver step
@@ -448,28 +609,39 @@ class ImportedSegments:
         return f"ImportedSegments({self.device}, {len(self.views)} segment(s), {state})"
 
 
-def import_segments(sock: socket.socket, *, driver: Driver | None = None) -> ImportedSegments:
+def import_segments(
+    sock: socket.socket, *, driver: Driver | None = None, timeout: float | None = DEFAULT_PEER_TIMEOUT_S
+) -> ImportedSegments:
     """Receive what `SegmentExportConnector.export_to` sends on the other end
     of `sock` and map it here.
 
     `driver` overrides the driver chosen from the header (a fault injector in
-    tests); it must be of the exporter's kind and granularity. The received
+    tests); it must be of the exporter's kind and granularity. Each wait on
+    `sock` gives up after `timeout` seconds (`TimeoutError`; None waits
+    forever); the socket's own timeout is restored afterwards. The received
     descriptors are closed before this returns, on success or failure.
     """
-    header = receive_message(sock)
-    chunk_sizes, segments = _checked_geometry(header)
-    fds = _receive_fds(sock, len(chunk_sizes))
+    if timeout is not None and (isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not timeout > 0):
+        raise ValueError(f"timeout must be a number of seconds > 0, or None, got {timeout!r}")
+    previous = sock.gettimeout()
+    sock.settimeout(timeout)
+    try:
+        header = receive_message(sock)
+        chunk_sizes, segments, writable = _checked_geometry(header)
+        fds = _receive_fds(sock, len(chunk_sizes))
+    finally:
+        sock.settimeout(previous)
     try:
         driver = _driver_for_header(header, driver)
-        return _map_imported(driver, fds, chunk_sizes, segments)
+        return _map_imported(driver, fds, chunk_sizes, segments, writable)
     finally:
         for fd in fds:
             os.close(fd)
 
 
-def _checked_geometry(header: dict) -> tuple[list[int], list[tuple[int | None, int, int]]]:
-    """(chunk sizes, (chunk, offset_in_chunk, committed_bytes) per segment),
-    with every field checked before anything is imported."""
+def _checked_geometry(header: dict) -> tuple[list[int], list[tuple[int | None, int, int]], bool]:
+    """(chunk sizes, (chunk, offset_in_chunk, committed_bytes) per segment,
+    writable), with every field checked before anything is imported."""
     if header.get("protocol") != PROTOCOL:
         raise ValueError(f"peer speaks protocol {header.get('protocol')!r}; expected {PROTOCOL!r}")
 
@@ -477,6 +649,7 @@ def _checked_geometry(header: dict) -> tuple[list[int], list[tuple[int | None, i
         return validate.integer(f"header field {what}", value)
 
     try:
+        writable = validate.flag("header field writable", header["writable"])
         chunk_sizes = [count(chunk["size"], f"chunks[{i}].size") for i, chunk in enumerate(header["chunks"])]
         segments = []
         for i, segment in enumerate(header["segments"]):
@@ -497,8 +670,10 @@ def _checked_geometry(header: dict) -> tuple[list[int], list[tuple[int | None, i
                     )
             segments.append((chunk, offset, size))
     except (KeyError, TypeError) as error:
-        raise ValueError(f"malformed segment header ({type(error).__name__}: {error}): {header!r}") from None
-    return chunk_sizes, segments
+        shown = repr(header)
+        shown = shown if len(shown) <= 300 else f"{shown[:300]}... ({len(shown)} characters)"
+        raise ValueError(f"malformed segment header ({type(error).__name__}: {error}): {shown}") from None
+    return chunk_sizes, segments, writable
 
 
 def _driver_for_header(header: dict, driver: Driver | None) -> Driver:
@@ -541,7 +716,7 @@ def _local_cuda_device(device: dict) -> torch.device:
 
 
 def _map_imported(
-    driver: Driver, fds: list[int], chunk_sizes: list[int], segments: list[tuple[int | None, int, int]]
+    driver: Driver, fds: list[int], chunk_sizes: list[int], segments: list[tuple[int | None, int, int]], writable: bool
 ) -> ImportedSegments:
     """Import each chunk and map them back to back in one reservation: one
     transaction, each step undone if a later one fails."""
@@ -564,9 +739,10 @@ def _map_imported(
                 undo.push(lambda address=address, size=size: driver.unmap(address, size))
                 mapped.append((address, chunk))
             # Chunk sizes are granule multiples, so the chunks tile the whole
-            # reservation: one access call covers them all.
+            # reservation: one access call covers them all. The host driver
+            # grants read-only access over read-only descriptors.
             driver.set_access(reservation, reserved_bytes)
-    imported = ImportedSegments(driver, reservation, reserved_bytes, mapped)
+    imported = ImportedSegments(driver, reservation, reserved_bytes, mapped, writable)
     try:
         imported.views = [
             torch.empty(0, dtype=torch.uint8, device=driver.device)
@@ -589,15 +765,25 @@ def run_peer(socket_path: str, timeout: float = DEFAULT_PEER_TIMEOUT_S) -> None:
         sock.settimeout(timeout)
         sock.connect(socket_path)
         try:
-            with import_segments(sock) as imported:
+            with import_segments(sock, timeout=timeout) as imported:
                 digests = imported.digests()
         except Exception as error:
             try:
-                send_message(sock, {"error": f"{type(error).__name__}: {error}"})
+                send_message(sock, {"error": error_reply(error)})
             except OSError:
                 pass  # the exporter is gone; the original error is what matters
             raise
         send_message(sock, {"digests": digests})
+
+
+def error_reply(error: BaseException) -> str:
+    """What the exporter is told about a failed import: the error's type and
+    what failed. A `DriverError`'s message names addresses of this process,
+    which are nobody else's business (they would help aim an attack on it):
+    only its call and result code go back."""
+    if isinstance(error, DriverError):
+        return f"{type(error).__name__}: {error.call} failed: {error.code_name} ({error.code})"
+    return f"{type(error).__name__}: {error}"
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -13,9 +13,13 @@ and the address.
 Chunks are created pinned on the device and exportable as POSIX file
 descriptors (`cuMemExportToShareableHandle`), which is what a KV connector
 needs to hand a segment to another process; that process turns the descriptor
-back into a handle with `cuMemImportFromShareableHandle` and releases it with
-`cuMemRelease` like any other. `chunk_at` asks the driver which allocation backs an address
-(`cuMemRetainAllocationHandle`) and drops the extra reference it took.
+back into a handle with `cuMemImportFromShareableHandle` (which refuses a
+descriptor that is no CUDA allocation) and releases it with `cuMemRelease`
+like any other. Unlike a host memfd, such a descriptor carries no access
+mode: whoever imports it chooses its own access (`cuMemSetAccess`), so the
+exporter cannot make an export read-only. `chunk_at` asks the driver which
+allocation backs an address (`cuMemRetainAllocationHandle`) and drops the
+extra reference it took.
 """
 
 from __future__ import annotations

@@ -8,25 +8,61 @@ virtual memory, so every invariant that needs no GPU is proven for real.
 - reserve: an aligned `mmap(PROT_NONE, MAP_PRIVATE|MAP_ANONYMOUS|MAP_NORESERVE)`.
 - chunk: `memfd_create` + `fallocate`, so the pages really exist (tmpfs/shmem)
   and the kernel accounts them to the file, which is how usage is measured.
+  Before anything is created, the request is checked against what the kernel
+  can give (`host_memory_headroom`: MemAvailable, and limit minus usage plus
+  reclaimable file cache of this process's memory cgroup and its ancestors,
+  v2 or v1): `fallocate` on a memfd has no early size check and would summon
+  the OOM killer instead of failing, so a request that cannot fit is an
+  `OutOfMemoryError` naming both numbers. Per create the check reads
+  /proc/meminfo and each cgroup level's limit (and usage where it has one,
+  memory.stat only where the request does not fit without its file cache);
+  limits are read each time because they may change at runtime (pod resize).
+- sealing: right after `fallocate` every chunk is sealed with
+  `F_SEAL_SHRINK|F_SEAL_GROW|F_SEAL_SEAL`, so its size is fixed for its whole
+  life whoever holds a descriptor: a peer that truncated a shared chunk would
+  make this process's next read of the vanished pages a SIGBUS. `F_SEAL_SEAL`
+  stops anyone adding seals later; `F_SEAL_FUTURE_WRITE` added by a peer would
+  stop this process mapping its own chunk writable again. The memfd's mode is
+  0600, so a process under another uid cannot reopen it through /proc.
 - map: `mmap(MAP_SHARED|MAP_FIXED, memfd)` with no access, like `cuMemMap`.
-- access: `mprotect(PROT_READ|PROT_WRITE)` over a whole mapped run.
+- access: `mprotect(PROT_READ|PROT_WRITE)` over a whole mapped run. A mapping
+  never gets more access than its descriptor allows: over mappings of
+  read-only descriptors (imports of read-only exports) the kernel refuses
+  write access (EACCES), and the range is then granted VMA by VMA, read-only
+  where writing is refused.
 - unmap: map fresh `PROT_NONE` anonymous memory over the range; plain
   `munmap` would punch a hole in the reservation that another mmap could take.
 - release: `close(memfd)`; the kernel frees the pages once nothing maps them.
 - read-back: `/proc/self/maps` names the file (device, inode) and offset that
   back each address.
-- export / import: a chunk *is* a file descriptor, so exporting is `dup` and
-  importing is `dup` too (the imported chunk owns its own descriptor, and the
-  caller closes the one it received). Another process gets the descriptor
-  through a Unix socket (SCM_RIGHTS) and maps the same pages.
+- export: a new *read-only* open file description of the chunk
+  (`open("/proc/self/fd/N", O_RDONLY)`). Through it a peer can map the pages
+  for reading only: `mmap(PROT_WRITE, MAP_SHARED)`, `write`, `ftruncate` and
+  `fallocate(PUNCH_HOLE)` all fail, while this process keeps its writable
+  mapping. `reopen(fd, writable=True)` gives a read-write one instead, for a
+  peer that is trusted to write. `F_SEAL_FUTURE_WRITE` is not used: it is a
+  seal on the inode, permanent, so this process could never again create a
+  writable mapping of an exported chunk (defragmentation's undo re-maps the old
+  chunks) nor export it writable. The limit of a read-only descriptor: a
+  process under the same uid (or root) may reopen the memfd read-write through
+  /proc, as it may any file of this process's; against that, only the seals
+  hold (it can write and punch holes, but not truncate or grow).
+- import: accepts only memfds sealed against shrinking and growing
+  (`F_GET_SEALS`) and at least as large as asked, then `dup`s the descriptor
+  (the imported chunk owns its own descriptor, and the caller closes the one
+  it received). Another process gets descriptors through a Unix socket
+  (SCM_RIGHTS) and maps the same pages.
 """
 
 from __future__ import annotations
 
 import ctypes
 import errno
+import fcntl
+import functools
 import os
-from typing import Hashable, Iterable
+from dataclasses import dataclass
+from typing import Hashable, Iterable, Iterator, Sequence
 
 import torch
 
@@ -47,6 +83,11 @@ _MAP_FAILED = ctypes.c_void_p(-1).value
 DEFAULT_HOST_GRANULARITY = 2 << 20
 #: Name of every chunk's memfd, as /proc/self/fd and /proc/self/maps show it.
 MEMFD_NAME = "extkv-chunk"
+#: Seals every chunk carries from creation on.
+CHUNK_SEALS = fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW | fcntl.F_SEAL_SEAL
+#: Seals a descriptor must carry to be imported: without them a peer could
+#: truncate the file under this process's mapping.
+REQUIRED_IMPORT_SEALS = fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW
 
 _libc = ctypes.CDLL(None, use_errno=True)
 _libc.mmap.restype = ctypes.c_void_p
@@ -64,6 +105,156 @@ def _fail(call: str, size: int | None, address: int | None, code: int | None = N
     name = errno.errorcode.get(code, "E?")
     error_type = OutOfMemoryError if code in (errno.ENOMEM, errno.ENOSPC) else DriverError
     return error_type(call, code, name, size=size, address=address, detail=os.strerror(code))
+
+
+def reopen(fd: int, *, writable: bool) -> int:
+    """A new open file description of the memfd behind `fd`, read-only or
+    read-write; the caller owns and closes it."""
+    try:
+        return os.open(f"/proc/self/fd/{fd}", (os.O_RDWR if writable else os.O_RDONLY) | os.O_CLOEXEC)
+    except OSError as error:
+        mode = "O_RDWR" if writable else "O_RDONLY"
+        raise _fail(f"open(/proc/self/fd/{fd}, {mode})", None, None, error.errno) from None
+
+
+# -- how much memory a create may take -----------------------------------------
+@dataclass(frozen=True)
+class CgroupMemoryReading:
+    """What one memory cgroup's files said.
+
+    `limit`: memory.max (v2) or memory.limit_in_bytes (v1), "max" for none;
+    `usage`: memory.current / memory.usage_in_bytes; `stat`: memory.stat, whose
+    file-cache counts the kernel reclaims before it refuses a charge ("" when
+    not read).
+    """
+
+    path: str
+    limit: str
+    usage: str
+    stat: str = ""
+
+
+@dataclass(frozen=True)
+class MemoryHeadroom:
+    """Bytes a create may take (None: nothing limits it) and what limits it."""
+
+    available: int | None
+    limited_by: str
+
+
+def _kib_field(meminfo_text: str, key: str) -> int | None:
+    for line in meminfo_text.splitlines():
+        name, _, value = line.partition(":")
+        if name == key:
+            number, *unit = value.split()
+            return int(number) * (1024 if unit == ["kB"] else 1)
+    return None
+
+
+def _reclaimable_file_cache(stat_text: str) -> int:
+    counters = dict(line.split() for line in stat_text.splitlines() if len(line.split()) == 2)
+    # v1 names the hierarchical counters total_*; v2's counters are hierarchical.
+    prefix = "total_" if "total_inactive_file" in counters else ""
+    return sum(int(counters.get(f"{prefix}{name}", 0)) for name in ("inactive_file", "active_file"))
+
+
+def host_memory_headroom(meminfo_text: str, cgroups: Sequence[CgroupMemoryReading] = ()) -> MemoryHeadroom:
+    """The most a new chunk may take: the smallest of MemAvailable (from
+    /proc/meminfo text) and, per cgroup, limit - usage + reclaimable file
+    cache (never below 0). Pure arithmetic over the readings given."""
+    candidates: list[tuple[int, str]] = []
+    mem_available = _kib_field(meminfo_text, "MemAvailable")
+    if mem_available is not None:
+        candidates.append((mem_available, f"MemAvailable {mem_available} bytes in /proc/meminfo"))
+    for cgroup in cgroups:
+        if cgroup.limit.strip() == "max":
+            continue
+        limit, usage = int(cgroup.limit), int(cgroup.usage)
+        reclaimable = _reclaimable_file_cache(cgroup.stat)
+        candidates.append(
+            (
+                max(limit - usage + reclaimable, 0),
+                f"cgroup {cgroup.path}: limit {limit} - usage {usage} + reclaimable file cache {reclaimable} bytes",
+            )
+        )
+    if not candidates:
+        return MemoryHeadroom(None, "no reading limits it")
+    available, limited_by = min(candidates)
+    return MemoryHeadroom(available, limited_by)
+
+
+@dataclass(frozen=True)
+class CgroupMemoryFiles:
+    """A memory cgroup's directory and the names of its limit and usage files."""
+
+    directory: str
+    limit: str
+    usage: str
+
+
+@functools.lru_cache(maxsize=None)
+def cgroup_memory_files() -> tuple[CgroupMemoryFiles, ...]:
+    """This process's memory cgroup and its ancestors, leaf first, with the
+    names of their limit and usage files (v2 and v1 hierarchies; levels
+    without a limit file, such as a v2 hierarchy without the memory
+    controller, are left out). Found once: processes rarely change cgroup."""
+    mounts: dict[str, tuple[str, str]] = {}  # "v2" / "v1" -> (root, mount point)
+    with open("/proc/self/mountinfo") as mountinfo:
+        for line in mountinfo:
+            left, _, right = line.partition(" - ")
+            fields, (fstype, _source, options, *_rest) = left.split(), right.split()
+            if fstype == "cgroup2":
+                mounts.setdefault("v2", (fields[3], fields[4]))
+            elif fstype == "cgroup" and "memory" in options.split(","):
+                mounts.setdefault("v1", (fields[3], fields[4]))
+    names = {"v2": ("memory.max", "memory.current"), "v1": ("memory.limit_in_bytes", "memory.usage_in_bytes")}
+    levels: list[CgroupMemoryFiles] = []
+    with open("/proc/self/cgroup") as cgroups:
+        for line in cgroups:
+            _, controllers, path = line.rstrip("\n").split(":", 2)
+            version = "v2" if controllers == "" else "v1" if "memory" in controllers.split(",") else None
+            if version not in mounts:
+                continue
+            root, mount_point = mounts[version]
+            inside = os.path.relpath(path, root)
+            if inside.startswith(".."):
+                continue  # outside what this mount shows
+            directory = os.path.normpath(os.path.join(mount_point, inside))
+            limit, usage = names[version]
+            # Up to and including the mount point: in a cgroup namespace it
+            # is the container's own cgroup, whose limit is the one that counts.
+            while True:
+                if os.path.exists(os.path.join(directory, limit)):
+                    levels.append(CgroupMemoryFiles(directory, limit, usage))
+                if directory == mount_point:
+                    break
+                directory = os.path.dirname(directory)
+    return tuple(levels)
+
+
+def _read(path: str) -> str:
+    with open(path) as file:
+        return file.read()
+
+
+def read_host_memory_headroom(size: int) -> MemoryHeadroom:
+    """`host_memory_headroom` over this machine's readings. A cgroup's
+    memory.stat is read only where `size` does not fit without its
+    reclaimable cache."""
+    readings = []
+    for files in cgroup_memory_files():
+        try:
+            limit = _read(os.path.join(files.directory, files.limit))
+            if limit.strip() == "max":
+                continue
+            usage = _read(os.path.join(files.directory, files.usage))
+            stat = ""
+            if int(limit) - int(usage) < size:
+                stat = _read(os.path.join(files.directory, "memory.stat"))
+        except OSError:
+            continue  # the cgroup went away: it limits nothing any more
+        readings.append(CgroupMemoryReading(files.directory, limit, usage, stat))
+    return host_memory_headroom(_read("/proc/meminfo"), readings)
 
 
 class HostDriver(Driver):
@@ -107,12 +298,21 @@ class HostDriver(Driver):
             raise _fail("munmap", size, address)
 
     def _create(self, size: int) -> Chunk:
-        fd = os.memfd_create(MEMFD_NAME, os.MFD_CLOEXEC)
+        headroom = read_host_memory_headroom(size)
+        if headroom.available is not None and size > headroom.available:
+            raise OutOfMemoryError(
+                "memfd_create+fallocate", errno.ENOMEM, "ENOMEM", size=size,
+                detail=f"refused before allocating: {size} bytes requested, {headroom.available} available "
+                f"({headroom.limited_by})",
+            )
+        fd = os.memfd_create(MEMFD_NAME, os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
         try:
+            os.fchmod(fd, 0o600)
             os.posix_fallocate(fd, 0, size)
+            fcntl.fcntl(fd, fcntl.F_ADD_SEALS, CHUNK_SEALS)
         except OSError as error:
             os.close(fd)
-            raise _fail("memfd_create+fallocate", size, None, error.errno) from None
+            raise _fail("memfd_create+fallocate+seal", size, None, error.errno) from None
         return Chunk(handle=fd, size=size)
 
     def _release(self, chunk: Chunk) -> None:
@@ -122,16 +322,24 @@ class HostDriver(Driver):
             raise _fail("close(memfd)", chunk.size, None, error.errno) from None
 
     def _export_fd(self, chunk: Chunk) -> int:
-        try:
-            return os.dup(chunk.handle)
-        except OSError as error:
-            raise _fail("dup(memfd) export", chunk.size, None, error.errno) from None
+        return reopen(chunk.handle, writable=False)
 
     def _import_fd(self, fd: int, size: int) -> Chunk:
         try:
             file_size = os.fstat(fd).st_size
         except OSError as error:
             raise _fail(f"fstat(fd {fd}) import", size, None, error.errno) from None
+        try:
+            seals = fcntl.fcntl(fd, fcntl.F_GET_SEALS)
+        except OSError as error:
+            if error.errno != errno.EINVAL:  # EINVAL: a file that cannot be sealed
+                raise _fail(f"fcntl(fd {fd}, F_GET_SEALS) import", size, None, error.errno) from None
+            seals = 0
+        if seals & REQUIRED_IMPORT_SEALS != REQUIRED_IMPORT_SEALS:
+            raise ValueError(
+                f"import_fd: fd {fd} ({_describe_fd(fd)}, seals {seals:#x}) is not a memfd sealed with "
+                f"F_SEAL_SHRINK|F_SEAL_GROW ({REQUIRED_IMPORT_SEALS:#x}); only such chunks can be shared safely"
+            )
         if file_size < size:
             # Mapping past the end of the file would succeed and then fault
             # (SIGBUS) on first touch; refuse here instead.
@@ -145,8 +353,17 @@ class HostDriver(Driver):
         self._mmap("mmap(MAP_FIXED, memfd)", address, chunk.size, PROT_NONE, MAP_SHARED | MAP_FIXED, chunk.handle)
 
     def _set_access(self, address: int, size: int) -> None:
-        if _libc.mprotect(address, size, PROT_READ | PROT_WRITE) != 0:
+        if _libc.mprotect(address, size, PROT_READ | PROT_WRITE) == 0:
+            return
+        if ctypes.get_errno() != errno.EACCES:
             raise _fail("mprotect(PROT_READ|PROT_WRITE)", size, address)
+        # Some mapping in the range is of a read-only descriptor: grant each
+        # VMA what its descriptor allows.
+        for start, end in _regions(address, address + size):
+            if _libc.mprotect(start, end - start, PROT_READ | PROT_WRITE) == 0:
+                continue
+            if ctypes.get_errno() != errno.EACCES or _libc.mprotect(start, end - start, PROT_READ) != 0:
+                raise _fail("mprotect(PROT_READ) of a read-only mapping", end - start, start)
 
     def _unmap(self, address: int, size: int) -> None:
         self._mmap(
@@ -165,15 +382,7 @@ class HostDriver(Driver):
 
     def chunks_at(self, addresses: Iterable[int]) -> list[Hashable | None]:
         """`chunk_at` for many addresses with one read of /proc/self/maps."""
-        regions = []
-        with open("/proc/self/maps") as maps:
-            for line in maps:
-                fields = line.split()
-                start, end = (int(part, 16) for part in fields[0].split("-"))
-                major, minor = (int(part, 16) for part in fields[3].split(":"))
-                inode = int(fields[4])
-                if inode:
-                    regions.append((start, end, (major, minor, inode)))
+        regions = [(start, end, file) for start, end, file in _maps() if file[2]]
         result = []
         for address in addresses:
             result.append(next((ident for start, end, ident in regions if start <= address < end), None))
@@ -188,3 +397,25 @@ class HostDriver(Driver):
             "driver": f"Linux {os.uname().release}",
             "granularity": format_granularity(self.granularity),
         }
+
+
+def _maps() -> Iterator[tuple[int, int, tuple[int, int, int]]]:
+    """(start, end, (device major, minor, inode)) of each VMA of this process."""
+    with open("/proc/self/maps") as maps:
+        for line in maps:
+            fields = line.split()
+            start, end = (int(part, 16) for part in fields[0].split("-"))
+            major, minor = (int(part, 16) for part in fields[3].split(":"))
+            yield start, end, (major, minor, int(fields[4]))
+
+
+def _regions(start: int, end: int) -> list[tuple[int, int]]:
+    """The VMAs overlapping [start, end), clipped to it."""
+    return [(max(low, start), min(high, end)) for low, high, _ in _maps() if low < end and high > start]
+
+
+def _describe_fd(fd: int) -> str:
+    try:
+        return os.readlink(f"/proc/self/fd/{fd}")
+    except OSError:
+        return "unknown file"

@@ -1,0 +1,287 @@
+"""Host driver conformance: what its chunks promise to whoever shares them
+(seals, read-only exports, imports of sealed memfds only), and that a create
+the kernel cannot satisfy, for the machine or for this process's memory
+cgroup, is refused before any page is allocated.
+
+Everything here runs on real memfds, mappings and (where this process may
+create one) a real child cgroup; the memory check's arithmetic is also tested
+on made-up readings, since the real machine's readings cannot be chosen.
+Over-large requests run under a file-size limit or in a limited cgroup, so a
+driver that lost its check fails the test instead of filling the machine.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import fcntl
+import os
+import resource
+import signal
+import stat
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+import pytest
+
+import extkv
+from extkv.errors import OutOfMemoryError
+from extkv.usage import open_chunk_fds
+from extkv.vmm import HostDriver, live_chunks, live_reservations
+from extkv.vmm.host import (
+    CgroupMemoryReading,
+    MemoryHeadroom,
+    cgroup_memory_files,
+    host_memory_headroom,
+    read_host_memory_headroom,
+)
+
+
+REPO_ROOT = Path(extkv.__file__).resolve().parent.parent
+
+
+def live_counts() -> tuple[dict, dict]:
+    nonzero = lambda counts: {kind: count for kind, count in counts.items() if count}  # noqa: E731
+    return nonzero(live_chunks), nonzero(live_reservations)
+
+
+def maps_permissions(address: int) -> str:
+    with open("/proc/self/maps") as maps:
+        for line in maps:
+            span, permissions = line.split()[:2]
+            start, end = (int(part, 16) for part in span.split("-"))
+            if start <= address < end:
+                return permissions
+    raise AssertionError(f"nothing is mapped at {address:#x}")
+
+
+@pytest.fixture
+def driver() -> HostDriver:
+    return HostDriver()
+
+
+def test_chunks_are_sealed_against_shrink_grow_and_new_seals(driver):
+    chunk = driver.create(driver.granularity)
+    size = driver.granularity
+    try:
+        fd = chunk.handle
+        assert fcntl.fcntl(fd, fcntl.F_GET_SEALS) == fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW | fcntl.F_SEAL_SEAL
+        assert stat.S_IMODE(os.fstat(fd).st_mode) == 0o600
+        F_SEAL_FUTURE_WRITE = 0x10  # not in every Python's fcntl module
+        for attempt in (
+            lambda: os.ftruncate(fd, 0),
+            lambda: os.ftruncate(fd, 2 * size),
+            lambda: os.posix_fallocate(fd, size, size),
+            lambda: fcntl.fcntl(fd, fcntl.F_ADD_SEALS, F_SEAL_FUTURE_WRITE),
+        ):
+            with pytest.raises(PermissionError):
+                attempt()
+        assert os.fstat(fd).st_size == size
+        # The seals leave writing alone: this process's own mapping works.
+        base = driver.reserve(size)
+        try:
+            driver.map(base, chunk)
+            driver.set_access(base, size)
+            view = driver.view(base, size)
+            view[-1] = 42
+            assert int(view[-1]) == 42 and maps_permissions(base) == "rw-s"
+            driver.unmap(base, size)
+        finally:
+            driver.free_reservation(base, size)
+    finally:
+        driver.release(chunk)
+
+
+def test_export_gives_a_read_only_descriptor_of_the_same_memory(driver):
+    chunk = driver.create(driver.granularity)
+    exported = driver.export_fd(chunk)
+    try:
+        assert fcntl.fcntl(exported, fcntl.F_GETFL) & os.O_ACCMODE == os.O_RDONLY
+        assert fcntl.fcntl(exported, fcntl.F_GETFD) & fcntl.FD_CLOEXEC
+        mine, theirs = os.fstat(chunk.handle), os.fstat(exported)
+        assert (mine.st_dev, mine.st_ino) == (theirs.st_dev, theirs.st_ino)
+        for attempt in (lambda: os.pwrite(exported, b"x", 0), lambda: os.ftruncate(exported, 0)):
+            with pytest.raises(OSError) as raised:
+                attempt()
+            assert raised.value.errno in (errno.EBADF, errno.EINVAL)
+    finally:
+        os.close(exported)
+        driver.release(chunk)
+
+
+def test_set_access_grants_read_only_where_the_descriptor_is_read_only(driver):
+    """One range, two chunks: an import of a read-only export gets read
+    access, the chunk beside it read-write, as the kernel reports."""
+    g = driver.granularity
+    counts = live_counts()
+    with contextlib.ExitStack() as undo:
+        own = driver.create(g)
+        undo.callback(driver.release, own)
+        neighbour = driver.create(g)
+        undo.callback(driver.release, neighbour)
+        exported = driver.export_fd(own)
+        undo.callback(os.close, exported)
+        imported = driver.import_fd(exported, g)
+        undo.callback(driver.release, imported)
+        base = driver.reserve(2 * g)
+        undo.callback(driver.free_reservation, base, 2 * g)
+        for address, chunk in ((base, imported), (base + g, neighbour)):
+            driver.map(address, chunk)
+            undo.callback(driver.unmap, address, g)
+        driver.set_access(base, 2 * g)
+        assert maps_permissions(base) == "r--s" and maps_permissions(base + g) == "rw-s"
+        os.pwrite(own.handle, b"\x05", g - 1)  # the same pages: written there, read here
+        assert int(driver.view(base, g)[-1]) == 5
+        driver.view(base + g, g).fill_(7)
+        assert int(driver.view(base + g, g).sum()) == 7 * g
+    assert live_counts() == counts
+
+
+@pytest.mark.parametrize("kind", ["regular file", "unsealed memfd", "memfd sealed against shrinking only"])
+def test_import_accepts_only_memfds_sealed_against_shrink_and_grow(driver, kind):
+    g = driver.granularity
+    counts = live_counts()
+    if kind == "regular file":
+        fd, path = tempfile.mkstemp(prefix="extkv-")
+        os.unlink(path)
+    else:
+        fd = os.memfd_create("extkv-chunk", os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
+    try:
+        os.ftruncate(fd, g)
+        if kind == "memfd sealed against shrinking only":
+            fcntl.fcntl(fd, fcntl.F_ADD_SEALS, fcntl.F_SEAL_SHRINK)
+        with pytest.raises(ValueError, match=rf"import_fd: fd {fd} \(.*\) is not a memfd sealed with F_SEAL_SHRINK\|F_SEAL_GROW"):
+            driver.import_fd(fd, g)
+    finally:
+        os.close(fd)
+    assert live_counts() == counts
+
+
+# -- memory headroom: arithmetic on made-up readings ------------------------------
+MEMINFO = "MemTotal:       16000000 kB\nMemFree:          500000 kB\nMemAvailable:    1000000 kB\n"
+MEM_AVAILABLE = 1_000_000 * 1024
+
+
+def test_headroom_is_mem_available_without_cgroup_limits():
+    assert host_memory_headroom(MEMINFO) == MemoryHeadroom(
+        MEM_AVAILABLE, f"MemAvailable {MEM_AVAILABLE} bytes in /proc/meminfo"
+    )
+    unlimited = CgroupMemoryReading("/sys/fs/cgroup/a", "max\n", "123\n")
+    assert host_memory_headroom(MEMINFO, [unlimited]).available == MEM_AVAILABLE
+    assert host_memory_headroom("MemTotal: 1 kB\n") == MemoryHeadroom(None, "no reading limits it")
+
+
+def test_headroom_is_the_tightest_cgroup_limit_less_usage_plus_reclaimable_cache():
+    leaf = CgroupMemoryReading("/sys/fs/cgroup/a/b", "max\n", "400000000\n")
+    parent = CgroupMemoryReading("/sys/fs/cgroup/a", "536870912\n", "436870912\n")
+    assert host_memory_headroom(MEMINFO, [leaf, parent]) == MemoryHeadroom(
+        100_000_000,
+        "cgroup /sys/fs/cgroup/a: limit 536870912 - usage 436870912 + reclaimable file cache 0 bytes",
+    )
+    # File cache the kernel would drop before refusing counts as available (v2 names).
+    v2_stat = "anon 9999\nfile 77777\ninactive_file 4096\nactive_file 8192\nshmem 5\n"
+    cached = CgroupMemoryReading("/sys/fs/cgroup/a", "536870912\n", "436870912\n", v2_stat)
+    assert host_memory_headroom(MEMINFO, [cached]).available == 100_000_000 + 12288
+    # v1 reports hierarchical totals beside the cgroup's own counters: the totals count.
+    v1_stat = "inactive_file 1\nactive_file 2\ntotal_inactive_file 40960\ntotal_active_file 81920\n"
+    v1 = CgroupMemoryReading("/sys/fs/cgroup/memory/a", "536870912\n", "436870912\n", v1_stat)
+    assert host_memory_headroom(MEMINFO, [v1]).available == 100_000_000 + 122880
+    # Over its limit (usage may exceed it briefly): nothing, never negative.
+    over = CgroupMemoryReading("/sys/fs/cgroup/a", "1000\n", "5000\n")
+    assert host_memory_headroom(MEMINFO, [over]).available == 0
+    # A loose cgroup limit leaves MemAvailable in charge.
+    loose = CgroupMemoryReading("/sys/fs/cgroup/a", str(64 << 30), "0")
+    assert host_memory_headroom(MEMINFO, [loose]).available == MEM_AVAILABLE
+
+
+def test_this_machine_has_a_headroom_below_its_memory():
+    with open("/proc/meminfo") as meminfo:
+        total = int(next(line for line in meminfo if line.startswith("MemTotal:")).split()[1]) * 1024
+    headroom = read_host_memory_headroom(1)
+    assert headroom.available is not None and 0 < headroom.available <= total, headroom
+
+
+# -- memory headroom: the real refusal ---------------------------------------------
+@contextlib.contextmanager
+def file_size_limit(limit: int):
+    """Were the driver's check missing, fallocate past `limit` would fail
+    (EFBIG) instead of filling the machine and waking the OOM killer."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_FSIZE)
+    handler = signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+    resource.setrlimit(resource.RLIMIT_FSIZE, (limit, hard))
+    try:
+        yield
+    finally:
+        resource.setrlimit(resource.RLIMIT_FSIZE, (soft, hard))
+        signal.signal(signal.SIGXFSZ, handler)
+
+
+def test_a_create_beyond_memory_is_refused_before_any_page_is_allocated(driver):
+    with open("/proc/meminfo") as meminfo:
+        total = int(next(line for line in meminfo if line.startswith("MemTotal:")).split()[1]) * 1024
+    g = driver.granularity
+    size = -(-2 * total // g) * g
+    memfds, counts = open_chunk_fds(), live_counts()
+    with file_size_limit(4 * g):
+        with pytest.raises(OutOfMemoryError) as raised:
+            driver.create(size)
+    assert open_chunk_fds() == memfds and live_counts() == counts
+    error = raised.value
+    assert (error.code, error.code_name, error.size) == (errno.ENOMEM, "ENOMEM", size)
+    assert f"refused before allocating: {size} bytes requested, " in str(error)
+    assert " available (" in str(error)
+    # A create that fits still succeeds.
+    chunk = driver.create(g)
+    driver.release(chunk)
+
+
+CGROUP_PEER = """
+import os, sys
+from extkv.errors import OutOfMemoryError
+from extkv.vmm import HostDriver
+with open(os.path.join(sys.argv[1], "cgroup.procs"), "w") as procs:
+    procs.write(str(os.getpid()))
+driver = HostDriver()
+try:
+    driver.create(int(sys.argv[2]))
+except OutOfMemoryError as error:
+    print(error)
+driver.release(driver.create(driver.granularity))
+"""
+
+
+def test_a_create_beyond_this_cgroups_limit_is_refused():
+    """In a child cgroup limited far below free memory, a create over the
+    limit is refused, naming the cgroup; one within it succeeds. Runs in a
+    process of its own, moved into the cgroup before its first create."""
+    leaf = cgroup_memory_files()
+    if not leaf:
+        pytest.skip("this process is in no memory cgroup with a limit file")
+    limit_file = leaf[0].limit
+    directory = os.path.join(leaf[0].directory, f"extkv-test-{os.getpid()}")
+    try:
+        os.mkdir(directory)
+    except OSError as error:
+        pytest.skip(f"cannot create a child memory cgroup: {error}")
+    try:
+        limit = 64 << 20
+        try:
+            with open(os.path.join(directory, limit_file), "w") as file:
+                file.write(str(limit))
+        except OSError as error:
+            pytest.skip(f"cannot limit a child memory cgroup: {error}")
+        request = 2 * limit
+        run = subprocess.run(
+            [sys.executable, "-c", CGROUP_PEER, directory, str(request)],
+            env={**os.environ, "PYTHONPATH": str(REPO_ROOT)},
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
+    finally:
+        os.rmdir(directory)
+    assert run.returncode == 0, run.stderr
+    assert f"refused before allocating: {request} bytes requested" in run.stdout, run.stdout
+    assert f"(cgroup {directory}: limit {limit} - usage " in run.stdout, run.stdout
