@@ -27,7 +27,7 @@ from pathlib import Path
 import pytest
 
 import extkv
-from extkv.errors import OutOfMemoryError
+from extkv.errors import DriverError, OutOfMemoryError
 from extkv.usage import open_chunk_fds
 from extkv.vmm import HostDriver, live_chunks, live_reservations
 from extkv.vmm.host import (
@@ -111,9 +111,10 @@ def test_export_gives_a_read_only_descriptor_of_the_same_memory(driver):
         driver.release(chunk)
 
 
-def test_set_access_grants_read_only_where_the_descriptor_is_read_only(driver):
-    """One range, two chunks: an import of a read-only export gets read
-    access, the chunk beside it read-write, as the kernel reports."""
+def test_set_access_grants_what_is_asked_and_no_more_than_the_descriptor_allows(driver):
+    """One range, two chunks: an import of a read-only export can be granted
+    read access only (asking for write is refused by the kernel), the chunk
+    beside it read-write, as the kernel reports."""
     g = driver.granularity
     counts = live_counts()
     with contextlib.ExitStack() as undo:
@@ -130,7 +131,10 @@ def test_set_access_grants_read_only_where_the_descriptor_is_read_only(driver):
         for address, chunk in ((base, imported), (base + g, neighbour)):
             driver.map(address, chunk)
             undo.callback(driver.unmap, address, g)
-        driver.set_access(base, 2 * g)
+        with pytest.raises(DriverError, match=r"mprotect\(PROT_READ\|PROT_WRITE\) failed: EACCES"):
+            driver.set_access(base, g)
+        driver.set_access(base, g, writable=False)
+        driver.set_access(base + g, g)
         assert maps_permissions(base) == "r--s" and maps_permissions(base + g) == "rw-s"
         os.pwrite(own.handle, b"\x05", g - 1)  # the same pages: written there, read here
         assert int(driver.view(base, g)[-1]) == 5
@@ -239,7 +243,7 @@ def test_a_create_beyond_memory_is_refused_before_any_page_is_allocated(driver):
 
 CGROUP_PEER = """
 import os, sys
-from extkv.errors import OutOfMemoryError
+from extkv.errors import DriverError, OutOfMemoryError
 from extkv.vmm import HostDriver
 with open(os.path.join(sys.argv[1], "cgroup.procs"), "w") as procs:
     procs.write(str(os.getpid()))

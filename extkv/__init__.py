@@ -7,7 +7,14 @@ or is released for sleep and recommitted.
 """
 
 from .cache import ExtensibleKVCache, measure_kv_cache_blocks
-from .connector import KVConnector, SegmentExportConnector, SegmentNotContiguousError, import_segments
+from .connector import (
+    KVConnector,
+    PeerRefusedError,
+    SegmentExportConnector,
+    SegmentNotContiguousError,
+    import_segments,
+    listen_privately,
+)
 from .errors import DriverError, ExtkvError, OutOfMemoryError, StateError
 from .layout import (
     FullAttentionSpec,
@@ -94,6 +101,7 @@ __all__ = [
     "KVConnector",
     "layer_kernel_block_size",
     "layer_spec_for_tensor",
+    "listen_privately",
     "MambaStateSpec",
     "MappedChunk",
     "max_layer_reload_bytes",
@@ -104,6 +112,7 @@ __all__ = [
     "num_committable_kv_blocks",
     "OutOfMemoryError",
     "pad_kv_cache_segments",
+    "PeerRefusedError",
     "ReferenceModelRunner",
     "registers_kv_cache_memory",
     "round_up",

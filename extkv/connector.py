@@ -38,10 +38,10 @@ Trust (a peer receives only what it is given and cannot harm the exporter):
   chunk travels as a read-only descriptor of a memfd sealed against shrinking
   and growing (extkv.vmm.host says what that does and does not stop); the
   peer's mapping is then read-only too. On CUDA a POSIX-fd shareable handle
-  carries no access mode: the header says `"writable": false` and the
-  exporter cannot enforce it. A CUDA peer could map read-only with
-  `cuMemSetAccess(PROT_READ)`, but the driver interface grants read-write
-  only, so today it maps read-write: CUDA exports are as trusted as the peer.
+  carries no access mode: the header says `"writable": false` and this peer
+  grants itself read access only (`cuMemSetAccess(PROT_READ)`), but the
+  exporter cannot enforce that on another peer: CUDA exports are as trusted
+  as the peer.
 
 The peer (`import_segments`, or `python -m extkv.peer --peer PATH`)
 receives the descriptors, imports each chunk with the driver for the device
@@ -90,7 +90,6 @@ from .errors import DriverError, ExtkvError, StateError
 # The same undo helper ExtensibleTensor's transactions use.
 from .tensor import ExtensibleTensor, MappedChunk, _Undo
 from .vmm import Chunk, Driver, HostDriver, cuda_usable, driver_for
-from .vmm.host import reopen
 
 #: Names the wire format; a peer refuses any other.
 PROTOCOL = "extkv-segments/2"
@@ -265,19 +264,16 @@ class SegmentExportConnector:
         self._check_peer(sock)
         assert self._kv_cache is not None
         buffer = self._kv_cache.buffer
-        self._check_current(buffer)
         driver = buffer.driver
-        header, chunks = _header(driver, self._registrations, self.writable_exports)
         fds: list[int] = []
         try:
-            for mapped in chunks:
-                fd = driver.export_fd(mapped.chunk)
-                fds.append(fd)
-                if self.writable_exports and driver.kind == "host":
-                    # The driver exports host chunks read-only; this process
-                    # owns the memfd and may reopen it read-write.
-                    fds[-1] = reopen(fd, writable=True)
-                    os.close(fd)
+            # Held while checking and exporting, so that no other thread's
+            # commit remaps the segments in between; not while the peer reads.
+            with buffer.lock:
+                self._check_current(buffer)
+                header, chunks = _header(driver, self._registrations, self.writable_exports)
+                for mapped in chunks:
+                    fds.append(driver.export_fd(mapped.chunk, writable=self.writable_exports))
             send_message(sock, header)
             _send_fds(sock, fds)
         finally:
@@ -388,6 +384,11 @@ def listen_privately(parent: str | None = None, *, backlog: int = 1) -> PrivateL
 
 
 def _segment_registrations(buffer: ExtensibleTensor) -> list[SegmentRegistration]:
+    with buffer.lock:  # one mapping throughout, whatever other threads commit
+        return _registrations_of(buffer)
+
+
+def _registrations_of(buffer: ExtensibleTensor) -> list[SegmentRegistration]:
     sizes = buffer.segment_sizes
     split = [index for index, one in enumerate(buffer.segments_backed_by_one_chunk(sizes)) if not one]
     if split:
@@ -741,7 +742,7 @@ def _map_imported(
             # Chunk sizes are granule multiples, so the chunks tile the whole
             # reservation: one access call covers them all. The host driver
             # grants read-only access over read-only descriptors.
-            driver.set_access(reservation, reserved_bytes)
+            driver.set_access(reservation, reserved_bytes, writable=writable)
     imported = ImportedSegments(driver, reservation, reserved_bytes, mapped, writable)
     try:
         imported.views = [

@@ -100,11 +100,12 @@ class Driver(abc.ABC):
             live_chunks[self.kind] -= 1
 
     # -- sharing chunks between processes --------------------------------------
-    def export_fd(self, chunk: Chunk) -> int:
+    def export_fd(self, chunk: Chunk, *, writable: bool = False) -> int:
         """A new file descriptor for `chunk` that another process can import
-        (`import_fd`). The caller owns it and must close it; the chunk stays
-        this process's to release."""
-        return self._export_fd(chunk)
+        (`import_fd`), read-only unless `writable` where the driver can say so
+        (a host memfd can; a CUDA handle carries no access mode). The caller
+        owns it and must close it; the chunk stays this process's to release."""
+        return self._export_fd(chunk, validate.flag("writable", writable))
 
     def import_fd(self, fd: int, size: int) -> Chunk:
         """A chunk of `size` bytes (a multiple of the granularity) over the
@@ -125,10 +126,11 @@ class Driver(abc.ABC):
         """Map the whole of `chunk` at `address`; not yet accessible."""
         self._map(address, chunk)
 
-    def set_access(self, address: int, size: int) -> None:
-        """Make `[address, address+size)` readable and writable; the range may
-        span several mapped chunks but must be wholly mapped."""
-        self._set_access(address, size)
+    def set_access(self, address: int, size: int, *, writable: bool = True) -> None:
+        """Make `[address, address+size)` readable, and writable unless told
+        otherwise (a peer's view of a read-only export); the range may span
+        several mapped chunks but must be wholly mapped."""
+        self._set_access(address, size, validate.flag("writable", writable))
 
     def unmap(self, address: int, size: int) -> None:
         """Unmap one whole chunk's mapping. Callers synchronize first."""
@@ -175,7 +177,7 @@ class Driver(abc.ABC):
     def _release(self, chunk: Chunk) -> None: ...
 
     @abc.abstractmethod
-    def _export_fd(self, chunk: Chunk) -> int: ...
+    def _export_fd(self, chunk: Chunk, writable: bool) -> int: ...
 
     @abc.abstractmethod
     def _import_fd(self, fd: int, size: int) -> Chunk: ...
@@ -184,7 +186,7 @@ class Driver(abc.ABC):
     def _map(self, address: int, chunk: Chunk) -> None: ...
 
     @abc.abstractmethod
-    def _set_access(self, address: int, size: int) -> None: ...
+    def _set_access(self, address: int, size: int, writable: bool) -> None: ...
 
     @abc.abstractmethod
     def _unmap(self, address: int, size: int) -> None: ...

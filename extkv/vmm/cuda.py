@@ -104,7 +104,11 @@ class CudaDriver(Driver):
         access.location.type = cu.CUmemLocationType.CU_MEM_LOCATION_TYPE_DEVICE
         access.location.id = index
         access.flags = cu.CUmemAccess_flags.CU_MEM_ACCESS_FLAGS_PROT_READWRITE
-        self._access = [access]
+        read_only = cu.CUmemAccessDesc()
+        read_only.location.type = access.location.type
+        read_only.location.id = index
+        read_only.flags = cu.CUmemAccess_flags.CU_MEM_ACCESS_FLAGS_PROT_READ
+        self._access = {True: [access], False: [read_only]}
         self.granularity = _granularity(self._prop)
 
     @contextlib.contextmanager
@@ -143,10 +147,12 @@ class CudaDriver(Driver):
         with self._active():
             _check("cuMemMap", cu.cuMemMap(address, chunk.size, 0, chunk.handle, 0), size=chunk.size, address=address)
 
-    def _set_access(self, address: int, size: int) -> None:
+    def _set_access(self, address: int, size: int, writable: bool) -> None:
         cu = _bindings()
         with self._active():
-            _check("cuMemSetAccess", cu.cuMemSetAccess(address, size, self._access, 1), size=size, address=address)
+            _check(
+                "cuMemSetAccess", cu.cuMemSetAccess(address, size, self._access[writable], 1), size=size, address=address
+            )
 
     def _unmap(self, address: int, size: int) -> None:
         cu = _bindings()
@@ -174,7 +180,9 @@ class CudaDriver(Driver):
     def view(self, address: int, size: int) -> torch.Tensor:
         return uint8_view(address, size, self.device)
 
-    def _export_fd(self, chunk: Chunk) -> int:
+    def _export_fd(self, chunk: Chunk, writable: bool) -> int:
+        # A CUDA shareable handle carries no access mode: `writable` cannot
+        # be enforced here, only by the importer's own cuMemSetAccess.
         cu = _bindings()
         with self._active():
             fd = _check(

@@ -90,9 +90,9 @@ class FaultInjectingDriver(Driver):
         self._maybe_fail("release", chunk.size, None)
         self.inner._release(chunk)
 
-    def _export_fd(self, chunk: Chunk) -> int:
+    def _export_fd(self, chunk: Chunk, writable: bool) -> int:
         self._maybe_fail("export", chunk.size, None)
-        return self.inner._export_fd(chunk)
+        return self.inner._export_fd(chunk, writable)
 
     def _import_fd(self, fd: int, size: int) -> Chunk:
         self._maybe_fail("import", size, None)
@@ -102,9 +102,9 @@ class FaultInjectingDriver(Driver):
         self._maybe_fail("map", chunk.size, address)
         self.inner._map(address, chunk)
 
-    def _set_access(self, address: int, size: int) -> None:
+    def _set_access(self, address: int, size: int, writable: bool) -> None:
         self._maybe_fail("set_access", size, address)
-        self.inner._set_access(address, size)
+        self.inner._set_access(address, size, writable)
 
     def _unmap(self, address: int, size: int) -> None:
         self._maybe_fail("unmap", size, address)

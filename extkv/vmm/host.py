@@ -25,11 +25,10 @@ virtual memory, so every invariant that needs no GPU is proven for real.
   stop this process mapping its own chunk writable again. The memfd's mode is
   0600, so a process under another uid cannot reopen it through /proc.
 - map: `mmap(MAP_SHARED|MAP_FIXED, memfd)` with no access, like `cuMemMap`.
-- access: `mprotect(PROT_READ|PROT_WRITE)` over a whole mapped run. A mapping
-  never gets more access than its descriptor allows: over mappings of
-  read-only descriptors (imports of read-only exports) the kernel refuses
-  write access (EACCES), and the range is then granted VMA by VMA, read-only
-  where writing is refused.
+- access: `mprotect(PROT_READ|PROT_WRITE)` over a whole mapped run, or
+  `PROT_READ` for a peer's view of a read-only export. A mapping never gets
+  more access than its descriptor allows: over a read-only descriptor the
+  kernel refuses write access (EACCES), whatever the importer asks.
 - unmap: map fresh `PROT_NONE` anonymous memory over the range; plain
   `munmap` would punch a hole in the reservation that another mmap could take.
 - release: `close(memfd)`; the kernel frees the pages once nothing maps them.
@@ -39,8 +38,8 @@ virtual memory, so every invariant that needs no GPU is proven for real.
   (`open("/proc/self/fd/N", O_RDONLY)`). Through it a peer can map the pages
   for reading only: `mmap(PROT_WRITE, MAP_SHARED)`, `write`, `ftruncate` and
   `fallocate(PUNCH_HOLE)` all fail, while this process keeps its writable
-  mapping. `reopen(fd, writable=True)` gives a read-write one instead, for a
-  peer that is trusted to write. `F_SEAL_FUTURE_WRITE` is not used: it is a
+  mapping. `export_fd(chunk, writable=True)` gives a read-write one instead,
+  for a peer that is trusted to write. `F_SEAL_FUTURE_WRITE` is not used: it is a
   seal on the inode, permanent, so this process could never again create a
   writable mapping of an exported chunk (defragmentation's undo re-maps the old
   chunks) nor export it writable. The limit of a read-only descriptor: a
@@ -321,8 +320,8 @@ class HostDriver(Driver):
         except OSError as error:
             raise _fail("close(memfd)", chunk.size, None, error.errno) from None
 
-    def _export_fd(self, chunk: Chunk) -> int:
-        return reopen(chunk.handle, writable=False)
+    def _export_fd(self, chunk: Chunk, writable: bool) -> int:
+        return reopen(chunk.handle, writable=writable)
 
     def _import_fd(self, fd: int, size: int) -> Chunk:
         try:
@@ -352,18 +351,12 @@ class HostDriver(Driver):
     def _map(self, address: int, chunk: Chunk) -> None:
         self._mmap("mmap(MAP_FIXED, memfd)", address, chunk.size, PROT_NONE, MAP_SHARED | MAP_FIXED, chunk.handle)
 
-    def _set_access(self, address: int, size: int) -> None:
-        if _libc.mprotect(address, size, PROT_READ | PROT_WRITE) == 0:
-            return
-        if ctypes.get_errno() != errno.EACCES:
-            raise _fail("mprotect(PROT_READ|PROT_WRITE)", size, address)
-        # Some mapping in the range is of a read-only descriptor: grant each
-        # VMA what its descriptor allows.
-        for start, end in _regions(address, address + size):
-            if _libc.mprotect(start, end - start, PROT_READ | PROT_WRITE) == 0:
-                continue
-            if ctypes.get_errno() != errno.EACCES or _libc.mprotect(start, end - start, PROT_READ) != 0:
-                raise _fail("mprotect(PROT_READ) of a read-only mapping", end - start, start)
+    def _set_access(self, address: int, size: int, writable: bool) -> None:
+        # Over a read-only descriptor the kernel refuses PROT_WRITE (EACCES):
+        # the exporter's choice holds whatever the importer asks.
+        prot, call = (PROT_READ | PROT_WRITE, "mprotect(PROT_READ|PROT_WRITE)") if writable else (PROT_READ, "mprotect(PROT_READ)")
+        if _libc.mprotect(address, size, prot) != 0:
+            raise _fail(call, size, address)
 
     def _unmap(self, address: int, size: int) -> None:
         self._mmap(
@@ -407,11 +400,6 @@ def _maps() -> Iterator[tuple[int, int, tuple[int, int, int]]]:
             start, end = (int(part, 16) for part in fields[0].split("-"))
             major, minor = (int(part, 16) for part in fields[3].split(":"))
             yield start, end, (major, minor, int(fields[4]))
-
-
-def _regions(start: int, end: int) -> list[tuple[int, int]]:
-    """The VMAs overlapping [start, end), clipped to it."""
-    return [(max(low, start), min(high, end)) for low, high, _ in _maps() if low < end and high > start]
 
 
 def _describe_fd(fd: int) -> str:
