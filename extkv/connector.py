@@ -622,6 +622,10 @@ def import_segments(
     forever); the socket's own timeout is restored afterwards. The received
     descriptors are closed before this returns, on success or failure.
     """
+    if not isinstance(sock, socket.socket) or sock.family != socket.AF_UNIX:
+        raise ValueError(f"import_segments needs a connected AF_UNIX socket to receive file descriptors, got {sock!r}")
+    if driver is not None and not isinstance(driver, Driver):
+        raise ValueError(f"driver must be an extkv Driver or None, got {driver!r}")
     if timeout is not None and (isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not timeout > 0):
         raise ValueError(f"timeout must be a number of seconds > 0, or None, got {timeout!r}")
     previous = sock.gettimeout()
