@@ -53,7 +53,7 @@ from extkv.layout import (
     KVCacheLayout,
     granule_block_alignment,
 )
-from extkv.testing.checks import check_usage_matches
+from extkv.testing.checks import check_usage_matches, maps_permissions
 from extkv.testing.configs import CAPACITY, GRANULE, config_for, fill_segments
 from extkv.vmm import FaultInjectingDriver, driver_for, live_chunks, live_reservations
 
@@ -306,17 +306,6 @@ def test_stale_registration_is_refused_until_restored(device, make_cache, connec
             with import_segments(receiver) as imported:
                 assert imported.digests() == digests_here(kv_cache)
             receiver.setblocking(False)
-
-
-def maps_permissions(address: int) -> str:
-    """The kernel's permissions ("rw-s") of the mapping holding `address`."""
-    with open("/proc/self/maps") as maps:
-        for line in maps:
-            span, permissions = line.split()[:2]
-            start, end = (int(part, 16) for part in span.split("-"))
-            if start <= address < end:
-                return permissions
-    raise AssertionError(f"nothing is mapped at {address:#x}")
 
 
 def test_in_process_import_shares_the_physical_memory(device, make_cache, usage):

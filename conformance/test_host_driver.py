@@ -28,6 +28,7 @@ import pytest
 
 import extkv
 from extkv.errors import DriverError, OutOfMemoryError
+from extkv.testing.checks import maps_permissions
 from extkv.usage import open_chunk_fds
 from extkv.vmm import HostDriver, live_chunks, live_reservations
 from extkv.vmm.host import (
@@ -45,16 +46,6 @@ REPO_ROOT = Path(extkv.__file__).resolve().parent.parent
 def live_counts() -> tuple[dict, dict]:
     nonzero = lambda counts: {kind: count for kind, count in counts.items() if count}  # noqa: E731
     return nonzero(live_chunks), nonzero(live_reservations)
-
-
-def maps_permissions(address: int) -> str:
-    with open("/proc/self/maps") as maps:
-        for line in maps:
-            span, permissions = line.split()[:2]
-            start, end = (int(part, 16) for part in span.split("-"))
-            if start <= address < end:
-                return permissions
-    raise AssertionError(f"nothing is mapped at {address:#x}")
 
 
 @pytest.fixture

@@ -55,6 +55,17 @@ def readback_one_chunk_per_segment(tensor: ExtensibleTensor, sizes: list[int]) -
     return result
 
 
+def maps_permissions(address: int) -> str:
+    """The kernel's permissions ("rw-s") of the host mapping holding `address`."""
+    with open("/proc/self/maps") as maps:
+        for line in maps:
+            span, permissions = line.split()[:2]
+            start, end = (int(part, 16) for part in span.split("-"))
+            if start <= address < end:
+                return permissions
+    raise AssertionError(f"nothing is mapped at {address:#x}")
+
+
 def check_usage_matches(probe: UsageProbe, baseline: int, tensors: list[ExtensibleTensor]) -> None:
     """Physical usage measured outside extkv, above `baseline`, equals what the
     tensors say they map."""
