@@ -15,6 +15,7 @@ import torch
 from .base import Chunk, Driver, live_chunks, live_reservations
 from .faults import FAULTABLE_STEPS, FaultInjectingDriver
 from .host import DEFAULT_HOST_GRANULARITY, MEMFD_NAME, HostDriver
+from .poison import PoisoningDriver
 
 
 
@@ -39,6 +40,11 @@ def _cuda_driver(index: int) -> Driver:
     from .cuda import CudaDriver
 
     return CudaDriver(torch.device("cuda", index))
+
+
+def device_memory_info(device: torch.device | str | int | Driver | None = None) -> tuple[int, int]:
+    """(free, total) bytes of `device`'s memory, as its driver reports them."""
+    return driver_for(device).memory_info()
 
 
 def driver_for(device: torch.device | str | int | Driver | None = None) -> Driver:
@@ -73,6 +79,7 @@ __all__ = [
     "HostDriver",
     "MEMFD_NAME",
     "cuda_usable",
+    "device_memory_info",
     "driver_for",
     "live_chunks",
     "live_reservations",
