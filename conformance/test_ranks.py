@@ -24,7 +24,7 @@ from extkv import vmm
 from extkv.cache import ExtensibleKVCache
 from extkv.layout import FullAttentionSpec, KVCacheGroupSpec, KVCacheLayout, build_kv_cache_config
 from extkv.ranks import agree_on_committable_blocks, min_over_ranks
-from extkv.usage import device_memory_info
+from extkv.vmm import device_memory_info
 
 WORLD_SIZE = 2
 #: Whole-run deadline for the spawned ranks; pytest-timeout's is the backstop.

@@ -13,9 +13,8 @@ from torch import nn
 
 from extkv import DriverError, ExtensibleKVCache, FaultInjectingDriver, KVCacheLayout, StateError, driver_for
 from extkv.connector import KVConnector, SegmentExportConnector
+from extkv.reference_model import ReferenceModelRunner, TinyDecoderConfig
 from extkv.runner import (
-    ReferenceModelRunner,
-    TinyDecoderConfig,
     WeightUpdateMemoryError,
     ensure_kv_cache_blocks,
     extend_kv_cache,
@@ -25,7 +24,7 @@ from extkv.runner import (
     registers_kv_cache_memory,
 )
 from extkv.testing.configs import config_for
-from extkv.usage import device_memory_info
+from extkv.vmm import device_memory_info
 
 CAPACITY = 256
 BATCHES = [1, 2, 4]
@@ -493,14 +492,50 @@ def test_reference_runner_refuses_bad_arguments(device, runners):
     runner = runners(device, CAPACITY)
     with pytest.raises(ValueError, match="max_batch must be an int >= 1"):
         runner.profile_run(0)
+    runner.allocate_kv_cache()
     with pytest.raises(ValueError, match=re.escape("batch_sizes[1] must be an int >= 1")):
         runner.warmup([1, 0])
     with pytest.raises(ValueError, match="batch_sizes must be a list of ints"):
         runner.warmup(4)
+    assert runner.num_committed_blocks == 1  # refused before committing anything
     plain = runners(device, CAPACITY, extensible=False)
-    for operation in (plain.sleep, plain.wake):
-        with pytest.raises(StateError, match="needs an extensible KV cache; this runner preallocated a plain one"):
-            operation()
+    plain.allocate_kv_cache()
+    with pytest.raises(StateError, match="needs an extensible KV cache; this runner preallocated a plain one"):
+        plain.sleep()
+
+
+def test_reference_runner_refuses_calls_its_stage_does_not_allow(device, runners):
+    """Stages as data: each call outside its stages names itself and the
+    stage, and changes nothing; a legal call moves the runner on."""
+    runner = runners(device, CAPACITY)
+    refused = {
+        "created (no KV cache allocated yet)": [
+            ("warmup", lambda: runner.warmup(BATCHES)),
+            ("measure_and_extend", lambda: runner.measure_and_extend(init_free_memory=0, requested_memory=0)),
+            ("sleep", runner.sleep),
+            ("wake", runner.wake),
+        ],
+        "allocated": [("profile_run", lambda: runner.profile_run(1)), ("allocate_kv_cache", runner.allocate_kv_cache),
+                      ("wake", runner.wake)],
+        "asleep (KV cache memory released)": [("warmup", lambda: runner.warmup(BATCHES)), ("sleep", runner.sleep),
+                                              ("allocate_kv_cache", runner.allocate_kv_cache)],
+        "freed": [("allocate_kv_cache", runner.allocate_kv_cache), ("wake", runner.wake),
+                  ("update_weights", lambda: runner.update_weights({}, reclaimable=False, fail_if_short=False))],
+    }
+    advance = {
+        "created (no KV cache allocated yet)": runner.allocate_kv_cache,
+        "allocated": runner.sleep,
+        "asleep (KV cache memory released)": runner.free,
+        "freed": runner.free,  # idempotent
+    }
+    for stage, calls in refused.items():
+        committed = runner.num_committed_blocks if stage != "freed" else None
+        for name, call in calls:
+            with pytest.raises(StateError, match=re.escape(f"ReferenceModelRunner.{name}() is not allowed: the runner is {stage}")):
+                call()
+        if committed is not None:
+            assert runner.num_committed_blocks == committed, f"a refused call in stage {stage!r} changed the cache"
+        advance[stage]()
 
 
 def test_weight_update_refuses_bad_arguments_before_changing_anything(device, runners):

@@ -36,8 +36,8 @@ from .layout import (
     round_up,
 )
 from .ranks import agree_on_committable_blocks, min_over_ranks
+from .reference_model import ReferenceModelRunner
 from .runner import (
-    ReferenceModelRunner,
     Runner,
     WeightUpdateMemoryError,
     ensure_kv_cache_blocks,
@@ -60,8 +60,8 @@ from .sizing import (
     weight_update_peak_bytes,
 )
 from .tensor import ExtensibleTensor, MappedChunk
-from .usage import UsageProbe, device_memory_info
-from .vmm import Driver, FaultInjectingDriver, HostDriver, driver_for
+from .usage import UsageProbe
+from .vmm import Driver, FaultInjectingDriver, HostDriver, device_memory_info, driver_for
 
 __version__ = "0.1.0"
 

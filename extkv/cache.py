@@ -64,8 +64,7 @@ from .sizing import (
     torch_memory_limit_bytes,
 )
 from .tensor import ExtensibleTensor
-from .usage import device_memory_info
-from .vmm import Driver
+from .vmm import Driver, canonical_device, torch_memory
 
 logger = logging.getLogger(__name__)
 
@@ -248,7 +247,7 @@ class ExtensibleKVCache:
     def committable_blocks(self) -> int:
         """Blocks committable now without eating into warmup's headroom (see
         `sizing.committable_bytes`); never below the committed count."""
-        free_memory, _ = device_memory_info(self.buffer.device)
+        free_memory, _ = self.buffer.driver.memory_info()
         budget = committable_bytes(free_memory, self.physical_bytes, self.reserved_headroom_bytes)
         return max(self.blocks_within(budget), self.num_committed_blocks)
 
@@ -345,13 +344,11 @@ class ExtensibleKVCache:
         if num_bytes is not None:
             num_bytes = validate.integer("torch memory limit", num_bytes, what="bytes, or None to lift it")
         self.torch_memory_limit = num_bytes
-        device = self.buffer.device
-        if device.type != "cuda":
-            logger.info("Torch has no memory cap for %s; recorded a limit of %s bytes only.", device, num_bytes)
-            return
-        _, total = device_memory_info(device)
-        fraction = 1.0 if num_bytes is None else min(num_bytes / total, 1.0)
-        torch.cuda.set_per_process_memory_fraction(fraction, device)
+        _, total = self.buffer.driver.memory_info()
+        if not torch_memory.set_cap(self.buffer.device, num_bytes, total):
+            logger.info(
+                "Torch has no memory cap for %s; recorded a limit of %s bytes only.", self.buffer.device, num_bytes
+            )
 
     @_operation
     def free(self) -> None:
@@ -385,14 +382,16 @@ def measure_kv_cache_blocks(
     requested_memory: int,
     ipc_reserve_bytes: int = 0,
 ) -> int:
-    """Size the cache from the memory free after warmup, and cap torch.
+    """How many blocks the cache gets once warmup is over; also caps torch.
 
-    Keeps free `kv_cache.reserved_headroom_bytes` (the larger of the profiled
-    peak and warmup's transient peak). Torch's cache is emptied first: its
-    cached blocks may not fit the workspaces the first real steps allocate.
-    `ipc_reserve_bytes` is kept aside (multimodal IPC in engines that use it).
-    Then torch's caching allocator is capped so that
-    KV_CACHE_NON_TORCH_RESERVE_BYTES stay free for allocations outside it.
+    The reading is taken with torch's cache returned to the device, since
+    blocks torch cached during warmup need not fit what the first real steps
+    allocate. `sizing.measure_kv_cache_bytes` turns it into a budget that keeps
+    the cache's `reserved_headroom_bytes` and a margin free; `ipc_reserve_bytes`
+    (multimodal IPC, in engines that use it) comes off the budget. Torch may
+    then reserve what it holds plus what stays free once the cache has its
+    final size, less KV_CACHE_NON_TORCH_RESERVE_BYTES for memory taken
+    outside torch (`sizing.torch_memory_limit_bytes`).
     """
     if not isinstance(kv_cache, ExtensibleKVCache):
         raise ValueError(f"measure_kv_cache_blocks needs an ExtensibleKVCache, got {kv_cache!r}")
@@ -400,55 +399,49 @@ def measure_kv_cache_blocks(
         raise StateError("measure_kv_cache_blocks() is not allowed on a freed ExtensibleKVCache")
     device = _cache_device(kv_cache, device)
     ipc_reserve_bytes = validate.integer("ipc_reserve_bytes", ipc_reserve_bytes, what="bytes")
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-        gc.collect()
-        torch.cuda.empty_cache()
-    free_memory, _ = device_memory_info(device)
-    transient_peak = kv_cache.reserved_headroom_bytes
-    available = measure_kv_cache_bytes(
+    gc.collect()  # dropped tensors not yet collected still pin torch's blocks
+    torch_memory.release_cached(device)
+    free_memory, _ = kv_cache.buffer.driver.memory_info()
+    committed = kv_cache.physical_bytes
+    budget = measure_kv_cache_bytes(
         init_free_memory=init_free_memory,
         free_memory=free_memory,
-        committed_bytes=kv_cache.physical_bytes,
+        committed_bytes=committed,
         requested_memory=requested_memory,
-        transient_peak_bytes=transient_peak,
+        transient_peak_bytes=kv_cache.reserved_headroom_bytes,
     )
-    kv_cache_bytes = max(available - ipc_reserve_bytes, 0)
-    num_blocks = kv_cache.blocks_within(kv_cache_bytes)
-    reserved_by_torch = torch.cuda.memory_reserved(device) if device.type == "cuda" else 0
-    limit = torch_memory_limit_bytes(
+    for_ipc = min(ipc_reserve_bytes, budget)
+    num_blocks = kv_cache.blocks_within(budget - for_ipc)
+    cap = torch_memory_limit_bytes(
         free_memory=free_memory,
-        memory_reserved=reserved_by_torch,
-        # Signed, as in the reference: an extend that shrinks the cache frees
-        # memory that torch may then use.
-        kv_growth_bytes=kv_cache.physical_bytes_for(num_blocks) - kv_cache.physical_bytes,
-        ipc_reserve_bytes=available - kv_cache_bytes,
+        memory_reserved=torch_memory.reserved(device),
+        # Negative when the budget is below what warmup committed: the shrink
+        # hands that memory back, and torch may use it.
+        kv_growth_bytes=kv_cache.physical_bytes_for(num_blocks) - committed,
+        ipc_reserve_bytes=for_ipc,
     )
-    kv_cache.set_torch_memory_limit(limit)
+    kv_cache.set_torch_memory_limit(cap)
     logger.info(
-        "Memory after warmup: %.2f GiB free, %.2f GiB committed to the KV cache, %.2f GiB kept for "
-        "transients; %d KV cache blocks (%.2f GiB) fit the requested %.2f GiB. Torch may reserve up to %.2f GiB.",
-        free_memory / GiB,
-        kv_cache.physical_bytes / GiB,
-        transient_peak / GiB,
+        "KV cache sized after warmup: %d blocks (%.2f GiB) of a %.2f GiB request; %.2f GiB free with %.2f GiB "
+        "committed and %.2f GiB kept for transients; torch capped at %.2f GiB.",
         num_blocks,
         num_blocks * kv_cache.bytes_per_block / GiB,
         requested_memory / GiB,
-        limit / GiB,
+        free_memory / GiB,
+        committed / GiB,
+        kv_cache.reserved_headroom_bytes / GiB,
+        cap / GiB,
     )
     return num_blocks
 
 
 def _cache_device(kv_cache: ExtensibleKVCache, device) -> torch.device:
-    """`device` as a torch device, which must be the one the cache lives on:
-    memory readings of another device would size this cache wrongly."""
+    """`device`, which must name the one the cache lives on: readings of
+    another device would size this cache wrongly."""
     try:
-        device = torch.device(device)
+        device = canonical_device(device)
     except (RuntimeError, TypeError):
         raise ValueError(f"device must be a torch device, got {device!r}") from None
-    own = kv_cache.buffer.device
-    if device.type == "cuda" and device.index is None and torch.cuda.is_available():
-        device = torch.device("cuda", torch.cuda.current_device())
-    if device != own:
-        raise ValueError(f"device {device} is not the KV cache's device {own}")
-    return own
+    if device != kv_cache.buffer.device:
+        raise ValueError(f"device {device} is not the KV cache's device {kv_cache.buffer.device}")
+    return device

@@ -29,7 +29,7 @@ import os
 
 import torch
 
-from .vmm import MEMFD_NAME, driver_for
+from .vmm import MEMFD_NAME, driver_for, torch_memory
 
 _MEMFD_LINK = f"/memfd:{MEMFD_NAME}"
 
@@ -147,26 +147,7 @@ class UsageProbe:
     def read_outside_torch(self) -> int:
         """Bytes in use now less what torch's caching allocator holds, so that
         tensors a caller allocates through torch do not count."""
-        if self.device.type == "cuda":
-            return self.read() - torch.cuda.memory_reserved(self.device)
-        return self.read()
+        return self.read() - torch_memory.reserved(self.device)
 
     def __repr__(self) -> str:
         return f"UsageProbe({self.device}, source={self.source!r})"
-
-
-def device_memory_info(device: torch.device | str) -> tuple[int, int]:
-    """(free, total) bytes of the device's memory: CUDA's own answer on a GPU,
-    MemAvailable and MemTotal from /proc/meminfo on the host."""
-    device = torch.device(device)
-    if device.type == "cuda":
-        free, total = torch.cuda.mem_get_info(device)
-        return int(free), int(total)
-    if device.type != "cpu":
-        raise ValueError(f"no memory information for device {device}; expected cpu or cuda:N")
-    fields = {}
-    with open("/proc/meminfo") as meminfo:
-        for line in meminfo:
-            name, value = line.split(":", 1)
-            fields[name] = int(value.split()[0]) * 1024
-    return fields["MemAvailable"], fields["MemTotal"]

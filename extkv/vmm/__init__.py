@@ -42,6 +42,15 @@ def _cuda_driver(index: int) -> Driver:
     return CudaDriver(torch.device("cuda", index))
 
 
+def canonical_device(device: torch.device | str | int) -> torch.device:
+    """`device` with its index made explicit ("cuda" is the current GPU), so
+    that two names of one device compare equal."""
+    device = torch.device(device)
+    if device.type == "cuda" and device.index is None and torch.cuda.is_available():
+        return torch.device("cuda", torch.cuda.current_device())
+    return device
+
+
 def device_memory_info(device: torch.device | str | int | Driver | None = None) -> tuple[int, int]:
     """(free, total) bytes of `device`'s memory, as its driver reports them."""
     return driver_for(device).memory_info()
@@ -78,6 +87,7 @@ __all__ = [
     "FaultInjectingDriver",
     "HostDriver",
     "MEMFD_NAME",
+    "canonical_device",
     "cuda_usable",
     "device_memory_info",
     "driver_for",

@@ -142,6 +142,11 @@ class Driver(abc.ABC):
         """Wait until no queued work can still touch memory about to be unmapped."""
 
     @abc.abstractmethod
+    def memory_info(self) -> tuple[int, int]:
+        """(free, total) bytes of the device's physical memory now, as the
+        driver or kernel reports them: what sizing decisions start from."""
+
+    @abc.abstractmethod
     def reclaim_cache(self) -> bool:
         """Return cached memory of the framework to the driver, so that a failed
         create may succeed when retried. False where there is nothing to reclaim."""

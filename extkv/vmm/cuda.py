@@ -32,6 +32,7 @@ import torch
 
 from ..errors import DriverError, OutOfMemoryError
 from .base import Chunk, Driver, format_granularity
+from . import torch_memory
 from .dlpack import uint8_view
 
 
@@ -162,10 +163,14 @@ class CudaDriver(Driver):
     def synchronize(self) -> None:
         torch.cuda.synchronize(self.device)
 
+    def memory_info(self) -> tuple[int, int]:
+        cu = _bindings()
+        with self._active():
+            free, total = _check("cuMemGetInfo", cu.cuMemGetInfo())
+        return int(free), int(total)
+
     def reclaim_cache(self) -> bool:
-        torch.cuda.synchronize(self.device)
-        torch.cuda.empty_cache()
-        return True
+        return torch_memory.release_cached(self.device)
 
     def chunk_at(self, address: int) -> Hashable | None:
         cu = _bindings()

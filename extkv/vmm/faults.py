@@ -113,6 +113,9 @@ class FaultInjectingDriver(Driver):
     def synchronize(self) -> None:
         self.inner.synchronize()
 
+    def memory_info(self) -> tuple[int, int]:
+        return self.inner.memory_info()
+
     def reclaim_cache(self) -> bool:
         return self.inner.reclaim_cache()
 

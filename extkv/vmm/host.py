@@ -367,6 +367,12 @@ class HostDriver(Driver):
     def synchronize(self) -> None:
         """CPU tensor operations are synchronous: nothing is in flight."""
 
+    def memory_info(self) -> tuple[int, int]:
+        """MemAvailable and MemTotal: what the kernel could give without
+        swapping, and all there is."""
+        meminfo = _read("/proc/meminfo")
+        return _kib_field(meminfo, "MemAvailable"), _kib_field(meminfo, "MemTotal")
+
     def reclaim_cache(self) -> bool:
         return False
 

@@ -1,0 +1,418 @@
+"""A reference model runner: the Runner protocol's one real implementation.
+
+Theory of operation
+-------------------
+`TinyDecoder` is a few decoder layers whose attention reads and writes a paged
+KV cache through block tables, with static shapes so that a CUDA graph can
+capture a decode step. `ReferenceModelRunner` drives it through the lifecycle
+of extkv.runner the way a serving engine does: profile, allocate, warm up,
+capture graphs, size and extend, serve, sleep and wake, update weights. With
+`extensible=False` it allocates a plain tensor for every block up front, the
+baseline that the extensible runner must match bit for bit.
+
+The runner's stages, as data: `_STAGES` names, for every operation, the
+stages it is legal in and the stage it leads to. An operation called in
+another stage raises `StateError` naming the operation and the stage, and
+changes nothing; a failing operation leaves the stage as it was.
+"""
+
+from __future__ import annotations
+
+import enum
+import functools
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from . import validate
+from .cache import ExtensibleKVCache, measure_kv_cache_blocks
+from .connector import KVConnector
+from .errors import ExtkvError, StateError
+from .layout import (
+    FullAttentionSpec,
+    KVCacheGroupSpec,
+    KVCacheLayout,
+    build_kv_cache_config,
+    create_kv_cache_views,
+    pad_kv_cache_segments,
+)
+from .ranks import agree_on_committable_blocks
+from .runner import ensure_kv_cache_blocks, extend_kv_cache, kv_cache_lent_for_weight_update, num_committable_kv_blocks
+from .vmm import driver_for, torch_memory
+
+
+class _Stage(enum.Enum):
+    CREATED = "created (no KV cache allocated yet)"
+    ALLOCATED = "allocated"
+    ASLEEP = "asleep (KV cache memory released)"
+    FREED = "freed"
+
+
+_ANY_LIVE = frozenset({_Stage.CREATED, _Stage.ALLOCATED, _Stage.ASLEEP})
+#: operation -> (stages it is legal in, stage it leads to; None: stays).
+_STAGES: dict[str, tuple[frozenset[_Stage], _Stage | None]] = {
+    "profile_run": (frozenset({_Stage.CREATED}), None),
+    "allocate_kv_cache": (frozenset({_Stage.CREATED}), _Stage.ALLOCATED),
+    "warmup": (frozenset({_Stage.ALLOCATED}), None),
+    "capture_cuda_graphs": (frozenset({_Stage.ALLOCATED}), None),
+    "measure_and_extend": (frozenset({_Stage.ALLOCATED}), None),
+    "decode": (frozenset({_Stage.ALLOCATED}), None),
+    "sleep": (frozenset({_Stage.ALLOCATED}), _Stage.ASLEEP),
+    "wake": (frozenset({_Stage.ASLEEP}), _Stage.ALLOCATED),
+    "update_weights": (_ANY_LIVE, None),
+    "free": (frozenset(_Stage), _Stage.FREED),
+}
+
+
+def _staged(method):
+    """Run `method` only in a stage `_STAGES` allows, then move to the stage
+    it leads to."""
+    name = method.__name__
+    legal, leads_to = _STAGES[name]
+
+    @functools.wraps(method)
+    def run(self, *args, **kwargs):
+        if self._stage not in legal:
+            raise StateError(f"ReferenceModelRunner.{name}() is not allowed: the runner is {self._stage.value}")
+        result = method(self, *args, **kwargs)
+        if leads_to is not None:
+            self._stage = leads_to
+        return result
+
+    return run
+
+
+def _batch_sizes(batch_sizes: object) -> list[int]:
+    if isinstance(batch_sizes, (str, bytes)) or not hasattr(batch_sizes, "__iter__"):
+        raise ValueError(f"batch_sizes must be a list of ints >= 1, got {batch_sizes!r}")
+    return [validate.integer(f"batch_sizes[{i}]", b, minimum=1, what="a batch size") for i, b in enumerate(batch_sizes)]
+
+
+@dataclass(frozen=True)
+class TinyDecoderConfig:
+    vocab_size: int = 512
+    hidden_size: int = 256
+    num_layers: int = 3
+    num_heads: int = 4
+    num_kv_heads: int = 2
+    head_size: int = 64
+    block_size: int = 16
+    max_blocks_per_seq: int = 16
+    dtype: torch.dtype = torch.float32
+
+    @property
+    def max_positions(self) -> int:
+        return self.block_size * self.max_blocks_per_seq
+
+    @property
+    def kv_cache_spec(self) -> FullAttentionSpec:
+        return FullAttentionSpec(
+            block_size=self.block_size, num_kv_heads=self.num_kv_heads, head_size=self.head_size, dtype=self.dtype
+        )
+
+
+def paged_attention(
+    query: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch.Tensor, seq_lens: torch.Tensor
+) -> torch.Tensor:
+    """Attention of one new token per sequence over its cached context.
+
+    `query` (batch, heads, head_size); `kv_cache` (blocks, 2, block_size,
+    kv_heads, head_size), K then V; `block_tables` (batch, max_blocks) block
+    ids, unused entries pointing at the null block; `seq_lens` (batch,) tokens
+    in context including the new one. Static shapes throughout, so a CUDA
+    graph can capture it."""
+    batch, heads, head_size = query.shape
+    keys = kv_cache[block_tables, 0].flatten(1, 2)  # (batch, tokens, kv_heads, head_size)
+    values = kv_cache[block_tables, 1].flatten(1, 2)
+    group = heads // keys.shape[2]
+    keys = keys.repeat_interleave(group, dim=2)
+    values = values.repeat_interleave(group, dim=2)
+    scores = torch.einsum("bhd,bthd->bht", query, keys) * head_size**-0.5
+    positions = torch.arange(keys.shape[1], device=query.device)
+    scores = scores.masked_fill(positions[None, None, :] >= seq_lens[:, None, None], float("-inf"))
+    return torch.einsum("bht,bthd->bhd", scores.softmax(dim=-1), values)
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, config: TinyDecoderConfig):
+        super().__init__()
+        self.config = config
+        q, kv = config.num_heads * config.head_size, config.num_kv_heads * config.head_size
+        self.norm1 = nn.LayerNorm(config.hidden_size)
+        self.qkv = nn.Linear(config.hidden_size, q + 2 * kv)
+        self.out = nn.Linear(q, config.hidden_size)
+        self.norm2 = nn.LayerNorm(config.hidden_size)
+        self.mlp = nn.Sequential(
+            nn.Linear(config.hidden_size, 4 * config.hidden_size), nn.SiLU(), nn.Linear(4 * config.hidden_size, config.hidden_size)
+        )
+
+    def forward(self, hidden, kv_cache, slot_blocks, slot_offsets, block_tables, seq_lens):
+        c = self.config
+        q_size, kv_size = c.num_heads * c.head_size, c.num_kv_heads * c.head_size
+        query, key, value = self.qkv(self.norm1(hidden)).split([q_size, kv_size, kv_size], dim=-1)
+        batch = hidden.shape[0]
+        kv_cache[slot_blocks, 0, slot_offsets] = key.view(batch, c.num_kv_heads, c.head_size)
+        kv_cache[slot_blocks, 1, slot_offsets] = value.view(batch, c.num_kv_heads, c.head_size)
+        attended = paged_attention(query.view(batch, c.num_heads, c.head_size), kv_cache, block_tables, seq_lens)
+        hidden = hidden + self.out(attended.reshape(batch, q_size))
+        return hidden + self.mlp(self.norm2(hidden))
+
+
+class TinyDecoder(nn.Module):
+    """A few decoder layers with paged attention, enough to exercise a KV cache
+    the way a serving engine does."""
+
+    def __init__(self, config: TinyDecoderConfig):
+        super().__init__()
+        self.config = config
+        self.embed = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.positions = nn.Embedding(config.max_positions, config.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(config) for _ in range(config.num_layers))
+        self.norm = nn.LayerNorm(config.hidden_size)
+        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+
+    def forward(self, tokens, positions, block_tables, seq_lens, kv_caches):
+        """One decode step: logits (batch, vocab) for the token at `positions`."""
+        block_size = self.config.block_size
+        slot_blocks = torch.gather(block_tables, 1, (positions // block_size)[:, None])[:, 0]
+        slot_offsets = positions % block_size
+        hidden = self.embed(tokens) + self.positions(positions)
+        for layer, kv_cache in zip(self.layers, kv_caches):
+            hidden = layer(hidden, kv_cache, slot_blocks, slot_offsets, block_tables, seq_lens)
+        return self.lm_head(self.norm(hidden))
+
+
+@dataclass
+class _CapturedDecode:
+    graph: torch.cuda.CUDAGraph
+    tokens: torch.Tensor
+    positions: torch.Tensor
+    block_tables: torch.Tensor
+    seq_lens: torch.Tensor
+    logits: torch.Tensor
+
+
+class ReferenceModelRunner:
+    """Drives a TinyDecoder over an ExtensibleKVCache through the lifecycle.
+
+    `capacity_blocks` is the reservation; `connector` an optional KVConnector.
+    With `extensible=False` it allocates a plain torch tensor for all blocks
+    up front: the baseline that the extensible runner must match bit for bit.
+    """
+
+    NULL_BLOCK = 0
+
+    def __init__(
+        self,
+        device: torch.device | str,
+        capacity_blocks: int,
+        *,
+        config: TinyDecoderConfig = TinyDecoderConfig(),
+        layout: KVCacheLayout = KVCacheLayout.LBHNC,
+        connector: KVConnector | None = None,
+        extensible: bool = True,
+        seed: int = 0,
+    ):
+        capacity_blocks = validate.integer("capacity_blocks", capacity_blocks, minimum=1, what="a block count")
+        extensible = validate.flag("extensible", extensible)
+        seed = validate.integer("seed", seed, minimum=None)
+        if not isinstance(config, TinyDecoderConfig):
+            raise ValueError(f"config must be a TinyDecoderConfig, got {config!r}")
+        if layout is not KVCacheLayout.LBHNC:
+            raise ValueError(f"the reference model's attention reads LBHNC pages, got layout {layout!r}")
+        if connector is not None and not isinstance(connector, KVConnector):
+            raise ValueError(f"connector must be a KVConnector or None, got {connector!r}")
+        self.device = torch.device(device)
+        self.config = config
+        self.kv_cache_layout = layout
+        self.kernel_block_sizes = None
+        self.kv_connector = connector
+        generator = torch.Generator().manual_seed(seed)
+        model = TinyDecoder(config)
+        with torch.no_grad():
+            for parameter in model.parameters():
+                parameter.copy_(torch.randn(parameter.shape, generator=generator) * 0.05)
+        self.model = model.to(device=self.device, dtype=config.dtype).eval()
+        groups = [
+            KVCacheGroupSpec(layer_names=[f"layers.{i}.attn" for i in range(config.num_layers)], kv_cache_spec=config.kv_cache_spec)
+        ]
+        kv_cache_config = build_kv_cache_config(groups, capacity_blocks, layout)
+        # Layer regions on granules: a defragmenting commit then backs every
+        # segment with exactly one chunk at any block count.
+        self.allocated_config = pad_kv_cache_segments(kv_cache_config, layout, driver_for(self.device).granularity)
+        self.kv_cache_config = self.allocated_config
+        self.extensible_kv_cache = ExtensibleKVCache(self.allocated_config, self.device, layout) if extensible else None
+        self.kv_caches: list[torch.Tensor] = []
+        self._plain_buffer: torch.Tensor | None = None
+        self.graphs: dict[int, _CapturedDecode] = {}
+        self._stage = _Stage.CREATED
+
+    @property
+    def layer_names(self) -> list[str]:
+        return list(self.kv_cache_config.kv_cache_groups[0].layer_names)
+
+    def bind_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
+        self.kv_caches = [kv_caches[name] for name in self.layer_names]
+
+    # -- stages -------------------------------------------------------------------
+    @_staged
+    def profile_run(self, max_batch: int) -> int:
+        """Run one forward at `max_batch` without a KV cache and keep its
+        activation peak as the cache's reserved headroom. Returns the peak."""
+        max_batch = validate.integer("max_batch", max_batch, minimum=1, what="a batch size")
+        c = self.config
+        scratch = torch.zeros(1, 2, c.block_size, c.num_kv_heads, c.head_size, dtype=c.dtype, device=self.device)
+        start = torch_memory.start_peak(self.device)
+        self._forward(*self._null_inputs(max_batch), [scratch] * c.num_layers)
+        peak = torch_memory.peak_since(self.device, start)
+        if self.extensible_kv_cache is not None:
+            self.extensible_kv_cache.reserved_headroom_bytes = peak
+        return peak
+
+    @_staged
+    def allocate_kv_cache(self) -> None:
+        """Back the KV cache: the null block only (extensible) or everything
+        (plain); either way the model sees views over the whole capacity."""
+        size = self.allocated_config.kv_cache_tensors[0].size
+        if self.extensible_kv_cache is not None:
+            buffer = self.extensible_kv_cache.allocate(size)
+        else:
+            self._plain_buffer = torch.zeros(size, dtype=torch.uint8, device=self.device)
+            buffer = self._plain_buffer
+        (tensor,) = self.allocated_config.kv_cache_tensors
+        views = create_kv_cache_views(
+            buffer, self.config.kv_cache_spec, self.allocated_config.num_blocks, self.kv_cache_layout, tensor
+        )
+        self.bind_kv_caches(dict(zip(tensor.layers, views)))
+
+    @_staged
+    def warmup(self, batch_sizes: list[int]) -> int:
+        """Agree across ranks on the committable blocks, commit them, and run
+        a decode step per batch size. Returns the blocks committed."""
+        batch_sizes = _batch_sizes(batch_sizes)
+        if self.extensible_kv_cache is not None:
+            agree_on_committable_blocks(self.extensible_kv_cache)
+        ensure_kv_cache_blocks(self, num_committable_kv_blocks(self))
+        for batch in batch_sizes:
+            self._forward(*self._null_inputs(batch), self.kv_caches)
+        return self.num_committed_blocks
+
+    @_staged
+    def capture_cuda_graphs(self, batch_sizes: list[int]) -> None:
+        """Capture one decode step per batch size. The inputs point at the null
+        block; replays may point anywhere in the capacity."""
+        batch_sizes = _batch_sizes(batch_sizes)
+        if self.device.type != "cuda":
+            raise ExtkvError(f"CUDA graphs need a CUDA device, this runner is on {self.device}")
+        pool = None
+        for batch in sorted(batch_sizes, reverse=True):
+            tokens, positions, block_tables, seq_lens = (t.clone() for t in self._null_inputs(batch))
+            stream = torch.cuda.Stream(self.device)
+            stream.wait_stream(torch.cuda.current_stream(self.device))
+            with torch.cuda.stream(stream):  # warm the kernels outside capture
+                self._forward(tokens, positions, block_tables, seq_lens, self.kv_caches)
+            torch.cuda.current_stream(self.device).wait_stream(stream)
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, pool=pool):
+                logits = self._forward(tokens, positions, block_tables, seq_lens, self.kv_caches)
+            pool = graph.pool()
+            self.graphs[batch] = _CapturedDecode(graph, tokens, positions, block_tables, seq_lens, logits)
+
+    @_staged
+    def measure_and_extend(self, *, init_free_memory: int, requested_memory: int) -> int:
+        """Size the cache from the memory left after warmup, then extend it."""
+        kv_cache = self._require_extensible("measure_and_extend")
+        num_blocks = measure_kv_cache_blocks(
+            kv_cache, self.device, init_free_memory=init_free_memory, requested_memory=requested_memory
+        )
+        extend_kv_cache(self, self.allocated_config, num_blocks)
+        return num_blocks
+
+    def _require_extensible(self, operation: str) -> ExtensibleKVCache:
+        if self.extensible_kv_cache is None:
+            raise StateError(f"{operation} needs an extensible KV cache; this runner preallocated a plain one")
+        return self.extensible_kv_cache
+
+    @_staged
+    def sleep(self) -> None:
+        """Release the cache's physical memory (connector unregistered first)."""
+        kv_cache = self._require_extensible("sleep")
+        if self.kv_connector is not None:
+            self.kv_connector.unregister_kv_caches()
+        kv_cache.release_physical()
+
+    @_staged
+    def wake(self) -> None:
+        """Recommit what `sleep` released, zeroed; then restore the connector."""
+        kv_cache = self._require_extensible("wake")
+        kv_cache.recommit()
+        if self.kv_connector is not None:
+            self.kv_connector.restore_kv_caches()
+
+    @_staged
+    def update_weights(self, state_dict: dict[str, torch.Tensor], *, reclaimable: bool, fail_if_short: bool) -> None:
+        """Load `state_dict` layer by layer, each layer staged on the device
+        before it replaces the old one (the peak: two copies of a layer)."""
+        with kv_cache_lent_for_weight_update(
+            self.extensible_kv_cache,
+            self.model,
+            reclaimable=reclaimable,
+            fail_if_short=fail_if_short,
+            connector=self.kv_connector,
+        ):
+            for name, module in self.model.named_modules():
+                own = dict(module.named_parameters(recurse=False))
+                if not own:
+                    continue
+                staged = {key: state_dict[f"{name}.{key}" if name else key].to(self.device) for key in own}
+                with torch.no_grad():
+                    for key, parameter in own.items():
+                        parameter.copy_(staged[key])
+                del staged
+
+    # -- decode -------------------------------------------------------------------
+    @property
+    def num_committed_blocks(self) -> int:
+        if self.extensible_kv_cache is None:
+            return self.allocated_config.num_blocks
+        return self.extensible_kv_cache.num_committed_blocks
+
+    def _null_inputs(self, batch: int):
+        c = self.config
+        return (
+            torch.zeros(batch, dtype=torch.int64, device=self.device),
+            torch.zeros(batch, dtype=torch.int64, device=self.device),
+            torch.full((batch, c.max_blocks_per_seq), self.NULL_BLOCK, dtype=torch.int64, device=self.device),
+            torch.ones(batch, dtype=torch.int64, device=self.device),
+        )
+
+    @torch.no_grad()
+    def _forward(self, tokens, positions, block_tables, seq_lens, kv_caches):
+        return self.model(tokens, positions, block_tables, seq_lens, kv_caches)
+
+    @_staged
+    def decode(self, tokens, positions, block_tables, seq_lens, *, use_graph: bool = False) -> torch.Tensor:
+        """One decode step for a batch: writes the new tokens' K/V into the
+        cache and returns the logits. With `use_graph`, replays the captured
+        graph of that batch size."""
+        if not use_graph:
+            return self._forward(tokens, positions, block_tables, seq_lens, self.kv_caches)
+        captured = self.graphs.get(tokens.shape[0])
+        if captured is None:
+            raise ExtkvError(f"no CUDA graph captured for batch size {tokens.shape[0]}; have {sorted(self.graphs)}")
+        captured.tokens.copy_(tokens)
+        captured.positions.copy_(positions)
+        captured.block_tables.copy_(block_tables)
+        captured.seq_lens.copy_(seq_lens)
+        captured.graph.replay()
+        return captured.logits.clone()
+
+    @_staged
+    def free(self) -> None:
+        """Drop graphs and views and free the cache. Idempotent."""
+        self.graphs.clear()
+        self.kv_caches = []
+        self._plain_buffer = None
+        if self.extensible_kv_cache is not None:
+            self.extensible_kv_cache.free()
