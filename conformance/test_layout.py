@@ -70,20 +70,24 @@ def all_views(config, layout, buffer, kernel_block_sizes=None):
 
 
 @pytest.mark.parametrize(
-    "layout, block_outermost, layer_compact, block_compact",
+    "layout, block_outermost, layer_compact, block_compact, heads_outside, heads_before_tokens",
     [
-        (L.LBHNC, False, True, True),
-        (L.LBNHC, False, True, True),
-        (L.LHBNC, False, True, False),
-        (L.BLHNC, True, False, True),
-        (L.BLNHC, True, False, True),
-        (L.BHLNC, True, False, False),
+        (L.LBHNC, False, True, True, False, True),
+        (L.LBNHC, False, True, True, False, False),
+        (L.LHBNC, False, True, False, True, True),
+        (L.BLHNC, True, False, True, False, True),
+        (L.BLNHC, True, False, True, False, False),
+        (L.BHLNC, True, False, False, True, True),
     ],
 )
-def test_layout_properties(layout, block_outermost, layer_compact, block_compact):
+def test_layout_properties(
+    layout, block_outermost, layer_compact, block_compact, heads_outside, heads_before_tokens
+):
     assert layout.is_block_outermost is block_outermost
     assert layout.is_layer_compact is layer_compact
     assert layout.is_block_compact is block_compact
+    assert layout.heads_outside_page is heads_outside
+    assert layout.heads_outer_to_tokens is heads_before_tokens
     assert KVCacheLayout(layout.name) is layout
 
 
@@ -350,9 +354,13 @@ def test_builder_groups_with_equal_pages_alias(layout):
     buffer = torch.zeros(3840, dtype=torch.uint8)
     views = all_views(config, layout, buffer)
     for i in range(2):
-        assert views[f"g{i}"].data_ptr() == views[f"s{i}"].data_ptr()
+        assert views[f"g{i}"].data_ptr() == views[f"s{i}"].data_ptr(), f"g{i} and s{i} start apart"
         views[f"g{i}"].fill_(i + 7)
-        assert torch.equal(views[f"s{i}"], torch.full_like(views[f"s{i}"], i + 7))
+        assert views[f"s{i}"].shape == views[f"g{i}"].shape, f"s{i} and g{i} differ in shape"
+        differing = int((views[f"s{i}"] != i + 7).sum())
+        assert differing == 0, (
+            f"{differing} of s{i}'s {views[f's{i}'].numel()} elements are not the {i + 7} written through g{i}"
+        )
 
 
 def test_builder_hybrid_state_aliases_attention_when_padded():
@@ -427,8 +435,10 @@ def check_view_addresses(layout, spec, config, buffer, kernel=None):
     for tensor in config.kv_cache_tensors:
         for l, name in enumerate(tensor.layers):
             view = views[name]
-            assert view.dtype == torch.int32
-            assert view.untyped_storage().data_ptr() == buffer.untyped_storage().data_ptr()
+            assert view.dtype == torch.int32, f"layer {name} is {view.dtype}"
+            assert view.untyped_storage().data_ptr() == buffer.untyped_storage().data_ptr(), (
+                f"layer {name}'s view does not alias the buffer's storage"
+            )
             values = torch.arange(view.numel(), dtype=torch.int32).reshape(view.shape)
             view.copy_(values + 1_000_000 * (l + 1))
             for index in itertools.product(*(range(d) for d in view.shape)):
@@ -436,7 +446,7 @@ def check_view_addresses(layout, spec, config, buffer, kernel=None):
                 address = expected_full_address(
                     layout, spec, tensor, config.num_blocks, l, kb, kv, t, h, c, kernel
                 )
-                assert address % 4 == 0
+                assert address % 4 == 0, f"layer {name} {index}: address {address} is not int32-aligned"
                 assert as_int[address // 4].item() == view[index].item(), (name, index)
                 checked += 1
     return checked
@@ -461,13 +471,20 @@ def test_views_tile_the_allocation_exactly_once(layout):
     config = build_kv_cache_config(groups, 3, layout)
     buffer = torch.zeros(alloc_size(config), dtype=torch.uint8)
     coverage = torch.zeros(buffer.numel(), dtype=torch.int32)
-    for view in all_views(config, layout, buffer).values():
+    for name, view in all_views(config, layout, buffer).items():
         buffer.zero_()
         view.fill_(-1)  # all bytes 0xff
         written = buffer != 0
-        assert int(written.sum()) == view.numel() * view.element_size()
+        assert int(written.sum()) == view.numel() * view.element_size(), (
+            f"layer {name} wrote {int(written.sum())} bytes for a "
+            f"{view.numel() * view.element_size()}-byte view: its elements overlap"
+        )
         coverage += written.int()
-    assert int(coverage.min()) == 1 and int(coverage.max()) == 1
+    untouched = int((coverage == 0).sum())
+    shared = int((coverage > 1).sum())
+    assert int(coverage.min()) == 1 and int(coverage.max()) == 1, (
+        f"of {buffer.numel()} bytes, {untouched} belong to no layer and {shared} to several"
+    )
 
 
 @pytest.mark.parametrize("layout", ALL_LAYOUTS)
@@ -487,8 +504,12 @@ def test_block_marker_lands_at_offset_plus_strides(layout):
                 first = (b,) + (0,) * (views[name].dim() - 1)
                 views[name][first] = marker
                 start = tensor.offset + l * tensor.layer_stride + b * tensor.block_stride
-                assert buffer[start : start + 4].view(torch.int32).item() == marker
-                assert int((buffer != 0).sum()) == 4
+                assert buffer[start : start + 4].view(torch.int32).item() == marker, (
+                    f"layer {name} block {b}: marker not at byte {start}"
+                )
+                assert int((buffer != 0).sum()) == 4, (
+                    f"layer {name} block {b}: marker wrote {int((buffer != 0).sum())} bytes, not 4"
+                )
 
 
 def test_mla_view_shape_and_addresses():
@@ -537,7 +558,8 @@ def test_state_layers_get_the_raw_buffer():
     config = build_kv_cache_config(groups, 4, L.LBHNC)
     buffer = torch.zeros(alloc_size(config), dtype=torch.uint8)
     views = all_views(config, L.LBHNC, buffer)
-    assert views["ssm0"] is buffer
+    got_the_buffer = views["ssm0"] is buffer
+    assert got_the_buffer, "the state layer got a new tensor, not the raw buffer itself"
     assert views["attn"].dtype == torch.int32
 
 
@@ -605,8 +627,8 @@ def test_view_invalid_input_raises():
         create_kv_cache_views(
             torch.zeros(1024, dtype=torch.uint8)[1:], FULL, 3, L.LBHNC, tensor
         )
-    nothing_written = torch.zeros(768, dtype=torch.uint8)
-    assert torch.equal(buffer, nothing_written)
+    written = int(buffer.count_nonzero())
+    assert (buffer.numel(), written) == (768, 0), f"refused calls wrote {written} bytes of the buffer"
 
 
 # --------------------------------------------------------------------------
@@ -685,7 +707,9 @@ def test_padding_puts_every_region_on_a_granule():
     assert {t.size for t in padded.kv_cache_tensors} == {6144}
     offsets, strides = kv_cache_segments(padded, L.LBHNC)
     assert offsets == [0, 2048, 4096, 5120]
-    assert all(offset % granule == 0 for offset in offsets)
+    assert all(offset % granule == 0 for offset in offsets), (
+        f"segment offsets {offsets} are not all multiples of the {granule}-byte granule"
+    )
     # Only address space grows: block strides and block count are unchanged.
     assert strides == [256, 256, 128, 128]
     assert padded.num_blocks == 5
@@ -706,13 +730,15 @@ def test_padded_views_alias_their_regions():
     assert check_view_addresses(L.LBNHC, FULL, padded, buffer) == 3 * 3 * 64
     # Padding bytes [768, 1024) of every region are touched by no view.
     for region in range(3):
-        assert int(buffer[region * 1024 + 768 : (region + 1) * 1024].count_nonzero()) == 0
+        touched = int(buffer[region * 1024 + 768 : (region + 1) * 1024].count_nonzero())
+        assert touched == 0, f"a view wrote {touched} bytes of region {region}'s padding"
 
 
 @pytest.mark.parametrize("layout", [L.BLHNC, L.BLNHC, L.BHLNC])
 def test_padding_block_outermost_is_identity(layout):
     config = build_kv_cache_config([KVCacheGroupSpec(names("l", 3), FULL)], 3, layout)
-    assert pad_kv_cache_segments(config, layout, 2 * MiB) is config
+    same = pad_kv_cache_segments(config, layout, 2 * MiB) is config
+    assert same, f"padding a {layout.name} config made a new config"
 
 
 def test_padding_invalid_input_raises():
@@ -783,20 +809,26 @@ def test_granule_aligned_blocks_properties(num_blocks, strides, granule):
     assert aligned % alignment == 0
     assert num_blocks - aligned < alignment  # rounded down, not further
     for stride in strides:
-        assert (aligned * stride) % granule == 0  # every segment ends on a granule
+        # every segment ends on a granule
+        assert (aligned * stride) % granule == 0, (
+            f"{aligned} blocks of stride {stride} end {(aligned * stride) % granule} bytes past a granule"
+        )
 
 
 @settings(max_examples=200, deadline=None)
 @given(strides=st.lists(st.integers(1, 64 * KiB), min_size=1, max_size=3), granule=st.sampled_from([4 * KiB, 64 * KiB]))
 def test_granule_block_alignment_is_the_smallest(strides, granule):
     alignment = granule_block_alignment(strides, granule)
-    assert all((alignment * s) % granule == 0 for s in strides)
+    assert all((alignment * s) % granule == 0 for s in strides), (
+        f"{alignment} blocks end off a {granule}-byte granule for strides "
+        f"{[s for s in strides if (alignment * s) % granule]}"
+    )
     # No smaller positive count works (brute force; alignment <= granule).
     smaller = next(
         (m for m in range(1, alignment) if all((m * s) % granule == 0 for s in strides)),
         None,
     )
-    assert smaller is None
+    assert smaller is None, f"{smaller} blocks already align, fewer than {alignment}"
 
 
 # --------------------------------------------------------------------------
@@ -855,18 +887,28 @@ def test_built_configs_segment_and_tile(groups, num_blocks, layout, pad):
         page = spec.page_size_bytes
         widest[page] = max(widest.get(page, 0), len(group.layer_names))
     assert alloc_size(config) == num_blocks * sum(p * n for p, n in widest.items())
-    if pad and layout.is_block_compact and not layout.is_block_outermost:
+    if pad and layout.is_block_outermost:
+        same = pad_kv_cache_segments(config, layout, 64) is config
+        assert same, f"padding a {layout.name} config made a new config"
+    elif pad and not layout.is_block_compact:
+        with pytest.raises(ValueError, match=f"{layout.name} has no per-layer segments to pad"):
+            pad_kv_cache_segments(config, layout, 64)
+    elif pad:
         config = pad_kv_cache_segments(config, layout, 64)
     offsets, strides = kv_cache_segments(config, layout)
     size = alloc_size(config)
     # Segments are disjoint, in order, inside the allocation.
     ends = [o + num_blocks * s for o, s in zip(offsets, strides)]
-    assert offsets[0] == 0 and ends[-1] <= size
-    assert all(end <= nxt for end, nxt in zip(ends, offsets[1:]))
+    assert offsets[0] == 0 and ends[-1] <= size, (
+        f"segments span [{offsets[0]}, {ends[-1]}) of a {size}-byte allocation"
+    )
+    assert all(end <= nxt for end, nxt in zip(ends, offsets[1:])), (
+        f"segments overlap: offsets {offsets}, ends {ends}"
+    )
     if pad and layout.is_layer_compact and layout.is_block_compact:
-        assert all(o % 64 == 0 for o in offsets)
+        assert all(o % 64 == 0 for o in offsets), f"padded segment offsets {offsets} are not all on 64"
     else:
-        assert ends[-1] == size  # no gaps without padding
+        assert ends[-1] == size, f"segments end at {ends[-1]}, allocation at {size}"  # no gaps without padding
     # Within a group views never overlap; all groups together cover every
     # segment byte, and nothing outside segments.
     buffer = torch.zeros(size, dtype=torch.uint8)
@@ -878,9 +920,15 @@ def test_built_configs_segment_and_tile(groups, num_blocks, layout, pad):
             buffer.zero_()
             views[name].fill_(-1 if views[name].dtype.is_signed else 255)
             count += (buffer != 0).int()
-        assert int(count.max()) <= 1
+        assert int(count.max()) <= 1, (
+            f"{int((count > 1).sum())} bytes belong to several layers of one group"
+        )
         covered |= count.bool()
     in_segment = torch.zeros(size, dtype=torch.bool)
     for offset, end in zip(offsets, ends):
         in_segment[offset:end] = True
-    assert torch.equal(covered, in_segment)
+    uncovered = int((in_segment & ~covered).sum())
+    outside = int((covered & ~in_segment).sum())
+    assert (uncovered, outside) == (0, 0), (
+        f"{uncovered} segment bytes belong to no layer; {outside} layer bytes lie outside every segment"
+    )

@@ -3,63 +3,79 @@
 Theory of operation
 -------------------
 
-A paged KV cache is one big allocation cut into *pages*: the bytes one layer
-keeps for one block of ``block_size`` tokens. Five logical axes address a byte:
+A paged KV cache is one allocation cut into *pages*: the bytes one layer keeps
+for one block of ``block_size`` tokens. Five logical axes address a byte:
 
     L  layer           B  block           H  kv head
     N  token in block  C  bytes of one head's vector (head_size * itemsize)
 
-A `KVCacheLayout` names the order of those axes in memory, outermost first.
-Two questions about that order decide everything the extensible cache does:
+A `KVCacheLayout` names their order in memory, outermost first. Everything
+this module computes follows from one split of that order, written down once
+per layout in the table `_GEOMETRY`:
 
-* Which comes first, L or B?  Layer-outermost layouts (``L...``) give every
-  layer a region of its own; block-outermost layouts (``B...``) put all layers
-  of one block next to each other.
-* Are L and B the two outermost axes ("block compact")?  Then one layer's
-  blocks - or one block's layers - are contiguous runs, and committing the
-  first n blocks means mapping a *prefix* of a few large ranges.
+    layout   placing axes | slab axes
+    LBHNC    L B          | H N C
+    LBNHC    L B          | N H C
+    LHBNC    L H B        | N C
+    BLHNC    B L          | H N C
+    BLNHC    B L          | N H C
+    BHLNC    B H L        | N C
+
+The *slab* is what one layer keeps contiguous for one block: the whole page,
+or one head's share of it when H is a placing axis. The placing axes nest
+around slabs like the dimensions of a C array, so each one's stride is the
+slab times the extents of the placing axes inside it (B spans the block
+count, H the kv heads). L is the exception that makes models with several
+page sizes fit: layers are laid side by side, each page class taking
+``slots * layer_stride`` bytes, and the axes outside L span that whole row.
+Cache groups alias as in vLLM's hybrid allocator: the i-th layer of every
+group with one page size shares slot i, since a block id belongs to one group
+at a time.
+
+A `KVCacheTensor` records the result for a run of layers: layer ``layers[l]``
+finds block ``b`` at ``offset + l*layer_stride + b*block_stride``. Where H is
+a placing axis that is where the block's first head begins; the other heads
+follow at a fixed head stride, carved out of the stride of the axis that
+encloses H (see `create_kv_cache_views`). Inside a slab a full-attention page
+holds K then V, just outside the slab's own axes; an MLA page holds one latent
+vector per token and no V; a state spec has no view and gets the raw buffer.
 
 The extensible cache grows by committing a prefix of blocks, so it thinks in
-*segments*: address ranges of ``capacity_blocks * stride`` bytes whose first
-``n * stride`` bytes hold blocks ``0..n-1``. Each layout yields segments:
+*segments*: ranges of ``capacity_blocks * stride`` bytes whose first
+``n * stride`` bytes hold blocks ``0..n-1``. B's stride is a segment's stride
+and the placing axes outside B index the segments: one per layer region (LB),
+one per layer and head (LHB), one in all (B first). Only the per-layer-region
+kind may have segments of several strides and may be padded apart:
+`pad_kv_cache_segments` starts each region on a granule so that a
+defragmenting commit can back every segment with one physical chunk, and
+`granule_block_alignment` is the smallest block count at which every segment
+ends on a granule.
 
-    LBHNC, LBNHC  one segment per layer region; stride = the layer's page
-    LHBNC         one segment per (layer, kv head); stride = page / heads
-    BLHNC, BLNHC  one segment; stride = all layers' pages of one block
-    BHLNC         one segment; stride = all layers' pages of one block
-
-A `KVCacheTensor` describes a run of layers sharing one geometry: layer
-``layers[l]`` finds block ``b`` at byte ``offset + l*layer_stride +
-b*block_stride`` of the allocation. For the head-outer layouts (LHBNC, BHLNC)
-that is where the block's *first head* begins; the other heads follow at a
-fixed head stride (see `create_kv_cache_views`).
-
-Inside one layer's page of one block, a full-attention page holds K then V
-(the K/V axis sits just outside the H/N/C axes the layout orders); an MLA page
-holds one latent vector per token and no V. A state spec (Mamba and friends)
-has no per-layer view: such a layer gets the raw buffer and lays itself out.
-
-Cache groups alias, as in vLLM's hybrid allocator: the i-th layer of every
-group with the same page size shares one region, because a block id belongs to
-one group at a time. Layers with different page sizes get regions of their own.
-
-`pad_kv_cache_segments` moves each layer region of a block-compact
-layer-outermost config to a granule boundary, so a defragmenting commit can back
-every segment with exactly one physical chunk; `granule_block_alignment` is the
-smallest block count at which every segment ends on a granule.
+The value types (specs, `KVCacheTensor`, groups, config) live in
+`extkv.layout_types` and are re-exported here.
 """
 
 from __future__ import annotations
 
-import copy
 import enum
 import math
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, replace
+from itertools import accumulate, pairwise
 
 import torch
 
-from . import validate
+from .layout_types import (
+    FullAttentionSpec,
+    KVCacheConfig,
+    KVCacheGroupSpec,
+    KVCacheSpec,
+    KVCacheTensor,
+    MambaStateSpec,
+    MLAAttentionSpec,
+    _check_non_negative,
+    _check_positive,
+)
 
 __all__ = [
     "FullAttentionSpec",
@@ -82,25 +98,6 @@ __all__ = [
 ]
 
 
-# --------------------------------------------------------------------------
-# Argument checks. Every message names the argument, the value and what was
-# wanted (extkv.validate): "block_size must be an int >= 1, got 0" beats a bare assert.
-
-
-def _check_positive(name: str, value: object) -> int:
-    return validate.integer(name, value, minimum=1)
-
-
-def _check_non_negative(name: str, value: object) -> int:
-    return validate.integer(name, value)
-
-
-def _check_dtype(value: object) -> torch.dtype:
-    if not isinstance(value, torch.dtype):
-        raise ValueError(f"dtype must be a torch.dtype, got {value!r}")
-    return value
-
-
 def round_up(n: int, multiple: int) -> int:
     """Smallest multiple of `multiple` that is >= n."""
     n = _check_non_negative("n", n)
@@ -108,8 +105,14 @@ def round_up(n: int, multiple: int) -> int:
     return -(-n // multiple) * multiple
 
 
+def _check_layout(layout: object) -> KVCacheLayout:
+    if not isinstance(layout, KVCacheLayout):
+        raise ValueError(f"layout must be a KVCacheLayout, got {layout!r}")
+    return layout
+
+
 # --------------------------------------------------------------------------
-# Layouts
+# Layouts and their geometry
 
 
 class KVCacheLayout(enum.Enum):
@@ -138,218 +141,92 @@ class KVCacheLayout(enum.Enum):
     def heads_outside_page(self) -> bool:
         """Whether H is outer to B or L, so one layer's page of one block is
         split into per-head slabs spread through memory."""
-        order = self.value
-        return order.index("H") < max(order.index("L"), order.index("B"))
+        return _GEOMETRY[self].splits_heads
 
     @property
     def heads_outer_to_tokens(self) -> bool:
         return self.value.index("H") < self.value.index("N")
 
 
-# --------------------------------------------------------------------------
-# Specs: what one layer stores per block.
-
-
-class KVCacheSpec:
-    """Base of the per-layer specs. Subclasses are frozen dataclasses."""
-
-    block_size: int
-
-    @property
-    def page_size_bytes(self) -> int:  # pragma: no cover - abstract
-        raise NotImplementedError
-
-    @property
-    def has_layer_views(self) -> bool:
-        return True
-
-    @property
-    def num_page_heads(self) -> int:
-        """Heads a page splits into under head-outer layouts."""
-        return 1
-
-
 @dataclass(frozen=True)
-class FullAttentionSpec(KVCacheSpec):
-    """Standard attention: each page stores K and V for every kv head."""
+class _Geometry:
+    """One layout's axis order, split where one layer's slab begins.
 
-    block_size: int
-    num_kv_heads: int
-    head_size: int
-    dtype: torch.dtype
-
-    def __post_init__(self) -> None:
-        object.__setattr__(self, "block_size", _check_positive("block_size", self.block_size))
-        object.__setattr__(self, "num_kv_heads", _check_positive("num_kv_heads", self.num_kv_heads))
-        object.__setattr__(self, "head_size", _check_positive("head_size", self.head_size))
-        _check_dtype(self.dtype)
-
-    @property
-    def page_size_bytes(self) -> int:
-        return (
-            2
-            * self.block_size
-            * self.num_kv_heads
-            * self.head_size
-            * self.dtype.itemsize
-        )
-
-    @property
-    def num_page_heads(self) -> int:
-        return self.num_kv_heads
-
-
-@dataclass(frozen=True)
-class MLAAttentionSpec(KVCacheSpec):
-    """Multi-head latent attention: one compressed vector per token, no V."""
-
-    block_size: int
-    head_size: int
-    dtype: torch.dtype
-
-    def __post_init__(self) -> None:
-        object.__setattr__(self, "block_size", _check_positive("block_size", self.block_size))
-        object.__setattr__(self, "head_size", _check_positive("head_size", self.head_size))
-        _check_dtype(self.dtype)
-
-    @property
-    def num_kv_heads(self) -> int:
-        return 1
-
-    @property
-    def page_size_bytes(self) -> int:
-        return self.block_size * self.head_size * self.dtype.itemsize
-
-
-@dataclass(frozen=True)
-class MambaStateSpec(KVCacheSpec):
-    """Recurrent state (Mamba, linear attention): opaque bytes per block.
-
-    `shapes` are the state tensors one block holds; the page is their total
-    size, or `page_size_padded` when the engine pads pages to match attention
-    layers. The layer lays its state out itself over the raw buffer, so it has
-    no per-layer view.
+    `placing` (outermost first) holds L, B and, when a layout spreads a page
+    over heads, H; `slab` holds the rest, ending in C. The properties are the
+    facts the builder, the view maker and the segment code read; none of them
+    names a layout.
     """
 
-    block_size: int
-    shapes: tuple[tuple[int, ...], ...]
-    dtype: torch.dtype
-    page_size_padded: int | None = None
-
-    def __post_init__(self) -> None:
-        object.__setattr__(self, "block_size", _check_positive("block_size", self.block_size))
-        _check_dtype(self.dtype)
-        if not isinstance(self.shapes, (tuple, list)) or not self.shapes:
-            raise ValueError(
-                f"shapes must be a non-empty sequence of shapes, got {self.shapes!r}"
-            )
-        shapes = []
-        for i, shape in enumerate(self.shapes):
-            if not isinstance(shape, (tuple, list)):
-                raise ValueError(f"shapes[{i}] must be a tuple of ints, got {shape!r}")
-            shapes.append(tuple(_check_positive(f"shapes[{i}][{j}]", dim) for j, dim in enumerate(shape)))
-        # Lists would make the frozen spec unhashable.
-        object.__setattr__(self, "shapes", tuple(shapes))
-        if self.page_size_padded is not None:
-            object.__setattr__(self, "page_size_padded", _check_positive("page_size_padded", self.page_size_padded))
-            if self.page_size_padded < self.state_bytes:
-                raise ValueError(
-                    f"page_size_padded must be >= the state size "
-                    f"{self.state_bytes}, got {self.page_size_padded}"
-                )
+    placing: str
+    slab: str
 
     @property
-    def state_bytes(self) -> int:
-        return sum(math.prod(shape) for shape in self.shapes) * self.dtype.itemsize
+    def order(self) -> str:
+        return self.placing + self.slab
 
     @property
-    def page_size_bytes(self) -> int:
-        if self.page_size_padded is not None:
-            return self.page_size_padded
-        return self.state_bytes
+    def splits_heads(self) -> bool:
+        return "H" in self.placing
 
     @property
-    def has_layer_views(self) -> bool:
-        return False
+    def outside_layer(self) -> str:
+        """Placing axes whose stride spans every layer's slot (the row)."""
+        return self.placing[: self.placing.index("L")]
+
+    @property
+    def inside_layer(self) -> str:
+        """Placing axes inside one layer's stride, so per page class."""
+        return self.placing[self.placing.index("L") + 1 :]
+
+    @property
+    def head_parent(self) -> str:
+        """The placing axis whose stride the heads divide (only when
+        `splits_heads`)."""
+        return self.placing[self.placing.index("H") - 1]
+
+    @property
+    def segment_axes(self) -> str:
+        """Placing axes outside B: one segment per combination of them."""
+        return self.placing[: self.placing.index("B")]
+
+    @property
+    def segments_are_layer_regions(self) -> bool:
+        # Only then may segments differ in stride and sit apart (padding).
+        return self.segment_axes == "L"
 
 
-# --------------------------------------------------------------------------
-# Placements and configs
+_GEOMETRY: dict[KVCacheLayout, _Geometry] = {
+    # KVCacheLayout(...) refuses a row whose order is no layout.
+    KVCacheLayout(row.order): row
+    for row in (
+        _Geometry(placing="LB", slab="HNC"),
+        _Geometry(placing="LB", slab="NHC"),
+        _Geometry(placing="LHB", slab="NC"),
+        _Geometry(placing="BL", slab="HNC"),
+        _Geometry(placing="BL", slab="NHC"),
+        _Geometry(placing="BHL", slab="NC"),
+    )
+}
 
 
-@dataclass(frozen=True)
-class KVCacheTensor:
-    """Placement of a run of layers in one shared allocation of `size` bytes.
-
-    Layer ``layers[l]`` finds block b at byte
-    ``offset + l*layer_stride + b*block_stride``. Every tensor of a config
-    describes the same allocation, so they all carry the same `size`.
-    """
-
-    size: int
-    layers: list[str]
-    layer_stride: int
-    block_stride: int
-    offset: int = 0
-
-    def __post_init__(self) -> None:
-        object.__setattr__(self, "size", _check_non_negative("size", self.size))
-        object.__setattr__(self, "layer_stride", _check_non_negative("layer_stride", self.layer_stride))
-        object.__setattr__(self, "block_stride", _check_positive("block_stride", self.block_stride))
-        object.__setattr__(self, "offset", _check_non_negative("offset", self.offset))
-        if isinstance(self.layers, str) or not isinstance(self.layers, Sequence):
-            raise ValueError(
-                f"layers must be a list of layer names, got {self.layers!r}"
-            )
-        if not self.layers:
-            raise ValueError("layers must name at least one layer, got []")
-        for name in self.layers:
-            if not isinstance(name, str):
-                raise ValueError(f"layer names must be str, got {name!r}")
-
-    def layer_offset(self, layer_idx: int) -> int:
-        """Allocation byte where layer `layers[layer_idx]` finds block 0."""
-        return self.offset + layer_idx * self.layer_stride
+def _layer_region_layouts(joiner: str) -> str:
+    # Messages name the layouts that would have worked, read from the table
+    # so that they cannot fall out of step with it.
+    return f" {joiner} ".join(
+        layout.name for layout, row in _GEOMETRY.items() if row.segments_are_layer_regions
+    )
 
 
-@dataclass
-class KVCacheGroupSpec:
-    """Layers that share one spec and one block table."""
-
-    layer_names: list[str]
-    kv_cache_spec: KVCacheSpec
-
-    def __post_init__(self) -> None:
-        if isinstance(self.layer_names, str) or not isinstance(
-            self.layer_names, Sequence
-        ):
-            raise ValueError(
-                f"layer_names must be a list of layer names, got {self.layer_names!r}"
-            )
-        if not self.layer_names:
-            raise ValueError("layer_names must name at least one layer, got []")
-        if len(set(self.layer_names)) != len(self.layer_names):
-            raise ValueError(f"layer_names repeat a name: {list(self.layer_names)}")
-        if not isinstance(self.kv_cache_spec, KVCacheSpec):
-            raise ValueError(
-                f"kv_cache_spec must be a KVCacheSpec, got {self.kv_cache_spec!r}"
-            )
-
-
-@dataclass
-class KVCacheConfig:
-    """A KV cache of `num_blocks` blocks: placements and groups.
-
-    Mutable on purpose: engines copy it and change `num_blocks` and
-    `kv_cache_tensors` when the committed size changes.
-    """
-
-    num_blocks: int
-    kv_cache_tensors: list[KVCacheTensor] = field(default_factory=list)
-    kv_cache_groups: list[KVCacheGroupSpec] = field(default_factory=list)
-
-    def __post_init__(self) -> None:
-        object.__setattr__(self, "num_blocks", _check_non_negative("num_blocks", self.num_blocks))
+def _nest(axes: str, unit: int, extents: Mapping[str, int]) -> tuple[dict[str, int], int]:
+    """Strides of `axes` (outermost first) nested around `unit` bytes, like
+    the dimensions of a C array, and the bytes the outermost one spans."""
+    strides: dict[str, int] = {}
+    span = unit
+    for axis in reversed(axes):
+        strides[axis] = span
+        span *= extents[axis]
+    return strides, span
 
 
 # --------------------------------------------------------------------------
@@ -361,6 +238,7 @@ class _PageClass:
     """Groups whose pages have one size; their i-th layers alias slot i."""
 
     page_size: int
+    heads: int
     num_slots: int = 0
     group_ids: list[int] = field(default_factory=list)
 
@@ -368,8 +246,10 @@ class _PageClass:
 def _page_classes(groups: Sequence[KVCacheGroupSpec]) -> list[_PageClass]:
     classes: dict[int, _PageClass] = {}
     for group_id, group in enumerate(groups):
-        page = group.kv_cache_spec.page_size_bytes
-        cls = classes.setdefault(page, _PageClass(page))
+        spec = group.kv_cache_spec
+        cls = classes.setdefault(
+            spec.page_size_bytes, _PageClass(spec.page_size_bytes, spec.num_page_heads)
+        )
         cls.num_slots = max(cls.num_slots, len(group.layer_names))
         cls.group_ids.append(group_id)
     return list(classes.values())
@@ -384,8 +264,9 @@ def build_kv_cache_config(
 
     Groups with the same page size alias (group g's i-th layer shares the
     region of every such group's i-th layer); other page sizes follow in order
-    of first appearance. One `KVCacheTensor` per group. Geometry per layout,
-    with P the page size, H the kv heads and n = `num_blocks`:
+    of first appearance. One `KVCacheTensor` per group. What the nesting rule
+    of the module docstring gives, with P the page size, H the kv heads and
+    n = `num_blocks`:
 
     ========  ==========================  =================  ==============
     layout    region / order              block_stride       layer_stride
@@ -403,91 +284,102 @@ def build_kv_cache_config(
     layers must share P / H. Under BHLNC all layers must share H; head h of a
     block starts ``block_stride / H * h`` bytes into it.
     """
-    if not isinstance(layout, KVCacheLayout):
-        raise ValueError(f"layout must be a KVCacheLayout, got {layout!r}")
+    geometry = _GEOMETRY[_check_layout(layout)]
     num_blocks = _check_positive("num_blocks", num_blocks)
     groups = list(groups)
     if not groups:
         raise ValueError("groups must hold at least one KVCacheGroupSpec, got none")
-    seen: dict[str, int] = {}
+    owner: dict[str, int] = {}
     for group_id, group in enumerate(groups):
         if not isinstance(group, KVCacheGroupSpec):
             raise ValueError(
                 f"groups[{group_id}] must be a KVCacheGroupSpec, got {group!r}"
             )
         for name in group.layer_names:
-            if name in seen:
+            if name in owner:
                 raise ValueError(
-                    f"layer {name!r} is in kv cache groups {seen[name]} and {group_id}"
+                    f"layer {name!r} is in kv cache groups {owner[name]} and {group_id}"
                 )
-            seen[name] = group_id
+            owner[name] = group_id
+    if geometry.splits_heads:
+        _check_head_split(layout, geometry, [group.kv_cache_spec for group in groups])
 
     classes = _page_classes(groups)
-    specs = [group.kv_cache_spec for group in groups]
-    # Head-outer layouts spread a page over per-head slabs; aliasing layers
-    # (and, for the shared segment stride, all layers) must agree on them.
-    heads = {spec.num_page_heads for spec in specs}
-    if layout is KVCacheLayout.LHBNC:
-        uneven = any(spec.page_size_bytes % spec.num_page_heads for spec in specs)
-        slabs = {spec.page_size_bytes // spec.num_page_heads for spec in specs}
-        if uneven or len(slabs) != 1:
-            raise ValueError(
-                "LHBNC needs one per-head block stride (page / kv heads) for every "
-                f"layer; got pages {[s.page_size_bytes for s in specs]} with kv "
-                f"heads {[s.num_page_heads for s in specs]}"
-            )
-    if layout is KVCacheLayout.BHLNC and len(heads) != 1:
-        raise ValueError(
-            f"BHLNC needs every layer to have the same kv heads, got {sorted(heads)}"
-        )
-
-    # Where each page class starts: a byte offset into the allocation for
-    # layer-outermost layouts, into one block (or one head row) otherwise.
-    starts: list[int] = []
-    if layout.is_layer_compact:
-        end = 0
-        for cls in classes:
-            starts.append(end)
-            end += cls.num_slots * num_blocks * cls.page_size
-        size = end
-    else:
-        num_heads = heads.pop() if layout is KVCacheLayout.BHLNC else 1
-        row = 0
-        for cls in classes:
-            starts.append(row)
-            # Exact: a full-attention page is a whole number of head slabs.
-            row += cls.num_slots * cls.page_size // num_heads
-        block_stride = row * num_heads
-        size = num_blocks * block_stride
-
-    tensors: list[KVCacheTensor] = []
-    class_of_group = {
-        group_id: (cls, start)
-        for cls, start in zip(classes, starts)
+    starts, strides, size = _place(geometry, classes, num_blocks)
+    placement = {
+        group_id: (start, axis_strides)
+        for cls, start, axis_strides in zip(classes, starts, strides)
         for group_id in cls.group_ids
     }
+    tensors: list[KVCacheTensor] = []
     for group_id, group in enumerate(groups):
-        cls, start = class_of_group[group_id]
-        page = cls.page_size
-        num_heads = group.kv_cache_spec.num_page_heads
-        if layout in (KVCacheLayout.LBHNC, KVCacheLayout.LBNHC):
-            strides = dict(layer_stride=num_blocks * page, block_stride=page)
-        elif layout is KVCacheLayout.LHBNC:
-            strides = dict(
-                layer_stride=num_blocks * page, block_stride=page // num_heads
-            )
-        elif layout is KVCacheLayout.BHLNC:
-            strides = dict(layer_stride=page // num_heads, block_stride=block_stride)
-        else:
-            strides = dict(layer_stride=page, block_stride=block_stride)
+        start, axis_strides = placement[group_id]
         tensor = KVCacheTensor(
-            size=size, layers=list(group.layer_names), offset=start, **strides
+            size=size,
+            layers=list(group.layer_names),
+            layer_stride=axis_strides["L"],
+            block_stride=axis_strides["B"],
+            offset=start,
         )
         _check_element_aligned(group_id, group.kv_cache_spec, tensor)
         tensors.append(tensor)
     return KVCacheConfig(
         num_blocks=num_blocks, kv_cache_tensors=tensors, kv_cache_groups=groups
     )
+
+
+def _check_head_split(
+    layout: KVCacheLayout, geometry: _Geometry, specs: list[KVCacheSpec]
+) -> None:
+    # A stride outside L spans every layer, so when H is one of those axes
+    # every layer must have the same heads. When H sits inside L instead, B is
+    # the innermost placing axis and its stride is the head slab; the layout's
+    # segments tile the allocation at one stride, so every layer needs the
+    # same slab. Either way a page must split into whole head slabs.
+    pages = [spec.page_size_bytes for spec in specs]
+    heads = [spec.num_page_heads for spec in specs]
+    if "H" in geometry.outside_layer and len(set(heads)) != 1:
+        raise ValueError(
+            f"{layout.name} needs every layer to have the same kv heads, got "
+            f"{sorted(set(heads))}"
+        )
+    uneven = any(page % count for page, count in zip(pages, heads))
+    slabs = {page // count for page, count in zip(pages, heads)}
+    if uneven or ("H" in geometry.inside_layer and len(slabs) != 1):
+        raise ValueError(
+            f"{layout.name} needs one per-head block stride (page / kv heads) for "
+            f"every layer; got pages {pages} with kv heads {heads}"
+        )
+
+
+def _place(
+    geometry: _Geometry, classes: list[_PageClass], num_blocks: int
+) -> tuple[list[int], list[dict[str, int]], int]:
+    """Where each page class starts, the stride of every placing axis for
+    it, and the allocation's size.
+
+    A class's start is a byte offset within the row that L spans: the whole
+    allocation when L is outermost, one block (or one head of it) otherwise.
+    """
+    starts: list[int] = []
+    strides: list[dict[str, int]] = []
+    row = 0
+    for cls in classes:
+        slab = cls.page_size // cls.heads if geometry.splits_heads else cls.page_size
+        axis_strides, layer_stride = _nest(
+            geometry.inside_layer, slab, {"B": num_blocks, "H": cls.heads}
+        )
+        axis_strides["L"] = layer_stride
+        starts.append(row)
+        strides.append(axis_strides)
+        row += cls.num_slots * layer_stride
+    # _check_head_split made the heads one number wherever H is outside L.
+    outer_strides, size = _nest(
+        geometry.outside_layer, row, {"B": num_blocks, "H": classes[0].heads}
+    )
+    for axis_strides in strides:
+        axis_strides.update(outer_strides)
+    return starts, strides, size
 
 
 def _check_element_aligned(group_id: int, spec: KVCacheSpec, tensor: KVCacheTensor) -> None:
@@ -514,6 +406,20 @@ def _check_element_aligned(group_id: int, spec: KVCacheSpec, tensor: KVCacheTens
 # Segments: what an extensible allocation grows
 
 
+def _add_layer_regions(regions: dict[int, int], tensor: KVCacheTensor, attribute: str) -> None:
+    """Record `tensor`'s `attribute` at the start of each of its layer
+    regions; aliasing groups name a region twice and must agree on it."""
+    value = getattr(tensor, attribute)
+    for layer_idx in range(len(tensor.layers)):
+        start = tensor.layer_offset(layer_idx)
+        known = regions.setdefault(start, value)
+        if known != value:
+            raise ValueError(
+                f"tensors alias offset {start} with {attribute.replace('_', ' ')}s "
+                f"{known} and {value}"
+            )
+
+
 def kv_cache_segments(
     config: KVCacheConfig, layout: KVCacheLayout
 ) -> tuple[list[int], list[int]]:
@@ -525,57 +431,57 @@ def kv_cache_segments(
     after padding). Every other layout has one block stride, and the
     allocation is a whole number of equal segments laid end to end.
     """
-    if not isinstance(layout, KVCacheLayout):
-        raise ValueError(f"layout must be a KVCacheLayout, got {layout!r}")
+    geometry = _GEOMETRY[_check_layout(layout)]
     tensors = config.kv_cache_tensors
     if not tensors:
         raise ValueError("config has no kv_cache_tensors")
-    sizes = {tensor.size for tensor in tensors}
-    if len(sizes) != 1:
+    sizes = sorted({tensor.size for tensor in tensors})
+    if len(sizes) > 1:
         raise ValueError(
-            f"kv cache tensors must describe one allocation, got sizes {sorted(sizes)}"
+            f"kv cache tensors must describe one allocation, got sizes {sizes}"
         )
-    size = sizes.pop()
+    size = sizes[0]
     capacity = _check_positive("config.num_blocks", config.num_blocks)
+    if geometry.segments_are_layer_regions:
+        return _region_segments(tensors, size, capacity)
 
-    if layout.is_block_outermost or not layout.is_block_compact:
-        strides = {tensor.block_stride for tensor in tensors}
-        if len(strides) != 1:
-            raise ValueError(
-                f"{layout.name} needs one block stride for every tensor, got "
-                f"{sorted(strides)}; only LBHNC and LBNHC allow several"
-            )
-        stride = strides.pop()
-        segment_bytes = capacity * stride
-        if size == 0 or size % segment_bytes:
-            raise ValueError(
-                f"allocation of {size} bytes is not a whole number of "
-                f"{capacity}-block segments of {segment_bytes} bytes"
-            )
-        count = size // segment_bytes
-        return [i * segment_bytes for i in range(count)], [stride] * count
+    # Segments of one stride, end to end: the placements say nothing else, so
+    # the stride and the size alone decide them.
+    block_strides = sorted({tensor.block_stride for tensor in tensors})
+    if len(block_strides) > 1:
+        raise ValueError(
+            f"{layout.name} needs one block stride for every tensor, got "
+            f"{block_strides}; only {_layer_region_layouts('and')} "
+            "allow several"
+        )
+    stride = block_strides[0]
+    count, leftover = divmod(size, capacity * stride)
+    if count == 0 or leftover:
+        raise ValueError(
+            f"allocation of {size} bytes is not a whole number of "
+            f"{capacity}-block segments of {capacity * stride} bytes"
+        )
+    return [i * capacity * stride for i in range(count)], [stride] * count
 
+
+def _region_segments(
+    tensors: list[KVCacheTensor], size: int, capacity: int
+) -> tuple[list[int], list[int]]:
+    # Each layer region is a segment at its own block stride. Padding may
+    # leave gaps between regions; overlaps or running past the end may not.
     regions: dict[int, int] = {}
     for tensor in tensors:
-        for layer_idx in range(len(tensor.layers)):
-            offset = tensor.layer_offset(layer_idx)
-            if regions.setdefault(offset, tensor.block_stride) != tensor.block_stride:
-                raise ValueError(
-                    f"tensors alias offset {offset} with block strides "
-                    f"{regions[offset]} and {tensor.block_stride}"
-                )
-    offsets = sorted(regions)
-    strides_list = [regions[offset] for offset in offsets]
-    if offsets[0] != 0:
-        raise ValueError(f"first layer region starts at {offsets[0]}, not 0")
-    end = 0
-    for offset, stride in zip(offsets, strides_list):
-        if offset < end:
-            raise ValueError(f"layer region at {offset} overlaps the one before it")
-        end = offset + capacity * stride
+        _add_layer_regions(regions, tensor, "block_stride")
+    starts = sorted(regions)
+    if starts[0]:
+        raise ValueError(f"first layer region starts at {starts[0]}, not 0")
+    for earlier, later in pairwise(starts):
+        if later < earlier + capacity * regions[earlier]:
+            raise ValueError(f"layer region at {later} overlaps the one before it")
+    end = starts[-1] + capacity * regions[starts[-1]]
     if end > size:
         raise ValueError(f"layer regions end at {end}, past the allocation's {size}")
-    return offsets, strides_list
+    return starts, [regions[start] for start in starts]
 
 
 def pad_kv_cache_segments(
@@ -589,60 +495,56 @@ def pad_kv_cache_segments(
     same object. LHBNC has no per-layer segments to pad (ValueError). Padding a
     padded config changes nothing. Returns a shallow copy; `config` is untouched.
     """
-    if not isinstance(layout, KVCacheLayout):
-        raise ValueError(f"layout must be a KVCacheLayout, got {layout!r}")
+    geometry = _GEOMETRY[_check_layout(layout)]
     granule = _check_positive("granule", granule)
-    if layout.is_block_outermost:
+    if not geometry.segment_axes:
         return config
-    if not layout.is_block_compact:
+    if not geometry.segments_are_layer_regions:
         raise ValueError(
             f"{layout.name} has no per-layer segments to pad; padding needs "
-            "LBHNC or LBNHC"
+            f"{_layer_region_layouts('or')}"
         )
     num_blocks = _check_positive("config.num_blocks", config.num_blocks)
-    tensors = config.kv_cache_tensors
-    if not tensors:
+    if not config.kv_cache_tensors:
         raise ValueError("config has no kv_cache_tensors")
 
-    # A region's extent is its layer stride: num_blocks pages, plus any
-    # padding an earlier call added. Aliasing groups name the same region.
-    regions: dict[int, int] = {}
-    for tensor in tensors:
+    # A region's extent is its layer stride, which is at least its blocks and
+    # more once padded; keying padding on the stride is what makes a second
+    # call a no-op.
+    extents: dict[int, int] = {}
+    for tensor in config.kv_cache_tensors:
         if tensor.layer_stride < num_blocks * tensor.block_stride:
             raise ValueError(
                 f"layer_stride {tensor.layer_stride} of layers {tensor.layers} is "
                 f"smaller than {num_blocks} blocks of {tensor.block_stride} bytes"
             )
-        for layer_idx in range(len(tensor.layers)):
-            offset = tensor.layer_offset(layer_idx)
-            if regions.setdefault(offset, tensor.layer_stride) != tensor.layer_stride:
-                raise ValueError(
-                    f"tensors alias offset {offset} with layer strides "
-                    f"{regions[offset]} and {tensor.layer_stride}"
-                )
-    padded_offsets: dict[int, int] = {}
-    end = padded_end = 0
-    for offset in sorted(regions):
-        if offset != end:
+        _add_layer_regions(extents, tensor, "layer_stride")
+    starts = sorted(extents)
+    # Regions must tile from 0 with no gap, or moving them would change which
+    # bytes a layer owns rather than only where they sit.
+    for wanted, found in zip([0, *(start + extents[start] for start in starts)], starts):
+        if found != wanted:
             raise ValueError(
                 f"layer regions do not tile the allocation: expected one at "
-                f"{end}, found {offset}"
+                f"{wanted}, found {found}"
             )
-        padded_offsets[offset] = padded_end
-        end += regions[offset]
-        padded_end += round_up(regions[offset], granule)
-
-    padded = copy.copy(config)
-    padded.kv_cache_tensors = [
-        replace(
-            tensor,
-            size=padded_end,
-            offset=padded_offsets[tensor.offset],
-            layer_stride=round_up(tensor.layer_stride, granule),
-        )
-        for tensor in tensors
-    ]
-    return padded
+    new_starts = list(
+        accumulate((round_up(extents[start], granule) for start in starts), initial=0)
+    )
+    new_start_of = dict(zip(starts, new_starts))
+    # Tensors that alias one region share its start, so they move together.
+    return replace(
+        config,
+        kv_cache_tensors=[
+            replace(
+                tensor,
+                offset=new_start_of[tensor.offset],
+                size=new_starts[-1],
+                layer_stride=round_up(tensor.layer_stride, granule),
+            )
+            for tensor in config.kv_cache_tensors
+        ],
+    )
 
 
 def granule_block_alignment(strides: Sequence[int], granule: int) -> int:
@@ -708,6 +610,47 @@ def layer_kernel_block_size(
 # --------------------------------------------------------------------------
 # Views
 
+# The logical axes of each spec's view, in the order the view's dimensions
+# come: B (kernel blocks), K (K then V), N, H, C. A spec type missing here has
+# no view geometry.
+_VIEW_AXES: tuple[tuple[type[KVCacheSpec], str], ...] = (
+    (FullAttentionSpec, "BKNHC"),
+    (MLAAttentionSpec, "BNC"),
+)
+
+
+def _head_stride(
+    geometry: _Geometry, tensor: KVCacheTensor, num_blocks: int, heads: int, slab: int
+) -> int:
+    """Bytes between one layer's per-head slabs: a 1/heads share of the
+    stride of the axis enclosing H, which must hold what H encloses."""
+    if geometry.head_parent == "L":
+        # A layer region is `heads` runs of blocks, one run per head.
+        if tensor.layer_stride % heads:
+            raise ValueError(
+                f"layer_stride {tensor.layer_stride} is not a whole number of "
+                f"{heads} head slabs"
+            )
+        head_stride = tensor.layer_stride // heads
+        if head_stride < num_blocks * tensor.block_stride:
+            raise ValueError(
+                f"head slab of {head_stride} bytes cannot hold {num_blocks} "
+                f"blocks of {tensor.block_stride} bytes"
+            )
+        return head_stride
+    # A block is `heads` rows, each holding every layer's slab for that head.
+    if tensor.block_stride % heads:
+        raise ValueError(
+            f"block_stride {tensor.block_stride} is not a whole number of "
+            f"{heads} head rows"
+        )
+    head_stride = tensor.block_stride // heads
+    if head_stride < slab:
+        raise ValueError(
+            f"head row of {head_stride} bytes cannot hold a {slab}-byte slab"
+        )
+    return head_stride
+
 
 def create_kv_cache_views(
     buffer: torch.Tensor,
@@ -748,8 +691,7 @@ def create_kv_cache_views(
         )
     if not isinstance(spec, KVCacheSpec):
         raise ValueError(f"spec must be a KVCacheSpec, got {spec!r}")
-    if not isinstance(layout, KVCacheLayout):
-        raise ValueError(f"layout must be a KVCacheLayout, got {layout!r}")
+    geometry = _GEOMETRY[_check_layout(layout)]
     if not isinstance(tensor, KVCacheTensor):
         raise ValueError(f"tensor must be a KVCacheTensor, got {tensor!r}")
     num_blocks = _check_positive("num_blocks", num_blocks)
@@ -767,42 +709,12 @@ def create_kv_cache_views(
         )
     splits = block_size // kernel_block_size
     itemsize = spec.dtype.itemsize
-    page = spec.page_size_bytes
     heads = spec.num_page_heads
-
-    # slab: the contiguous bytes one layer keeps per block (the page, or one
-    # head's share of it); head_stride: distance between those slabs when
-    # the layout puts H outside the page.
-    if layout.heads_outside_page:
-        slab = page // heads
-        if layout.is_layer_compact:
-            # LHBNC: a layer region is H slabs of blocks, one after another.
-            if tensor.layer_stride % heads:
-                raise ValueError(
-                    f"layer_stride {tensor.layer_stride} is not a whole number of "
-                    f"{heads} head slabs"
-                )
-            head_stride = tensor.layer_stride // heads
-            if head_stride < num_blocks * tensor.block_stride:
-                raise ValueError(
-                    f"head slab of {head_stride} bytes cannot hold {num_blocks} "
-                    f"blocks of {tensor.block_stride} bytes"
-                )
-        else:
-            # BHLNC: a block is H rows, each holding every layer's slab.
-            if tensor.block_stride % heads:
-                raise ValueError(
-                    f"block_stride {tensor.block_stride} is not a whole number of "
-                    f"{heads} head rows"
-                )
-            head_stride = tensor.block_stride // heads
-            if head_stride < slab:
-                raise ValueError(
-                    f"head row of {head_stride} bytes cannot hold a {slab}-byte slab"
-                )
+    if geometry.splits_heads:
+        slab = spec.page_size_bytes // heads
+        head_stride = _head_stride(geometry, tensor, num_blocks, heads, slab)
     else:
-        slab = page
-        head_stride = 0
+        slab, head_stride = spec.page_size_bytes, 0
     if tensor.block_stride < slab:
         raise ValueError(
             f"block_stride {tensor.block_stride} is smaller than the {slab}-byte "
@@ -828,24 +740,24 @@ def create_kv_cache_views(
                 f"{itemsize}-byte {spec.dtype}"
             )
 
-    # Everything below is in elements of spec.dtype.
-    block = tensor.block_stride // itemsize if splits == 1 else slab // splits // itemsize
-    vec = spec.head_size
-    tokens = kernel_block_size
-    if isinstance(spec, MLAAttentionSpec):
-        shape = [num_blocks * splits, tokens, vec]
-        strides = [block, vec, 1]
-    elif isinstance(spec, FullAttentionSpec):
-        if layout.heads_outside_page:
-            kv, token, head = tokens * vec, vec, head_stride // itemsize
-        elif layout.heads_outer_to_tokens:
-            kv, head, token = heads * tokens * vec, tokens * vec, vec
-        else:
-            kv, token, head = tokens * heads * vec, heads * vec, vec
-        shape = [num_blocks * splits, 2, tokens, heads, vec]
-        strides = [block, kv, token, head, 1]
-    else:
+    view_axes = next(
+        (axes for kind, axes in _VIEW_AXES if isinstance(spec, kind)), None
+    )
+    if view_axes is None:
         raise ValueError(f"no view geometry for spec type {type(spec).__name__}")
+    # From here on, strides are in elements of spec.dtype. Within a slab the
+    # K/V axis sits outside the axes the layout orders; axes the view lacks
+    # (H of an MLA page) have extent 1 and drop out.
+    extents = {"K": 2, "N": kernel_block_size, "H": heads, "C": spec.head_size}
+    in_slab = "".join(axis for axis in "K" + geometry.slab if axis in view_axes)
+    strides, _ = _nest(in_slab, 1, extents)
+    if geometry.splits_heads:
+        strides["H"] = head_stride // itemsize
+    # A split block's kernel blocks are consecutive pieces of one slab.
+    strides["B"] = (tensor.block_stride if splits == 1 else slab // splits) // itemsize
+    extents["B"] = num_blocks * splits
+    shape = [extents[axis] for axis in view_axes]
+    element_strides = [strides[axis] for axis in view_axes]
 
     # Reinterpret the whole buffer as dtype; as_strided offsets are absolute
     # within the storage, so start from wherever `buffer` itself starts.
@@ -856,7 +768,7 @@ def create_kv_cache_views(
             f"on a {itemsize}-byte {spec.dtype} boundary"
         )
     typed = buffer[:usable].view(spec.dtype)
-    extent = 1 + sum((n - 1) * s for n, s in zip(shape, strides))
+    extent = 1 + sum((n - 1) * s for n, s in zip(shape, element_strides))
     views = []
     for layer_idx, name in enumerate(tensor.layers):
         start = tensor.layer_offset(layer_idx) // itemsize
@@ -867,6 +779,6 @@ def create_kv_cache_views(
                 f"{buffer.numel()}"
             )
         views.append(
-            typed.as_strided(shape, strides, typed.storage_offset() + start)
+            typed.as_strided(shape, element_strides, typed.storage_offset() + start)
         )
     return views
