@@ -87,9 +87,8 @@ from .cache import ExtensibleKVCache
 from .layout import KVCacheConfig
 from . import validate
 from .errors import DriverError, ExtkvError, StateError
-# The same undo helper ExtensibleTensor's transactions use.
-from .tensor import ExtensibleTensor, MappedChunk, _Undo
-from .vmm import Chunk, Driver, HostDriver, cuda_usable, driver_for
+from .tensor import ExtensibleTensor, MappedChunk
+from .vmm import Chunk, Driver, HostDriver, Transaction, cuda_usable, driver_for
 
 #: Names the wire format; a peer refuses any other.
 PROTOCOL = "extkv-segments/2"
@@ -733,15 +732,15 @@ def _map_imported(
     reservation: int | None = None
     mapped: list[tuple[int, Chunk]] = []
     if chunk_sizes:
-        with _Undo() as undo:
+        with Transaction() as transaction:
             reservation = driver.reserve(reserved_bytes)
-            undo.push(lambda: driver.free_reservation(reservation, reserved_bytes))
+            transaction.push(lambda: driver.free_reservation(reservation, reserved_bytes))
             for fd, size, placement in zip(fds, chunk_sizes, placements):
                 chunk = driver.import_fd(fd, size)
-                undo.push(lambda chunk=chunk: driver.release(chunk))
+                transaction.push(lambda chunk=chunk: driver.release(chunk))
                 address = reservation + placement
                 driver.map(address, chunk)
-                undo.push(lambda address=address, size=size: driver.unmap(address, size))
+                transaction.push(lambda address=address, size=size: driver.unmap(address, size))
                 mapped.append((address, chunk))
             # Chunk sizes are granule multiples, so the chunks tile the whole
             # reservation: one access call covers them all. The host driver

@@ -13,10 +13,10 @@ collects the granules the new sizes need that are not mapped yet (a granule
 shared by two neighbouring segments is mapped once), merges them into maximal
 runs, and backs each run with one chunk: per-chunk driver cost dominates a
 commit, so one chunk per run, never one per granule. Each run is one small
-transaction (create, map, grant access) that undoes its own steps if a later
-step fails. Runs finished before a failure stay mapped, recorded and
-accessible, and the committed sizes stay as they were, so the tensor is
-consistent and a retry maps only what is still missing.
+`Transaction` (extkv.vmm: create, map, grant access) that undoes its own
+steps if a later step fails. Runs finished before a failure stay mapped,
+recorded and accessible, and the committed sizes stay as they were, so the
+tensor is consistent and a retry maps only what is still missing.
 
 With `zero_new`, exactly the new logical bytes are zeroed on the current
 stream, interleaved with mapping so the device zeroes one run while the CPU
@@ -35,7 +35,9 @@ pointers that read again once memory is recommitted.
 Cleanup that cannot be undone (releasing chunks a defragmentation replaced,
 unmapping and freeing its scratch reservation) is recorded before it is tried.
 A step that fails stays recorded and is retried by the next `release_physical`
-or `free`, so no path leaves a chunk, mapping or reservation behind.
+or `free`, so no path leaves a chunk, mapping or reservation behind. A chunk
+whose release fails while a transaction is undone joins the same record
+(extkv.vmm.UnreleasedChunks).
 
 Threads: every state-changing operation holds the tensor's `lock` (one
 re-entrant lock per reservation) from its first check to its last driver call,
@@ -57,13 +59,13 @@ import functools
 import threading
 import warnings
 from dataclasses import dataclass
-from typing import Callable, Sequence
+from typing import Sequence
 
 import torch
 
 from . import validate
 from .errors import OutOfMemoryError, StateError
-from .vmm import Chunk, Driver, driver_for
+from .vmm import Chunk, Driver, Transaction, UnreleasedChunks, driver_for
 
 
 class _State(enum.Enum):
@@ -90,29 +92,6 @@ class MappedChunk:
     address: int
     first_granule: int
     num_granules: int
-
-
-class _Undo:
-    """Undo steps of one multi-step driver sequence, run in reverse on failure."""
-
-    def __init__(self) -> None:
-        self._steps: list[Callable[[], None]] = []
-
-    def push(self, step: Callable[[], None]) -> None:
-        self._steps.append(step)
-
-    def __enter__(self) -> "_Undo":
-        return self
-
-    def __exit__(self, error_type, error, traceback) -> None:
-        if error is None:
-            return
-        for step in reversed(self._steps):
-            try:
-                step()
-            except Exception as undo_error:  # keep undoing; report on the original error
-                if hasattr(error, "add_note"):  # Python >= 3.11
-                    error.add_note(f"while undoing: {undo_error}")
 
 
 def _operation(method):
@@ -187,7 +166,7 @@ class ExtensibleTensor:
         self._sizes = [0] * len(capacities)
         self._owner: list[MappedChunk | None] = [None] * (self.reserved_bytes // granule)
         self._chunks: dict[int, MappedChunk] = {}  # by first granule
-        self._unreleased: list[Chunk] = []  # unmapped, not yet released
+        self._unreleased = UnreleasedChunks(driver)  # unmapped, not yet released
         # Scratch reservations of defragmentation not yet freed: (address,
         # size, whether the new chunk is still mapped there).
         self._scratch: list[tuple[int, int, bool]] = []
@@ -337,8 +316,8 @@ class ExtensibleTensor:
         grant access, each step undone if a later one fails."""
         size = count * self.granularity
         address = self.base + first * self.granularity
-        with _Undo() as undo:
-            chunk = self._new_chunk_mapped_at(address, size, undo)
+        with Transaction() as transaction:
+            chunk = self._new_chunk_mapped_at(address, size, transaction)
         self._publish(added=[MappedChunk(chunk=chunk, address=address, first_granule=first, num_granules=count)])
 
     def _publish(self, *, added: Sequence[MappedChunk] = (), removed: Sequence[MappedChunk] = ()) -> None:
@@ -353,14 +332,14 @@ class ExtensibleTensor:
             self._owner[mapped.first_granule : mapped.first_granule + mapped.num_granules] = [mapped] * mapped.num_granules
         self._chunks = chunks
 
-    def _new_chunk_mapped_at(self, address: int, size: int, undo: _Undo) -> Chunk:
+    def _new_chunk_mapped_at(self, address: int, size: int, transaction: Transaction) -> Chunk:
         """Create a chunk, map it at `address` and grant access, registering
-        the undo of each step."""
+        the undo of each step with `transaction`."""
         driver = self._driver
         chunk = self._create_chunk(size)
-        undo.push(lambda: self._release_later(chunk))
+        transaction.push(lambda: self._unreleased.release(chunk))
         driver.map(address, chunk)
-        undo.push(lambda: driver.unmap(address, size))
+        transaction.push(lambda: driver.unmap(address, size))
         driver.set_access(address, size)
         return chunk
 
@@ -419,24 +398,26 @@ class ExtensibleTensor:
         nbytes = count * self.granularity
         address = self.base + first * self.granularity
         driver = self._driver
-        with _Undo() as undo:
+        with Transaction() as transaction:
             scratch = driver.reserve(nbytes)
-            undo.push(lambda: driver.free_reservation(scratch, nbytes))
-            chunk = self._new_chunk_mapped_at(scratch, nbytes, undo)
+            transaction.push(lambda: driver.free_reservation(scratch, nbytes))
+            chunk = self._new_chunk_mapped_at(scratch, nbytes, transaction)
             driver.view(scratch, nbytes).copy_(driver.view(address, nbytes))
             driver.synchronize()
             for mapped in old:
                 driver.unmap(mapped.address, mapped.chunk.size)
-                undo.push(lambda m=mapped: (driver.map(m.address, m.chunk), driver.set_access(m.address, m.chunk.size)))
+                transaction.push(
+                    lambda m=mapped: (driver.map(m.address, m.chunk), driver.set_access(m.address, m.chunk.size))
+                )
             driver.map(address, chunk)
-            undo.push(lambda: driver.unmap(address, nbytes))
+            transaction.push(lambda: driver.unmap(address, nbytes))
             driver.set_access(address, nbytes)
         # The new mapping is in place. What is left cannot be undone, only
         # finished: record it all first, so a failing step is retried later.
         self._publish(
             removed=old, added=[MappedChunk(chunk=chunk, address=address, first_granule=first, num_granules=count)]
         )
-        self._unreleased.extend(m.chunk for m in old)
+        self._unreleased.keep(m.chunk for m in old)
         self._scratch.append((scratch, nbytes, True))
         self._finish_cleanup()
         return True
@@ -464,18 +445,8 @@ class ExtensibleTensor:
                 unmapped.append(mapped)
         finally:
             self._publish(removed=unmapped)
-            self._unreleased.extend(mapped.chunk for mapped in unmapped)
-        self._release_unreleased()
-
-    def _release_later(self, chunk: Chunk) -> None:
-        """Release `chunk` now, or, if that fails, at the next cleanup."""
-        self._unreleased.append(chunk)
-        self._release_unreleased()
-
-    def _release_unreleased(self) -> None:
-        while self._unreleased:
-            self._driver.release(self._unreleased[-1])
-            self._unreleased.pop()
+            self._unreleased.keep(mapped.chunk for mapped in unmapped)
+        self._unreleased.retry()
 
     def _free_scratch(self) -> None:
         while self._scratch:
@@ -490,7 +461,7 @@ class ExtensibleTensor:
         """Release recorded chunks and free recorded scratch reservations,
         trying both even if one fails; the first failure is raised."""
         failure: Exception | None = None
-        for step in (self._release_unreleased, self._free_scratch):
+        for step in (self._unreleased.retry, self._free_scratch):
             try:
                 step()
             except Exception as error:

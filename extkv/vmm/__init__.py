@@ -16,6 +16,7 @@ from .base import Chunk, Driver, live_chunks, live_reservations
 from .faults import FAULTABLE_STEPS, FaultInjectingDriver
 from .host import DEFAULT_HOST_GRANULARITY, MEMFD_NAME, HostDriver
 from .poison import PoisoningDriver
+from .transaction import Transaction, UnreleasedChunks
 
 
 
@@ -87,6 +88,8 @@ __all__ = [
     "FaultInjectingDriver",
     "HostDriver",
     "MEMFD_NAME",
+    "Transaction",
+    "UnreleasedChunks",
     "canonical_device",
     "cuda_usable",
     "device_memory_info",

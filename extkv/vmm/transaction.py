@@ -1,0 +1,80 @@
+"""Multi-step driver sequences that leave nothing behind when a step fails.
+
+Theory of operation
+-------------------
+Backing memory takes several driver steps (reserve, create, map, grant
+access), and any of them can fail. `Transaction` is the one way extkv undoes
+such a sequence: after each step succeeds, the caller pushes the step that
+undoes it; if the `with` block raises, the undo steps run newest first and the
+original error propagates. Every undo step is attempted even if an earlier one
+fails, because each releases something different; their failures are added to
+the original error as notes (Python >= 3.11) rather than replacing it, since
+the step that failed first is what the caller needs to see.
+
+Some of what a failed sequence holds cannot always be handed back at once,
+and a leak is worse than a late release. `UnreleasedChunks` is the one place
+for that: a chunk given to `release` is released now or, if the driver
+refuses, kept until its owner's next `retry`. Retrying is safe because a
+failed release leaves the chunk exactly as it was. Only releases are retried
+later: replaying any other failed undo step is not safe (an unmap replayed
+after its reservation was freed would map over address space that belongs to
+someone else). A transaction's undo of a create is therefore
+`lambda: unreleased.release(chunk)`, for every owner alike.
+"""
+
+from __future__ import annotations
+
+from typing import Callable, Iterable
+
+from .base import Chunk, Driver
+
+
+class Transaction:
+    """Undo steps of one multi-step driver sequence, run newest first if the
+    `with` block raises."""
+
+    def __init__(self) -> None:
+        self._undo_steps: list[Callable[[], object]] = []
+
+    def push(self, undo: Callable[[], object]) -> None:
+        """Register the undo of the step that just succeeded."""
+        self._undo_steps.append(undo)
+
+    def __enter__(self) -> "Transaction":
+        return self
+
+    def __exit__(self, error_type, error, traceback) -> None:
+        if error is None:
+            return
+        for undo in reversed(self._undo_steps):
+            try:
+                undo()
+            except Exception as undo_error:
+                if hasattr(error, "add_note"):  # Python >= 3.11
+                    error.add_note(f"while undoing: {undo_error}")
+
+
+class UnreleasedChunks:
+    """Chunks owed a release to `driver`, kept until the driver takes them."""
+
+    def __init__(self, driver: Driver) -> None:
+        self._driver = driver
+        self._chunks: list[Chunk] = []
+
+    def keep(self, chunks: Iterable[Chunk]) -> None:
+        """Record chunks to release at the next `retry`, before trying, so that
+        a failure in between cannot lose them."""
+        self._chunks.extend(chunks)
+
+    def release(self, chunk: Chunk) -> None:
+        """Release `chunk` now, with any kept before it; what the driver
+        refuses stays kept and the refusal is raised."""
+        self._chunks.append(chunk)
+        self.retry()
+
+    def retry(self) -> None:
+        """Release every kept chunk, newest first; stops at the first the
+        driver refuses (raised), which stays kept with those after it."""
+        while self._chunks:
+            self._driver.release(self._chunks[-1])
+            self._chunks.pop()
