@@ -1,5 +1,5 @@
 """KV connector conformance: every committed segment of an ExtensibleKVCache,
-exported to another process (`python -m extkv.peer --peer`), reads there
+exported to another process (`python -m extkv peer --peer`), reads there
 byte for byte as it does here, on the host driver and each CUDA device.
 
 The peer answers with the sha256 of each segment's committed bytes; the test
@@ -36,26 +36,24 @@ import torch
 import extkv
 from extkv.cache import ExtensibleKVCache
 from extkv.connector import (
-    PROTOCOL,
     KVConnector,
     PeerRefusedError,
     SegmentExportConnector,
     SegmentNotContiguousError,
     StaleRegistrationError,
-    import_segments,
     listen_privately,
     peer_credentials,
-    receive_message,
-    send_message,
 )
 from extkv.errors import DriverError, ExtkvError, StateError
 from extkv.layout import (
     KVCacheLayout,
     granule_block_alignment,
 )
+from extkv.peer import import_segments
 from extkv.testing.checks import check_usage_matches, maps_permissions
 from extkv.testing.configs import CAPACITY, GRANULE, config_for, fill_segments
 from extkv.vmm import FaultInjectingDriver, driver_for, live_chunks, live_reservations
+from extkv.wire import PROTOCOL, receive_message, send_message
 
 #: Generous: the peer imports torch (and creates a CUDA context) before it connects.
 PEER_TIMEOUT_S = 120
@@ -129,7 +127,7 @@ def run_peer_with(send) -> tuple[dict, int, str]:
     with listen_privately() as listener:
         listener.socket.settimeout(PEER_TIMEOUT_S)
         peer = subprocess.Popen(
-            [sys.executable, "-m", "extkv.peer", "--peer", listener.path, "--timeout", str(PEER_TIMEOUT_S)],
+            [sys.executable, "-m", "extkv", "peer", "--peer", listener.path, "--timeout", str(PEER_TIMEOUT_S)],
             env=peer_env(),
             stdout=subprocess.PIPE,
             stderr=subprocess.PIPE,
@@ -829,7 +827,7 @@ def test_runner_with_a_registering_connector_defragments_and_exports(device):
     """A runner whose connector registers memory extends with a defragmenting
     commit, so registration succeeds; the peer reads what the model wrote,
     and after sleep/wake the restored registration exports the fresh pages."""
-    from extkv.runner import ReferenceModelRunner, ensure_kv_cache_blocks, extend_kv_cache, registers_kv_cache_memory
+    from extkv import ReferenceModelRunner, ensure_kv_cache_blocks, extend_kv_cache, registers_kv_cache_memory
 
     connector = SegmentExportConnector()
     runner = ReferenceModelRunner(device, 256, connector=connector)

@@ -3,6 +3,10 @@
 - `extkv info`: the devices extkv would use and their drivers.
 - `extkv check [pytest args]`: run the conformance suite on every GPU found
   (one pytest-xdist worker per GPU), or on the host driver when there is none.
+- `extkv peer --peer SOCKET_PATH [--timeout S]`: the receiving side of a
+  `SegmentExportConnector`, as a process of its own (extkv.peer): import the
+  exported segments, reply with the sha256 of each segment's committed bytes,
+  clean up. Also `python -m extkv peer ...`.
 """
 
 from __future__ import annotations
@@ -16,6 +20,7 @@ from pathlib import Path
 import torch
 
 from . import vmm
+from .peer import DEFAULT_PEER_TIMEOUT_S, run_peer
 
 
 def _gpu_count() -> int:
@@ -52,6 +57,11 @@ def _check(args) -> int:
     return subprocess.call(command + args.pytest_args, cwd=root, env=os.environ.copy())
 
 
+def _peer(args) -> int:
+    run_peer(args.peer, args.timeout)
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="extkv", description=__doc__.split("\n\n")[0])
     commands = parser.add_subparsers(dest="command", required=True)
@@ -60,6 +70,18 @@ def main(argv: list[str] | None = None) -> int:
         "check", help="run the conformance suite on the GPUs found, else on the host; other arguments go to pytest"
     )
     check.set_defaults(run=_check)
+    peer = commands.add_parser(
+        "peer",
+        help="import the segments a SegmentExportConnector exports, reply with their sha256 digests, clean up",
+    )
+    peer.add_argument("--peer", metavar="SOCKET_PATH", required=True, help="Unix socket the exporter listens on")
+    peer.add_argument(
+        "--timeout",
+        type=float,
+        default=DEFAULT_PEER_TIMEOUT_S,
+        help="seconds to wait on the socket (default %(default)s)",
+    )
+    peer.set_defaults(run=_peer)
     # Whatever `check` does not know is for pytest (-x, -k EXPR, -rs, ...).
     args, extra = parser.parse_known_args(argv)
     if extra and args.run is not _check:

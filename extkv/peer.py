@@ -1,12 +1,273 @@
-"""`python -m extkv.peer --peer SOCKET_PATH`: the receiving side of
-`SegmentExportConnector`, as a process of its own (see extkv.connector).
+"""The peer of `SegmentExportConnector`: map another process's KV cache segments.
 
-A module apart from extkv.connector because the package imports that one, and
-runpy warns when the module it runs was already imported."""
+Theory of operation
+-------------------
+`import_segments(sock)` receives what `SegmentExportConnector.export_to`
+sends (the format is extkv.wire's): a header, then one file descriptor per
+chunk. It imports each chunk with the driver for the device the header
+names, maps the chunks back to back in one fresh reservation, grants access
+over it and exposes a uint8 view of each segment's committed bytes, in
+`ImportedSegments`. The import is one `Transaction`: a failing step undoes
+the earlier ones, and the received descriptors are closed whatever happens.
+`ImportedSegments.close()` unmaps, releases and frees everything; a chunk the
+driver refuses to release is kept and retried by the next `close()`.
 
-import sys
+Access follows the export: a host descriptor of a read-only export can only
+be mapped read-only, and on CUDA, where a descriptor carries no access mode,
+this peer grants itself read access only unless the header says writable.
 
-from .connector import main
+What arrives comes from another process and is checked before it is used:
+every wait on the socket is bounded (`timeout`, DEFAULT_PEER_TIMEOUT_S by
+default), the header is validated field by field (extkv.wire), and a host
+descriptor must be a sealed memfd (a regular file is refused: its owner could
+truncate it under the mapping).
 
-if __name__ == "__main__":
-    sys.exit(main())
+`run_peer(path)` is the whole peer as a process (`extkv peer --peer PATH`):
+connect, import, answer with the sha256 of each segment's committed bytes,
+clean up. A failure is answered with `error_reply`, which names the error's
+type and what failed, never an address of this process.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import os
+import socket
+
+import torch
+
+from .errors import DriverError, StateError
+from .vmm import Chunk, Driver, HostDriver, Transaction, UnreleasedChunks, cuda_usable, driver_for
+from .wire import ExportHeader, receive_fds, receive_message, send_message
+
+#: Seconds the peer waits on its socket (each wait) before giving up.
+DEFAULT_PEER_TIMEOUT_S = 120.0
+
+
+def sha256_hex(tensor: torch.Tensor) -> str:
+    """sha256 (hex) of a tensor's bytes in logical order, on any device."""
+    host = tensor.detach().cpu().contiguous()
+    nbytes = host.numel() * host.element_size()
+    if nbytes == 0:
+        return hashlib.sha256().hexdigest()
+    # Hashed in place through the buffer protocol: no numpy, no extra copy of
+    # a host tensor. `host` stays referenced until hashing is done.
+    return hashlib.sha256((ctypes.c_ubyte * nbytes).from_address(host.data_ptr())).hexdigest()
+
+
+class ImportedSegments:
+    """Segments another process exported, mapped into this one.
+
+    `views[i]` is a uint8 tensor over segment i's committed bytes (empty where
+    none are committed); write through them only when `writable`. `close()`
+    unmaps and releases everything; the views must not be used afterwards.
+    """
+
+    def __init__(
+        self,
+        driver: Driver,
+        reservation: int | None,
+        reserved_bytes: int,
+        mapped: list[tuple[int, Chunk]],
+        unreleased: UnreleasedChunks,
+        writable: bool,
+    ):
+        self.driver = driver
+        #: Whether the exporter allowed writing. Host mappings of a read-only
+        #: export are read-only: writing through `views` faults.
+        self.writable = writable
+        self.views: list[torch.Tensor] = []
+        self._reservation = reservation
+        self._reserved_bytes = reserved_bytes
+        self._mapped = mapped
+        self._unreleased = unreleased
+        self._closed = False
+
+    @property
+    def device(self) -> torch.device:
+        return self.driver.device
+
+    @property
+    def segment_sizes(self) -> list[int]:
+        return [view.numel() for view in self.views]
+
+    def digests(self) -> list[str]:
+        """sha256 (hex) of each segment's committed bytes."""
+        self._require_open("digests")
+        return [sha256_hex(view) for view in self.views]
+
+    def close(self) -> None:
+        """Unmap, release and free everything. Idempotent; if a driver step
+        fails, what was undone stays undone and a retry continues."""
+        if self._closed:
+            return
+        self.views = []
+        driver = self.driver
+        if self._mapped:
+            # Kernels still queued may read these pages.
+            driver.synchronize()
+        while self._mapped:
+            address, chunk = self._mapped[-1]
+            driver.unmap(address, chunk.size)
+            self._mapped.pop()
+            self._unreleased.release(chunk)
+        self._unreleased.retry()
+        if self._reservation is not None:
+            driver.free_reservation(self._reservation, self._reserved_bytes)
+            self._reservation = None
+        self._closed = True
+
+    def _require_open(self, operation: str) -> None:
+        if self._closed:
+            raise StateError(f"{operation}() is not allowed on closed ImportedSegments")
+
+    def __enter__(self) -> "ImportedSegments":
+        return self
+
+    def __exit__(self, *exc_info) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        state = "closed" if self._closed else f"{len(self._mapped)} chunk(s) mapped"
+        return f"ImportedSegments({self.device}, {len(self.views)} segment(s), {state})"
+
+
+def import_segments(
+    sock: socket.socket, *, driver: Driver | None = None, timeout: float | None = DEFAULT_PEER_TIMEOUT_S
+) -> ImportedSegments:
+    """Receive what `SegmentExportConnector.export_to` sends on the other end
+    of `sock` and map it here.
+
+    `driver` overrides the driver chosen from the header (a fault injector in
+    tests); it must be of the exporter's kind and granularity. Each wait on
+    `sock` gives up after `timeout` seconds (`TimeoutError`; None waits
+    forever); the socket's own timeout is restored afterwards. The received
+    descriptors are closed before this returns, on success or failure.
+    """
+    if not isinstance(sock, socket.socket) or sock.family != socket.AF_UNIX:
+        raise ValueError(f"import_segments needs a connected AF_UNIX socket to receive file descriptors, got {sock!r}")
+    if driver is not None and not isinstance(driver, Driver):
+        raise ValueError(f"driver must be an extkv Driver or None, got {driver!r}")
+    if timeout is not None and (isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not timeout > 0):
+        raise ValueError(f"timeout must be a number of seconds > 0, or None, got {timeout!r}")
+    previous = sock.gettimeout()
+    sock.settimeout(timeout)
+    try:
+        header = ExportHeader.from_message(receive_message(sock))
+        fds = receive_fds(sock, len(header.chunk_sizes))
+    finally:
+        sock.settimeout(previous)
+    try:
+        return _map_imported(_driver_for_header(header, driver), fds, header)
+    finally:
+        for fd in fds:
+            os.close(fd)
+
+
+def _driver_for_header(header: ExportHeader, driver: Driver | None) -> Driver:
+    kind, granularity = header.driver_kind, header.granularity
+    if driver is not None:
+        if driver.kind != kind or driver.granularity != granularity:
+            raise ValueError(
+                f"driver {driver!r} cannot import chunks of a {kind} driver with granularity {granularity}"
+            )
+        return driver
+    if kind == "host":
+        default = driver_for("cpu")
+        # Chunk sizes are multiples of the exporter's granularity, not
+        # necessarily of this process's default.
+        return default if default.granularity == granularity else HostDriver(granularity)
+    if kind == "cuda":
+        driver = driver_for(_local_cuda_device(header.device))
+        if driver.granularity != granularity:
+            raise ValueError(
+                f"exporter's granularity {granularity} differs from {driver.granularity} on {driver.device}"
+            )
+        return driver
+    raise ValueError(f"header names driver kind {kind!r}; expected 'host' or 'cuda'")
+
+
+def _local_cuda_device(device: dict) -> torch.device:
+    """This process's index for the exporter's GPU."""
+    if not cuda_usable():
+        raise ValueError("the segments live on a GPU, but this process cannot use CUDA (no GPU or no cuda-python)")
+    uuid = device.get("uuid")
+    if uuid is None:
+        return torch.device("cuda", device.get("index") or 0)
+    for index in range(torch.cuda.device_count()):
+        if str(torch.cuda.get_device_properties(index).uuid) == uuid:
+            return torch.device("cuda", index)
+    raise ValueError(
+        f"the exporter's GPU {uuid} is not visible to this process "
+        f"(CUDA_VISIBLE_DEVICES={os.environ.get('CUDA_VISIBLE_DEVICES')!r})"
+    )
+
+
+def _map_imported(driver: Driver, fds: list[int], header: ExportHeader) -> ImportedSegments:
+    """Import each chunk and map them back to back in one reservation: one
+    transaction, each step undone if a later one fails."""
+    granule = driver.granularity
+    placements, reserved_bytes = [], 0
+    for size in header.chunk_sizes:
+        placements.append(reserved_bytes)
+        reserved_bytes += -(-size // granule) * granule
+    reservation: int | None = None
+    mapped: list[tuple[int, Chunk]] = []
+    unreleased = UnreleasedChunks(driver)
+    if header.chunk_sizes:
+        with Transaction() as transaction:
+            reservation = driver.reserve(reserved_bytes)
+            transaction.push(lambda: driver.free_reservation(reservation, reserved_bytes))
+            for fd, size, placement in zip(fds, header.chunk_sizes, placements):
+                chunk = driver.import_fd(fd, size)
+                transaction.push(lambda chunk=chunk: unreleased.release(chunk))
+                address = reservation + placement
+                driver.map(address, chunk)
+                transaction.push(lambda address=address, size=size: driver.unmap(address, size))
+                mapped.append((address, chunk))
+            # Chunk sizes are granule multiples, so the chunks tile the whole
+            # reservation: one access call covers them all. The host driver
+            # grants read-only access over read-only descriptors.
+            driver.set_access(reservation, reserved_bytes, writable=header.writable)
+    imported = ImportedSegments(driver, reservation, reserved_bytes, mapped, unreleased, header.writable)
+    try:
+        imported.views = [
+            torch.empty(0, dtype=torch.uint8, device=driver.device)
+            if chunk is None
+            else driver.view(reservation + placements[chunk] + offset, size)
+            for chunk, offset, size in header.segments
+        ]
+    except BaseException:
+        imported.close()
+        raise
+    return imported
+
+
+def run_peer(socket_path: str, timeout: float = DEFAULT_PEER_TIMEOUT_S) -> None:
+    """Connect to an exporter listening at `socket_path`, import its segments,
+    answer with their sha256 digests, and clean up. On failure the exporter is
+    told why before the error propagates."""
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as sock:
+        sock.settimeout(timeout)
+        sock.connect(socket_path)
+        try:
+            with import_segments(sock, timeout=timeout) as imported:
+                digests = imported.digests()
+        except Exception as error:
+            try:
+                send_message(sock, {"error": error_reply(error)})
+            except OSError:
+                pass  # the exporter is gone; the original error is what matters
+            raise
+        send_message(sock, {"digests": digests})
+
+
+def error_reply(error: BaseException) -> str:
+    """What the exporter is told about a failed import: the error's type and
+    what failed. A `DriverError`'s message names addresses of this process,
+    which are nobody else's business (they would help aim an attack on it):
+    only its call and result code go back."""
+    if isinstance(error, DriverError):
+        return f"{type(error).__name__}: {error.call} failed: {error.code_name} ({error.code})"
+    return f"{type(error).__name__}: {error}"

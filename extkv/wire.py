@@ -1,0 +1,232 @@
+"""The wire format between `SegmentExportConnector` and its peer.
+
+Theory of operation
+-------------------
+One connection of a Unix stream socket carries one export. A message is an
+8-byte big-endian length and that many bytes of UTF-8 JSON holding one object.
+The exporter sends the header message, then one file descriptor per chunk
+(SCM_RIGHTS), in batches of at most MAX_FDS_PER_MESSAGE (the kernel's
+SCM_MAX_FD), each batch on one byte of its own. The peer answers with one
+message: `{"digests": [...]}` (sha256 of each segment's committed bytes, in
+segment order) or `{"error": "..."}`.
+
+The header (`ExportHeader`) describes what the descriptors hold:
+
+- `protocol`: PROTOCOL; a peer refuses any other.
+- `driver`, `granularity`: the kind of driver that exported the chunks
+  ("host" or "cuda") and its granularity; the peer imports with the same.
+- `device`: `{"type", "index", "uuid"}` of the exporter's device. A GPU's
+  UUID names it in every process, whatever CUDA_VISIBLE_DEVICES renumbers.
+- `writable`: whether the descriptors allow writing.
+- `chunks`: `[{"size": bytes}]`, in the order the descriptors follow.
+- `segments`: one `{"chunk", "offset_in_chunk", "committed_bytes"}` per
+  segment, `chunk` indexing `chunks` (null when nothing is committed).
+
+What arrives comes from another process and is checked before it is used:
+a message is at most MAX_MESSAGE_BYTES of JSON that must not nest deeper
+than the parser can go, every geometry field of a header is validated, and
+reading stops exactly at the byte that carries descriptors, since a read
+past it would make the kernel drop them. Waits are bounded by the socket's
+own timeout, which the caller sets.
+
+The exporter (extkv.connector) and the peer (extkv.peer) both build on this
+module; neither imports the other.
+"""
+
+from __future__ import annotations
+
+import array
+import json
+import os
+import socket
+import struct
+from dataclasses import dataclass
+from typing import NamedTuple, Sequence
+
+import torch
+
+from . import validate
+from .vmm import Driver
+
+#: Names the wire format; a peer refuses any other.
+PROTOCOL = "extkv-segments/2"
+#: Linux refuses more descriptors than this in one SCM_RIGHTS message.
+MAX_FDS_PER_MESSAGE = 253
+#: A header is a few hundred bytes per segment; anything near this is garbage.
+MAX_MESSAGE_BYTES = 64 << 20
+_LENGTH = struct.Struct(">Q")
+
+
+class SegmentPlacement(NamedTuple):
+    """Where one segment's `committed_bytes` lie: `offset_in_chunk` bytes into
+    the header's chunk number `chunk` (None when nothing is committed)."""
+
+    chunk: int | None
+    offset_in_chunk: int
+    committed_bytes: int
+
+
+@dataclass(frozen=True)
+class ExportHeader:
+    """The header message, as the exporter describes it and the peer reads it.
+
+    `driver_kind`, `granularity` and `device` are passed on as sent: only the
+    peer, choosing its driver, can tell whether they fit.
+    """
+
+    driver_kind: str
+    granularity: int
+    device: dict
+    writable: bool
+    chunk_sizes: list[int]
+    segments: list[SegmentPlacement]
+
+    @classmethod
+    def describing(
+        cls, driver: Driver, chunk_sizes: list[int], segments: list[SegmentPlacement], writable: bool
+    ) -> "ExportHeader":
+        """The header for chunks of `driver`."""
+        device = driver.device
+        return cls(
+            driver_kind=driver.kind,
+            granularity=driver.granularity,
+            device={"type": device.type, "index": device.index, "uuid": _cuda_uuid(device)},
+            writable=writable,
+            chunk_sizes=chunk_sizes,
+            segments=segments,
+        )
+
+    def to_message(self) -> dict:
+        return {
+            "protocol": PROTOCOL,
+            "driver": self.driver_kind,
+            "device": self.device,
+            "granularity": self.granularity,
+            "writable": self.writable,
+            "chunks": [{"size": size} for size in self.chunk_sizes],
+            "segments": [segment._asdict() for segment in self.segments],
+        }
+
+    @classmethod
+    def from_message(cls, message: dict) -> "ExportHeader":
+        """The header `message` carries, every geometry field checked
+        (ValueError) before anything is imported."""
+        if message.get("protocol") != PROTOCOL:
+            raise ValueError(f"peer speaks protocol {message.get('protocol')!r}; expected {PROTOCOL!r}")
+
+        def count(value, what: str) -> int:
+            return validate.integer(f"header field {what}", value)
+
+        try:
+            writable = validate.flag("header field writable", message["writable"])
+            chunk_sizes = [count(chunk["size"], f"chunks[{i}].size") for i, chunk in enumerate(message["chunks"])]
+            segments = []
+            for i, segment in enumerate(message["segments"]):
+                chunk = segment["chunk"]
+                offset = count(segment["offset_in_chunk"], f"segments[{i}].offset_in_chunk")
+                size = count(segment["committed_bytes"], f"segments[{i}].committed_bytes")
+                if chunk is None:
+                    if size:
+                        raise ValueError(f"header segment {i} has {size} committed bytes but no chunk")
+                else:
+                    count(chunk, f"segments[{i}].chunk")
+                    if chunk >= len(chunk_sizes):
+                        raise ValueError(f"header segment {i} names chunk {chunk}; the header lists {len(chunk_sizes)}")
+                    if offset + size > chunk_sizes[chunk]:
+                        raise ValueError(
+                            f"header segment {i} ends at byte {offset + size} of chunk {chunk}, "
+                            f"which holds {chunk_sizes[chunk]} bytes"
+                        )
+                segments.append(SegmentPlacement(chunk, offset, size))
+            device = message.get("device") or {}
+            if not isinstance(device, dict):
+                raise TypeError(f"device is a {type(device).__name__}, not an object")
+        except (KeyError, TypeError) as error:
+            shown = repr(message)
+            shown = shown if len(shown) <= 300 else f"{shown[:300]}... ({len(shown)} characters)"
+            raise ValueError(f"malformed segment header ({type(error).__name__}: {error}): {shown}") from None
+        return cls(
+            driver_kind=message.get("driver"),
+            granularity=message.get("granularity"),
+            device=device,
+            writable=writable,
+            chunk_sizes=chunk_sizes,
+            segments=segments,
+        )
+
+
+def _cuda_uuid(device: torch.device) -> str | None:
+    if device.type != "cuda":
+        return None
+    return str(torch.cuda.get_device_properties(device).uuid)
+
+
+# -- messages -------------------------------------------------------------------
+def send_message(sock: socket.socket, message: dict) -> None:
+    """Send one length-prefixed JSON message."""
+    payload = json.dumps(message).encode()
+    sock.sendall(_LENGTH.pack(len(payload)) + payload)
+
+
+def receive_message(sock: socket.socket) -> dict:
+    """Receive one message sent by `send_message`."""
+    (length,) = _LENGTH.unpack(_receive_exactly(sock, _LENGTH.size))
+    if length > MAX_MESSAGE_BYTES:
+        raise ValueError(f"message of {length} bytes announced, more than the {MAX_MESSAGE_BYTES} allowed")
+    payload = _receive_exactly(sock, length)
+    try:
+        message = json.loads(payload)
+    except ValueError as error:
+        raise ValueError(f"message is not JSON: {error}") from None
+    except RecursionError:
+        raise ValueError(f"message of {length} bytes nests JSON arrays or objects too deeply to parse") from None
+    if not isinstance(message, dict):
+        raise ValueError(f"message must be a JSON object, got {type(message).__name__}")
+    return message
+
+
+def _receive_exactly(sock: socket.socket, count: int) -> bytes:
+    # Exactly `count` bytes and not one more: a plain recv that reached the
+    # byte carrying descriptors would make the kernel drop them.
+    received = bytearray()
+    while len(received) < count:
+        part = sock.recv(count - len(received))
+        if not part:
+            raise ConnectionError(f"connection closed after {len(received)} of {count} bytes")
+        received += part
+    return bytes(received)
+
+
+# -- descriptors ----------------------------------------------------------------
+def send_fds(sock: socket.socket, fds: Sequence[int]) -> None:
+    """Send `fds` (still the caller's to close) in batches the kernel takes."""
+    for start in range(0, len(fds), MAX_FDS_PER_MESSAGE):
+        batch = fds[start : start + MAX_FDS_PER_MESSAGE]
+        if socket.send_fds(sock, [b"F"], batch) != 1:
+            raise ConnectionError(f"sending descriptors {start}..{start + len(batch) - 1} failed")
+
+
+def receive_fds(sock: socket.socket, count: int) -> list[int]:
+    """`count` descriptors sent by `send_fds`; the caller closes them. On
+    failure, those received so far are closed here."""
+    fds: list[int] = []
+    try:
+        while len(fds) < count:
+            expected = min(MAX_FDS_PER_MESSAGE, count - len(fds))
+            data, ancillary, flags, _ = sock.recvmsg(
+                1, socket.CMSG_SPACE(expected * array.array("i").itemsize), socket.MSG_CMSG_CLOEXEC
+            )
+            batch = array.array("i")
+            for level, kind, payload in ancillary:
+                if level == socket.SOL_SOCKET and kind == socket.SCM_RIGHTS:
+                    batch.frombytes(payload[: len(payload) - len(payload) % batch.itemsize])
+            fds.extend(batch)
+            if not data:
+                raise ConnectionError(f"connection closed after {len(fds)} of {count} descriptors")
+            if flags & socket.MSG_CTRUNC or len(batch) != expected:
+                raise ConnectionError(f"expected {expected} descriptors in one message, received {len(batch)}")
+    except BaseException:
+        for fd in fds:
+            os.close(fd)
+        raise
+    return fds
