@@ -497,6 +497,28 @@ def test_failed_import_undoes_every_step(device, make_cache, connector, step, nt
         assert live_counts() == counts and fd_count() == fds
 
 
+def test_failed_import_attempts_every_undo_and_raises_the_first_failure(make_host_cache, connector):
+    """An undo step that fails stops none of the others, and the step that
+    failed first is what the caller sees; the undo's failure is a note on it.
+    On the host, freeing the reservation unmaps what the failed undo left."""
+    kv_cache = make_host_cache("padded", KVCacheLayout.LBHNC)  # three chunks
+    kv_cache.commit(300, defragment=True)
+    connector.register_kv_caches(kv_cache)
+    faulty = FaultInjectingDriver(driver_for("cpu"), {"set_access": 1, "unmap": 2})
+    sender, receiver = socket.socketpair()
+    with sender, receiver:
+        counts, fds = live_counts(), fd_count()
+        connector.export_to(sender)
+        with pytest.raises(DriverError, match=r"^set_access \(injected fault at call 1\)") as raised:
+            import_segments(receiver, driver=faulty)
+        assert live_counts() == counts and fd_count() == fds
+    assert faulty.fired == [("set_access", 1), ("unmap", 2)]
+    assert faulty.calls["release"] == 3 and faulty.calls["unmap"] == 3
+    if sys.version_info >= (3, 11):
+        (note,) = raised.value.__notes__
+        assert note.startswith("while undoing: unmap (injected fault at call 2) failed: INJECTED_FAULT (-1)")
+
+
 def test_failed_export_sends_nothing_and_closes_what_it_exported(device, make_cache, connector):
     faulty = FaultInjectingDriver(driver_for(device))
     kv_cache = make_cache("padded", KVCacheLayout.LBHNC, on=faulty)
