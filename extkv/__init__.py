@@ -12,7 +12,6 @@ from .connector import (
     PeerRefusedError,
     SegmentExportConnector,
     SegmentNotContiguousError,
-    import_segments,
     listen_privately,
 )
 from .errors import DriverError, ExtkvError, OutOfMemoryError, StateError
@@ -35,6 +34,7 @@ from .layout import (
     pad_kv_cache_segments,
     round_up,
 )
+from .peer import import_segments
 from .ranks import agree_on_committable_blocks, min_over_ranks
 from .reference_model import ReferenceModelRunner
 from .runner import (

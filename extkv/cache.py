@@ -41,7 +41,7 @@ import enum
 import functools
 import gc
 import logging
-from dataclasses import replace
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -50,6 +50,7 @@ from .errors import StateError
 from .layout import (
     KVCacheConfig,
     KVCacheLayout,
+    KVCacheSpec,
     KVCacheTensor,
     create_kv_cache_views,
     kv_cache_segments,
@@ -104,6 +105,28 @@ def _operation(method):
             return method(self, *args, **kwargs)
 
     return locked
+
+
+@dataclass(frozen=True)
+class _PlacedLayer:
+    """One layer of a config: its group and spec, the shared tensor it lives
+    in, and where its page of block 0 starts in the allocation."""
+
+    name: str
+    group_id: int
+    spec: KVCacheSpec
+    tensor: KVCacheTensor
+    start: int
+
+
+def _placed_layers(kv_cache_config: KVCacheConfig) -> list[_PlacedLayer]:
+    placed = []
+    for tensor in kv_cache_config.kv_cache_tensors:
+        group_id, spec = layer_spec_for_tensor(kv_cache_config, tensor)
+        placed += [
+            _PlacedLayer(name, group_id, spec, tensor, tensor.layer_offset(index)) for index, name in enumerate(tensor.layers)
+        ]
+    return placed
 
 
 def _check_config_and_layout(kv_cache_config, layout) -> None:
@@ -277,28 +300,29 @@ class ExtensibleKVCache:
                 f"kv_cache_config.num_blocks is {kv_cache_config.num_blocks}, but "
                 f"{self.num_committed_blocks} blocks are committed; views describe the committed blocks"
             )
-        views: dict[str, torch.Tensor] = {}
-        for tensor in kv_cache_config.kv_cache_tensors:
-            group_id, spec = layer_spec_for_tensor(kv_cache_config, tensor)
-            if not spec.has_layer_views:
-                # The layer lays itself out over the raw bytes and keeps the
-                # whole reservation, as at allocation.
-                full = self.buffer.full_view()
-                views.update((name, full) for name in tensor.layers)
-                continue
-            kernel_block_size = layer_kernel_block_size(group_id, kernel_block_sizes)
-            for layer_index, name in enumerate(tensor.layers):
-                segment, offset = self._locate(tensor.layer_offset(layer_index))
-                (view,) = create_kv_cache_views(
-                    self.buffer.segment_view(segment),
-                    spec,
-                    kv_cache_config.num_blocks,
-                    layout,
-                    replace(tensor, layers=[name], offset=offset),
-                    kernel_block_size=kernel_block_size,
-                )
-                views[name] = view
-        return views
+        return {
+            layer.name: self._committed_view(layer, kv_cache_config.num_blocks, layout, kernel_block_sizes)
+            for layer in _placed_layers(kv_cache_config)
+        }
+
+    def _committed_view(
+        self, layer: _PlacedLayer, num_blocks: int, layout: KVCacheLayout, kernel_block_sizes: list[int] | None
+    ) -> torch.Tensor:
+        if not layer.spec.has_layer_views:
+            # Such a layer lays itself out over raw bytes; it keeps the whole
+            # reservation, as it got at allocation.
+            return self.buffer.full_view()
+        segment, offset_in_segment = self._locate(layer.start)
+        only_this_layer = replace(layer.tensor, layers=[layer.name], offset=offset_in_segment)
+        (view,) = create_kv_cache_views(
+            self.buffer.segment_view(segment),  # storage: the committed bytes of this segment, no more
+            layer.spec,
+            num_blocks,
+            layout,
+            only_this_layer,
+            kernel_block_size=layer_kernel_block_size(layer.group_id, kernel_block_sizes),
+        )
+        return view
 
     @_operation
     def committed_kv_cache_tensors(
@@ -314,26 +338,18 @@ class ExtensibleKVCache:
         _check_config_and_layout(kv_cache_config, layout)
         num_blocks = _block_count(num_blocks)
         size = num_blocks * self.bytes_per_block
-        tensors = [replace(tensor, size=size) for tensor in kv_cache_config.kv_cache_tensors]
         if layout.is_block_outermost:
-            return tensors
-        committed: list[KVCacheTensor] = []
-        for tensor in tensors:
-            _, spec = layer_spec_for_tensor(kv_cache_config, tensor)
-            for layer_index, name in enumerate(tensor.layers):
-                start = tensor.layer_offset(layer_index)
-                _, offset = self._locate(start)
-                committed.append(
-                    KVCacheTensor(
-                        size=size,
-                        layers=[name],
-                        layer_stride=num_blocks * tensor.block_stride,
-                        block_stride=tensor.block_stride,
-                        # A state layer keeps the whole reservation as storage.
-                        offset=offset if spec.has_layer_views else start,
-                    )
-                )
-        return committed
+            return [replace(tensor, size=size) for tensor in kv_cache_config.kv_cache_tensors]
+        return [self._committed_tensor(layer, num_blocks, size) for layer in _placed_layers(kv_cache_config)]
+
+    def _committed_tensor(self, layer: _PlacedLayer, num_blocks: int, size: int) -> KVCacheTensor:
+        # A layer without views keeps the whole reservation as its storage,
+        # so its place is counted from the allocation's start, not a segment's.
+        offset = self._locate(layer.start)[1] if layer.spec.has_layer_views else layer.start
+        block_stride = layer.tensor.block_stride
+        return KVCacheTensor(
+            size=size, layers=[layer.name], layer_stride=num_blocks * block_stride, block_stride=block_stride, offset=offset
+        )
 
     # -- torch's allocator and teardown ---------------------------------------
     @_operation

@@ -108,24 +108,20 @@ def _check_fraction(name: str, value: object, *, at_most_one: bool = False) -> f
 
 
 def measure_kv_cache_bytes(
-    *,
-    init_free_memory: int,
-    free_memory: int,
-    committed_bytes: int,
-    requested_memory: int,
-    transient_peak_bytes: int = 0,
-    margin_floor_bytes: int = KV_CACHE_MARGIN_FLOOR_BYTES,
+    *, init_free_memory: int, free_memory: int, committed_bytes: int, requested_memory: int,
+    transient_peak_bytes: int = 0, margin_floor_bytes: int = KV_CACHE_MARGIN_FLOOR_BYTES,
     margin_fraction: float = KV_CACHE_MARGIN_FRACTION,
 ) -> int:
-    """Bytes the KV cache may occupy, from memory measured after warmup.
+    """The final KV cache budget in bytes (never negative), from two limits.
 
-    Whatever is resident besides the committed KV prefix belongs to the
-    engine; the cache gets the rest of `requested_memory`, but no more than
-    the device headroom (free memory plus the committed prefix) less a margin
-    of ``max(margin_floor_bytes, margin_fraction * transient_peak_bytes)``.
-    The measured transient peak is then kept free in full. The margin only
-    protects physical memory: a requested budget that already leaves that
-    much free is not reduced by it. Never negative.
+    The *request* limit: of `requested_memory`, the engine keeps what it took
+    since `init_free_memory` was read (everything that stopped being free,
+    except the cache's own `committed_bytes`), and the cache gets the rest.
+    The *device* limit: what is free plus what the cache holds, less a safety
+    margin, the larger of `margin_floor_bytes` and `margin_fraction` of the
+    transient peak. The smaller limit wins, and the transient peak itself is
+    then kept free on top. A request that leaves room anyway is not cut by
+    the margin: the margin protects the device, not the request.
     """
     init_free_memory = _check_bytes("init_free_memory", init_free_memory)
     free_memory = _check_bytes("free_memory", free_memory)
@@ -135,13 +131,13 @@ def measure_kv_cache_bytes(
     margin_floor_bytes = _check_bytes("margin_floor_bytes", margin_floor_bytes)
     margin_fraction = _check_fraction("margin_fraction", margin_fraction)
 
-    # Can be negative when something resident at start was freed since; the
-    # engine then has more budget, as it should.
-    used_by_engine = init_free_memory - free_memory - committed_bytes
-    headroom = free_memory + committed_bytes
-    margin = max(margin_floor_bytes, int(transient_peak_bytes * margin_fraction))
-    available = min(requested_memory - used_by_engine, headroom - margin)
-    return max(available - transient_peak_bytes, 0)
+    # Negative when memory taken before init was given back since: the
+    # request limit then grows, as it should.
+    taken_by_engine = init_free_memory - free_memory - committed_bytes
+    request_limit = requested_memory - taken_by_engine
+    safety_margin = max(margin_floor_bytes, int(margin_fraction * transient_peak_bytes))
+    device_limit = free_memory + committed_bytes - safety_margin
+    return max(min(request_limit, device_limit) - transient_peak_bytes, 0)
 
 
 def committable_bytes(

@@ -9,12 +9,11 @@ driver does all the real work; nothing is simulated but the failure.
 
 from __future__ import annotations
 
-from typing import Hashable, Iterable, Mapping
-
-import torch
+from typing import Mapping
 
 from ..errors import DriverError, OutOfMemoryError
 from .base import Chunk, Driver
+from .wrapping import WrappingDriver
 
 #: Steps a fault can be planned for, in the order a resize performs them, then
 #: the two that share chunks between processes (a KV connector's export and
@@ -22,7 +21,7 @@ from .base import Chunk, Driver
 FAULTABLE_STEPS = ("reserve", "create", "map", "set_access", "unmap", "release", "export", "import")
 
 
-class FaultInjectingDriver(Driver):
+class FaultInjectingDriver(WrappingDriver):
     """Wraps a driver; fails the Nth call of chosen steps once each.
 
     `out_of_memory=True` makes injected faults `OutOfMemoryError`s, the error a
@@ -31,10 +30,7 @@ class FaultInjectingDriver(Driver):
 
     def __init__(self, inner: Driver, fail_on: Mapping[str, int] = {}, *, out_of_memory: bool = False):
         self._check_plan(fail_on)
-        self.inner = inner
-        self.kind = inner.kind
-        self.device = inner.device
-        self.granularity = inner.granularity
+        super().__init__(inner)
         self.out_of_memory = out_of_memory
         self._planned = dict(fail_on)
         self.calls = dict.fromkeys(FAULTABLE_STEPS, 0)
@@ -79,9 +75,6 @@ class FaultInjectingDriver(Driver):
         self._maybe_fail("reserve", size, None)
         return self.inner._reserve(size)
 
-    def _free_reservation(self, address: int, size: int) -> None:
-        self.inner._free_reservation(address, size)
-
     def _create(self, size: int) -> Chunk:
         self._maybe_fail("create", size, None)
         return self.inner._create(size)
@@ -109,24 +102,3 @@ class FaultInjectingDriver(Driver):
     def _unmap(self, address: int, size: int) -> None:
         self._maybe_fail("unmap", size, address)
         self.inner._unmap(address, size)
-
-    def synchronize(self) -> None:
-        self.inner.synchronize()
-
-    def memory_info(self) -> tuple[int, int]:
-        return self.inner.memory_info()
-
-    def reclaim_cache(self) -> bool:
-        return self.inner.reclaim_cache()
-
-    def chunk_at(self, address: int) -> Hashable | None:
-        return self.inner.chunk_at(address)
-
-    def chunks_at(self, addresses: Iterable[int]) -> list[Hashable | None]:
-        return self.inner.chunks_at(addresses)
-
-    def view(self, address: int, size: int) -> torch.Tensor:
-        return self.inner.view(address, size)
-
-    def describe(self) -> dict[str, str]:
-        return self.inner.describe()

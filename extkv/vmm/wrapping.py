@@ -1,0 +1,83 @@
+"""A driver that wraps another: the base of every test-facing driver wrapper.
+
+Theory of operation
+-------------------
+Fault injection, poisoned memory and injected memory readings each change one
+aspect of a real driver and leave the rest alone. `WrappingDriver(inner)`
+forwards everything to `inner` — each `_`-step to the inner driver's
+`_`-step, so that the live reservation and chunk counts are kept once, by the
+wrapper's public methods, as for any driver — and a wrapper overrides only
+the steps it changes. The real driver still does all the real work.
+"""
+
+from __future__ import annotations
+
+from typing import Hashable, Iterable
+
+import torch
+
+from .base import Chunk, Driver
+
+
+class WrappingDriver(Driver):
+    """Behaves exactly like `inner`; subclasses override what they change."""
+
+    def __init__(self, inner: Driver):
+        if not isinstance(inner, Driver):
+            raise ValueError(f"{type(self).__name__} wraps a Driver, got {inner!r}")
+        self.inner = inner
+        self.kind = inner.kind
+        self.device = inner.device
+        self.granularity = inner.granularity
+        self.max_reservation_bytes = inner.max_reservation_bytes
+
+    def _reserve(self, size: int) -> int:
+        return self.inner._reserve(size)
+
+    def _free_reservation(self, address: int, size: int) -> None:
+        self.inner._free_reservation(address, size)
+
+    def _create(self, size: int) -> Chunk:
+        return self.inner._create(size)
+
+    def _release(self, chunk: Chunk) -> None:
+        self.inner._release(chunk)
+
+    def _export_fd(self, chunk: Chunk, writable: bool) -> int:
+        return self.inner._export_fd(chunk, writable)
+
+    def _import_fd(self, fd: int, size: int) -> Chunk:
+        return self.inner._import_fd(fd, size)
+
+    def _map(self, address: int, chunk: Chunk) -> None:
+        self.inner._map(address, chunk)
+
+    def _set_access(self, address: int, size: int, writable: bool) -> None:
+        self.inner._set_access(address, size, writable)
+
+    def _unmap(self, address: int, size: int) -> None:
+        self.inner._unmap(address, size)
+
+    def synchronize(self) -> None:
+        self.inner.synchronize()
+
+    def memory_info(self) -> tuple[int, int]:
+        return self.inner.memory_info()
+
+    def reclaim_cache(self) -> bool:
+        return self.inner.reclaim_cache()
+
+    def chunk_at(self, address: int) -> Hashable | None:
+        return self.inner.chunk_at(address)
+
+    def chunks_at(self, addresses: Iterable[int]) -> list[Hashable | None]:
+        return self.inner.chunks_at(addresses)
+
+    def view(self, address: int, size: int) -> torch.Tensor:
+        return self.inner.view(address, size)
+
+    def describe(self) -> dict[str, str]:
+        return self.inner.describe()
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}({self.inner!r})"
