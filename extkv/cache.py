@@ -143,6 +143,16 @@ def _block_count(num_blocks) -> int:
 class ExtensibleKVCache:
     """Growable backing allocation for the KV cache of `kv_cache_config`."""
 
+    # Sizing state, set by the lifecycle as it learns more; these defaults
+    # hold until then.
+    #: What a commit before the final sizing must leave free: the activation
+    #: peak warmup is about to reach, as profiled.
+    reserved_headroom_bytes: int = 0
+    #: What every rank agreed warmup may commit (the least committable).
+    warmup_committable_blocks: int = 0
+    #: The byte cap put on torch's allocator once the cache is sized; None: uncapped.
+    torch_memory_limit: int | None = None
+
     def __init__(
         self,
         kv_cache_config: KVCacheConfig,
@@ -158,13 +168,6 @@ class ExtensibleKVCache:
         self.layout = layout
         self.bytes_per_block = sum(self.segment_strides)
         self.num_committed_blocks = 0
-        #: Memory to keep free while committing before the final sizing: the
-        #: profiled activation peak that warmup is about to reach.
-        self.reserved_headroom_bytes = 0
-        #: Blocks warmup may commit: the minimum of `committable_blocks()` over ranks.
-        self.warmup_committable_blocks = 0
-        #: Cap on torch's caching allocator once the cache is sized; None: no cap.
-        self.torch_memory_limit: int | None = None
         ends = self.segment_offsets[1:] + [self.size]
         self.buffer = ExtensibleTensor(
             self.size,
@@ -224,12 +227,7 @@ class ExtensibleKVCache:
         if fragmented and preserve_contents:
             for index in range(len(sizes)):
                 self.buffer.defragment_segment_(index)
-        logger.debug(
-            "Committed %d of %d KV cache blocks (%.2f GiB physical).",
-            self.num_committed_blocks,
-            self.capacity_blocks,
-            self.physical_bytes / GiB,
-        )
+        logger.debug("KV cache at %s after commit(%d).", self, num_blocks)
 
     def _sizes_for(self, num_blocks: int) -> list[int]:
         return [num_blocks * stride for stride in self.segment_strides]
@@ -282,10 +280,7 @@ class ExtensibleKVCache:
 
     @_operation
     def committed_views(
-        self,
-        kv_cache_config: KVCacheConfig,
-        layout: KVCacheLayout,
-        kernel_block_sizes: list[int] | None = None,
+        self, kv_cache_config: KVCacheConfig, layout: KVCacheLayout, kernel_block_sizes: list[int] | None = None
     ) -> dict[str, torch.Tensor] | None:
         """Per-layer views whose storage spans exactly the committed blocks of
         their segment, at the reservation's addresses (connectors size memory

@@ -291,15 +291,16 @@ def _release_for_weight_update(
             connector.unregister_kv_caches()
         kv_cache.release_physical()
         return True
-    message = (
+    not_even_one_layer = free < layer_bytes
+    shortfall = (
         f"Updating weights layer by layer needs about {needed / GiB:.2f} GiB of free device memory, "
         f"at least {layer_bytes / GiB:.2f} GiB for the largest layer alone, but only {free / GiB:.2f} GiB "
         "is free beside the extensible KV cache. Clear the cache first so that the update can borrow its "
         "memory (reclaimable=True), or leave more headroom when sizing the cache."
     )
-    if fail_if_short and free < layer_bytes:
-        raise WeightUpdateMemoryError(message)
-    logger.warning(message)
+    if not_even_one_layer and fail_if_short:
+        raise WeightUpdateMemoryError(shortfall)
+    logger.warning(shortfall)
     return False
 
 

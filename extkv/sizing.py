@@ -239,11 +239,7 @@ def blocks_within(
 
 
 def torch_memory_limit_bytes(
-    *,
-    free_memory: int,
-    memory_reserved: int,
-    kv_growth_bytes: int,
-    ipc_reserve_bytes: int = 0,
+    *, free_memory: int, memory_reserved: int, kv_growth_bytes: int, ipc_reserve_bytes: int = 0,
     non_torch_reserve_bytes: int = KV_CACHE_NON_TORCH_RESERVE_BYTES,
 ) -> int:
     """Cap for torch's caching allocator once the cache is sized.
