@@ -65,6 +65,7 @@ from itertools import accumulate, pairwise
 
 import torch
 
+from . import validate
 from .layout_types import (
     FullAttentionSpec,
     KVCacheConfig,
@@ -73,8 +74,6 @@ from .layout_types import (
     KVCacheTensor,
     MambaStateSpec,
     MLAAttentionSpec,
-    _check_non_negative,
-    _check_positive,
 )
 
 __all__ = [
@@ -100,8 +99,8 @@ __all__ = [
 
 def round_up(n: int, multiple: int) -> int:
     """Smallest multiple of `multiple` that is >= n."""
-    n = _check_non_negative("n", n)
-    multiple = _check_positive("multiple", multiple)
+    n = validate.integer("n", n)
+    multiple = validate.integer("multiple", multiple, minimum=1)
     return -(-n // multiple) * multiple
 
 
@@ -285,7 +284,7 @@ def build_kv_cache_config(
     block starts ``block_stride / H * h`` bytes into it.
     """
     geometry = _GEOMETRY[_check_layout(layout)]
-    num_blocks = _check_positive("num_blocks", num_blocks)
+    num_blocks = validate.integer("num_blocks", num_blocks, minimum=1)
     groups = list(groups)
     if not groups:
         raise ValueError("groups must hold at least one KVCacheGroupSpec, got none")
@@ -441,7 +440,7 @@ def kv_cache_segments(
             f"kv cache tensors must describe one allocation, got sizes {sizes}"
         )
     size = sizes[0]
-    capacity = _check_positive("config.num_blocks", config.num_blocks)
+    capacity = validate.integer("config.num_blocks", config.num_blocks, minimum=1)
     if geometry.segments_are_layer_regions:
         return _region_segments(tensors, size, capacity)
 
@@ -496,7 +495,7 @@ def pad_kv_cache_segments(
     padded config changes nothing. Returns a shallow copy; `config` is untouched.
     """
     geometry = _GEOMETRY[_check_layout(layout)]
-    granule = _check_positive("granule", granule)
+    granule = validate.integer("granule", granule, minimum=1)
     if not geometry.segment_axes:
         return config
     if not geometry.segments_are_layer_regions:
@@ -504,7 +503,7 @@ def pad_kv_cache_segments(
             f"{layout.name} has no per-layer segments to pad; padding needs "
             f"{_layer_region_layouts('or')}"
         )
-    num_blocks = _check_positive("config.num_blocks", config.num_blocks)
+    num_blocks = validate.integer("config.num_blocks", config.num_blocks, minimum=1)
     if not config.kv_cache_tensors:
         raise ValueError("config has no kv_cache_tensors")
 
@@ -550,13 +549,13 @@ def pad_kv_cache_segments(
 def granule_block_alignment(strides: Sequence[int], granule: int) -> int:
     """Smallest block count at which every segment of `strides` ends on a
     granule: the lcm over strides s of ``granule / gcd(s, granule)``."""
-    granule = _check_positive("granule", granule)
+    granule = validate.integer("granule", granule, minimum=1)
     strides = list(strides)
     if not strides:
         raise ValueError("strides must hold at least one segment stride, got none")
     alignment = 1
     for i, stride in enumerate(strides):
-        stride = _check_positive(f"strides[{i}]", stride)
+        stride = validate.integer(f"strides[{i}]", stride, minimum=1)
         alignment = math.lcm(alignment, granule // math.gcd(stride, granule))
     return alignment
 
@@ -565,7 +564,7 @@ def granule_aligned_blocks(num_blocks: int, strides: Sequence[int], granule: int
     """`num_blocks` rounded down to a multiple of `granule_block_alignment`:
     the most blocks whose segments all end on a granule (no partly used
     granule at any segment's end)."""
-    num_blocks = _check_non_negative("num_blocks", num_blocks)
+    num_blocks = validate.integer("num_blocks", num_blocks)
     alignment = granule_block_alignment(strides, granule)
     return num_blocks - num_blocks % alignment
 
@@ -596,7 +595,7 @@ def layer_kernel_block_size(
 ) -> int | None:
     """Kernel block size the attention backend uses for a group, or None when
     the runner gave none (kernel blocks are then the cache's blocks)."""
-    group_id = _check_non_negative("group_id", group_id)
+    group_id = validate.integer("group_id", group_id)
     if kernel_block_sizes is None:
         return None
     if group_id >= len(kernel_block_sizes):
@@ -694,14 +693,14 @@ def create_kv_cache_views(
     geometry = _GEOMETRY[_check_layout(layout)]
     if not isinstance(tensor, KVCacheTensor):
         raise ValueError(f"tensor must be a KVCacheTensor, got {tensor!r}")
-    num_blocks = _check_positive("num_blocks", num_blocks)
+    num_blocks = validate.integer("num_blocks", num_blocks, minimum=1)
     if not spec.has_layer_views:
         return [buffer for _ in tensor.layers]
 
     block_size = spec.block_size
     if kernel_block_size is None:
         kernel_block_size = block_size
-    kernel_block_size = _check_positive("kernel_block_size", kernel_block_size)
+    kernel_block_size = validate.integer("kernel_block_size", kernel_block_size, minimum=1)
     if block_size % kernel_block_size:
         raise ValueError(
             f"kernel_block_size {kernel_block_size} does not divide the block "

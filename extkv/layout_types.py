@@ -44,16 +44,9 @@ __all__ = [
 ]
 
 # --------------------------------------------------------------------------
-# Argument checks. Every message names the argument, the value and what was
-# wanted (extkv.validate): "block_size must be an int >= 1, got 0" beats a bare assert.
-
-
-def _check_positive(name: str, value: object) -> int:
-    return validate.integer(name, value, minimum=1)
-
-
-def _check_non_negative(name: str, value: object) -> int:
-    return validate.integer(name, value)
+# Argument checks. Integers go through extkv.validate, whose messages name the
+# argument, the value and what was wanted: "block_size must be an int >= 1,
+# got 0" beats a bare assert.
 
 
 def _check_dtype(value: object) -> torch.dtype:
@@ -95,9 +88,9 @@ class FullAttentionSpec(KVCacheSpec):
     dtype: torch.dtype
 
     def __post_init__(self) -> None:
-        object.__setattr__(self, "block_size", _check_positive("block_size", self.block_size))
-        object.__setattr__(self, "num_kv_heads", _check_positive("num_kv_heads", self.num_kv_heads))
-        object.__setattr__(self, "head_size", _check_positive("head_size", self.head_size))
+        object.__setattr__(self, "block_size", validate.integer("block_size", self.block_size, minimum=1))
+        object.__setattr__(self, "num_kv_heads", validate.integer("num_kv_heads", self.num_kv_heads, minimum=1))
+        object.__setattr__(self, "head_size", validate.integer("head_size", self.head_size, minimum=1))
         _check_dtype(self.dtype)
 
     @property
@@ -124,8 +117,8 @@ class MLAAttentionSpec(KVCacheSpec):
     dtype: torch.dtype
 
     def __post_init__(self) -> None:
-        object.__setattr__(self, "block_size", _check_positive("block_size", self.block_size))
-        object.__setattr__(self, "head_size", _check_positive("head_size", self.head_size))
+        object.__setattr__(self, "block_size", validate.integer("block_size", self.block_size, minimum=1))
+        object.__setattr__(self, "head_size", validate.integer("head_size", self.head_size, minimum=1))
         _check_dtype(self.dtype)
 
     @property
@@ -153,7 +146,7 @@ class MambaStateSpec(KVCacheSpec):
     page_size_padded: int | None = None
 
     def __post_init__(self) -> None:
-        object.__setattr__(self, "block_size", _check_positive("block_size", self.block_size))
+        object.__setattr__(self, "block_size", validate.integer("block_size", self.block_size, minimum=1))
         _check_dtype(self.dtype)
         if not isinstance(self.shapes, (tuple, list)) or not self.shapes:
             raise ValueError(
@@ -163,11 +156,11 @@ class MambaStateSpec(KVCacheSpec):
         for i, shape in enumerate(self.shapes):
             if not isinstance(shape, (tuple, list)):
                 raise ValueError(f"shapes[{i}] must be a tuple of ints, got {shape!r}")
-            shapes.append(tuple(_check_positive(f"shapes[{i}][{j}]", dim) for j, dim in enumerate(shape)))
+            shapes.append(tuple(validate.integer(f"shapes[{i}][{j}]", dim, minimum=1) for j, dim in enumerate(shape)))
         # Lists would make the frozen spec unhashable.
         object.__setattr__(self, "shapes", tuple(shapes))
         if self.page_size_padded is not None:
-            object.__setattr__(self, "page_size_padded", _check_positive("page_size_padded", self.page_size_padded))
+            object.__setattr__(self, "page_size_padded", validate.integer("page_size_padded", self.page_size_padded, minimum=1))
             if self.page_size_padded < self.state_bytes:
                 raise ValueError(
                     f"page_size_padded must be >= the state size "
@@ -209,10 +202,10 @@ class KVCacheTensor:
     offset: int = 0
 
     def __post_init__(self) -> None:
-        object.__setattr__(self, "size", _check_non_negative("size", self.size))
-        object.__setattr__(self, "layer_stride", _check_non_negative("layer_stride", self.layer_stride))
-        object.__setattr__(self, "block_stride", _check_positive("block_stride", self.block_stride))
-        object.__setattr__(self, "offset", _check_non_negative("offset", self.offset))
+        object.__setattr__(self, "size", validate.integer("size", self.size))
+        object.__setattr__(self, "layer_stride", validate.integer("layer_stride", self.layer_stride))
+        object.__setattr__(self, "block_stride", validate.integer("block_stride", self.block_stride, minimum=1))
+        object.__setattr__(self, "offset", validate.integer("offset", self.offset))
         if isinstance(self.layers, str) or not isinstance(self.layers, Sequence):
             raise ValueError(
                 f"layers must be a list of layer names, got {self.layers!r}"
@@ -265,5 +258,5 @@ class KVCacheConfig:
     kv_cache_groups: list[KVCacheGroupSpec] = field(default_factory=list)
 
     def __post_init__(self) -> None:
-        object.__setattr__(self, "num_blocks", _check_non_negative("num_blocks", self.num_blocks))
+        object.__setattr__(self, "num_blocks", validate.integer("num_blocks", self.num_blocks))
 

@@ -1,0 +1,135 @@
+"""The house rules of the code, checked from its import statements.
+
+extkv is layered: each module imports only modules of lower layers, so the
+graph has no cycle and nothing reaches back up (a driver never learns of KV
+caches, the cache never of connectors). `LAYERS` is the map, lowest first; a
+new module goes into the lowest layer above everything it imports. Beside
+it: the suites import only extkv (and extkv.testing), never each other; no
+private name crosses a module boundary; and only extkv.vmm knows which kind
+of device it runs on, so the cache and the lifecycle never branch on it.
+"""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import pytest
+
+import extkv
+
+pytestmark = pytest.mark.invariant(6)
+
+ROOT = Path(extkv.__file__).resolve().parent.parent
+
+#: Every extkv module, by layer, lowest first.
+LAYERS: list[set[str]] = [
+    {"extkv.errors", "extkv.validate", "extkv.vmm.dlpack", "extkv.vmm.torch_memory"},
+    {"extkv.vmm.base"},
+    {"extkv.vmm.transaction", "extkv.vmm.wrapping", "extkv.vmm.host", "extkv.vmm.cuda"},
+    {"extkv.vmm.faults", "extkv.vmm.poison"},
+    {"extkv.vmm"},
+    {"extkv.tensor", "extkv.layout_types", "extkv.sizing", "extkv.usage", "extkv.wire"},
+    {"extkv.layout", "extkv.peer"},
+    {"extkv.cache"},
+    {"extkv.ranks", "extkv.connector"},
+    {"extkv.runner"},
+    {"extkv.reference_model"},
+    {"extkv.testing", "extkv.testing.gpus", "extkv.testing.readings", "extkv.testing.configs", "extkv.testing.checks"},
+    {"extkv.testing.stateful", "extkv.cli"},
+    {"extkv", "extkv.__main__"},
+]
+LAYER_OF = {module: index for index, layer in enumerate(LAYERS) for module in layer}
+SUITES = ("conformance", "stress", "reports")
+
+
+def module_name(path: Path) -> str:
+    parts = list(path.relative_to(ROOT).with_suffix("").parts)
+    if parts[-1] == "__init__":
+        parts.pop()
+    return ".".join(parts)
+
+
+def imports_of(path: Path) -> list[tuple[str, str | None, int]]:
+    """(module imported, name taken from it or None, line) for every import
+    of project code in `path`, relative imports resolved."""
+    module = module_name(path)
+    package = module if path.name == "__init__.py" else module.rpartition(".")[0]
+    found = []
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.Import):
+            found += [(alias.name, None, node.lineno) for alias in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            if node.level:
+                base = package.split(".")[: len(package.split(".")) - node.level + 1]
+                target = ".".join(base + ([node.module] if node.module else []))
+            else:
+                target = node.module or ""
+            for alias in node.names:
+                # `from . import validate` imports a module, not a name.
+                if node.module is None:
+                    found.append((f"{target}.{alias.name}", None, node.lineno))
+                else:
+                    found.append((target, alias.name, node.lineno))
+    return [(target, name, line) for target, name, line in found if target.split(".")[0] in ("extkv", *SUITES)]
+
+
+def library_files() -> list[Path]:
+    return sorted((ROOT / "extkv").rglob("*.py"))
+
+
+def suite_files() -> list[Path]:
+    return sorted(path for suite in SUITES if (ROOT / suite).is_dir() for path in (ROOT / suite).rglob("*.py"))
+
+
+def test_every_module_has_a_layer():
+    unplaced = sorted({module_name(path) for path in library_files()} - set(LAYER_OF))
+    assert not unplaced, f"modules missing from LAYERS (put each above everything it imports): {unplaced}"
+
+
+def test_every_import_goes_down_a_layer():
+    upward = []
+    for path in library_files():
+        module = module_name(path)
+        for target, _, line in imports_of(path):
+            if target.split(".")[0] in SUITES:
+                upward.append(f"{module}:{line} imports the suite {target}")
+                continue
+            if target not in LAYER_OF:
+                continue  # a name imported from a package resolves to the package's layer
+            if LAYER_OF[target] >= LAYER_OF.get(module, len(LAYERS)):
+                upward.append(
+                    f"{module} (layer {LAYER_OF.get(module)}) imports {target} (layer {LAYER_OF[target]}) at line {line}"
+                )
+    assert not upward, "imports that do not go down a layer (a cycle or a reach upwards):\n" + "\n".join(upward)
+
+
+def test_suites_import_only_extkv():
+    crossing = [
+        f"{path.relative_to(ROOT)}:{line} imports {target}"
+        for path in suite_files()
+        for target, _, line in imports_of(path)
+        if not target.startswith("extkv")
+    ]
+    assert not crossing, "a suite imports another suite:\n" + "\n".join(crossing)
+
+
+def test_no_private_name_crosses_a_module_boundary():
+    private = [
+        f"{path.relative_to(ROOT)}:{line} takes {name} from {target}"
+        for path in library_files() + suite_files()
+        for target, name, line in imports_of(path)
+        if name is not None and name.startswith("_") and name != "__version__"
+    ]
+    assert not private, "private names imported across modules:\n" + "\n".join(private)
+
+
+@pytest.mark.parametrize("module", ["cache.py", "runner.py"])
+def test_only_vmm_knows_the_device_kind(module):
+    source = (ROOT / "extkv" / module).read_text()
+    branches = [
+        f"line {number}: {text.strip()}"
+        for number, text in enumerate(source.splitlines(), 1)
+        if "device.type" in text or "torch.cuda" in text
+    ]
+    assert not branches, f"extkv/{module} asks which kind of device it runs on:\n" + "\n".join(branches)
