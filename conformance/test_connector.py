@@ -258,7 +258,8 @@ def test_restore_after_release_and_recommit_reads_new_bytes(device, make_cache, 
         connector.export_to(None)
     connector.restore_kv_caches()
     # By identity: the new chunks may reuse the old handles' numbers (fds).
-    assert all(new.mapped_chunk is not stale.mapped_chunk for new, stale in zip(connector.registrations, old))
+    same = [new.index for new, stale in zip(connector.registrations, old) if new.mapped_chunk is stale.mapped_chunk]
+    assert not same, f"segments still registered with the chunk from before the remap: {same}"
 
     # Recommitted pages read as zero there too; rewrite one segment to show
     # the peer sees this process's latest bytes, not the released ones.
@@ -861,7 +862,8 @@ def test_runner_with_a_registering_connector_defragments_and_exports(device):
         assert not all(kv_cache.buffer.segments_backed_by_one_chunk(kv_cache.buffer.segment_sizes))
         extend_kv_cache(runner, runner.allocated_config, 256)
         assert connector.is_registered
-        assert all(kv_cache.buffer.segments_backed_by_one_chunk(kv_cache.buffer.segment_sizes))
+        one_chunk = kv_cache.buffer.segments_backed_by_one_chunk(kv_cache.buffer.segment_sizes)
+        assert all(one_chunk), f"segments backed by one chunk: {one_chunk}"
         batch = 2
         tables = torch.arange(batch * 16, device=runner.device).view(batch, 16) + 200
         tokens = torch.tensor([3, 5], device=runner.device)

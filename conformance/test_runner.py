@@ -23,7 +23,7 @@ from extkv.runner import (
     num_committable_kv_blocks,
     registers_kv_cache_memory,
 )
-from extkv.testing.configs import config_for
+from extkv.testing.configs import config_for, fill_segments
 from extkv.vmm import device_memory_info
 
 CAPACITY = 256
@@ -130,15 +130,18 @@ def test_graphs_captured_before_growth_replay_on_new_blocks(runners):
     assert not all(kv_cache.buffer.segments_backed_by_one_chunk(sizes))
     contents = cache_contents(runner)
     kv_cache.commit(CAPACITY, defragment=True, preserve_contents=True)
-    assert all(kv_cache.buffer.segments_backed_by_one_chunk(sizes))
-    assert all(torch.equal(a, b) for a, b in zip(contents, cache_contents(runner)))
+    one_chunk = kv_cache.buffer.segments_backed_by_one_chunk(sizes)
+    assert all(one_chunk), f"segments backed by one chunk after the defragmenting extend: {one_chunk}"
+    kept = [torch.equal(a, b) for a, b in zip(contents, cache_contents(runner))]
+    assert all(kept), f"layers whose contents the defragmentation changed: {[i for i, k in enumerate(kept) if not k]}"
     assert_graph_matches_eager(runner, first_block)
 
     # Sleep and wake: same addresses, fresh zeroed pages; the graphs still hold.
     runner.sleep()
     assert kv_cache.physical_bytes == 0
     runner.wake()
-    assert all(int(c.count_nonzero()) == 0 for c in cache_contents(runner))
+    nonzero = [int(c.count_nonzero()) for c in cache_contents(runner)]
+    assert nonzero == [0] * len(nonzero), f"non-zero bytes per layer after recommit: {nonzero}"
     assert_graph_matches_eager(runner, first_block)
 
 
@@ -179,7 +182,8 @@ def test_lifecycle_end_to_end_matches_a_preallocated_runner(device, usage, runne
     assert usage.read_outside_torch() - baseline == 0  # the memory really went back
     runner.wake()
     assert usage.read_outside_torch() - baseline == held == kv_cache.physical_bytes
-    assert all(int(c.count_nonzero()) == 0 for c in cache_contents(runner))
+    nonzero = [int(c.count_nonzero()) for c in cache_contents(runner)]
+    assert nonzero == [0] * len(nonzero), f"non-zero bytes per layer after recommit: {nonzero}"
     assert torch.equal(generate(runner, first_block=32, steps=24, use_graph=use_graphs), expected)
 
 
@@ -190,7 +194,9 @@ def test_extend_shrinks_to_the_measured_budget(device, runners):
     extend_kv_cache(runner, runner.allocated_config, 40)
     kv_cache = runner.extensible_kv_cache
     assert kv_cache.num_committed_blocks == 40 and kv_cache.physical_bytes == kv_cache.physical_bytes_for(40)
-    assert all(view.untyped_storage().nbytes() == 40 * view.stride(0) * view.element_size() for view in runner.kv_caches)
+    storages = [view.untyped_storage().nbytes() for view in runner.kv_caches]
+    expected = [40 * view.stride(0) * view.element_size() for view in runner.kv_caches]
+    assert storages == expected, f"view storages {storages} bytes, 40 committed blocks span {expected}"
     assert not registers_kv_cache_memory(runner)
 
 
@@ -207,7 +213,8 @@ def test_weight_update_with_enough_free_memory_keeps_the_cache(device, runners):
     kv_cache.buffer.segment_view(0).fill_(9)
     weights = new_weights(runner, seed=5)
     runner.update_weights(weights, reclaimable=False, fail_if_short=True)
-    assert all(torch.equal(p.cpu(), weights[n]) for n, p in runner.model.state_dict().items())
+    stale = [n for n, p in runner.model.state_dict().items() if not torch.equal(p.cpu(), weights[n])]
+    assert not stale, f"parameters the update did not load: {stale}"
     assert kv_cache.num_committed_blocks == 64 and bool((kv_cache.buffer.segment_view(0) == 9).all())
 
 
@@ -250,12 +257,16 @@ def test_weight_update_that_cannot_fit_fails_before_changing_anything(device, ru
     kv_cache = runner.extensible_kv_cache
     _, total = device_memory_info(device)
     huge = HugeLayerModel(total)
-    before = {n: p.clone() for n, p in huge.state_dict().items()}
+    written = fill_segments(kv_cache, seed=5)
+    chunks = kv_cache.buffer.mapped_chunks
+    kv_cache.set_torch_memory_limit(1 << 40)
     with pytest.raises(WeightUpdateMemoryError, match="largest layer alone"):
         with kv_cache_lent_for_weight_update(kv_cache, huge, reclaimable=False, fail_if_short=True):
             pytest.fail("the update must not start")
-    assert kv_cache.physical_bytes == kv_cache.physical_bytes_for(16)
-    assert set(before) == set(huge.state_dict())
+    assert kv_cache.buffer.mapped_chunks == chunks, "a refused update must not remap the cache"
+    kept = [torch.equal(kv_cache.buffer.segment_view(i), w) for i, w in enumerate(written)]
+    assert all(kept), f"segments whose bytes the refused update changed: {[i for i, k in enumerate(kept) if not k]}"
+    assert kv_cache.torch_memory_limit == 1 << 40, "a refused update must leave torch's cap alone"
 
 
 @pytest.mark.gpu
@@ -282,7 +293,8 @@ def test_weight_update_on_a_full_gpu_borrows_the_cache(runners):
         hogs.clear()
         torch.cuda.empty_cache()
     # Checked with the GPU no longer full: the checks allocate too.
-    assert all(torch.equal(p.cpu(), weights[n]) for n, p in runner.model.state_dict().items())
+    stale = [n for n, p in runner.model.state_dict().items() if not torch.equal(p.cpu(), weights[n])]
+    assert not stale, f"parameters the update did not load: {stale}"
     assert kv_cache.physical_bytes == kv_cache.physical_bytes_for(16384)
     assert int(kv_cache.buffer.segment_view(0).count_nonzero()) == 0  # lent, then recommitted zeroed
 
