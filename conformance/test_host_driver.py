@@ -29,7 +29,7 @@ import pytest
 import extkv
 from extkv.errors import DriverError, OutOfMemoryError
 from extkv.testing.checks import maps_permissions
-from extkv.usage import open_chunk_fds
+from extkv.usage import host_chunk_bytes, open_chunk_fds
 from extkv.vmm import HostDriver, live_chunks, live_reservations
 from extkv.vmm.host import (
     CgroupMemoryReading,
@@ -157,6 +157,27 @@ def test_import_accepts_only_memfds_sealed_against_shrink_and_grow(driver, kind)
 # -- memory headroom: arithmetic on made-up readings ------------------------------
 MEMINFO = "MemTotal:       16000000 kB\nMemFree:          500000 kB\nMemAvailable:    1000000 kB\n"
 MEM_AVAILABLE = 1_000_000 * 1024
+
+
+def test_usage_counts_a_released_chunk_while_it_stays_mapped(driver):
+    """The witness sees what holds pages, not only what holds descriptors: a
+    chunk released (its memfd closed) while still mapped keeps its pages, and
+    the usage reading must say so until the mapping goes."""
+    g = driver.granularity
+    baseline = host_chunk_bytes()
+    chunk = driver.create(2 * g)
+    base = driver.reserve(2 * g)
+    try:
+        driver.map(base, chunk)
+        driver.set_access(base, 2 * g)
+        driver.view(base, 2 * g).fill_(1)
+        driver.release(chunk)
+        assert chunk.handle not in open_chunk_fds(), "release must close the chunk's descriptor"
+        assert host_chunk_bytes() - baseline == 2 * g, "a mapped, released chunk still holds its pages"
+        driver.unmap(base, 2 * g)
+        assert host_chunk_bytes() == baseline, "unmapped and released: nothing is held"
+    finally:
+        driver.free_reservation(base, 2 * g)
 
 
 def test_headroom_is_mem_available_without_cgroup_limits():
