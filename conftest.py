@@ -11,6 +11,13 @@
   usage measured outside extkv back where it started.
 - Hypothesis profiles: `ci` (derandomized, the default), `dev`, `nightly`;
   choose with --hypothesis-profile or EXTKV_HYPOTHESIS_PROFILE.
+- `@pytest.mark.invariant(n, ...)` names which of DESIGN.md's invariants
+  (1-8) a test proves. Numbers are checked at collection; the invariants ride
+  on each report's `user_properties`, so the terminal summary can count, also
+  under xdist, how many tests of each invariant ran and passed: a reader sees
+  which invariants a run proved and which it did not touch.
+- The `build` fixture makes ExtensibleTensors and ExtensibleKVCaches and frees
+  them after the test, even when it fails, before the leak check runs.
 """
 
 from __future__ import annotations
@@ -27,9 +34,18 @@ import pytest  # noqa: E402
 import torch  # noqa: E402
 from hypothesis import HealthCheck, settings  # noqa: E402
 
-from extkv import vmm  # noqa: E402
+from extkv import ExtensibleKVCache, ExtensibleTensor, vmm  # noqa: E402
+from extkv.layout import KVCacheConfig, KVCacheLayout  # noqa: E402
 from extkv.testing.checks import warm_up_kernels  # noqa: E402
+from extkv.testing.configs import CAPACITY, config_for  # noqa: E402
 from extkv.usage import UsageProbe, open_chunk_fds  # noqa: E402
+
+# The suites' CPU tensors are a few MiB: one thread copies or compares them
+# in about a millisecond, while OpenMP threads on a busy machine, or under
+# xdist (one process per core already), wait for each other for longer than
+# the work takes (10 ms instead of 0.1 ms per op was measured on 2 loaded
+# cores). EXTKV_TORCH_THREADS overrides.
+torch.set_num_threads(int(os.environ.get("EXTKV_TORCH_THREADS", "1")))
 
 settings.register_profile(
     "ci", derandomize=True, max_examples=40, stateful_step_count=20, deadline=None, suppress_health_check=[HealthCheck.too_slow]
@@ -45,7 +61,21 @@ MARKERS = {
     "cuda_graphs": "captures and replays CUDA graphs",
     "multi_gpu(n)": "needs n GPUs visible to this process",
     "stress": "long randomized run; only with --stress",
+    "invariant(n, ...)": "proves DESIGN.md's invariant(s) n (1-8); counted in the terminal summary",
 }
+
+#: DESIGN.md's invariants, by number, in a few words each.
+INVARIANTS = {
+    1: "fixed addresses, contents survive growth",
+    2: "CUDA graph replay after growth",
+    3: "shrink/defragment: one chunk per segment, exact footprint",
+    4: "sleep/recommit returns memory, reads zero",
+    5: "accounting: usage measured outside equals physical_bytes",
+    6: "bad input raises and changes nothing",
+    7: "concurrency",
+    8: "exports cannot harm the exporter",
+}
+_INVARIANT_PROPERTY = "extkv_invariants"
 
 
 def pytest_addoption(parser):
@@ -67,10 +97,28 @@ def _no_cuda_reason() -> str:
     return "cuda-python (cuda-bindings) is not importable"
 
 
+def _invariants_of(item) -> list[int]:
+    numbers: set[int] = set()
+    for marker in item.iter_markers("invariant"):
+        if not marker.args or marker.kwargs:
+            raise pytest.UsageError(f"{item.nodeid}: write @pytest.mark.invariant(n, ...) with n in 1-8, got {marker}")
+        for number in marker.args:
+            if isinstance(number, bool) or number not in INVARIANTS:
+                raise pytest.UsageError(
+                    f"{item.nodeid}: invariant {number!r} is not one of DESIGN.md's invariants {sorted(INVARIANTS)}"
+                )
+            numbers.add(number)
+    return sorted(numbers)
+
+
 def pytest_collection_modifyitems(config, items):
-    """The one place capability markers turn into skips."""
+    """The one place capability markers turn into skips; invariant markers
+    are checked and attached to the reports here too."""
     gpus = cuda_device_count()
     for item in items:
+        invariants = _invariants_of(item)
+        if invariants:
+            item.user_properties.append((_INVARIANT_PROPERTY, invariants))
         if item.get_closest_marker("stress") and not config.getoption("--stress"):
             item.add_marker(pytest.mark.skip(reason="stress test: run with --stress"))
         needs_cuda = item.get_closest_marker("gpu") or item.get_closest_marker("cuda_graphs")
@@ -84,6 +132,54 @@ def pytest_collection_modifyitems(config, items):
                 item.add_marker(
                     pytest.mark.skip(reason=f"needs {wanted} GPUs visible to this process, found {gpus}")
                 )
+
+
+def pytest_collection_finish(session):
+    """Which invariants the collected tests carry. Under xdist the controller
+    collects nothing and says nothing here; the terminal summary counts."""
+    reporter = session.config.pluginmanager.getplugin("terminalreporter")
+    if reporter is None or not session.items:
+        return
+    carried = {number: 0 for number in INVARIANTS}
+    for item in session.items:
+        for number in _invariants_of(item):
+            carried[number] += 1
+    reporter.write_line(
+        "extkv: tests per invariant: " + ", ".join(f"{number}: {count}" for number, count in carried.items())
+    )
+
+
+# nodeid -> (invariants, outcome): "failed" once any phase failed, else
+# "skipped" if a phase skipped, else "passed" once the call passed.
+_invariant_outcomes: dict[str, tuple[list[int], str | None]] = {}
+
+
+def pytest_runtest_logreport(report):
+    invariants = next((value for name, value in report.user_properties if name == _INVARIANT_PROPERTY), None)
+    if not invariants:
+        return
+    _, outcome = _invariant_outcomes.get(report.nodeid, (invariants, None))
+    if report.failed:
+        outcome = "failed"
+    elif report.skipped and outcome != "failed":
+        outcome = "skipped"
+    elif report.when == "call" and outcome is None:
+        outcome = "passed"
+    _invariant_outcomes[report.nodeid] = (invariants, outcome)
+
+
+def pytest_terminal_summary(terminalreporter):
+    if not _invariant_outcomes:
+        return
+    terminalreporter.write_sep("-", "extkv invariants proven by this run")
+    for number, words in INVARIANTS.items():
+        outcomes = [outcome for invariants, outcome in _invariant_outcomes.values() if number in invariants]
+        counts = {kind: outcomes.count(kind) for kind in ("passed", "failed", "skipped")}
+        verdict = "FAILED" if counts["failed"] else "proven" if counts["passed"] else "not proven"
+        terminalreporter.write_line(
+            f"invariant {number} ({words}): {len(outcomes)} tests, {counts['passed']} passed, "
+            f"{counts['failed']} failed, {counts['skipped']} skipped -> {verdict}"
+        )
 
 
 def device_ids() -> list[str]:
@@ -123,6 +219,58 @@ def _probe(device: torch.device) -> UsageProbe:
         _probes[device] = UsageProbe(device)
         warm_up_kernels(device)
     return _probes[device]
+
+
+class Builder:
+    """Makes ExtensibleTensors and ExtensibleKVCaches that are freed at the
+    end of the test; `device` defaults to the test's `device` parameter."""
+
+    def __init__(self, default_device: torch.device | None):
+        self._default_device = default_device
+        self._made: list[ExtensibleTensor | ExtensibleKVCache] = []
+
+    def _device(self, device):
+        if device is not None:
+            return device
+        if self._default_device is None:
+            raise ValueError("this test has no `device` parameter: pass device= (a torch device or a Driver)")
+        return self._default_device
+
+    def tensor(self, size: int, *, device=None, segment_capacities=None) -> ExtensibleTensor:
+        tensor = ExtensibleTensor(size, device=self._device(device), segment_capacities=segment_capacities)
+        self._made.append(tensor)
+        return tensor
+
+    def cache(self, config: KVCacheConfig, layout: KVCacheLayout, *, device=None) -> ExtensibleKVCache:
+        kv_cache = ExtensibleKVCache(config, self._device(device), layout)
+        self._made.append(kv_cache)
+        return kv_cache
+
+    def cache_for(self, kind: str, layout: KVCacheLayout, capacity: int = CAPACITY, *, device=None) -> ExtensibleKVCache:
+        """A cache over `extkv.testing.configs.config_for(kind, layout, capacity)`."""
+        return self.cache(config_for(kind, layout, capacity), layout, device=device)
+
+    def free_all(self) -> None:
+        # Newest first; every object is freed even if one fails, then the
+        # first failure is raised.
+        failure: Exception | None = None
+        while self._made:
+            try:
+                self._made.pop().free()
+            except Exception as error:
+                failure = failure or error
+        if failure is not None:
+            raise failure
+
+
+@pytest.fixture
+def build(request) -> Builder:
+    """Build tensors and caches (`build.tensor`, `build.cache`, `build.cache_for`)
+    that are freed after the test, even on failure."""
+    default = request.getfixturevalue("device") if "device" in request.fixturenames else None
+    builder = Builder(default)
+    yield builder
+    builder.free_all()
 
 
 def _nonzero(counts) -> dict[str, int]:

@@ -1,10 +1,23 @@
 """Named checks of ExtensibleTensor invariants, shared by the conformance
 suite, the state-machine tests and stress runs. Each raises AssertionError
-with a message that says what disagreed."""
+with a message that says what disagreed, in numbers: never a view's
+contents, which may reach unmapped memory.
+
+"Changes nothing" is checked against a `snapshot`: the mapped chunks as
+objects (a remap that reuses a handle number or an address still replaces
+the `MappedChunk`), the driver's or kernel's read-back of every granule, and
+a copy of every committed byte.
+"""
 
 from __future__ import annotations
 
-from ..tensor import ExtensibleTensor
+from dataclasses import dataclass
+from typing import Hashable
+
+import torch
+
+from ..cache import ExtensibleKVCache
+from ..tensor import ExtensibleTensor, MappedChunk
 from ..usage import UsageProbe
 
 
@@ -14,12 +27,18 @@ def granule_addresses(tensor: ExtensibleTensor) -> list[int]:
     return [a for i in range(tensor.reserved_bytes // g) for a in (tensor.base + i * g, tensor.base + (i + 1) * g - 1)]
 
 
-def check_readback_matches_bookkeeping(tensor: ExtensibleTensor) -> None:
+def read_back_granules(tensor: ExtensibleTensor) -> list[Hashable | None]:
+    """The driver/kernel's answer for every address of `granule_addresses`."""
+    return tensor.driver.chunks_at(granule_addresses(tensor))
+
+
+def check_readback_matches_bookkeeping(tensor: ExtensibleTensor, read_back: list[Hashable | None] | None = None) -> None:
     """The driver/kernel's view of which chunk backs each granule partitions
-    the reservation exactly as the tensor's bookkeeping does."""
+    the reservation exactly as the tensor's bookkeeping does. `read_back`:
+    a `read_back_granules` taken just before, to spare a second read."""
     g = tensor.granularity
     addresses = granule_addresses(tensor)
-    read_back = tensor.driver.chunks_at(addresses)
+    read_back = read_back_granules(tensor) if read_back is None else read_back
     booked: list[int | None] = [None] * (tensor.reserved_bytes // g)
     for number, mapped in enumerate(tensor.mapped_chunks):
         booked[mapped.first_granule : mapped.first_granule + mapped.num_granules] = [number] * mapped.num_granules
@@ -43,15 +62,16 @@ def check_readback_matches_bookkeeping(tensor: ExtensibleTensor) -> None:
 def readback_one_chunk_per_segment(tensor: ExtensibleTensor, sizes: list[int]) -> list[bool]:
     """`segments_backed_by_one_chunk`, computed from driver read-back alone."""
     g = tensor.granularity
-    result = []
+    probes_per_segment = []
     for offset, size in zip(tensor.segment_offsets, sizes):
-        if size == 0:
-            result.append(True)
-            continue
         start, end = tensor.base + offset, tensor.base + offset + size
-        probes = sorted({start, end - 1, *range(-(-start // g) * g, end, g)})
-        identities = set(tensor.driver.chunks_at(probes))
-        result.append(None not in identities and len(identities) == 1)
+        probes_per_segment.append(sorted({start, end - 1, *range(-(-start // g) * g, end, g)}) if size else [])
+    # One read-back for all segments: on the host each is a read of /proc/self/maps.
+    identities = iter(tensor.driver.chunks_at([probe for probes in probes_per_segment for probe in probes]))
+    result = []
+    for probes in probes_per_segment:
+        seen = {next(identities) for _ in probes}
+        result.append(not probes or (None not in seen and len(seen) == 1))
     return result
 
 
@@ -91,3 +111,82 @@ def warm_up_kernels(device) -> None:
     (x @ x).softmax(-1).float().sum().item()
     if device.type == "cuda":
         torch.cuda.synchronize(device)
+
+
+@dataclass(frozen=True)
+class Snapshot:
+    """Everything observable about a tensor (and the cache around it)."""
+
+    base: int
+    segment_sizes: tuple[int, ...]
+    physical_bytes: int
+    #: The bookkept chunks themselves; holding them keeps their ids unique.
+    mapped_chunks: tuple[MappedChunk, ...]
+    #: Driver/kernel read-back at the first and last byte of every granule.
+    readback: tuple[Hashable | None, ...]
+    #: Copies of each segment's committed bytes.
+    contents: tuple[torch.Tensor, ...]
+    #: For a cache: its own attributes, by name; empty for a bare tensor.
+    cache_state: tuple[tuple[str, object], ...]
+
+
+_CACHE_ATTRIBUTES = (
+    "num_committed_blocks",
+    "torch_memory_limit",
+    "reserved_headroom_bytes",
+    "warmup_committable_blocks",
+    "is_freed",
+)
+
+
+def _buffer(target: ExtensibleTensor | ExtensibleKVCache) -> ExtensibleTensor:
+    return target.buffer if isinstance(target, ExtensibleKVCache) else target
+
+
+def snapshot(target: ExtensibleTensor | ExtensibleKVCache) -> Snapshot:
+    """The state of a live tensor or cache, taken under its lock."""
+    tensor = _buffer(target)
+    with tensor.lock:
+        cache_state = (
+            tuple((name, getattr(target, name)) for name in _CACHE_ATTRIBUTES)
+            if isinstance(target, ExtensibleKVCache)
+            else ()
+        )
+        return Snapshot(
+            base=tensor.base,
+            segment_sizes=tuple(tensor.segment_sizes),
+            physical_bytes=tensor.physical_bytes,
+            mapped_chunks=tuple(tensor.mapped_chunks),
+            readback=tuple(read_back_granules(tensor)),
+            contents=tuple(tensor.segment_view(i).clone() for i in range(len(tensor.segment_sizes))),
+            cache_state=cache_state,
+        )
+
+
+def check_unchanged(target: ExtensibleTensor | ExtensibleKVCache, before: Snapshot) -> None:
+    """`target` is as `before` recorded it: same chunk objects, same read-back,
+    same committed bytes, same numbers."""
+    now = snapshot(target)
+    problems = []
+    for field in ("base", "segment_sizes", "physical_bytes", "cache_state"):
+        if getattr(now, field) != getattr(before, field):
+            problems.append(f"{field} {getattr(before, field)} -> {getattr(now, field)}")
+    if len(now.mapped_chunks) != len(before.mapped_chunks) or any(
+        a is not b for a, b in zip(now.mapped_chunks, before.mapped_chunks)
+    ):
+        def describe(chunks):
+            return [(hex(m.address), m.num_granules, m.chunk.handle, id(m)) for m in chunks]
+
+        problems.append(f"mapped chunks replaced: {describe(before.mapped_chunks)} -> {describe(now.mapped_chunks)}")
+    changed = [i for i, (a, b) in enumerate(zip(before.readback, now.readback)) if a != b]
+    if changed:
+        first = changed[0]
+        problems.append(
+            f"driver read-back changed at {len(changed)} probe(s), first granule {first // 2}: "
+            f"{before.readback[first]!r} -> {now.readback[first]!r}"
+        )
+    for i, (old, new) in enumerate(zip(before.contents, now.contents)):
+        if old.numel() == new.numel() and not torch.equal(old, new):
+            problems.append(f"segment {i}: {int((old != new).sum())} of {old.numel()} committed bytes changed")
+    if problems:
+        raise AssertionError("expected no change, but: " + "; ".join(problems))

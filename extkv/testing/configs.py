@@ -30,6 +30,19 @@ CAPACITY = 700
 #: Config kinds `config_for` builds.
 CONFIG_KINDS = ("full", "mla", "mixed", "padded")
 
+#: (config kind, layout) pairs the cache suites run over: every layout, MLA,
+#: two strides, and padded regions; unpadded LBHNC segments share granules.
+CASES = [
+    *[("full", layout) for layout in KVCacheLayout],
+    ("mla", KVCacheLayout.LBHNC),
+    ("mla", KVCacheLayout.BLNHC),
+    ("mixed", KVCacheLayout.LBHNC),
+    ("mixed", KVCacheLayout.LBNHC),
+    ("padded", KVCacheLayout.LBHNC),
+    ("padded", KVCacheLayout.BLHNC),
+]
+CASE_IDS = [f"{kind}-{layout.name}" for kind, layout in CASES]
+
 
 def _groups(*specs_and_layers) -> list[KVCacheGroupSpec]:
     return [KVCacheGroupSpec(layer_names=names, kv_cache_spec=spec) for spec, names in specs_and_layers]
@@ -60,7 +73,10 @@ def fill_segments(kv_cache: ExtensibleKVCache, seed: int) -> list[torch.Tensor]:
     patterns = []
     for i in range(len(kv_cache.segment_strides)):
         view = kv_cache.buffer.segment_view(i)
-        values = (torch.arange(view.numel(), dtype=torch.int32, device=view.device) * 7 + seed + 31 * i) % 251 + 1
-        view.copy_(values.to(torch.uint8))
+        # Byte j is (7j + seed + 31i) % 251 + 1: one period of 251 bytes,
+        # tiled, since integer arithmetic over every byte is slow on a CPU.
+        period = ((torch.arange(251, dtype=torch.int32) * 7 + seed + 31 * i) % 251 + 1).to(torch.uint8)
+        tiles = -(-view.numel() // 251)
+        view.copy_(period.to(view.device).repeat(tiles)[: view.numel()])
         patterns.append(view.clone())
     return patterns
