@@ -1,7 +1,9 @@
 """Invariant 6: every bad call is answered with a clear exception and changes
 nothing. One rule for integers everywhere (anything `operator.index` takes,
 never a bool), real bools for flags, and a freed cache that refuses every
-operation in its own words."""
+operation in its own words. "Changes nothing" is checked against a snapshot:
+the same chunk objects, the same driver read-back, the same bytes and the same
+cache attributes (extkv.testing.checks)."""
 
 from __future__ import annotations
 
@@ -10,14 +12,16 @@ import torch
 
 from extkv import (
     ExtensibleKVCache,
-    ExtensibleTensor,
     KVCacheLayout,
     StateError,
     measure_kv_cache_blocks,
     measure_kv_cache_bytes,
     pad_kv_cache_segments,
 )
-from extkv.testing.configs import GRANULE, config_for
+from extkv.testing.checks import check_unchanged, snapshot
+from extkv.testing.configs import GRANULE, config_for, fill_segments
+
+pytestmark = pytest.mark.invariant(6)
 
 LAYOUT = KVCacheLayout.LBHNC
 CAPACITY = 300
@@ -37,19 +41,8 @@ class BlockCount:
 
 
 @pytest.fixture
-def cache(device):
-    kv_cache = ExtensibleKVCache(config_for("full", LAYOUT, CAPACITY), device, LAYOUT)
-    yield kv_cache
-    kv_cache.free()
-
-
-def state(kv_cache: ExtensibleKVCache) -> tuple:
-    return (
-        kv_cache.num_committed_blocks,
-        kv_cache.buffer.segment_sizes,
-        [(m.address, m.chunk.size) for m in kv_cache.buffer.mapped_chunks],
-        kv_cache.torch_memory_limit,
-    )
+def cache(build, device):
+    return build.cache_for("full", LAYOUT, CAPACITY, device=device)
 
 
 @pytest.mark.parametrize(
@@ -59,18 +52,22 @@ def state(kv_cache: ExtensibleKVCache) -> tuple:
 )
 def test_flags_must_be_bools(cache, flags):
     cache.commit(40)
-    before = state(cache)
+    fill_segments(cache, seed=1)
+    before = snapshot(cache)
     name = next(k for k, v in flags.items() if not isinstance(v, bool))
     with pytest.raises(ValueError, match=rf"{name} must be a bool \(True or False\), got {flags[name]!r}"):
         cache.commit(10, **flags)
-    assert state(cache) == before
+    check_unchanged(cache, before)
 
 
-def test_zero_new_must_be_a_bool(device):
-    with ExtensibleTensor(4 * GRANULE, device=device) as tensor:
-        with pytest.raises(ValueError, match="zero_new must be a bool"):
-            tensor.resize_segments_([GRANULE], zero_new=1)
-        assert tensor.segment_sizes == [0] and tensor.physical_bytes == 0
+def test_zero_new_must_be_a_bool(build, device):
+    tensor = build.tensor(4 * GRANULE)
+    tensor.resize_segments_([100], zero_new=True)
+    tensor.segment_view(0).fill_(7)
+    before = snapshot(tensor)
+    with pytest.raises(ValueError, match="zero_new must be a bool"):
+        tensor.resize_segments_([GRANULE], zero_new=1)
+    check_unchanged(tensor, before)
 
 
 def test_numpy_bools_are_flags(cache):
@@ -84,10 +81,11 @@ def test_numpy_bools_are_flags(cache):
 
 def test_preserving_contents_contradicts_shrink(cache):
     cache.commit(40)
-    before = state(cache)
+    fill_segments(cache, seed=2)
+    before = snapshot(cache)
     with pytest.raises(ValueError, match="preserve_contents=True contradicts shrink=True"):
         cache.commit(10, defragment=True, shrink=True, preserve_contents=True)
-    assert state(cache) == before
+    check_unchanged(cache, before)
 
 
 FREED_CALLS = {
@@ -139,7 +137,8 @@ def test_integers_follow_one_rule_everywhere(cache):
     assert cache.torch_memory_limit == 1 << 30
     config = config_for("full", LAYOUT, CAPACITY)
     assert pad_kv_cache_segments(config, LAYOUT, BlockCount(GRANULE)) == pad_kv_cache_segments(config, LAYOUT, GRANULE)
-    before = state(cache)
+    fill_segments(cache, seed=3)
+    before = snapshot(cache)
     for call, name in [
         (lambda: cache.commit(True), "num_blocks"),
         (lambda: cache.physical_bytes_for(True), "num_blocks"),
@@ -153,7 +152,7 @@ def test_integers_follow_one_rule_everywhere(cache):
     ]:
         with pytest.raises((ValueError, IndexError), match=rf"^{name} must be an int\b.*, got True"):
             call()
-    assert state(cache) == before
+    check_unchanged(cache, before)
 
 
 def test_numpy_integers_are_integers(cache):
@@ -166,7 +165,8 @@ def test_numpy_integers_are_integers(cache):
 def test_wrong_types_get_clear_errors(cache, device):
     config = config_for("full", LAYOUT, CAPACITY)
     cache.commit(4)
-    before = state(cache)
+    fill_segments(cache, seed=4)
+    before = snapshot(cache)
     for call, message in [
         (lambda: cache.committed_views(config, "LBHNC"), "layout must be a KVCacheLayout"),
         (lambda: cache.committed_kv_cache_tensors(config, "LBHNC", 4), "layout must be a KVCacheLayout"),
@@ -180,12 +180,14 @@ def test_wrong_types_get_clear_errors(cache, device):
     ]:
         with pytest.raises(ValueError, match=message):
             call()
-    assert state(cache) == before
+    check_unchanged(cache, before)
 
 
 def test_measure_refuses_another_device(cache, device):
     other = "cuda:0" if device.type == "cpu" else "cpu"
-    before = state(cache)
+    cache.commit(4)
+    fill_segments(cache, seed=5)
+    before = snapshot(cache)
     with pytest.raises(ValueError, match=rf"device {other} is not the KV cache's device {device}"):
         measure_kv_cache_blocks(cache, other, init_free_memory=1 << 30, requested_memory=1 << 30)
-    assert state(cache) == before
+    check_unchanged(cache, before)

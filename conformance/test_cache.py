@@ -1,6 +1,7 @@
 """ExtensibleKVCache conformance on every layout, MLA, mixed-stride and padded
 configs, on the host driver and each CUDA device. Physical usage is read from
-outside extkv after every step."""
+outside extkv after every step. Caches come from the `build` fixture, freed
+even when a test fails. Zeroing over poisoned memory is in test_zeroing."""
 
 from __future__ import annotations
 
@@ -15,24 +16,21 @@ from extkv.layout import (
     KVCacheConfig,
     KVCacheLayout,
     KVCacheTensor,
+    create_kv_cache_views,
     granule_block_alignment,
+    layer_spec_for_tensor,
 )
-from extkv.testing.configs import CAPACITY, GRANULE, config_for, fill_segments
-from extkv.testing.checks import check_readback_matches_bookkeeping, check_usage_matches, readback_one_chunk_per_segment
-from extkv.usage import device_memory_info
+from extkv.testing.checks import (
+    check_all_equal,
+    check_readback_matches_bookkeeping,
+    check_unchanged,
+    check_usage_matches,
+    readback_one_chunk_per_segment,
+    snapshot,
+)
+from extkv.testing.configs import CAPACITY, CASE_IDS, CASES, GRANULE, config_for, fill_segments
+from extkv.vmm import device_memory_info
 from extkv.vmm import driver_for
-
-CASES = [
-    *[("full", layout) for layout in KVCacheLayout],
-    ("mla", KVCacheLayout.LBHNC),
-    ("mla", KVCacheLayout.BLNHC),
-    ("mixed", KVCacheLayout.LBHNC),
-    ("mixed", KVCacheLayout.LBNHC),
-    ("padded", KVCacheLayout.LBHNC),
-    ("padded", KVCacheLayout.BLHNC),
-]
-CASE_IDS = [f"{kind}-{layout.name}" for kind, layout in CASES]
-
 
 @pytest.fixture(params=CASES, ids=CASE_IDS)
 def case(request):
@@ -41,13 +39,32 @@ def case(request):
 
 
 @pytest.fixture
-def cache(case, device):
+def cache(case, build, device):
     _, layout, config = case
-    kv_cache = ExtensibleKVCache(config, device, layout)
-    yield kv_cache
-    kv_cache.free()
+    return build.cache(config, layout, device=device)
 
 
+def block_addresses(view: torch.Tensor, block: int) -> torch.Tensor:
+    """Address of every byte of `view[block]`, from its shape and strides
+    alone: nothing is read."""
+    page = view[block]
+    offsets = torch.zeros((), dtype=torch.int64)
+    for size, stride in zip(page.shape, page.stride()):
+        offsets = offsets[..., None] + torch.arange(size, dtype=torch.int64) * stride
+    starts = page.data_ptr() + offsets.flatten() * page.element_size()
+    return (starts[:, None] + torch.arange(page.element_size())).flatten()
+
+
+def outside_committed(kv_cache, addresses: torch.Tensor, num_blocks: int) -> int:
+    """How many of `addresses` lie outside the bytes `num_blocks` commits."""
+    inside = torch.zeros(addresses.shape, dtype=torch.bool)
+    for offset, stride in zip(kv_cache.segment_offsets, kv_cache.segment_strides):
+        start = kv_cache.buffer.base + offset
+        inside |= (addresses >= start) & (addresses < start + num_blocks * stride)
+    return int((~inside).count_nonzero())
+
+
+@pytest.mark.invariant(1)
 def test_segment_geometry(case, cache):
     kind, layout, config = case
     strides = cache.segment_strides
@@ -63,12 +80,32 @@ def test_segment_geometry(case, cache):
         # one segment per layer region (aliasing groups share regions)
         assert len(strides) == len({t.layer_offset(i) for t in config.kv_cache_tensors for i in range(len(t.layers))})
     if kind == "padded" and layout is KVCacheLayout.LBHNC:
-        assert all(offset % GRANULE == 0 for offset in cache.segment_offsets)
+        assert all(offset % GRANULE == 0 for offset in cache.segment_offsets), (
+            f"padded segment offsets {cache.segment_offsets} are not all multiples of {GRANULE}"
+        )
     if kind == "mixed":
         assert len(set(strides)) == 2
-    assert num_layers >= 1
+    # Committing n blocks backs every byte of block n-1 of every layer's view
+    # (as built over the whole reservation), and no byte of block n.
+    full = cache.buffer.full_view()
+    views = [
+        view
+        for tensor in config.kv_cache_tensors
+        for view in create_kv_cache_views(full, layer_spec_for_tensor(config, tensor)[1], CAPACITY, layout, tensor)
+    ]
+    assert len(views) == num_layers, f"{len(views)} layer views for {num_layers} layers"
+    for n in (1, 37, CAPACITY - 1):
+        for layer, view in enumerate(views):
+            last = outside_committed(cache, block_addresses(view, n - 1), n)
+            assert last == 0, f"commit({n}): {last} bytes of layer {layer}'s block {n - 1} are not committed"
+            beyond = block_addresses(view, n)
+            uncommitted = outside_committed(cache, beyond, n)
+            assert uncommitted == beyond.numel(), (
+                f"commit({n}): {beyond.numel() - uncommitted} bytes of layer {layer}'s block {n}, not committed, lie in committed memory"
+            )
 
 
+@pytest.mark.invariant(5)
 def test_allocate_commits_only_the_null_block(cache, usage):
     baseline = usage.read_outside_torch()
     full = cache.allocate(cache.size)
@@ -80,6 +117,7 @@ def test_allocate_commits_only_the_null_block(cache, usage):
         cache.allocate(cache.size + 1)
 
 
+@pytest.mark.invariant(1, 5)
 def test_addresses_fixed_contents_kept_new_blocks_zero(cache, usage):
     baseline = usage.read_outside_torch()
     cache.commit(5)
@@ -93,29 +131,31 @@ def test_addresses_fixed_contents_kept_new_blocks_zero(cache, usage):
             view = cache.buffer.segment_view(i)
             assert view.data_ptr() == pointers[i]
             assert view.numel() == target * stride
-            assert torch.equal(view[: pattern.numel()], pattern)
-            assert int(view[pattern.numel() :].count_nonzero()) == 0
+            check_all_equal(view[: pattern.numel()], pattern, f"commit({target}): segment {i}'s kept blocks")
+            check_all_equal(view[pattern.numel() :], 0, f"commit({target}): segment {i}'s new blocks")
         assert cache.physical_bytes == cache.physical_bytes_for(target)
         check_usage_matches(usage, baseline, [cache.buffer])
         patterns = fill_segments(cache, seed=target)
 
 
+@pytest.mark.invariant(1)
 def test_commit_at_or_below_committed_touches_nothing(cache):
     cache.commit(50)
-    patterns = fill_segments(cache, seed=1)
-    chunks = cache.buffer.mapped_chunks
+    fill_segments(cache, seed=1)
+    before = snapshot(cache)
     for n in (50, 10, 0):
         cache.commit(n)
-        assert cache.num_committed_blocks == 50 and cache.buffer.mapped_chunks == chunks
-    assert all(torch.equal(cache.buffer.segment_view(i), p) for i, p in enumerate(patterns))
+        check_unchanged(cache, before)
 
 
+@pytest.mark.invariant(6)
 def test_commit_clamps_to_capacity(cache):
     cache.commit(CAPACITY * 10)
     assert cache.num_committed_blocks == CAPACITY
     assert cache.physical_bytes_for(CAPACITY * 10) == cache.physical_bytes_for(CAPACITY) == cache.physical_bytes
 
 
+@pytest.mark.invariant(3, 5)
 def test_shrink_remaps_to_exactly_physical_bytes_for(cache, usage):
     baseline = usage.read_outside_torch()
     cache.commit(CAPACITY)
@@ -126,7 +166,7 @@ def test_shrink_remaps_to_exactly_physical_bytes_for(cache, usage):
         assert cache.physical_bytes == cache.physical_bytes_for(n)
         check_usage_matches(usage, baseline, [cache.buffer])
         for i in range(len(cache.segment_strides)):
-            assert int(cache.buffer.segment_view(i).count_nonzero()) == 0  # remapped: fresh zero pages
+            check_all_equal(cache.buffer.segment_view(i), 0, f"shrink to {n}: segment {i}")
 
 
 def fragment(cache) -> int:
@@ -135,10 +175,12 @@ def fragment(cache) -> int:
     n = min(alignment + 1, CAPACITY)
     cache.commit(1)
     cache.commit(n)
-    assert not all(cache.buffer.segments_backed_by_one_chunk([n * s for s in cache.segment_strides]))
+    one_chunk = readback_one_chunk_per_segment(cache.buffer, [n * s for s in cache.segment_strides])
+    assert not all(one_chunk), f"commit(1) then commit({n}) left every segment on one chunk: {one_chunk}"
     return n
 
 
+@pytest.mark.invariant(3, 5)
 def test_defragment_discarding_leaves_one_chunk_per_segment(cache, usage):
     baseline = usage.read_outside_torch()
     n = fragment(cache)
@@ -151,6 +193,7 @@ def test_defragment_discarding_leaves_one_chunk_per_segment(cache, usage):
     check_usage_matches(usage, baseline, [cache.buffer])
 
 
+@pytest.mark.invariant(1, 3, 5)
 def test_defragment_preserving_keeps_every_byte(cache, usage):
     baseline = usage.read_outside_torch()
     n = fragment(cache)
@@ -161,18 +204,20 @@ def test_defragment_preserving_keeps_every_byte(cache, usage):
     assert readback_one_chunk_per_segment(cache.buffer, sizes) == [True] * len(sizes)
     for i, pattern in enumerate(patterns):
         view = cache.buffer.segment_view(i)
-        assert view.data_ptr() == pointers[i] and torch.equal(view, pattern)
+        assert view.data_ptr() == pointers[i], f"segment {i} moved from {pointers[i]:#x} to {view.data_ptr():#x}"
+        check_all_equal(view, pattern, f"segment {i} after the preserving defragment")
     check_readback_matches_bookkeeping(cache.buffer)
     check_usage_matches(usage, baseline, [cache.buffer])
     # Growing and defragmenting in one call keeps the old blocks and zeroes the new.
     cache.commit(min(2 * n, CAPACITY), defragment=True, preserve_contents=True)
     for i, pattern in enumerate(patterns):
         view = cache.buffer.segment_view(i)
-        assert torch.equal(view[: pattern.numel()], pattern)
-        assert int(view[pattern.numel() :].count_nonzero()) == 0
+        check_all_equal(view[: pattern.numel()], pattern, f"segment {i}'s kept blocks")
+        check_all_equal(view[pattern.numel() :], 0, f"segment {i}'s new blocks")
     check_usage_matches(usage, baseline, [cache.buffer])
 
 
+@pytest.mark.invariant(1, 4, 5)
 def test_release_and_recommit_zero_at_same_addresses(cache, usage):
     baseline = usage.read_outside_torch()
     cache.commit(200)
@@ -185,7 +230,8 @@ def test_release_and_recommit_zero_at_same_addresses(cache, usage):
     assert cache.num_committed_blocks == 200 and cache.physical_bytes == cache.physical_bytes_for(200)
     for i, pointer in enumerate(pointers):
         view = cache.buffer.segment_view(i)
-        assert view.data_ptr() == pointer and int(view.count_nonzero()) == 0
+        assert view.data_ptr() == pointer, f"segment {i} moved from {pointer:#x} to {view.data_ptr():#x}"
+        check_all_equal(view, 0, f"segment {i} recommitted")
     check_usage_matches(usage, baseline, [cache.buffer])
 
 
@@ -199,7 +245,8 @@ def test_committed_views_and_tensors_agree_with_the_reservation(case, cache):
         assert views is None
         return
     placements = cache.committed_kv_cache_tensors(committed, layout, n)
-    assert all(p.size == n * cache.bytes_per_block for p in placements)
+    sizes = [p.size for p in placements]
+    assert all(size == n * cache.bytes_per_block for size in sizes), f"placement sizes {sizes}, expected {n * cache.bytes_per_block}"
     where = {name: (p, i) for p in placements for i, name in enumerate(p.layers)}
     assert set(where) == set(views)
     full = cache.buffer.full_view()
@@ -215,19 +262,33 @@ def test_committed_views_and_tensors_agree_with_the_reservation(case, cache):
         page = view[block].view(torch.uint8)
         page.fill_(0xC3)
         start = storage_start + placement.offset + index * placement.layer_stride + block * placement.block_stride
-        assert torch.all(full[start : start + page.numel()] == 0xC3)
+        check_all_equal(full[start : start + page.numel()], 0xC3, f"layer {name}'s block {block} where its placement says")
         written = sum(int(cache.buffer.segment_view(i).count_nonzero()) for i in range(len(cache.segment_strides)))
         assert written == page.numel()
         page.zero_()
 
 
+@pytest.mark.invariant(6)
 def test_committed_views_refuse_a_stale_block_count(case, cache):
+    """Block-compact layouts refuse a count other than the committed one;
+    the others have no per-segment views at all and answer None, stale count
+    or not."""
     _, layout, config = case
     cache.commit(10)
-    stale = KVCacheConfig(num_blocks=11, kv_cache_tensors=config.kv_cache_tensors, kv_cache_groups=config.kv_cache_groups)
+    current, stale = (
+        KVCacheConfig(num_blocks=n, kv_cache_tensors=config.kv_cache_tensors, kv_cache_groups=config.kv_cache_groups)
+        for n in (10, 11)
+    )
+    before = snapshot(cache)
     if layout.is_block_compact:
         with pytest.raises(ValueError, match="11.*10 blocks are committed"):
             cache.committed_views(stale, layout)
+        views = cache.committed_views(current, layout)
+        assert views is not None and len(views) == sum(len(t.layers) for t in config.kv_cache_tensors)
+    else:
+        assert cache.committed_views(stale, layout) is None
+        assert cache.committed_views(current, layout) is None
+    check_unchanged(cache, before)
 
 
 @given(num_bytes=st.integers(-(1 << 20), 80 << 20))
@@ -257,6 +318,7 @@ def test_physical_bytes_for_is_monotone_and_granular(a, b):
         kv_cache.free()
 
 
+@pytest.mark.invariant(6)
 def test_invalid_configs_raise_value_errors_naming_the_problem(device):
     good = config_for("full", KVCacheLayout.LBHNC)
     bad = [
@@ -291,9 +353,11 @@ def test_invalid_configs_raise_value_errors_naming_the_problem(device):
     assert {k: v for k, v in live_reservations.items() if v} == before
 
 
+@pytest.mark.invariant(6)
 def test_invalid_calls_raise_and_change_nothing(cache):
     cache.commit(20)
-    chunks = cache.buffer.mapped_chunks
+    fill_segments(cache, seed=12)
+    before = snapshot(cache)
     for call, message in [
         (lambda: cache.commit(-1), r"num_blocks must be an int >= 0 \(a block count\), got -1"),
         (lambda: cache.commit(2.5), r"num_blocks must be an int >= 0 \(a block count\), got 2.5"),
@@ -304,59 +368,88 @@ def test_invalid_calls_raise_and_change_nothing(cache):
     ]:
         with pytest.raises(ValueError, match=message):
             call()
-        assert cache.num_committed_blocks == 20 and cache.buffer.mapped_chunks == chunks
-    assert cache.torch_memory_limit is None
+        check_unchanged(cache, before)
 
 
-def test_torch_memory_limit_is_set_and_lifted(cache):
-    cache.set_torch_memory_limit(1 << 30)
-    assert cache.torch_memory_limit == 1 << 30
+def _cuda_fractions() -> list[float] | None:
+    """torch's per-process memory fraction of every GPU, where CUDA is up."""
+    if not torch.cuda.is_initialized():
+        return None
+    return [torch.cuda.get_per_process_memory_fraction(i) for i in range(torch.cuda.device_count())]
+
+
+def test_torch_memory_limit_is_set_and_lifted(cache, device):
+    """On CUDA the cap is torch's own: its per-process fraction says so, and
+    an allocation past it fails until the cap is lifted. On the host torch
+    has no cap: the limit is recorded, and nothing else changes."""
+    limit = 1 << 30
+    if device.type != "cuda":
+        before, fractions = snapshot(cache.buffer), _cuda_fractions()
+        cache.set_torch_memory_limit(limit)
+        assert cache.torch_memory_limit == limit
+        check_unchanged(cache.buffer, before)
+        assert _cuda_fractions() == fractions, f"GPU memory fractions {fractions} -> {_cuda_fractions()}"
+        cache.set_torch_memory_limit(None)
+        assert cache.torch_memory_limit is None
+        check_unchanged(cache.buffer, before)
+        return
+    torch.cuda.empty_cache()
+    _, total = torch.cuda.mem_get_info(device)
+    past_the_cap = limit + (256 << 20)
+    cache.set_torch_memory_limit(limit)
+    assert cache.torch_memory_limit == limit
+    capped = torch.cuda.get_per_process_memory_fraction(device) * total
+    assert abs(capped - limit) < 1 << 20, f"torch caps at {capped:.0f} bytes, the limit is {limit}"
+    with pytest.raises(torch.cuda.OutOfMemoryError):
+        torch.empty(past_the_cap, dtype=torch.uint8, device=device)
     cache.set_torch_memory_limit(None)
     assert cache.torch_memory_limit is None
+    fraction = torch.cuda.get_per_process_memory_fraction(device)
+    assert fraction == 1.0, f"torch's memory fraction is {fraction} after lifting the cap"
+    allocated = torch.empty(past_the_cap, dtype=torch.uint8, device=device)  # fits once lifted
+    assert allocated.numel() == past_the_cap
+    del allocated
+    torch.cuda.empty_cache()
 
 
-def test_recommit_that_fails_half_way_is_completed_by_calling_it_again(device, usage):
+@pytest.mark.invariant(4, 5)
+def test_recommit_that_fails_half_way_is_completed_by_calling_it_again(build, device, usage):
     baseline = usage.read_outside_torch()
     faulty = FaultInjectingDriver(driver_for(device))
-    kv_cache = ExtensibleKVCache(config_for("full", KVCacheLayout.LBHNC), faulty, KVCacheLayout.LBHNC)
-    try:
-        kv_cache.commit(100)  # three runs of granules: granule 0, 2-3 and 5
-        kv_cache.release_physical()
-        faulty.fail_in("map", 2)
-        with pytest.raises(DriverError, match="injected fault"):
-            kv_cache.recommit()
-        assert 0 < kv_cache.physical_bytes < kv_cache.physical_bytes_for(100)
-        assert kv_cache.num_committed_blocks == 100
+    kv_cache = build.cache_for("full", KVCacheLayout.LBHNC, device=faulty)
+    kv_cache.commit(100)  # three runs of granules: granule 0, 2-3 and 5
+    kv_cache.release_physical()
+    faulty.fail_in("map", 2)
+    with pytest.raises(DriverError, match="injected fault"):
         kv_cache.recommit()
-        assert kv_cache.buffer.segment_sizes == [100 * s for s in kv_cache.segment_strides]
-        assert kv_cache.physical_bytes == kv_cache.physical_bytes_for(100)
-        check_readback_matches_bookkeeping(kv_cache.buffer)
-        check_usage_matches(usage, baseline, [kv_cache.buffer])
-    finally:
-        kv_cache.free()
+    assert 0 < kv_cache.physical_bytes < kv_cache.physical_bytes_for(100)
+    assert kv_cache.num_committed_blocks == 100
+    kv_cache.recommit()
+    assert kv_cache.buffer.segment_sizes == [100 * s for s in kv_cache.segment_strides]
+    assert kv_cache.physical_bytes == kv_cache.physical_bytes_for(100)
+    check_readback_matches_bookkeeping(kv_cache.buffer)
+    check_usage_matches(usage, baseline, [kv_cache.buffer])
 
 
-def test_torch_cap_grows_by_what_a_shrinking_extend_frees(device):
+@pytest.mark.invariant(5)
+def test_torch_cap_grows_by_what_a_shrinking_extend_frees(build, device):
     """The reference subtracts the signed growth: when the measured budget is
     below what warmup committed, the shrink frees memory that torch may use,
     so the cap sits that much above free memory less the non-torch reserve."""
     layout = KVCacheLayout.LBHNC
-    kv_cache = ExtensibleKVCache(config_for("padded", layout, 20_000), device, layout)
-    try:
-        kv_cache.commit(kv_cache.blocks_within(512 << 20))
-        committed = kv_cache.physical_bytes
-        assert committed >= 500 << 20
-        free_before, _ = device_memory_info(device)
-        # Nothing is requested and 1 GiB went elsewhere since init: the budget
-        # is zero blocks, so the extend would free all that is committed.
-        num_blocks = measure_kv_cache_blocks(
-            kv_cache, device, init_free_memory=free_before + committed + (1 << 30), requested_memory=0
-        )
-        assert num_blocks == 0
-        reserved = torch.cuda.memory_reserved(device) if device.type == "cuda" else 0
-        # Other processes move free memory a little between the two readings.
-        noise = 128 << 20
-        unsigned_cap = reserved + free_before - KV_CACHE_NON_TORCH_RESERVE_BYTES
-        assert kv_cache.torch_memory_limit >= unsigned_cap + committed - noise
-    finally:
-        kv_cache.free()
+    kv_cache = build.cache_for("padded", layout, 20_000)
+    kv_cache.commit(kv_cache.blocks_within(512 << 20))
+    committed = kv_cache.physical_bytes
+    assert committed >= 500 << 20
+    free_before, _ = device_memory_info(device)
+    # Nothing is requested and 1 GiB went elsewhere since init: the budget
+    # is zero blocks, so the extend would free all that is committed.
+    num_blocks = measure_kv_cache_blocks(
+        kv_cache, device, init_free_memory=free_before + committed + (1 << 30), requested_memory=0
+    )
+    assert num_blocks == 0
+    reserved = torch.cuda.memory_reserved(device) if device.type == "cuda" else 0
+    # Other processes move free memory a little between the two readings.
+    noise = 128 << 20
+    unsigned_cap = reserved + free_before - KV_CACHE_NON_TORCH_RESERVE_BYTES
+    assert kv_cache.torch_memory_limit >= unsigned_cap + committed - noise

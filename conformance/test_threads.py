@@ -26,7 +26,8 @@ import torch
 
 from extkv import ExtensibleKVCache, KVCacheLayout
 from extkv.testing.checks import check_readback_matches_bookkeeping, check_usage_matches
-from extkv.testing.configs import config_for
+
+pytestmark = pytest.mark.invariant(7)
 
 THREADS = 8
 ROUNDS = 8
@@ -101,9 +102,9 @@ def check_consistent(kv_cache: ExtensibleKVCache, usage, baseline: int) -> None:
 
 
 @pytest.mark.parametrize("layout", [KVCacheLayout.LBHNC, KVCacheLayout.BLHNC], ids=lambda layout: layout.name)
-def test_threads_mixing_operations_keep_the_cache_consistent(device, usage, layout):
+def test_threads_mixing_operations_keep_the_cache_consistent(build, usage, layout):
     baseline = usage.read_outside_torch()
-    kv_cache = ExtensibleKVCache(config_for("full", layout, CAPACITY), device, layout)
+    kv_cache = build.cache_for("full", layout, CAPACITY)
     requested: set[int] = set()
     lock = threading.Lock()
 
@@ -127,67 +128,60 @@ def test_threads_mixing_operations_keep_the_cache_consistent(device, usage, layo
         lambda rng: kv_cache.recommit(),
     ]
     operations_run = mismatched_blocks = 0
-    try:
-        kv_cache.commit(50)
-        for round_number in range(ROUNDS):
-            preserving_round = round_number % 2 == 0
-            if kv_cache.buffer.physical_bytes == 0:
-                kv_cache.recommit()
-            write_patterns(kv_cache)
-            before = kv_cache.num_committed_blocks
-            requested.clear()
-            errors = run_round(kv_cache, preserving if preserving_round else mixed, seed=round_number)
-            operations_run += THREADS * OPERATIONS_PER_THREAD
-            assert not errors, f"round {round_number}: {len(errors)} operation(s) raised, first: {errors[0]!r}"
-            check_consistent(kv_cache, usage, baseline)
-            if kv_cache.buffer.physical_bytes == 0:
-                continue  # released last: nothing readable until recommit
-            patterned, zero = row_states(kv_cache)
-            n = kv_cache.num_committed_blocks
-            if preserving_round:
-                assert n == max([before, *requested]), f"{n} blocks committed; the round asked for at most {max(requested)}"
-                mismatched_blocks += int((~patterned[: min(before, n)]).sum()) + int((~zero[before:]).sum())
-            else:
-                assert n == before or n in requested, f"{n} blocks committed, a count nobody asked for"
-                mismatched_blocks += int((~(patterned | zero)).sum())
-            assert mismatched_blocks == 0, f"round {round_number}: {mismatched_blocks} block(s) hold neither what the model says"
-    finally:
-        kv_cache.free()
+    kv_cache.commit(50)
+    for round_number in range(ROUNDS):
+        preserving_round = round_number % 2 == 0
+        if kv_cache.buffer.physical_bytes == 0:
+            kv_cache.recommit()
+        write_patterns(kv_cache)
+        before = kv_cache.num_committed_blocks
+        requested.clear()
+        errors = run_round(kv_cache, preserving if preserving_round else mixed, seed=round_number)
+        operations_run += THREADS * OPERATIONS_PER_THREAD
+        assert not errors, f"round {round_number}: {len(errors)} operation(s) raised, first: {errors[0]!r}"
+        check_consistent(kv_cache, usage, baseline)
+        if kv_cache.buffer.physical_bytes == 0:
+            continue  # released last: nothing readable until recommit
+        patterned, zero = row_states(kv_cache)
+        n = kv_cache.num_committed_blocks
+        if preserving_round:
+            assert n == max([before, *requested]), f"{n} blocks committed; the round asked for at most {max(requested)}"
+            mismatched_blocks += int((~patterned[: min(before, n)]).sum()) + int((~zero[before:]).sum())
+        else:
+            assert n == before or n in requested, f"{n} blocks committed, a count nobody asked for"
+            mismatched_blocks += int((~(patterned | zero)).sum())
+        assert mismatched_blocks == 0, f"round {round_number}: {mismatched_blocks} block(s) hold neither what the model says"
+    kv_cache.free()
     assert operations_run >= 1000
     check_usage_matches(usage, baseline, [])
 
 
-def test_threads_committing_one_tensor_map_each_granule_once(device, usage):
+def test_threads_committing_one_tensor_map_each_granule_once(build, usage):
     """The defect first seen: two threads growing one tensor at once both
     mapped the same granules, leaking a chunk and desynchronizing bookkeeping."""
-    from extkv import ExtensibleTensor
-
     baseline = usage.read_outside_torch()
-    tensor = ExtensibleTensor(64 * (2 << 20), device=device, segment_capacities=[32 * (2 << 20)] * 2)
+    tensor = build.tensor(64 * (2 << 20), segment_capacities=[32 * (2 << 20)] * 2)
     granule = tensor.granularity
-    try:
-        for trial in range(20):
-            barrier = threading.Barrier(THREADS)
-            errors: list[BaseException] = []
+    for trial in range(20):
+        barrier = threading.Barrier(THREADS)
+        errors: list[BaseException] = []
 
-            def grow(thread: int) -> None:
-                barrier.wait()
-                try:
-                    size = (thread % 4 + 1) * 4 * granule + trial
-                    tensor.resize_segments_([max(size, tensor.segment_sizes[0]), max(size, tensor.segment_sizes[1])])
-                except ValueError:
-                    pass  # another thread grew past this size first: a shrink request, refused
-                except BaseException as error:
-                    errors.append(error)
+        def grow(thread: int) -> None:
+            barrier.wait()
+            try:
+                size = (thread % 4 + 1) * 4 * granule + trial
+                tensor.resize_segments_([max(size, tensor.segment_sizes[0]), max(size, tensor.segment_sizes[1])])
+            except ValueError:
+                pass  # another thread grew past this size first: a shrink request, refused
+            except BaseException as error:
+                errors.append(error)
 
-            threads = [threading.Thread(target=grow, args=(i,)) for i in range(THREADS)]
-            for thread in threads:
-                thread.start()
-            for thread in threads:
-                thread.join()
-            assert not errors, f"trial {trial}: {errors[0]!r}"
-            check_readback_matches_bookkeeping(tensor)
-            check_usage_matches(usage, baseline, [tensor])
-            tensor.release_physical()
-    finally:
-        tensor.free()
+        threads = [threading.Thread(target=grow, args=(i,)) for i in range(THREADS)]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join()
+        assert not errors, f"trial {trial}: {errors[0]!r}"
+        check_readback_matches_bookkeeping(tensor)
+        check_usage_matches(usage, baseline, [tensor])
+        tensor.release_physical()

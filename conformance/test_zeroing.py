@@ -24,6 +24,7 @@ import torch
 
 from extkv import KVCacheLayout
 from extkv.testing.checks import (
+    check_all_equal,
     check_readback_matches_bookkeeping,
     check_usage_matches,
     readback_one_chunk_per_segment,
@@ -46,21 +47,7 @@ def granule(poisoned) -> int:
 
 def expect_bytes(tensor, start: int, end: int, value: int, what: str) -> None:
     """Bytes [start, end) of the reservation all equal `value`."""
-    if end <= start:
-        return
-    wrong = int((tensor.full_view()[start:end] != value).count_nonzero())
-    assert wrong == 0, f"{what}: {wrong} of {end - start} bytes in [{start:#x}, {end:#x}) are not {value:#04x}"
-
-
-def expect_equal(actual: torch.Tensor, expected: torch.Tensor, what: str) -> None:
-    assert actual.numel() == expected.numel(), f"{what}: {actual.numel()} bytes, expected {expected.numel()}"
-    wrong = int((actual != expected).count_nonzero())
-    assert wrong == 0, f"{what}: {wrong} of {expected.numel()} bytes differ from what was written"
-
-
-def expect_zero(view: torch.Tensor, what: str) -> None:
-    wrong = int(view.count_nonzero())
-    assert wrong == 0, f"{what}: {wrong} of {view.numel()} bytes are not zero"
+    check_all_equal(tensor.full_view()[start:end], value, f"{what} [{start:#x}, {end:#x})")
 
 
 # -- the tensor ---------------------------------------------------------------
@@ -190,13 +177,13 @@ def expect_kept_then_zero(kv_cache, patterns: list[torch.Tensor], what: str) -> 
     """Each segment starts with its pattern and is zero after it."""
     for i, pattern in enumerate(patterns):
         view = kv_cache.buffer.segment_view(i)
-        expect_equal(view[: pattern.numel()], pattern, f"{what}: segment {i}'s kept blocks")
-        expect_zero(view[pattern.numel() :], f"{what}: segment {i}'s new blocks")
+        check_all_equal(view[: pattern.numel()], pattern, f"{what}: segment {i}'s kept blocks")
+        check_all_equal(view[pattern.numel() :], 0, f"{what}: segment {i}'s new blocks")
 
 
 def expect_all_zero(kv_cache, what: str) -> None:
     for i in range(segment_count(kv_cache)):
-        expect_zero(kv_cache.buffer.segment_view(i), f"{what}: segment {i}")
+        check_all_equal(kv_cache.buffer.segment_view(i), 0, f"{what}: segment {i}")
 
 
 def fragment(kv_cache, n: int = CAPACITY // 2) -> None:
@@ -277,7 +264,7 @@ def test_preserving_defragment_moves_every_mapped_byte_and_zeroes_nothing(cache,
     cache.commit(n, defragment=True, preserve_contents=True)
     assert cache.physical_bytes == physical, f"physical bytes {physical} -> {cache.physical_bytes}"
     for address, copy in mapped:
-        expect_equal(driver.view(address, copy.numel()), copy, f"mapped bytes at {address:#x}")
+        check_all_equal(driver.view(address, copy.numel()), copy, f"mapped bytes at {address:#x}")
     check_readback_matches_bookkeeping(cache.buffer)
     check_usage_matches(usage, baseline, [cache.buffer])
 

@@ -75,6 +75,21 @@ def readback_one_chunk_per_segment(tensor: ExtensibleTensor, sizes: list[int]) -
     return result
 
 
+def check_all_equal(actual: torch.Tensor, expected: torch.Tensor | int, what: str) -> None:
+    """`actual` equals `expected` (a tensor of the same length, or one byte
+    value for all of it); the message counts the differing bytes."""
+    if isinstance(expected, torch.Tensor):
+        if actual.numel() != expected.numel():
+            raise AssertionError(f"{what}: {actual.numel()} bytes, expected {expected.numel()}")
+        expected = expected.to(actual.device)
+        wanted = "the expected bytes"
+    else:
+        wanted = f"{expected:#04x}"
+    wrong = int((actual != expected).count_nonzero())
+    if wrong:
+        raise AssertionError(f"{what}: {wrong} of {actual.numel()} bytes are not {wanted}")
+
+
 def maps_permissions(address: int) -> str:
     """The kernel's permissions ("rw-s") of the host mapping holding `address`."""
     with open("/proc/self/maps") as maps:
