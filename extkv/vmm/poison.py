@@ -18,36 +18,28 @@ once, by this wrapper's public `create`, like any driver's.
 
 Imported chunks are another process's memory and are never poisoned.
 
-Like `FaultInjectingDriver`, the wrapper delegates each `_`-step to the inner
-driver's `_`-step. To inject faults into poisoned memory, wrap this driver in
-the fault injector, not the other way round: wrapped inside, the injector
-would count the fill's own map and set-access calls.
+Like `FaultInjectingDriver`, it is a `WrappingDriver`: every other step goes
+to the inner driver's `_`-step unchanged. To inject faults into poisoned
+memory, wrap this driver in the fault injector, not the other way round:
+wrapped inside, the injector would count the fill's own map and set-access
+calls.
 """
 
 from __future__ import annotations
 
-from typing import Hashable, Iterable
-
-import torch
-
 from .. import validate
 from .base import Chunk, Driver
+from .wrapping import WrappingDriver
 
 DEFAULT_POISON = 0xA5
 
 
-class PoisoningDriver(Driver):
+class PoisoningDriver(WrappingDriver):
     """Wraps a driver; fills every chunk it creates with `pattern` (1..255)."""
 
     def __init__(self, inner: Driver, pattern: int = DEFAULT_POISON):
-        if not isinstance(inner, Driver):
-            raise ValueError(f"PoisoningDriver wraps a Driver, got {inner!r}")
+        super().__init__(inner)
         self.pattern = validate.integer("pattern", pattern, minimum=1, maximum=255, what="a non-zero byte")
-        self.inner = inner
-        self.kind = inner.kind
-        self.device = inner.device
-        self.granularity = inner.granularity
-        self.max_reservation_bytes = inner.max_reservation_bytes
         #: Chunks and bytes filled with the pattern so far: a test that relies
         #: on poison can prove some was laid.
         self.poisoned_chunks = 0
@@ -79,48 +71,6 @@ class PoisoningDriver(Driver):
             inner.free_reservation(scratch, chunk.size)
         self.poisoned_chunks += 1
         self.poisoned_bytes += chunk.size
-
-    def _reserve(self, size: int) -> int:
-        return self.inner._reserve(size)
-
-    def _free_reservation(self, address: int, size: int) -> None:
-        self.inner._free_reservation(address, size)
-
-    def _release(self, chunk: Chunk) -> None:
-        self.inner._release(chunk)
-
-    def _export_fd(self, chunk: Chunk, writable: bool) -> int:
-        return self.inner._export_fd(chunk, writable)
-
-    def _import_fd(self, fd: int, size: int) -> Chunk:
-        return self.inner._import_fd(fd, size)
-
-    def _map(self, address: int, chunk: Chunk) -> None:
-        self.inner._map(address, chunk)
-
-    def _set_access(self, address: int, size: int, writable: bool) -> None:
-        self.inner._set_access(address, size, writable)
-
-    def _unmap(self, address: int, size: int) -> None:
-        self.inner._unmap(address, size)
-
-    def synchronize(self) -> None:
-        self.inner.synchronize()
-
-    def memory_info(self) -> tuple[int, int]:
-        return self.inner.memory_info()
-
-    def reclaim_cache(self) -> bool:
-        return self.inner.reclaim_cache()
-
-    def chunk_at(self, address: int) -> Hashable | None:
-        return self.inner.chunk_at(address)
-
-    def chunks_at(self, addresses: Iterable[int]) -> list[Hashable | None]:
-        return self.inner.chunks_at(addresses)
-
-    def view(self, address: int, size: int) -> torch.Tensor:
-        return self.inner.view(address, size)
 
     def describe(self) -> dict[str, str]:
         return {**self.inner.describe(), "poison": f"every created chunk filled with {self.pattern:#04x}"}
