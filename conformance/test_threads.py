@@ -108,15 +108,22 @@ def test_threads_mixing_operations_keep_the_cache_consistent(build, usage, layou
     requested: set[int] = set()
     lock = threading.Lock()
 
-    def target(rng: random.Random) -> int:
-        n = rng.randrange(1, CAPACITY + 1)
+    def asked(n: int) -> int:
         with lock:
             requested.add(n)
         return n
 
+    def target(rng: random.Random) -> int:
+        return asked(rng.randrange(1, CAPACITY + 1))
+
+    def at_or_below(rng: random.Random) -> int:
+        # At or below the count read now; another thread may shrink the
+        # cache before this commit runs, which then grows it to this count.
+        return asked(rng.randrange(0, kv_cache.num_committed_blocks + 1))
+
     preserving = [
         lambda rng: kv_cache.commit(target(rng)),
-        lambda rng: kv_cache.commit(rng.randrange(0, kv_cache.num_committed_blocks + 1)),
+        lambda rng: kv_cache.commit(at_or_below(rng)),
         lambda rng: kv_cache.commit(target(rng), defragment=True, preserve_contents=True),
         lambda rng: kv_cache.commit(kv_cache.num_committed_blocks, defragment=True, preserve_contents=True),
         lambda rng: (kv_cache.physical_bytes, kv_cache.buffer.mapped_chunks, kv_cache.committable_blocks()),
