@@ -284,39 +284,37 @@ RESIZE_STEPS = ("create", "map", "set_access")
 @pytest.mark.invariant(5)
 @pytest.mark.parametrize("step", RESIZE_STEPS)
 @pytest.mark.parametrize("nth", [1, 2, 3])
-def test_fault_in_resize_leaves_consistent_tensor_and_retry_completes(device, granule, usage, step, nth):
+def test_fault_in_resize_leaves_consistent_tensor_and_retry_completes(build, device, granule, usage, step, nth):
     """Three runs need three chunks; the nth run's `step` fails."""
     baseline = usage.read_outside_torch()
     fds = len(open_chunk_fds())
     faulty = FaultInjectingDriver(driver_for(device))
-    t = ExtensibleTensor(9 * granule, device=faulty, segment_capacities=[3 * granule] * 3)
-    try:
-        t.resize_segments_([granule // 2] * 3, zero_new=True)  # makes the three runs below separate
-        for i in range(3):
-            t.segment_view(i).fill_(0x77)
-        faulty.fail_in(step, nth)
-        target = [3 * granule] * 3
-        with pytest.raises(DriverError, match=f"{step} \\(injected fault"):
-            t.resize_segments_(target, zero_new=True)
-        assert faulty.fired == [(step, faulty.calls[step])]
-        # Runs before the failing one stay mapped, recorded and accessible.
-        assert t.segment_sizes == [granule // 2] * 3
-        assert t.num_physical_chunks == 3 + (nth - 1)
-        check_readback_matches_bookkeeping(t)
-        check_usage_matches(usage, baseline, [t])
-        for mapped in t.mapped_chunks:
-            t.driver.view(mapped.address, mapped.chunk.size).add_(0)  # readable and writable
+    t = build.tensor(9 * granule, device=faulty, segment_capacities=[3 * granule] * 3)
+    t.resize_segments_([granule // 2] * 3, zero_new=True)  # makes the three runs below separate
+    for i in range(3):
+        t.segment_view(i).fill_(0x77)
+    faulty.fail_in(step, nth)
+    target = [3 * granule] * 3
+    with pytest.raises(DriverError, match=f"{step} \\(injected fault"):
         t.resize_segments_(target, zero_new=True)
-        assert t.segment_sizes == target
-        assert t.physical_bytes == 9 * granule
-        check_readback_matches_bookkeeping(t)
-        check_usage_matches(usage, baseline, [t])
-        for i in range(3):
-            view = t.segment_view(i)
-            check_all_equal(view[: granule // 2], 0x77, f"segment {i}'s bytes from before the fault")
-            check_all_equal(view[granule // 2 :], 0, f"segment {i}'s new bytes")
-    finally:
-        t.free()
+    assert faulty.fired == [(step, faulty.calls[step])]
+    # Runs before the failing one stay mapped, recorded and accessible.
+    assert t.segment_sizes == [granule // 2] * 3
+    assert t.num_physical_chunks == 3 + (nth - 1)
+    check_readback_matches_bookkeeping(t)
+    check_usage_matches(usage, baseline, [t])
+    for mapped in t.mapped_chunks:
+        t.driver.view(mapped.address, mapped.chunk.size).add_(0)  # readable and writable
+    t.resize_segments_(target, zero_new=True)
+    assert t.segment_sizes == target
+    assert t.physical_bytes == 9 * granule
+    check_readback_matches_bookkeeping(t)
+    check_usage_matches(usage, baseline, [t])
+    for i in range(3):
+        view = t.segment_view(i)
+        check_all_equal(view[: granule // 2], 0x77, f"segment {i}'s bytes from before the fault")
+        check_all_equal(view[granule // 2 :], 0, f"segment {i}'s new bytes")
+    t.free()
     assert len(open_chunk_fds()) == fds
 
 
@@ -474,18 +472,16 @@ def test_fault_in_defragment_cleanup_is_finished_by_free(build, device, granule,
     reservations, chunks = _nonzero(live_reservations), _nonzero(live_chunks)
     faulty = FaultInjectingDriver(driver_for(device))
     t = fragmented_tensor(build, faulty, granule)
-    try:
-        before = [t.segment_view(i).clone() for i in range(2)]
-        faulty.fail_in(step, nth)
-        with pytest.raises(DriverError, match="injected fault"):
-            t.defragment_segment_(0)
-        assert faulty.fired == [(step, faulty.calls[step])]
-        assert readback_one_chunk_per_segment(t, t.segment_sizes) == [True, True]
-        for i in range(2):
-            check_all_equal(t.segment_view(i), before[i], f"segment {i} after a fault in cleanup")
-        check_readback_matches_bookkeeping(t)
-    finally:
-        t.free()
+    before = [t.segment_view(i).clone() for i in range(2)]
+    faulty.fail_in(step, nth)
+    with pytest.raises(DriverError, match="injected fault"):
+        t.defragment_segment_(0)
+    assert faulty.fired == [(step, faulty.calls[step])]
+    assert readback_one_chunk_per_segment(t, t.segment_sizes) == [True, True]
+    for i in range(2):
+        check_all_equal(t.segment_view(i), before[i], f"segment {i} after a fault in cleanup")
+    check_readback_matches_bookkeeping(t)
+    t.free()
     assert _nonzero(live_reservations) == reservations and _nonzero(live_chunks) == chunks
     check_usage_matches(usage, baseline, [])
 

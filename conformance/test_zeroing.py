@@ -157,7 +157,7 @@ def test_zero_new_between_runs(build, poisoned, granule):
 def test_release_then_regrow_zeroes_fresh_chunks(build, poisoned, granule):
     t = build.tensor(4 * granule, device=poisoned, segment_capacities=[2 * granule, 2 * granule])
     t.resize_segments_([2 * granule, granule + 7], zero_new=True)
-    t.full_view()[: 4 * granule - granule + 7].fill_(0x33)
+    t.full_view()[: 3 * granule + 7].fill_(0x33)
     created = poisoned.poisoned_chunks
     t.release_physical()
     t.resize_segments_([2 * granule, granule + 7], zero_new=True)

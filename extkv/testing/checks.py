@@ -78,6 +78,9 @@ def readback_one_chunk_per_segment(tensor: ExtensibleTensor, sizes: list[int]) -
 def check_all_equal(actual: torch.Tensor, expected: torch.Tensor | int, what: str) -> None:
     """`actual` equals `expected` (a tensor of the same length, or one byte
     value for all of it); the message counts the differing bytes."""
+    # pytest prints the arguments of every frame of a failure; hidden, this
+    # frame cannot print `actual`, a view that may outlive its mapping.
+    __tracebackhide__ = True
     if isinstance(expected, torch.Tensor):
         if actual.numel() != expected.numel():
             raise AssertionError(f"{what}: {actual.numel()} bytes, expected {expected.numel()}")
