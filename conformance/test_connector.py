@@ -51,13 +51,16 @@ from extkv.layout import (
 )
 from extkv.peer import import_segments
 from extkv.testing.checks import check_usage_matches, maps_permissions
-from extkv.testing.configs import CAPACITY, GRANULE, config_for, fill_segments
+from extkv.testing.configs import CAPACITY, GRANULE, fill_segments
 from extkv.vmm import FaultInjectingDriver, driver_for, live_chunks, live_reservations
 from extkv.wire import PROTOCOL, receive_message, send_message
 
 #: Generous: the peer imports torch (and creates a CUDA context) before it connects.
 PEER_TIMEOUT_S = 120
 REPO_ROOT = Path(extkv.__file__).resolve().parent.parent
+#: Where a test needs what only host chunks promise (read-only descriptors,
+#: seals), whatever the `device` parameter: `build.cache_for(..., device=HOST)`.
+HOST = torch.device("cpu")
 
 
 # (id, config kind, layout, blocks to commit, expected segments, expected
@@ -69,32 +72,6 @@ CASES = [
     # Near capacity the segments' prefixes touch: one chunk backs all three.
     ("LBHNC-unpadded-shared-chunk", "full", KVCacheLayout.LBHNC, 650, 3, 1, True),
 ]
-
-
-def _cache_maker(default_device):
-    made: list[ExtensibleKVCache] = []
-
-    def make(kind: str, layout: KVCacheLayout, on=None) -> ExtensibleKVCache:
-        kv_cache = ExtensibleKVCache(config_for(kind, layout), default_device if on is None else on, layout)
-        made.append(kv_cache)
-        return kv_cache
-
-    yield make
-    for kv_cache in made:
-        kv_cache.free()
-
-
-@pytest.fixture
-def make_cache(device):
-    """Build ExtensibleKVCaches that are freed after the test, even on failure."""
-    yield from _cache_maker(device)
-
-
-@pytest.fixture
-def make_host_cache():
-    """`make_cache` on the host driver, for what only host chunks promise
-    (read-only descriptors, seals)."""
-    yield from _cache_maker(torch.device("cpu"))
 
 
 @pytest.fixture
@@ -174,10 +151,11 @@ def test_segment_export_connector_is_a_kv_connector():
     connector.close()
 
 
+@pytest.mark.invariant(5, 8)
 @pytest.mark.parametrize("name, kind, layout, blocks, segments, chunks, inside", CASES, ids=[c[0] for c in CASES])
-def test_peer_reads_every_segment(device, make_cache, connector, usage, name, kind, layout, blocks, segments, chunks, inside):
+def test_peer_reads_every_segment(device, build, connector, usage, name, kind, layout, blocks, segments, chunks, inside):
     baseline = usage.read_outside_torch()
-    kv_cache = make_cache(kind, layout)
+    kv_cache = build.cache_for(kind, layout)
     kv_cache.commit(blocks, defragment=True)
     fill_segments(kv_cache, seed=len(name))
     connector.register_kv_caches(kv_cache)
@@ -198,8 +176,9 @@ def test_peer_reads_every_segment(device, make_cache, connector, usage, name, ki
     check_usage_matches(usage, baseline, [kv_cache.buffer])
 
 
-def test_peer_reads_live_memory_and_one_wrong_byte_shows(device, make_cache, connector):
-    kv_cache = make_cache("full", KVCacheLayout.LBHNC)
+@pytest.mark.invariant(8)
+def test_peer_reads_live_memory_and_one_wrong_byte_shows(device, build, connector):
+    kv_cache = build.cache_for("full", KVCacheLayout.LBHNC)
     kv_cache.commit(37, defragment=True)  # segments start inside their chunks
     fill_segments(kv_cache, seed=1)
     connector.register_kv_caches(kv_cache)
@@ -222,8 +201,9 @@ def fragment(kv_cache: ExtensibleKVCache) -> int:
     return n
 
 
-def test_fragmented_cache_is_refused_and_nothing_changes(device, make_cache, connector):
-    kv_cache = make_cache("padded", KVCacheLayout.LBHNC)
+@pytest.mark.invariant(6)
+def test_fragmented_cache_is_refused_and_nothing_changes(device, build, connector):
+    kv_cache = build.cache_for("padded", KVCacheLayout.LBHNC)
     n = fragment(kv_cache)
     chunks = kv_cache.buffer.mapped_chunks
     with pytest.raises(SegmentNotContiguousError, match=r"segment\(s\) 0 \(.*, 1 \(.*, 2 \(.*defragment=True") as raised:
@@ -239,14 +219,17 @@ def test_fragmented_cache_is_refused_and_nothing_changes(device, make_cache, con
     assert connector.is_registered and len(connector.registrations) == 3
 
 
-def test_restore_after_release_and_recommit_reads_new_bytes(device, make_cache, connector, usage):
+@pytest.mark.invariant(1, 4, 5, 8)
+def test_restore_after_release_and_recommit_reads_new_bytes(device, build, connector, usage):
     baseline = usage.read_outside_torch()
-    kv_cache = make_cache("padded", KVCacheLayout.LBHNC)
+    kv_cache = build.cache_for("padded", KVCacheLayout.LBHNC)
     n = 300
     kv_cache.commit(n, defragment=True)
     fill_segments(kv_cache, seed=4)
     connector.register_kv_caches(kv_cache)
     old = connector.registrations
+    segments = range(len(kv_cache.segment_strides))
+    pointers = [kv_cache.buffer.segment_view(i).data_ptr() for i in segments]
 
     # What a runner does around sleep or a weight update.
     connector.unregister_kv_caches()
@@ -254,6 +237,7 @@ def test_restore_after_release_and_recommit_reads_new_bytes(device, make_cache, 
     check_usage_matches(usage, baseline, [kv_cache.buffer])
     kv_cache.recommit()
     kv_cache.commit(n, defragment=True)
+    assert [kv_cache.buffer.segment_view(i).data_ptr() for i in segments] == pointers, "the recommit moved a segment"
     with pytest.raises(StateError, match="export_to"):
         connector.export_to(None)
     connector.restore_kv_caches()
@@ -273,8 +257,9 @@ def test_restore_after_release_and_recommit_reads_new_bytes(device, make_cache, 
     check_usage_matches(usage, baseline, [kv_cache.buffer])
 
 
-def test_stale_registration_is_refused_until_restored(device, make_cache, connector):
-    kv_cache = make_cache("padded", KVCacheLayout.LBHNC)
+@pytest.mark.invariant(6, 8)
+def test_stale_registration_is_refused_until_restored(device, build, connector):
+    kv_cache = build.cache_for("padded", KVCacheLayout.LBHNC)
     kv_cache.commit(300, defragment=True)
     connector.register_kv_caches(kv_cache)
     chunks = kv_cache.buffer.mapped_chunks
@@ -307,9 +292,10 @@ def test_stale_registration_is_refused_until_restored(device, make_cache, connec
             receiver.setblocking(False)
 
 
-def test_in_process_import_shares_the_physical_memory(device, make_cache, usage):
+@pytest.mark.invariant(5, 8)
+def test_in_process_import_shares_the_physical_memory(device, build, usage):
     baseline = usage.read_outside_torch()
-    kv_cache = make_cache("full", KVCacheLayout.LBHNC)
+    kv_cache = build.cache_for("full", KVCacheLayout.LBHNC)
     kv_cache.commit(37, defragment=True)
     fill_segments(kv_cache, seed=8)
     connector = SegmentExportConnector(writable_exports=True)
@@ -330,10 +316,11 @@ def test_in_process_import_shares_the_physical_memory(device, make_cache, usage)
     check_usage_matches(usage, baseline, [kv_cache.buffer])
 
 
-def test_exports_are_read_only_by_default(make_host_cache, connector):
+@pytest.mark.invariant(8)
+def test_exports_are_read_only_by_default(build, connector):
     """The peer's host mapping is read-only, read back from the kernel; the
     exporter's own mapping stays writable and the peer sees its writes."""
-    kv_cache = make_host_cache("padded", KVCacheLayout.LBHNC)
+    kv_cache = build.cache_for("padded", KVCacheLayout.LBHNC, device=HOST)
     kv_cache.commit(300, defragment=True)
     fill_segments(kv_cache, seed=9)
     connector.register_kv_caches(kv_cache)
@@ -438,8 +425,9 @@ def attack_from_peer(connector: SegmentExportConnector, uid: int | None) -> dict
 ANOTHER_UID = 65534  # nobody
 
 
+@pytest.mark.invariant(8)
 @pytest.mark.parametrize("uid", [None, ANOTHER_UID], ids=["same-uid", "another-uid"])
-def test_peer_cannot_truncate_punch_or_write_a_read_only_export(make_host_cache, connector, uid):
+def test_peer_cannot_truncate_punch_or_write_a_read_only_export(build, connector, uid):
     """Invariant 8 on the host: through what it receives, a peer process can
     read the chunks but not truncate, punch, write or map them writable; the
     seals hold even where /proc lets it reopen the memfd read-write (same
@@ -447,7 +435,7 @@ def test_peer_cannot_truncate_punch_or_write_a_read_only_export(make_host_cache,
     reads every byte afterwards, unchanged."""
     if uid is not None and os.getuid() != 0:
         pytest.skip("starting a peer under another uid needs root")
-    kv_cache = make_host_cache("padded", KVCacheLayout.LBHNC)
+    kv_cache = build.cache_for("padded", KVCacheLayout.LBHNC, device=HOST)
     kv_cache.commit(300, defragment=True)
     fill_segments(kv_cache, seed=10)
     if uid is not None:
@@ -477,8 +465,8 @@ def test_peer_cannot_truncate_punch_or_write_a_read_only_export(make_host_cache,
 
 
 @pytest.mark.parametrize("step, nth", [("reserve", 1), ("import", 2), ("map", 3), ("set_access", 1)])
-def test_failed_import_undoes_every_step(device, make_cache, connector, step, nth):
-    kv_cache = make_cache("padded", KVCacheLayout.LBHNC)  # three chunks
+def test_failed_import_undoes_every_step(device, build, connector, step, nth):
+    kv_cache = build.cache_for("padded", KVCacheLayout.LBHNC)  # three chunks
     kv_cache.commit(300, defragment=True)
     fill_segments(kv_cache, seed=3)
     connector.register_kv_caches(kv_cache)
@@ -498,11 +486,11 @@ def test_failed_import_undoes_every_step(device, make_cache, connector, step, nt
         assert live_counts() == counts and fd_count() == fds
 
 
-def test_failed_import_attempts_every_undo_and_raises_the_first_failure(make_host_cache, connector):
+def test_failed_import_attempts_every_undo_and_raises_the_first_failure(build, connector):
     """An undo step that fails stops none of the others, and the step that
     failed first is what the caller sees; the undo's failure is a note on it.
     On the host, freeing the reservation unmaps what the failed undo left."""
-    kv_cache = make_host_cache("padded", KVCacheLayout.LBHNC)  # three chunks
+    kv_cache = build.cache_for("padded", KVCacheLayout.LBHNC, device=HOST)  # three chunks
     kv_cache.commit(300, defragment=True)
     connector.register_kv_caches(kv_cache)
     faulty = FaultInjectingDriver(driver_for("cpu"), {"set_access": 1, "unmap": 2})
@@ -520,9 +508,9 @@ def test_failed_import_attempts_every_undo_and_raises_the_first_failure(make_hos
         assert note.startswith("while undoing: unmap (injected fault at call 2) failed: INJECTED_FAULT (-1)")
 
 
-def test_failed_export_sends_nothing_and_closes_what_it_exported(device, make_cache, connector):
+def test_failed_export_sends_nothing_and_closes_what_it_exported(device, build, connector):
     faulty = FaultInjectingDriver(driver_for(device))
-    kv_cache = make_cache("padded", KVCacheLayout.LBHNC, on=faulty)
+    kv_cache = build.cache_for("padded", KVCacheLayout.LBHNC, device=faulty)
     kv_cache.commit(300, defragment=True)
     fill_segments(kv_cache, seed=6)
     connector.register_kv_caches(kv_cache)
@@ -543,8 +531,9 @@ def test_failed_export_sends_nothing_and_closes_what_it_exported(device, make_ca
         assert fd_count() == fds
 
 
-def test_invalid_calls_raise_and_change_nothing(device, make_cache, connector):
-    kv_cache = make_cache("full", KVCacheLayout.LBHNC)
+@pytest.mark.invariant(6)
+def test_invalid_calls_raise_and_change_nothing(device, build, connector):
+    kv_cache = build.cache_for("full", KVCacheLayout.LBHNC)
     kv_cache.commit(37, defragment=True)
     with pytest.raises(StateError, match="restore_kv_caches"):
         connector.restore_kv_caches()
@@ -567,6 +556,7 @@ def test_invalid_calls_raise_and_change_nothing(device, make_cache, connector):
             call()
 
 
+@pytest.mark.invariant(6, 8)
 def test_driver_export_and_import_check_their_arguments(device):
     driver = driver_for(device)
     granule = driver.granularity
@@ -598,6 +588,7 @@ def test_driver_export_and_import_check_their_arguments(device):
     assert live_counts() == counts and fd_count() == fds
 
 
+@pytest.mark.invariant(6)
 def test_peer_refuses_a_bad_header_and_says_why():
     reply, returncode, stderr = run_peer_with(lambda sock: send_message(sock, {"protocol": "extkv-segments/1"}))
     assert returncode == 1, stderr
@@ -606,6 +597,7 @@ def test_peer_refuses_a_bad_header_and_says_why():
     }
 
 
+@pytest.mark.invariant(6, 8)
 @pytest.mark.parametrize(
     "header, message",
     [
@@ -669,6 +661,7 @@ def host_header(chunk_sizes: list[int], segments: list[tuple[int, int, int]]) ->
     }
 
 
+@pytest.mark.invariant(6, 8)
 def test_import_refuses_deeply_nested_json_with_a_value_error():
     counts, fds = live_counts(), fd_count()
     sender, receiver = socket.socketpair()
@@ -680,6 +673,7 @@ def test_import_refuses_deeply_nested_json_with_a_value_error():
     assert live_counts() == counts and fd_count() == fds
 
 
+@pytest.mark.invariant(6, 8)
 @pytest.mark.parametrize("kind", ["regular file", "unsealed memfd"])
 def test_import_refuses_a_descriptor_that_is_not_a_sealed_memfd(kind):
     """A regular file, or a memfd without seals, could be truncated by its
@@ -724,6 +718,7 @@ def test_peer_error_reply_names_no_address():
     assert "address 0x" in stderr  # the peer's own report keeps it
 
 
+@pytest.mark.invariant(6, 8)
 def test_import_gives_up_when_the_exporter_stalls_and_restores_the_timeout():
     counts, fds = live_counts(), fd_count()
     sender, receiver = socket.socketpair()
@@ -741,6 +736,7 @@ def test_import_gives_up_when_the_exporter_stalls_and_restores_the_timeout():
     assert live_counts() == counts and fd_count() == fds
 
 
+@pytest.mark.invariant(6)
 def test_import_refuses_what_is_not_a_unix_socket_or_a_driver():
     sender, receiver = socket.socketpair()
     with sender, receiver, socket.socket(socket.AF_INET, socket.SOCK_STREAM) as inet:
@@ -751,9 +747,10 @@ def test_import_refuses_what_is_not_a_unix_socket_or_a_driver():
             import_segments(receiver, driver="cpu")
 
 
+@pytest.mark.invariant(8)
 @pytest.mark.parametrize("refusal", ["another uid", "another pid"])
-def test_export_refuses_a_peer_it_does_not_allow_and_sends_nothing(make_host_cache, refusal):
-    kv_cache = make_host_cache("full", KVCacheLayout.LBHNC)
+def test_export_refuses_a_peer_it_does_not_allow_and_sends_nothing(build, refusal):
+    kv_cache = build.cache_for("full", KVCacheLayout.LBHNC, device=HOST)
     kv_cache.commit(37, defragment=True)
     if refusal == "another uid":
         connector = SegmentExportConnector(allowed_uids={os.getuid() + 1})
@@ -786,8 +783,9 @@ def test_export_refuses_a_peer_it_does_not_allow_and_sends_nothing(make_host_cac
     connector.close()
 
 
-def test_export_serves_an_allowed_peer_and_checks_its_arguments(make_host_cache):
-    kv_cache = make_host_cache("full", KVCacheLayout.LBHNC)
+@pytest.mark.invariant(6, 8)
+def test_export_serves_an_allowed_peer_and_checks_its_arguments(build):
+    kv_cache = build.cache_for("full", KVCacheLayout.LBHNC, device=HOST)
     kv_cache.commit(37, defragment=True)
     fill_segments(kv_cache, seed=11)
     default = SegmentExportConnector()
@@ -823,6 +821,7 @@ def test_export_serves_an_allowed_peer_and_checks_its_arguments(make_host_cache)
             SegmentExportConnector(**arguments)
 
 
+@pytest.mark.invariant(6, 8)
 def test_listen_privately_binds_where_only_this_uid_can_reach():
     with listen_privately() as listener:
         directory, sock = os.stat(listener.directory), os.stat(listener.path)
@@ -846,6 +845,7 @@ def test_listen_privately_binds_where_only_this_uid_can_reach():
         listen_privately(backlog=0)
 
 
+@pytest.mark.invariant(8)
 def test_runner_with_a_registering_connector_defragments_and_exports(device):
     """A runner whose connector registers memory extends with a defragmenting
     commit, so registration succeeds; the peer reads what the model wrote,

@@ -53,6 +53,7 @@ def driver() -> HostDriver:
     return HostDriver()
 
 
+@pytest.mark.invariant(8)
 def test_chunks_are_sealed_against_shrink_grow_and_new_seals(driver):
     chunk = driver.create(driver.granularity)
     size = driver.granularity
@@ -85,6 +86,7 @@ def test_chunks_are_sealed_against_shrink_grow_and_new_seals(driver):
         driver.release(chunk)
 
 
+@pytest.mark.invariant(8)
 def test_export_gives_a_read_only_descriptor_of_the_same_memory(driver):
     chunk = driver.create(driver.granularity)
     exported = driver.export_fd(chunk)
@@ -102,6 +104,7 @@ def test_export_gives_a_read_only_descriptor_of_the_same_memory(driver):
         driver.release(chunk)
 
 
+@pytest.mark.invariant(8)
 def test_set_access_grants_what_is_asked_and_no_more_than_the_descriptor_allows(driver):
     """One range, two chunks: an import of a read-only export can be granted
     read access only (asking for write is refused by the kernel), the chunk
@@ -134,6 +137,7 @@ def test_set_access_grants_what_is_asked_and_no_more_than_the_descriptor_allows(
     assert live_counts() == counts
 
 
+@pytest.mark.invariant(6, 8)
 @pytest.mark.parametrize("kind", ["regular file", "unsealed memfd", "memfd sealed against shrinking only"])
 def test_import_accepts_only_memfds_sealed_against_shrink_and_grow(driver, kind):
     g = driver.granularity
@@ -159,6 +163,7 @@ MEMINFO = "MemTotal:       16000000 kB\nMemFree:          500000 kB\nMemAvailabl
 MEM_AVAILABLE = 1_000_000 * 1024
 
 
+@pytest.mark.invariant(5)
 def test_usage_counts_a_released_chunk_while_it_stays_mapped(driver):
     """The witness sees what holds pages, not only what holds descriptors: a
     chunk released (its memfd closed) while still mapped keeps its pages, and
@@ -234,6 +239,7 @@ def file_size_limit(limit: int):
         signal.signal(signal.SIGXFSZ, handler)
 
 
+@pytest.mark.invariant(5)
 def test_a_create_beyond_memory_is_refused_before_any_page_is_allocated(driver):
     with open("/proc/meminfo") as meminfo:
         total = int(next(line for line in meminfo if line.startswith("MemTotal:")).split()[1]) * 1024
@@ -268,6 +274,7 @@ driver.release(driver.create(driver.granularity))
 """
 
 
+@pytest.mark.invariant(5)
 def test_a_create_beyond_this_cgroups_limit_is_refused():
     """In a child cgroup limited far below free memory, a create over the
     limit is refused, naming the cgroup; one within it succeeds. Runs in a

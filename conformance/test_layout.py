@@ -141,6 +141,7 @@ def test_specs_are_frozen_and_hashable():
     assert FULL == FullAttentionSpec(4, 2, 4, torch.int32)
 
 
+@pytest.mark.invariant(6)
 @pytest.mark.parametrize(
     "make, match",
     [
@@ -167,6 +168,7 @@ def test_invalid_specs_raise(make, match):
         make()
 
 
+@pytest.mark.invariant(6)
 @pytest.mark.parametrize(
     "kwargs, match",
     [
@@ -184,6 +186,7 @@ def test_invalid_kv_cache_tensor_raises(kwargs, match):
         KVCacheTensor(**kwargs)
 
 
+@pytest.mark.invariant(6)
 def test_invalid_group_and_config_raise():
     with pytest.raises(ValueError, match="layer_names must name at least one layer"):
         KVCacheGroupSpec(layer_names=[], kv_cache_spec=FULL)
@@ -311,12 +314,14 @@ def test_builder_mixed_page_sizes_get_separate_regions(layout):
     assert kv_cache_segments(config, layout) == segments
 
 
+@pytest.mark.invariant(6)
 def test_builder_bhlnc_rejects_mixed_heads():
     groups = [KVCacheGroupSpec(["a"], FULL), KVCacheGroupSpec(["m"], MLA)]
     with pytest.raises(ValueError, match=r"BHLNC needs every layer to have the same kv heads, got \[1, 2\]"):
         build_kv_cache_config(groups, 3, L.BHLNC)
 
 
+@pytest.mark.invariant(6)
 def test_builder_rejects_groups_landing_between_elements():
     # 2 (K,V) * 1 token * 1 head * 1 dim * 2 bytes = 4-byte pages, then an
     # int64 group would start 3 * 4 = 12 bytes in: not on an 8-byte element.
@@ -330,6 +335,7 @@ def test_builder_rejects_groups_landing_between_elements():
     assert [t.offset for t in config.kv_cache_tensors] == [0, 3 * 128]
 
 
+@pytest.mark.invariant(6)
 def test_builder_lhbnc_rejects_mixed_head_slabs():
     # 256 / 2 = 128 against a 64-byte MLA slab: no single segment stride.
     small_mla = MLAAttentionSpec(block_size=4, head_size=4, dtype=torch.int32)
@@ -378,6 +384,7 @@ def test_builder_hybrid_state_aliases_attention_when_padded():
     assert alloc_size(config) == 2 * 4 * 256 + 4 * 64
 
 
+@pytest.mark.invariant(6)
 @pytest.mark.parametrize(
     "call, match",
     [
@@ -581,6 +588,7 @@ def test_kernel_block_split(layout):
     assert views["a"][3].data_ptr() - views["a"][2].data_ptr() == half
 
 
+@pytest.mark.invariant(6)
 @pytest.mark.parametrize("layout", [L.BLHNC, L.BLNHC, L.BHLNC])
 def test_kernel_block_split_needs_contiguous_blocks(layout):
     config = build_kv_cache_config([KVCacheGroupSpec(["a", "b"], BIG_BLOCK)], 3, layout)
@@ -600,6 +608,7 @@ def test_kernel_block_split_single_layer_block_outermost():
     assert check_view_addresses(L.BLHNC, BIG_BLOCK, config, buffer, kernel=2) == 12 * 32
 
 
+@pytest.mark.invariant(6)
 def test_view_invalid_input_raises():
     config = build_kv_cache_config([KVCacheGroupSpec(["a"], FULL)], 3, L.LBHNC)
     tensor = config.kv_cache_tensors[0]
@@ -659,6 +668,7 @@ def test_layer_spec_for_tensor_and_kernel_block_size():
 # Segments of hand-made configs
 
 
+@pytest.mark.invariant(6)
 def test_segments_invalid_configs_raise():
     def config(*tensors, num_blocks=2):
         return KVCacheConfig(num_blocks=num_blocks, kv_cache_tensors=list(tensors), kv_cache_groups=[])
@@ -741,6 +751,7 @@ def test_padding_block_outermost_is_identity(layout):
     assert same, f"padding a {layout.name} config made a new config"
 
 
+@pytest.mark.invariant(6)
 def test_padding_invalid_input_raises():
     config = build_kv_cache_config([KVCacheGroupSpec(names("l", 3), FULL)], 3, L.LHBNC)
     with pytest.raises(ValueError, match="LHBNC has no per-layer segments to pad"):
@@ -785,6 +796,7 @@ def test_granule_alignment_is_an_lcm_not_a_max():
     assert granule_aligned_blocks(17, [4, 6], 12) == 12
 
 
+@pytest.mark.invariant(6)
 def test_granule_alignment_invalid_input_raises():
     with pytest.raises(ValueError, match="strides must hold at least one segment stride"):
         granule_block_alignment([], 2 * MiB)

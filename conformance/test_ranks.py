@@ -264,12 +264,14 @@ def test_single_rank_agrees_with_itself(device, caplog):
         kv_cache.free()
 
 
+@pytest.mark.invariant(6)
 @pytest.mark.parametrize("value", [-1, -(1 << 40), 1.0, 2.5, True, False, "3", None, 1 << 63], ids=repr)
 def test_min_over_ranks_rejects_bad_values(value):
     with pytest.raises(ValueError, match=re.escape(f"got {value!r}")):
         min_over_ranks(value)
 
 
+@pytest.mark.invariant(6)
 @pytest.mark.parametrize("not_a_cache", [None, 5, "cache"], ids=repr)
 def test_agree_rejects_what_is_not_a_cache(not_a_cache):
     with pytest.raises(ValueError, match=re.escape(f"kv_cache must be an ExtensibleKVCache, got {not_a_cache!r}")):

@@ -11,7 +11,7 @@ import pytest
 import torch
 from torch import nn
 
-from extkv import DriverError, ExtensibleKVCache, FaultInjectingDriver, KVCacheLayout, StateError, driver_for
+from extkv import DriverError, FaultInjectingDriver, KVCacheLayout, StateError, driver_for
 from extkv.connector import KVConnector, SegmentExportConnector
 from extkv.reference_model import ReferenceModelRunner, TinyDecoderConfig
 from extkv.runner import (
@@ -23,6 +23,7 @@ from extkv.runner import (
     num_committable_kv_blocks,
     registers_kv_cache_memory,
 )
+from extkv.testing.checks import check_usage_matches
 from extkv.testing.configs import config_for, fill_segments
 from extkv.vmm import device_memory_info
 
@@ -109,6 +110,7 @@ def assert_graph_matches_eager(runner: ReferenceModelRunner, first_block: int, p
         assert bool(torch.isfinite(eager).all())
 
 
+@pytest.mark.invariant(2)
 @pytest.mark.cuda_graphs
 def test_graphs_captured_before_growth_replay_on_new_blocks(runners):
     runner = runners("cuda", CAPACITY)
@@ -150,6 +152,7 @@ def generate(runner: ReferenceModelRunner, first_block: int, steps: int, *, use_
     return torch.stack([sequences.step(use_graph=use_graph) for _ in range(steps)])
 
 
+@pytest.mark.invariant(1, 4, 5)
 def test_lifecycle_end_to_end_matches_a_preallocated_runner(device, usage, runners):
     use_graphs = device.type == "cuda"
     baseline = usage.read_outside_torch()
@@ -178,22 +181,27 @@ def test_lifecycle_end_to_end_matches_a_preallocated_runner(device, usage, runne
     assert torch.equal(served, expected)
 
     held = kv_cache.physical_bytes
+    pointers = [view.data_ptr() for view in runner.kv_caches]
     runner.sleep()
     assert usage.read_outside_torch() - baseline == 0  # the memory really went back
     runner.wake()
     assert usage.read_outside_torch() - baseline == held == kv_cache.physical_bytes
+    assert [view.data_ptr() for view in runner.kv_caches] == pointers, "sleep/wake moved a layer's view"
     nonzero = [int(c.count_nonzero()) for c in cache_contents(runner)]
     assert nonzero == [0] * len(nonzero), f"non-zero bytes per layer after recommit: {nonzero}"
     assert torch.equal(generate(runner, first_block=32, steps=24, use_graph=use_graphs), expected)
 
 
-def test_extend_shrinks_to_the_measured_budget(device, runners):
+@pytest.mark.invariant(3, 5)
+def test_extend_shrinks_to_the_measured_budget(device, usage, runners):
     runner = runners(device, CAPACITY)
+    baseline = usage.read_outside_torch()  # the model is loaded; the cache holds address space only
     runner.allocate_kv_cache()
     ensure_kv_cache_blocks(runner, CAPACITY)
     extend_kv_cache(runner, runner.allocated_config, 40)
     kv_cache = runner.extensible_kv_cache
     assert kv_cache.num_committed_blocks == 40 and kv_cache.physical_bytes == kv_cache.physical_bytes_for(40)
+    check_usage_matches(usage, baseline, [kv_cache.buffer])
     storages = [view.untyped_storage().nbytes() for view in runner.kv_caches]
     expected = [40 * view.stride(0) * view.element_size() for view in runner.kv_caches]
     assert storages == expected, f"view storages {storages} bytes, 40 committed blocks span {expected}"
@@ -227,6 +235,7 @@ class HugeLayerModel(nn.Module):
         self.layer = nn.Linear(1, total_bytes // 4, bias=False, device="meta")
 
 
+@pytest.mark.invariant(1, 4, 5)
 def test_weight_update_borrows_a_reclaimable_cache_and_recommits_it(device, usage, runners):
     runner = runners(device, CAPACITY)
     runner.allocate_kv_cache()
@@ -250,6 +259,7 @@ def test_weight_update_borrows_a_reclaimable_cache_and_recommits_it(device, usag
     assert kv_cache.torch_memory_limit == 1 << 40
 
 
+@pytest.mark.invariant(6)
 def test_weight_update_that_cannot_fit_fails_before_changing_anything(device, runners):
     runner = runners(device, CAPACITY)
     runner.allocate_kv_cache()
@@ -400,6 +410,7 @@ def test_extend_registers_a_segment_export_connector_with_the_committed_config(d
         connector.close()
 
 
+@pytest.mark.invariant(6)
 @pytest.mark.parametrize("num_blocks", [-1, None, True, 2.0, "40"], ids=repr)
 def test_extend_refuses_a_bad_block_count_before_logging_or_changing_anything(device, runners, caplog, num_blocks):
     connector = RecordingConnector()
@@ -420,6 +431,7 @@ def test_extend_refuses_a_bad_block_count_before_logging_or_changing_anything(de
 NOT_RUNNERS = [None, "runner", object(), nn.Linear(1, 1)]
 
 
+@pytest.mark.invariant(6)
 @pytest.mark.parametrize("not_a_runner", NOT_RUNNERS, ids=["None", "str", "object", "module"])
 @pytest.mark.parametrize(
     "call",
@@ -437,6 +449,7 @@ def test_lifecycle_functions_refuse_what_is_not_a_runner(call, not_a_runner):
         call(not_a_runner)
 
 
+@pytest.mark.invariant(6)
 def test_lifecycle_functions_refuse_a_runner_with_a_bad_cache_or_connector(device, runners):
     runner = runners(device, CAPACITY)
     runner.allocate_kv_cache()
@@ -459,6 +472,7 @@ def test_lifecycle_functions_refuse_a_runner_with_a_bad_cache_or_connector(devic
         runner.extensible_kv_cache = kv_cache
 
 
+@pytest.mark.invariant(6)
 def test_extend_refuses_a_config_or_runner_it_cannot_extend(device, runners):
     connector = RecordingConnector()
     runner = runners(device, CAPACITY, connector=connector)
@@ -489,6 +503,7 @@ def test_extend_refuses_a_config_or_runner_it_cannot_extend(device, runners):
     assert connector.calls == []
 
 
+@pytest.mark.invariant(6)
 def test_reference_runner_refuses_bad_arguments(device, runners):
     for kwargs, message in [
         ({"capacity_blocks": 0}, "capacity_blocks must be an int >= 1"),
@@ -516,6 +531,7 @@ def test_reference_runner_refuses_bad_arguments(device, runners):
         plain.sleep()
 
 
+@pytest.mark.invariant(6)
 def test_reference_runner_refuses_calls_its_stage_does_not_allow(device, runners):
     """Stages as data: each call outside its stages names itself and the
     stage, and changes nothing; a legal call moves the runner on."""
@@ -550,6 +566,7 @@ def test_reference_runner_refuses_calls_its_stage_does_not_allow(device, runners
         advance[stage]()
 
 
+@pytest.mark.invariant(6)
 def test_weight_update_refuses_bad_arguments_before_changing_anything(device, runners):
     runner = runners(device, CAPACITY)
     runner.allocate_kv_cache()
@@ -618,26 +635,23 @@ def test_weight_update_puts_the_torch_cap_back_when_the_body_raises(device, runn
     assert kv_cache.physical_bytes == held and connector.operations == ["unregister", "restore"]
 
 
-def test_weight_update_puts_the_torch_cap_back_when_the_recommit_fails(device):
+def test_weight_update_puts_the_torch_cap_back_when_the_recommit_fails(device, build):
     faulty = FaultInjectingDriver(driver_for(device))
-    layout = KVCacheLayout.LBHNC
-    kv_cache = ExtensibleKVCache(config_for("padded", layout), faulty, layout)
+    kv_cache = build.cache_for("padded", KVCacheLayout.LBHNC, device=faulty)
     connector = RecordingConnector()
-    try:
-        kv_cache.commit(64)
-        kv_cache.set_torch_memory_limit(1 << 40)
-        huge = HugeLayerModel(device_memory_info(device)[1])
-        with pytest.raises(DriverError, match="injected fault"):
-            with kv_cache_lent_for_weight_update(kv_cache, huge, reclaimable=True, fail_if_short=True, connector=connector):
-                assert kv_cache.physical_bytes == 0
-                faulty.fail_in("map")
-        assert kv_cache.torch_memory_limit == 1 << 40
-        # The memory is not back, so the connector was not restored over it.
-        assert connector.operations == ["unregister"]
-    finally:
-        kv_cache.free()
+    kv_cache.commit(64)
+    kv_cache.set_torch_memory_limit(1 << 40)
+    huge = HugeLayerModel(device_memory_info(device)[1])
+    with pytest.raises(DriverError, match="injected fault"):
+        with kv_cache_lent_for_weight_update(kv_cache, huge, reclaimable=True, fail_if_short=True, connector=connector):
+            assert kv_cache.physical_bytes == 0
+            faulty.fail_in("map")
+    assert kv_cache.torch_memory_limit == 1 << 40
+    # The memory is not back, so the connector was not restored over it.
+    assert connector.operations == ["unregister"]
 
 
+@pytest.mark.invariant(6)
 def test_weight_update_with_a_closed_connector_fails_before_lending(device, runners):
     connector = SegmentExportConnector()
     connector.close()

@@ -95,6 +95,7 @@ def test_measure_kv_cache_bytes_custom_margin():
     assert measure_kv_cache_bytes(**common, margin_fraction=2) == 7 * GiB
 
 
+@pytest.mark.invariant(6)
 def test_measure_kv_cache_bytes_keywords_only():
     with pytest.raises(TypeError):
         measure_kv_cache_bytes(1, 1, 0, 1)  # type: ignore[misc]
@@ -128,6 +129,7 @@ def test_measure_kv_cache_bytes_properties(init_free, free, committed, requested
     assert measure_kv_cache_bytes(**dict(args, requested_memory=requested + GiB)) >= got
 
 
+@pytest.mark.invariant(6)
 @pytest.mark.parametrize(
     "override, match",
     [
@@ -204,6 +206,7 @@ def test_committable_bytes_properties(free, physical, reserved):
     assert committable_bytes(free + physical, 0, reserved) == got
 
 
+@pytest.mark.invariant(6)
 @pytest.mark.parametrize(
     "args, kwargs, match",
     [
@@ -267,6 +270,7 @@ def test_blocks_within_matches_linear_search(num_bytes, strides, granule, capaci
         assert segment_physical_bytes(got + 1, strides, granule) > num_bytes
 
 
+@pytest.mark.invariant(6)
 @pytest.mark.parametrize(
     "call, match",
     [
