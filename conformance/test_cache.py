@@ -29,8 +29,7 @@ from extkv.testing.checks import (
     snapshot,
 )
 from extkv.testing.configs import CAPACITY, CASE_IDS, CASES, GRANULE, config_for, fill_segments
-from extkv.vmm import device_memory_info
-from extkv.vmm import driver_for
+from extkv.vmm import device_memory_info, driver_for
 
 @pytest.fixture(params=CASES, ids=CASE_IDS)
 def case(request):
