@@ -37,7 +37,7 @@ from hypothesis import HealthCheck, settings  # noqa: E402
 from extkv import ExtensibleKVCache, ExtensibleTensor, vmm  # noqa: E402
 from extkv.layout import KVCacheConfig, KVCacheLayout  # noqa: E402
 from extkv.testing.checks import warm_up_kernels  # noqa: E402
-from extkv.testing.configs import CAPACITY, config_for  # noqa: E402
+from extkv.testing.configs import CAPACITY, CASE_IDS, CASES, config_for  # noqa: E402
 from extkv.usage import UsageProbe, open_chunk_fds  # noqa: E402
 
 # The suites' CPU tensors are a few MiB: one thread copies or compares them
@@ -198,6 +198,13 @@ def pytest_generate_tests(metafunc):
 def device(request) -> torch.device:
     """The device a test runs on: `cpu` (host driver) or `cuda:N`."""
     return torch.device("cpu") if request.param == "host" else torch.device(request.param)
+
+
+@pytest.fixture(params=CASES, ids=CASE_IDS)
+def case(request) -> tuple:
+    """(config kind, layout, config) for each KV cache case the suites share."""
+    kind, layout = request.param
+    return kind, layout, config_for(kind, layout)
 
 
 @pytest.fixture

@@ -28,14 +28,8 @@ from extkv.testing.checks import (
     readback_one_chunk_per_segment,
     snapshot,
 )
-from extkv.testing.configs import CAPACITY, CASE_IDS, CASES, GRANULE, config_for, fill_segments
+from extkv.testing.configs import CAPACITY, GRANULE, config_for, fill_segments
 from extkv.vmm import device_memory_info, driver_for
-
-@pytest.fixture(params=CASES, ids=CASE_IDS)
-def case(request):
-    kind, layout = request.param
-    return kind, layout, config_for(kind, layout)
-
 
 @pytest.fixture
 def cache(case, build, device):

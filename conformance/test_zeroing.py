@@ -29,7 +29,7 @@ from extkv.testing.checks import (
     check_usage_matches,
     readback_one_chunk_per_segment,
 )
-from extkv.testing.configs import CAPACITY, CASE_IDS, CASES, config_for, fill_segments
+from extkv.testing.configs import CAPACITY, config_for, fill_segments
 from extkv.vmm import PoisoningDriver, driver_for
 
 POISON = 0xA5
@@ -167,12 +167,6 @@ def test_release_then_regrow_zeroes_fresh_chunks(build, poisoned, granule):
 
 
 # -- the cache ----------------------------------------------------------------
-@pytest.fixture(params=CASES, ids=CASE_IDS)
-def case(request):
-    kind, layout = request.param
-    return kind, layout, config_for(kind, layout)
-
-
 @pytest.fixture
 def cache(case, build, poisoned):
     _, layout, config = case
