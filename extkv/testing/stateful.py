@@ -181,7 +181,7 @@ def tensor_machine(driver: Driver, probe: UsageProbe, fresh_byte: int | None = N
         @invariant()
         def holds_what_the_model_says(self):
             check_tensor_sizes(self.tensor, self.model)
-            check_tensor_addresses(self.tensor, self.model, self.base)
+            check_addresses_fixed(self.tensor, self.model.offsets, self.base)
             check_tensor_contents(self.tensor, self.model)
             read_back = read_back_granules(self.tensor)
             check_tensor_physical_bytes(self.tensor, self.model, read_back)
@@ -198,10 +198,12 @@ def check_tensor_sizes(tensor: ExtensibleTensor, model: TensorModel) -> None:
     assert tensor.segment_sizes == model.sizes, f"segment sizes {tensor.segment_sizes}, model {model.sizes}"
 
 
-def check_tensor_addresses(tensor: ExtensibleTensor, model: TensorModel, base: int) -> None:
+def check_addresses_fixed(tensor: ExtensibleTensor, offsets: list[int], base: int) -> None:
+    """The base, the full view and every committed segment view sit where
+    they sat at the start: `base`, and `base + offsets[i]` for segment i."""
     assert tensor.base == base, f"base moved from {base:#x} to {tensor.base:#x}"
     assert tensor.full_view().data_ptr() == base, f"full view at {tensor.full_view().data_ptr():#x}, base {base:#x}"
-    for i, offset in enumerate(model.offsets):
+    for i, offset in enumerate(offsets):
         view = tensor.segment_view(i)
         if view.numel():
             assert view.data_ptr() == base + offset, f"segment {i} at {view.data_ptr():#x}, expected {base + offset:#x}"
@@ -391,7 +393,7 @@ def cache_machine(driver: Driver, probe: UsageProbe, kind: str, layout: KVCacheL
 
         @invariant()
         def holds_what_the_model_says(self):
-            check_cache_addresses(self.cache, self.base)
+            check_addresses_fixed(self.cache.buffer, self.cache.segment_offsets, self.base)
             check_cache_committed(self.cache, self.model)
             check_cache_contents(self.cache, self.model)
             read_back = read_back_granules(self.cache.buffer)
@@ -404,16 +406,6 @@ def cache_machine(driver: Driver, probe: UsageProbe, kind: str, layout: KVCacheL
             self.cache.free()
 
     return ExtensibleKVCacheMachine
-
-
-def check_cache_addresses(kv_cache: ExtensibleKVCache, base: int) -> None:
-    buffer = kv_cache.buffer
-    assert buffer.base == base, f"base moved from {base:#x} to {buffer.base:#x}"
-    assert buffer.full_view().data_ptr() == base, f"full view at {buffer.full_view().data_ptr():#x}, base {base:#x}"
-    for i, offset in enumerate(kv_cache.segment_offsets):
-        view = buffer.segment_view(i)
-        if view.numel():
-            assert view.data_ptr() == base + offset, f"segment {i} at {view.data_ptr():#x}, expected {base + offset:#x}"
 
 
 def check_cache_committed(kv_cache: ExtensibleKVCache, model: CacheModel) -> None:
