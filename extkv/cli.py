@@ -1,8 +1,15 @@
 """The `extkv` command.
 
 - `extkv info`: the devices extkv would use and their drivers.
-- `extkv check [pytest args]`: run the conformance suite on every GPU found
-  (one pytest-xdist worker per GPU), or on the host driver when there is none.
+- `extkv check [pytest args]`: the conformance suite on every GPU found (one
+  pytest-xdist worker per GPU, then the multi-GPU tests in a step of their
+  own), or on the host driver when there is none; writes a report.
+- `extkv bench [--quick]`: the benchmarks (`reports/`), each figure a ratio
+  to a baseline measured in the same run; writes a report.
+- `extkv stress --minutes M [--seed S]`: the nightly stress run (`stress/`);
+  writes a report.
+- `extkv report DIR`: render a run directory's report again from its raw
+  results (JSON, JUnit XML).
 - `extkv peer --peer SOCKET_PATH [--timeout S]`: the receiving side of a
   `SegmentExportConnector`, as a process of its own (extkv.peer): import the
   exported segments, reply with the sha256 of each segment's committed bytes,
@@ -12,8 +19,6 @@
 from __future__ import annotations
 
 import argparse
-import os
-import subprocess
 import sys
 from pathlib import Path
 
@@ -21,43 +26,30 @@ import torch
 
 from . import vmm
 from .peer import DEFAULT_PEER_TIMEOUT_S, run_peer
+from .reporting import bench_run, check_run, render_report, stress_run
+
+#: Subcommands that run pytest: whatever they do not know goes to pytest.
+_PYTEST_COMMANDS = {
+    "check": (check_run, "run the conformance suite on the GPUs found, else on the host, and write a report"),
+    "bench": (bench_run, "run the benchmarks and write a report"),
+    "stress": (stress_run, "run the nightly stress suite for a bounded time and write a report"),
+}
 
 
-def _gpu_count() -> int:
-    return torch.cuda.device_count() if vmm.cuda_usable() else 0
-
-
-def _info(_args) -> int:
-    for facts in [vmm.driver_for("cpu").describe()] + [
-        vmm.driver_for(f"cuda:{i}").describe() for i in range(_gpu_count())
-    ]:
+def _info(args, _pytest_args) -> int:
+    gpus = torch.cuda.device_count() if vmm.cuda_usable() else 0
+    for facts in [vmm.driver_for("cpu").describe()] + [vmm.driver_for(f"cuda:{i}").describe() for i in range(gpus)]:
         print(f"{facts['device']}: {facts['driver']}, granularity {facts['granularity']}")
     return 0
 
 
-def _suite_root() -> Path:
-    root = Path(__file__).resolve().parent.parent
-    if not (root / "conformance").is_dir():
-        raise SystemExit(
-            f"extkv check: no conformance/ directory next to the extkv package in {root}; "
-            "run it from a source checkout installed with `pip install -e '.[test]'`"
-        )
-    return root
+def _report(args, _pytest_args) -> int:
+    summary = render_report(Path(args.run_dir))
+    print(f"extkv report: wrote {summary}")
+    return 0
 
 
-def _check(args) -> int:
-    root = _suite_root()
-    gpus = _gpu_count()
-    command = [sys.executable, "-m", "pytest", "conformance", "-q"]
-    if gpus > 1:
-        command += ["-n", str(gpus)]
-    where = f"{gpus} GPU(s) and the host driver" if gpus else "the host driver only (no CUDA GPU found)"
-    print(f"extkv check: conformance suite on {where}", flush=True)
-    print("$ " + " ".join(command + args.pytest_args), flush=True)
-    return subprocess.call(command + args.pytest_args, cwd=root, env=os.environ.copy())
-
-
-def _peer(args) -> int:
+def _peer(args, _pytest_args) -> int:
     run_peer(args.peer, args.timeout)
     return 0
 
@@ -66,10 +58,13 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="extkv", description=__doc__.split("\n\n")[0])
     commands = parser.add_subparsers(dest="command", required=True)
     commands.add_parser("info", help="show the devices and drivers extkv would use").set_defaults(run=_info)
-    check = commands.add_parser(
-        "check", help="run the conformance suite on the GPUs found, else on the host; other arguments go to pytest"
-    )
-    check.set_defaults(run=_check)
+    for name, (module, text) in _PYTEST_COMMANDS.items():
+        command = commands.add_parser(name, help=text + "; other arguments go to pytest")
+        module.add_arguments(command)
+        command.set_defaults(run=module.run)
+    report = commands.add_parser("report", help="render a run directory's summary.md and plots again from its raw results")
+    report.add_argument("run_dir", metavar="DIR", help="a run directory, e.g. reports/2026-11-30-myhost-h200")
+    report.set_defaults(run=_report)
     peer = commands.add_parser(
         "peer",
         help="import the segments a SegmentExportConnector exports, reply with their sha256 digests, clean up",
@@ -82,12 +77,10 @@ def main(argv: list[str] | None = None) -> int:
         help="seconds to wait on the socket (default %(default)s)",
     )
     peer.set_defaults(run=_peer)
-    # Whatever `check` does not know is for pytest (-x, -k EXPR, -rs, ...).
     args, extra = parser.parse_known_args(argv)
-    if extra and args.run is not _check:
+    if extra and args.command not in _PYTEST_COMMANDS:
         parser.error(f"unrecognized arguments: {' '.join(extra)}")
-    args.pytest_args = extra
-    return args.run(args)
+    return args.run(args, extra)
 
 
 if __name__ == "__main__":
