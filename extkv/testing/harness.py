@@ -22,6 +22,15 @@ Theory of operation
   which invariants a run proved and which it did not touch.
 - The `build` fixture makes ExtensibleTensors and ExtensibleKVCaches and frees
   them after the test, even when it fails, before the leak check runs.
+- Each test also carries, from collection on, the device it runs on as a
+  label that names the physical GPU (`GPU 1 (NVIDIA H200)`: in an xdist
+  worker `cuda:0` is the worker's pinned GPU) or `host`, and the xdist worker.
+- `--extkv-report-dir DIR`: the controlling process (under xdist it receives
+  every worker's reports, user_properties included) writes `DIR/<step>.json`
+  at the end of the session (`--extkv-report-step`, default `check`): per
+  test its outcome, invariants, device, worker, duration and skip reason or
+  failure message; the totals; and the machine facts the report header
+  prints (`machine_facts`, which extkv.reporting.machine uses too).
 """
 
 from __future__ import annotations
@@ -31,8 +40,14 @@ from .gpus import gpu_for_worker, pin_this_worker, visible_gpu_ids
 # Must precede any CUDA initialization in this process.
 _PINNED_GPU = pin_this_worker()
 
+import datetime  # noqa: E402
+import functools  # noqa: E402
+import json  # noqa: E402
 import os  # noqa: E402
+import socket  # noqa: E402
 import sys  # noqa: E402
+from importlib import metadata  # noqa: E402
+from pathlib import Path  # noqa: E402
 
 import pytest  # noqa: E402
 import torch  # noqa: E402
@@ -81,16 +96,38 @@ INVARIANTS = {
     7: "concurrency",
     8: "exports cannot harm the exporter",
 }
-_INVARIANT_PROPERTY = "extkv_invariants"
+#: Names of the user_properties every test report carries (also written
+#: into JUnit XML as testcase properties).
+INVARIANTS_PROPERTY = "extkv_invariants"
+DEVICE_PROPERTY = "extkv_device"
+WORKER_PROPERTY = "extkv_worker"
+#: Label of everything that runs on the host driver or needs no device.
+HOST_LABEL = "host"
+#: Format tag of the `<step>.json` files this harness writes.
+RECORD_FORMAT = "extkv-check/1"
 
 
 def pytest_addoption(parser):
     parser.addoption("--stress", action="store_true", help="run tests marked stress (long, nightly)")
+    group = parser.getgroup("extkv", "extkv reports")
+    group.addoption(
+        "--extkv-report-dir",
+        metavar="DIR",
+        default=None,
+        help="write DIR/<step>.json: every test's outcome, invariants and device, and the machine facts",
+    )
+    group.addoption(
+        "--extkv-report-step",
+        metavar="NAME",
+        default="check",
+        help="name of this run's results file in the report directory (default %(default)s: check.json)",
+    )
 
 
 def pytest_configure(config):
     for name, text in MARKERS.items():
         config.addinivalue_line("markers", f"{name}: {text}")
+    config.pluginmanager.register(RunRecord(config), "extkv-run-record")
 
 
 def cuda_device_count() -> int:
@@ -103,6 +140,115 @@ def _no_cuda_reason() -> str:
     return "cuda-python (cuda-bindings) is not importable"
 
 
+# -- machine facts: the report header and extkv.reporting.machine -------------
+def gpu_label(gpu_id: str, name: str) -> str:
+    """`GPU 1 (NVIDIA H200)`: the physical GPU, as CUDA_VISIBLE_DEVICES names it."""
+    return f"GPU {gpu_id} ({name})"
+
+
+@functools.lru_cache(maxsize=None)
+def machine_facts() -> dict:
+    """Host name, versions, the host driver and each GPU this process sees:
+    name, physical id and label, NVIDIA driver, CUDA driver API, VMM
+    granularity. Creates no CUDA context (NVML, and cuInit for the
+    granularity), so a controlling process that runs no GPU work holds none."""
+    host = vmm.driver_for("cpu").describe()
+    facts = {
+        "host": socket.gethostname(),
+        "python": sys.version.split()[0],
+        "torch": torch.__version__,
+        "cuda-bindings": _version("cuda-bindings"),
+        "nvidia-ml-py": _version("nvidia-ml-py"),
+        "host_driver": host["driver"],
+        "host_granularity": host["granularity"],
+        "gpus": [],
+        "no_gpu_reason": None,
+    }
+    if not vmm.cuda_usable():
+        facts["no_gpu_reason"] = _no_cuda_reason()
+        return facts
+    from ..vmm.base import format_granularity
+    from ..vmm.cuda import query_granularity
+
+    driver, cuda_api = _nvidia_driver_versions()
+    gpu_ids = visible_gpu_ids()
+    for index in range(torch.cuda.device_count()):
+        gpu_id = gpu_ids[index] if index < len(gpu_ids) else str(index)
+        name = torch.cuda.get_device_name(index)
+        facts["gpus"].append(
+            {
+                "index": index,
+                "id": gpu_id,
+                "name": name,
+                "label": gpu_label(gpu_id, name),
+                "driver": driver,
+                "cuda_driver_api": cuda_api,
+                "granularity": format_granularity(query_granularity(index)),
+            }
+        )
+    return facts
+
+
+def _version(distribution: str) -> str:
+    try:
+        return metadata.version(distribution)
+    except metadata.PackageNotFoundError:
+        return "not installed"
+
+
+def _nvidia_driver_versions() -> tuple[str, str]:
+    """(NVIDIA driver version, CUDA driver API version) from NVML."""
+    try:
+        import pynvml
+
+        pynvml.nvmlInit()
+        driver = pynvml.nvmlSystemGetDriverVersion()
+        api = pynvml.nvmlSystemGetCudaDriverVersion()
+        return (driver.decode() if isinstance(driver, bytes) else driver), f"{api // 1000}.{api % 1000 // 10}"
+    except Exception as error:
+        return f"unknown ({error})", "unknown"
+
+
+def _xdist_workers(config) -> int:
+    count = getattr(config.option, "numprocesses", None)
+    return count if isinstance(count, int) else 0
+
+
+def worker_gpus(config) -> dict[str, str]:
+    """Each xdist worker's GPU label ({} outside xdist or without GPUs)."""
+    labels = {gpu["id"]: gpu["label"] for gpu in machine_facts()["gpus"]}
+    gpu_ids = visible_gpu_ids()
+    pins = {}
+    for number in range(_xdist_workers(config)):
+        gpu = gpu_for_worker(f"gw{number}", gpu_ids)
+        if gpu is not None:
+            pins[f"gw{number}"] = labels.get(gpu, f"GPU {gpu}")
+    return pins
+
+
+def pytest_report_header(config):
+    facts = machine_facts()
+    lines = [
+        f"extkv: torch {facts['torch']}, cuda-bindings {facts['cuda-bindings']}, "
+        f"nvidia-ml-py {facts['nvidia-ml-py']}, python {facts['python']}",
+        f"extkv: host driver: {facts['host_driver']}, granularity {facts['host_granularity']}",
+    ]
+    for gpu in facts["gpus"]:
+        lines.append(
+            f"extkv: cuda:{gpu['index']} = {gpu['label']}, driver {gpu['driver']} (CUDA {gpu['cuda_driver_api']}), "
+            f"VMM granularity {gpu['granularity']}"
+        )
+    if not facts["gpus"]:
+        lines.append(f"extkv: no CUDA device ({facts['no_gpu_reason']}); GPU tests skip")
+    pins = worker_gpus(config)
+    if pins:
+        lines.append("extkv: one GPU per xdist worker: " + ", ".join(f"{w}->{label}" for w, label in pins.items()))
+    elif _xdist_workers(config):
+        lines.append(f"extkv: {_xdist_workers(config)} xdist workers, host driver only")
+    return lines
+
+
+# -- collection: invariants, capabilities, device labels ------------------------
 def _invariants_of(item) -> list[int]:
     numbers: set[int] = set()
     for marker in item.iter_markers("invariant"):
@@ -117,27 +263,58 @@ def _invariants_of(item) -> list[int]:
     return sorted(numbers)
 
 
+def _wanted_gpus(item) -> int:
+    multi = item.get_closest_marker("multi_gpu")
+    if multi is None:
+        return 0
+    return multi.args[0] if multi.args else 2
+
+
+def _device_label(item, gpus: list[dict]) -> str:
+    """Where `item` runs: a test with a `device` parameter on that device;
+    multi_gpu(n) on the first n GPUs; gpu / cuda_graphs on cuda:0 (in an
+    xdist worker, the pinned GPU); everything else on the host. `gpus`: the
+    GPUs of `machine_facts()`."""
+    wanted = _wanted_gpus(item)
+    if wanted:
+        if len(gpus) < wanted:
+            return f"{wanted} GPUs (not visible)"
+        names = sorted({gpu["name"] for gpu in gpus[:wanted]})
+        return f"GPUs {', '.join(gpu['id'] for gpu in gpus[:wanted])} ({', '.join(names)})"
+    params = getattr(item, "callspec", None)
+    device = params.params.get("device") if params is not None else None
+    if device is None:
+        needs_cuda = item.get_closest_marker("gpu") or item.get_closest_marker("cuda_graphs")
+        device = "cuda:0" if needs_cuda else HOST_LABEL
+    if device == HOST_LABEL:
+        return HOST_LABEL
+    index = torch.device(device).index or 0
+    return gpus[index]["label"] if index < len(gpus) else f"{device} (no GPU)"
+
+
 def pytest_collection_modifyitems(config, items):
     """The one place capability markers turn into skips; invariant markers
-    are checked and attached to the reports here too."""
+    are checked and, with the device label and the worker, attached to the
+    reports here too."""
     gpus = cuda_device_count()
+    gpu_facts = machine_facts()["gpus"]
+    worker = os.environ.get("PYTEST_XDIST_WORKER", "")
     for item in items:
         invariants = _invariants_of(item)
         if invariants:
-            item.user_properties.append((_INVARIANT_PROPERTY, invariants))
+            item.user_properties.append((INVARIANTS_PROPERTY, invariants))
+        item.user_properties.append((DEVICE_PROPERTY, _device_label(item, gpu_facts)))
+        if worker:
+            item.user_properties.append((WORKER_PROPERTY, worker))
         if item.get_closest_marker("stress") and not config.getoption("--stress"):
             item.add_marker(pytest.mark.skip(reason="stress test: run with --stress"))
         needs_cuda = item.get_closest_marker("gpu") or item.get_closest_marker("cuda_graphs")
         if needs_cuda and gpus == 0:
             what = "CUDA graphs need" if item.get_closest_marker("cuda_graphs") else "needs"
             item.add_marker(pytest.mark.skip(reason=f"{what} a CUDA GPU: {_no_cuda_reason()}"))
-        multi = item.get_closest_marker("multi_gpu")
-        if multi is not None:
-            wanted = multi.args[0] if multi.args else 2
-            if gpus < wanted:
-                item.add_marker(
-                    pytest.mark.skip(reason=f"needs {wanted} GPUs visible to this process, found {gpus}")
-                )
+        wanted = _wanted_gpus(item)
+        if wanted and gpus < wanted:
+            item.add_marker(pytest.mark.skip(reason=f"needs {wanted} GPUs visible to this process, found {gpus}"))
 
 
 def pytest_collection_finish(session):
@@ -155,37 +332,110 @@ def pytest_collection_finish(session):
     )
 
 
-# nodeid -> (invariants, outcome): "failed" once any phase failed, else
-# "skipped" if a phase skipped, else "passed" once the call passed.
-_invariant_outcomes: dict[str, tuple[list[int], str | None]] = {}
+# -- results: the terminal summary and <step>.json ------------------------------
+#: Outcomes a test's record can have. A failing call is "failed"; a failing
+#: setup or teardown (the leak check runs there) is "error", as in JUnit XML.
+OUTCOMES = ("passed", "failed", "error", "skipped")
 
 
-def pytest_runtest_logreport(report):
-    invariants = next((value for name, value in report.user_properties if name == _INVARIANT_PROPERTY), None)
-    if not invariants:
-        return
-    _, outcome = _invariant_outcomes.get(report.nodeid, (invariants, None))
-    if report.failed:
-        outcome = "failed"
-    elif report.skipped and outcome != "failed":
-        outcome = "skipped"
-    elif report.when == "call" and outcome is None:
-        outcome = "passed"
-    _invariant_outcomes[report.nodeid] = (invariants, outcome)
+class RunRecord:
+    """Every test's reports, folded into one record per nodeid as they
+    arrive. In the controlling process (not an xdist worker) it prints the
+    per-invariant summary and, with --extkv-report-dir, writes the JSON."""
 
+    def __init__(self, config):
+        self.config = config
+        self.tests: dict[str, dict] = {}
+        self.collection_errors: list[dict] = []
+        self.started = datetime.datetime.now(datetime.timezone.utc)
 
-def pytest_terminal_summary(terminalreporter):
-    if not _invariant_outcomes:
-        return
-    terminalreporter.write_sep("-", "extkv invariants proven by this run")
-    for number, words in INVARIANTS.items():
-        outcomes = [outcome for invariants, outcome in _invariant_outcomes.values() if number in invariants]
-        counts = {kind: outcomes.count(kind) for kind in ("passed", "failed", "skipped")}
-        verdict = "FAILED" if counts["failed"] else "proven" if counts["passed"] else "not proven"
-        terminalreporter.write_line(
-            f"invariant {number} ({words}): {len(outcomes)} tests, {counts['passed']} passed, "
-            f"{counts['failed']} failed, {counts['skipped']} skipped -> {verdict}"
+    @property
+    def controlling(self) -> bool:
+        return not hasattr(self.config, "workerinput")
+
+    def pytest_runtest_logreport(self, report):
+        properties = dict(report.user_properties)
+        record = self.tests.setdefault(
+            report.nodeid,
+            {
+                "outcome": None,
+                "invariants": properties.get(INVARIANTS_PROPERTY, []),
+                "device": properties.get(DEVICE_PROPERTY, HOST_LABEL),
+                "worker": properties.get(WORKER_PROPERTY),
+                "duration_s": 0.0,
+                "skip_reason": None,
+                "message": None,
+            },
         )
+        record["duration_s"] = round(record["duration_s"] + report.duration, 6)
+        if report.failed:
+            if record["outcome"] != "failed":
+                record["outcome"] = "failed" if report.when == "call" else "error"
+            record["message"] = record["message"] or _failure_message(report)
+        elif report.skipped and record["outcome"] not in ("failed", "error"):
+            record["outcome"] = "skipped"
+            record["skip_reason"] = _skip_reason(report)
+        elif report.when == "call" and record["outcome"] is None:
+            record["outcome"] = "passed"
+
+    def pytest_collectreport(self, report):
+        if report.failed:
+            self.collection_errors.append({"nodeid": report.nodeid, "message": _failure_message(report)})
+
+    def pytest_terminal_summary(self, terminalreporter):
+        counted = [record for record in self.tests.values() if record["invariants"]]
+        if not counted:
+            return
+        terminalreporter.write_sep("-", "extkv invariants proven by this run")
+        for number, words in INVARIANTS.items():
+            outcomes = [record["outcome"] for record in counted if number in record["invariants"]]
+            counts = {kind: outcomes.count(kind) for kind in OUTCOMES}
+            failed = counts["failed"] + counts["error"]
+            verdict = "FAILED" if failed else "proven" if counts["passed"] else "not proven"
+            terminalreporter.write_line(
+                f"invariant {number} ({words}): {len(outcomes)} tests, {counts['passed']} passed, "
+                f"{failed} failed, {counts['skipped']} skipped -> {verdict}"
+            )
+
+    def pytest_sessionfinish(self, session, exitstatus):
+        directory = self.config.getoption("--extkv-report-dir")
+        if directory is None or not self.controlling:
+            return
+        path = Path(directory) / f"{self.config.getoption('--extkv-report-step')}.json"
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tests = {nodeid: {**record, "outcome": record["outcome"] or "error"} for nodeid, record in self.tests.items()}
+        outcomes = [record["outcome"] for record in tests.values()]
+        document = {
+            "format": RECORD_FORMAT,
+            "step": self.config.getoption("--extkv-report-step"),
+            "arguments": list(self.config.invocation_params.args),
+            "started": self.started.isoformat(timespec="seconds"),
+            "finished": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+            "exit_status": int(exitstatus),
+            "machine": machine_facts(),
+            "worker_gpus": worker_gpus(self.config),
+            "invariants": {str(number): words for number, words in INVARIANTS.items()},
+            "totals": {kind: outcomes.count(kind) for kind in OUTCOMES},
+            "collection_errors": self.collection_errors,
+            "tests": tests,
+        }
+        path.write_text(json.dumps(document, indent=1) + "\n")
+        reporter = self.config.pluginmanager.getplugin("terminalreporter")
+        if reporter is not None:
+            reporter.write_line(f"extkv: results written to {path}")
+
+
+def _skip_reason(report) -> str:
+    if isinstance(report.longrepr, tuple):
+        return report.longrepr[2].removeprefix("Skipped: ")
+    return str(report.longrepr)
+
+
+def _failure_message(report) -> str:
+    """The one line that says what failed (pytest's crash line), shortened."""
+    crash = getattr(report.longrepr, "reprcrash", None)
+    text = crash.message if crash is not None else str(report.longrepr)
+    return text.strip().splitlines()[0][:500] if text.strip() else "(no message)"
 
 
 def device_ids() -> list[str]:
@@ -204,6 +454,14 @@ def pytest_generate_tests(metafunc):
 def device(request) -> torch.device:
     """The device a test runs on: `cpu` (host driver) or `cuda:N`."""
     return torch.device("cpu") if request.param == "host" else torch.device(request.param)
+
+
+@pytest.fixture
+def report_dir(request) -> Path | None:
+    """The run directory of --extkv-report-dir, for tests that leave results
+    beside check.json (the memory timeline); None when not reporting."""
+    directory = request.config.getoption("--extkv-report-dir")
+    return Path(directory) if directory is not None else None
 
 
 @pytest.fixture(params=CASES, ids=CASE_IDS)
@@ -315,55 +573,3 @@ def no_leaks(request):
             problems.append(f"{_probe(d).source} on {d}: {start} -> {end} bytes")
     if problems:
         pytest.fail("test leaked: " + "; ".join(problems), pytrace=False)
-
-
-def pytest_report_header(config):
-    lines = [
-        f"extkv: torch {torch.__version__}, cuda-bindings {_version('cuda-bindings')}, "
-        f"nvidia-ml-py {_version('nvidia-ml-py')}, python {sys.version.split()[0]}"
-    ]
-    host = vmm.driver_for("cpu").describe()
-    lines.append(f"extkv: host driver: {host['driver']}, granularity {host['granularity']}")
-    gpu_ids = visible_gpu_ids()
-    if vmm.cuda_usable():
-        from ..vmm.cuda import query_granularity
-
-        for index in range(torch.cuda.device_count()):
-            lines.append(
-                f"extkv: cuda:{index} {torch.cuda.get_device_name(index)}, driver {_nvidia_driver_version()}, "
-                f"VMM granularity {query_granularity(index) >> 20} MiB"
-            )
-    else:
-        lines.append(f"extkv: no CUDA device ({_no_cuda_reason()}); GPU tests skip")
-    workers = _xdist_workers(config)
-    if workers and gpu_ids:
-        pins = ", ".join(f"gw{i}->GPU {gpu_for_worker(f'gw{i}', gpu_ids)}" for i in range(workers))
-        lines.append(f"extkv: one GPU per xdist worker: {pins}")
-    elif workers:
-        lines.append(f"extkv: {workers} xdist workers, host driver only")
-    return lines
-
-
-def _xdist_workers(config) -> int:
-    count = getattr(config.option, "numprocesses", None)
-    return count if isinstance(count, int) else 0
-
-
-def _version(distribution: str) -> str:
-    from importlib import metadata
-
-    try:
-        return metadata.version(distribution)
-    except metadata.PackageNotFoundError:
-        return "not installed"
-
-
-def _nvidia_driver_version() -> str:
-    try:
-        import pynvml
-
-        pynvml.nvmlInit()
-        version = pynvml.nvmlSystemGetDriverVersion()
-        return version.decode() if isinstance(version, bytes) else version
-    except Exception as error:
-        return f"unknown ({error})"
