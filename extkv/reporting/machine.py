@@ -1,0 +1,72 @@
+"""Facts of the machine a report speaks for.
+
+Theory of operation
+-------------------
+The harness gathers the facts (`extkv.testing.harness.machine_facts`): its
+report header prints them and the results file of every run records them, so
+a report names the devices, driver, versions and VMM granularity that the
+tests really ran on. This module reads the same facts in the process that
+starts a run (the run directory is named after its GPUs) and renders them as
+the report's machine section. The harness is imported only when facts are
+wanted: it needs pytest and hypothesis (the `test` extra), which rendering a
+report again (`extkv report DIR`) does not.
+"""
+
+from __future__ import annotations
+
+import re
+from collections import Counter
+
+#: Words dropped from a GPU's name in a run directory's slug.
+_VENDOR_WORDS = ("nvidia",)
+
+
+def machine_facts() -> dict:
+    """Host name, versions, the host driver and each GPU this process sees
+    (the harness's facts, cached per process)."""
+    from ..testing.harness import machine_facts as harness_machine_facts
+
+    return harness_machine_facts()
+
+
+def slug(text: str) -> str:
+    """Lower case, runs of anything but letters and digits made one `-`."""
+    return re.sub(r"[^a-z0-9]+", "-", text.lower()).strip("-")
+
+
+def gpu_slug(facts: dict) -> str:
+    """`h200`, `2xh200`, `h200-a100`; `host` without a GPU."""
+    names = Counter()
+    for gpu in facts["gpus"]:
+        words = [word for word in slug(gpu["name"]).split("-") if word not in _VENDOR_WORDS]
+        names["-".join(words) or "gpu"] += 1
+    if not names:
+        return "host"
+    return "-".join(name if count == 1 else f"{count}x{name}" for name, count in names.items())
+
+
+def machine_section(facts: dict, worker_gpus: dict[str, str] | None = None) -> str:
+    """The report's machine section, in markdown."""
+    lines = [
+        "## Machine",
+        "",
+        f"- host: `{facts['host']}`",
+        f"- python {facts['python']}, torch {facts['torch']}, cuda-bindings {facts['cuda-bindings']}, "
+        f"nvidia-ml-py {facts['nvidia-ml-py']}",
+        f"- host driver: {facts['host_driver']}, granularity {facts['host_granularity']}",
+    ]
+    if facts["gpus"]:
+        lines += [
+            "",
+            "| device | GPU | NVIDIA driver | CUDA driver API | VMM granularity |",
+            "|---|---|---|---|---|",
+        ]
+        lines += [
+            f"| cuda:{gpu['index']} | {gpu['label']} | {gpu['driver']} | {gpu['cuda_driver_api']} | {gpu['granularity']} |"
+            for gpu in facts["gpus"]
+        ]
+    else:
+        lines.append(f"- no CUDA device: {facts['no_gpu_reason']}")
+    if worker_gpus:
+        lines += ["", "One GPU per xdist worker: " + ", ".join(f"{w} -> {label}" for w, label in worker_gpus.items())]
+    return "\n".join(lines) + "\n"
