@@ -14,35 +14,12 @@ report again (`extkv report DIR`) does not.
 
 from __future__ import annotations
 
-import re
-from collections import Counter
-
-#: Words dropped from a GPU's name in a run directory's slug.
-_VENDOR_WORDS = ("nvidia",)
-
-
 def machine_facts() -> dict:
     """Host name, versions, the host driver and each GPU this process sees
     (the harness's facts, cached per process)."""
     from ..testing.harness import machine_facts as harness_machine_facts
 
     return harness_machine_facts()
-
-
-def slug(text: str) -> str:
-    """Lower case, runs of anything but letters and digits made one `-`."""
-    return re.sub(r"[^a-z0-9]+", "-", text.lower()).strip("-")
-
-
-def gpu_slug(facts: dict) -> str:
-    """`h200`, `2xh200`, `h200-a100`; `host` without a GPU."""
-    names = Counter()
-    for gpu in facts["gpus"]:
-        words = [word for word in slug(gpu["name"]).split("-") if word not in _VENDOR_WORDS]
-        names["-".join(words) or "gpu"] += 1
-    if not names:
-        return "host"
-    return "-".join(name if count == 1 else f"{count}x{name}" for name, count in names.items())
 
 
 def machine_section(facts: dict, worker_gpus: dict[str, str] | None = None) -> str:

@@ -18,12 +18,30 @@ from __future__ import annotations
 
 import datetime
 import importlib.util
+import re
+from collections import Counter
 from pathlib import Path
-
-from .machine import gpu_slug, slug
 
 #: Suite directory in a checkout -> the package it is installed as.
 SUITE_PACKAGES = {"conformance": "extkv_conformance", "reports": "extkv_benchmarks"}
+#: Words dropped from a GPU's name in a run directory's name.
+_VENDOR_WORDS = ("nvidia",)
+
+
+def slug(text: str) -> str:
+    """Lower case, runs of anything but letters and digits made one `-`."""
+    return re.sub(r"[^a-z0-9]+", "-", text.lower()).strip("-")
+
+
+def gpu_slug(facts: dict) -> str:
+    """`h200`, `2xh200`, `h200-a100`; `host` without a GPU."""
+    names = Counter()
+    for gpu in facts["gpus"]:
+        words = [word for word in slug(gpu["name"]).split("-") if word not in _VENDOR_WORDS]
+        names["-".join(words) or "gpu"] += 1
+    if not names:
+        return "host"
+    return "-".join(name if count == 1 else f"{count}x{name}" for name, count in names.items())
 
 
 def checkout_root() -> Path | None:
