@@ -1,0 +1,206 @@
+"""A KV cache's life on one device, with physical memory read outside extkv
+all the way through.
+
+Theory of operation
+-------------------
+`run_timeline` drives one realistic-ish cache (16-token blocks, 8 KV heads
+of 128, bf16, layer-outermost, so one segment per layer) through the
+lifecycle an engine puts it through: allocate, grow in steps as warmup does,
+shrink, defragment discarding, grow again, defragment preserving, sleep
+(`release_physical`), wake (`recommit`), free. `LIFECYCLE` is that script, as
+data. The cache is sized to the device (`GEOMETRY`: a few GiB on a GPU, tens
+of MiB on the host driver, never more than a quarter of what is free).
+
+A background thread reads the `UsageProbe` (NVML per process on CUDA, the
+kernel's memfd pages on the host) every few milliseconds; each operation
+also takes a reading when it starts and when it ends, beside the cache's own
+`physical_bytes`. Every reading is the probe's outside-torch usage minus the
+reading taken before the cache existed. The readings at each operation's
+start and end are its `Mark`: invariant 5 says the two numbers of a mark
+agree. The samples in between show what the operation held while it ran (a
+preserving defragment briefly holds a segment twice).
+
+`Timeline.write` leaves the whole record as `timeline-<device>.json` in a
+report directory; `Timeline.load` reads it back for the report's plot.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import threading
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import torch
+
+from .. import vmm
+from ..cache import ExtensibleKVCache
+from ..layout import FullAttentionSpec, KVCacheGroupSpec, KVCacheLayout, build_kv_cache_config
+from ..usage import UsageProbe
+
+#: Format tag of the JSON files.
+TIMELINE_FORMAT = "extkv-timeline/1"
+#: Glob of the files in a report directory.
+TIMELINE_GLOB = "timeline-*.json"
+SPEC = FullAttentionSpec(block_size=16, num_kv_heads=8, head_size=128, dtype=torch.bfloat16)  # 64 KiB pages
+LAYOUT = KVCacheLayout.LBHNC
+#: Per driver kind: (layers, the most bytes the cache may span).
+GEOMETRY = {"cuda": (32, 4 << 30), "host": (2, 64 << 20)}
+#: Never span more than this share of the device's free memory.
+FREE_SHARE = 0.25
+#: Blocks are a multiple of this, so every step of LIFECYCLE is whole.
+BLOCK_QUANTUM = 16
+#: Seconds between background readings.
+SAMPLE_INTERVAL_S = 0.004
+
+#: (label, operation, share of the capacity to commit, commit flags).
+LIFECYCLE: list[tuple[str, str, float | None, dict]] = [
+    ("allocate", "allocate", None, {}),
+    ("grow to 1/8", "commit", 1 / 8, {}),
+    ("grow to 1/4", "commit", 1 / 4, {}),
+    ("grow to 1/2", "commit", 1 / 2, {}),
+    ("grow to 3/4", "commit", 3 / 4, {}),
+    ("shrink to 1/4", "commit", 1 / 4, {"shrink": True}),
+    ("grow to 1/2", "commit", 1 / 2, {}),
+    ("defragment, discarding", "commit", 1 / 2, {"defragment": True}),
+    ("grow to full", "commit", 1, {}),
+    ("defragment, preserving", "commit", 1, {"defragment": True, "preserve_contents": True}),
+    ("release_physical (sleep)", "release_physical", None, {}),
+    ("recommit (wake)", "recommit", None, {}),
+    ("free", "free", None, {}),
+]
+
+
+@dataclass
+class Mark:
+    """One operation: when it ran, and both readings at its start and end."""
+
+    operation: str
+    start_s: float
+    end_s: float
+    outside_start: int
+    outside_end: int
+    physical_bytes_start: int
+    physical_bytes_end: int
+    committed_blocks_end: int
+
+
+@dataclass
+class Timeline:
+    device: str
+    source: str
+    geometry: dict
+    #: (seconds since the first operation, outside usage over the baseline).
+    samples: list[tuple[float, int]] = field(default_factory=list)
+    marks: list[Mark] = field(default_factory=list)
+
+    def disagreements(self) -> list[str]:
+        """Every mark whose outside reading differs from physical_bytes."""
+        found = []
+        for mark in self.marks:
+            for when, outside, booked in (
+                ("start", mark.outside_start, mark.physical_bytes_start),
+                ("end", mark.outside_end, mark.physical_bytes_end),
+            ):
+                if outside != booked:
+                    found.append(f"{mark.operation} ({when}): outside {outside} bytes, physical_bytes {booked}")
+        return found
+
+    def write(self, directory: Path) -> Path:
+        path = Path(directory) / f"timeline-{re.sub(r'[^a-z0-9]+', '-', self.device.lower()).strip('-')}.json"
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps({"format": TIMELINE_FORMAT, **asdict(self)}) + "\n")
+        return path
+
+    @classmethod
+    def load(cls, path: Path) -> Timeline:
+        """Read a file `write` wrote; ValueError naming the file otherwise."""
+        try:
+            document = json.loads(Path(path).read_text())
+            if document.get("format") != TIMELINE_FORMAT:
+                raise ValueError(f"format {document.get('format')!r}, expected {TIMELINE_FORMAT!r}")
+            return cls(
+                device=document["device"],
+                source=document["source"],
+                geometry=document["geometry"],
+                samples=[(float(t), int(b)) for t, b in document["samples"]],
+                marks=[Mark(**mark) for mark in document["marks"]],
+            )
+        except (ValueError, KeyError, TypeError, AttributeError) as error:
+            raise ValueError(f"{path}: not a memory timeline ({type(error).__name__}: {error})") from None
+
+
+class _Sampler(threading.Thread):
+    """Reads `probe` every SAMPLE_INTERVAL_S into `samples` until stopped."""
+
+    def __init__(self, probe: UsageProbe, baseline: int, origin: float, samples: list):
+        super().__init__(name="extkv-timeline-sampler", daemon=True)
+        self.probe, self.baseline, self.origin, self.samples = probe, baseline, origin, samples
+        self.stopped = threading.Event()
+
+    def run(self) -> None:
+        while not self.stopped.wait(SAMPLE_INTERVAL_S):
+            self.samples.append((time.perf_counter() - self.origin, self.probe.read_outside_torch() - self.baseline))
+
+
+def timeline_capacity(device: torch.device | str) -> tuple[int, int]:
+    """(layers, blocks) of the cache for `device`: GEOMETRY's span, or a
+    FREE_SHARE of free memory if less, in whole BLOCK_QUANTUMs."""
+    driver = vmm.driver_for(device)
+    layers, most = GEOMETRY[driver.kind]
+    free, _ = driver.memory_info()
+    span = min(most, int(free * FREE_SHARE))
+    blocks = span // (layers * SPEC.page_size_bytes) // BLOCK_QUANTUM * BLOCK_QUANTUM
+    if blocks < BLOCK_QUANTUM:
+        raise ValueError(f"{device} has {free} bytes free: too little for a timeline of {layers} layers")
+    return layers, blocks
+
+
+def run_timeline(device: torch.device | str, probe: UsageProbe, label: str) -> Timeline:
+    """Drive a cache through LIFECYCLE on `device`, reading `probe` throughout."""
+    layers, capacity = timeline_capacity(device)
+    groups = [KVCacheGroupSpec(layer_names=[f"layers.{i}" for i in range(layers)], kv_cache_spec=SPEC)]
+    config = build_kv_cache_config(groups, capacity, LAYOUT)
+    timeline = Timeline(
+        device=label,
+        source=probe.source,
+        geometry={
+            "layers": layers,
+            "capacity_blocks": capacity,
+            "bytes_per_block": layers * SPEC.page_size_bytes,
+            "layout": LAYOUT.name,
+            "spec": f"{SPEC.block_size}-token blocks, {SPEC.num_kv_heads} KV heads of {SPEC.head_size}, {SPEC.dtype}",
+        },
+    )
+    baseline = probe.read_outside_torch()
+    cache = ExtensibleKVCache(config, device, LAYOUT)
+    origin = time.perf_counter()
+    sampler = _Sampler(probe, baseline, origin, timeline.samples)
+    sampler.start()
+
+    def reading() -> tuple[float, int, int]:
+        booked = 0 if cache.is_freed else cache.physical_bytes
+        return time.perf_counter() - origin, probe.read_outside_torch() - baseline, booked
+
+    try:
+        for label_, operation, share, flags in LIFECYCLE:
+            start_s, outside_start, booked_start = reading()
+            if operation == "allocate":
+                cache.allocate(cache.size)
+            elif operation == "commit":
+                cache.commit(int(capacity * share), **flags)
+            else:
+                getattr(cache, operation)()
+            end_s, outside_end, booked_end = reading()
+            timeline.marks.append(
+                Mark(label_, start_s, end_s, outside_start, outside_end, booked_start, booked_end, cache.num_committed_blocks)
+            )
+            timeline.samples += [(start_s, outside_start), (end_s, outside_end)]
+    finally:
+        sampler.stopped.set()
+        sampler.join()
+        cache.free()
+    timeline.samples.sort()
+    return timeline
