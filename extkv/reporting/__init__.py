@@ -7,13 +7,51 @@ Every run that proves or measures something (`extkv check`, `extkv bench`,
 XML and JSON. `render_report(run_dir)` turns whatever raw results the
 directory holds into `summary.md` and PNG plots, so a report can be rendered
 again later (`extkv report DIR`) from the same files.
+
+The summary is its sections, in order: the machine (from the check results,
+or `machine.json` of a run without them), the check (extkv.reporting.summary,
+with a memory-timeline plot per device drawn by extkv.reporting.plots), then
+the bench and stress sections, each of which returns None when the directory
+holds none of its results.
 """
 
 from __future__ import annotations
 
 from pathlib import Path
 
+from ..testing.timeline import TIMELINE_GLOB, Timeline
+from .bench import bench_section
+from .machine import machine_section, read_machine_facts
+from .plots import matplotlib_missing, plot_timeline
+from .stress import stress_section
+from .summary import check_section, load_check
+
+SUMMARY_FILE = "summary.md"
+
 
 def render_report(run_dir: Path) -> Path:
     """Write `summary.md` (and plots) for the raw results in `run_dir`; return its path."""
-    raise NotImplementedError("render_report: not built yet")
+    run_dir = Path(run_dir)
+    if not run_dir.is_dir():
+        raise FileNotFoundError(f"{run_dir}: no such run directory")
+    check = load_check(run_dir)
+    facts = check["machine"] if check is not None else read_machine_facts(run_dir)
+    sections = [f"# extkv report: {run_dir.name}\n"]
+    if facts is not None:
+        sections.append(machine_section(facts, check["worker_gpus"] if check is not None else None))
+    if check is not None:
+        timelines = [(Timeline.load(path), path) for path in sorted(run_dir.glob(TIMELINE_GLOB))]
+        plots_skipped = matplotlib_missing() if timelines else None
+        drawn = [
+            (timeline, None if plots_skipped else plot_timeline(timeline, path.with_suffix(".png")).name)
+            for timeline, path in timelines
+        ]
+        sections.append(check_section(check, drawn, plots_skipped))
+    found = [section for section in (bench_section(run_dir), stress_section(run_dir)) if section is not None]
+    if check is None and not found:
+        raise ValueError(
+            f"{run_dir}: no results to report: expected check.json (extkv check), or bench or stress results"
+        )
+    summary = run_dir / SUMMARY_FILE
+    summary.write_text("\n".join(sections + found).rstrip() + "\n")
+    return summary

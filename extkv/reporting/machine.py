@@ -14,6 +14,9 @@ report again (`extkv report DIR`) does not.
 
 from __future__ import annotations
 
+import json
+from pathlib import Path
+
 def machine_facts() -> dict:
     """Host name, versions, the host driver and each GPU this process sees
     (the harness's facts, cached per process)."""
@@ -47,3 +50,29 @@ def machine_section(facts: dict, worker_gpus: dict[str, str] | None = None) -> s
     if worker_gpus:
         lines += ["", "One GPU per xdist worker: " + ", ".join(f"{w} -> {label}" for w, label in worker_gpus.items())]
     return "\n".join(lines) + "\n"
+
+
+#: The facts of a run that has no check results (a bench or stress run writes it).
+MACHINE_FILE = "machine.json"
+
+
+def write_machine_facts(run_dir: Path) -> Path:
+    """Record this machine's facts in `run_dir` for its report."""
+    path = Path(run_dir) / MACHINE_FILE
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(machine_facts(), indent=1) + "\n")
+    return path
+
+
+def read_machine_facts(run_dir: Path) -> dict | None:
+    """The facts `write_machine_facts` recorded in `run_dir`, or None; ValueError naming a garbled file."""
+    path = Path(run_dir) / MACHINE_FILE
+    if not path.is_file():
+        return None
+    try:
+        facts = json.loads(path.read_text())
+    except json.JSONDecodeError as error:
+        raise ValueError(f"{path}: not JSON ({error})") from None
+    if not isinstance(facts, dict) or "gpus" not in facts:
+        raise ValueError(f"{path}: not machine facts (no 'gpus')")
+    return facts
