@@ -19,6 +19,7 @@ result; and the memory timeline of each device, with its plot.
 from __future__ import annotations
 
 import json
+import shlex
 from collections import Counter
 from pathlib import Path
 
@@ -120,7 +121,7 @@ def _totals_line(step: str, document: dict) -> str:
     return (
         f"- `{step}`: {sum(totals.values())} tests: {totals['passed']} passed, {totals['failed']} failed, "
         f"{totals['error']} errors, {totals['skipped']} skipped; pytest exit status {document['exit_status']}"
-        f" (`pytest {' '.join(document.get('arguments', []))}`)"
+        f" (`pytest {shlex.join(document.get('arguments', []))}`)"
     )
 
 

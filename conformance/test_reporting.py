@@ -1,0 +1,244 @@
+"""Reports (extkv.reporting) rendered from real runs: pytest runs in a
+subprocess with the harness writing its results into a run directory, and
+the summary's per-invariant, per-device counts are checked against pytest's
+own JUnit XML of the same run. One run takes a few conformance tests; a
+second, as the multi-GPU step, takes a planted file whose tests pass, fail,
+error in teardown and skip, so every outcome goes through the harness, the
+merge and the table. Bad run directories raise errors that name the file."""
+
+from __future__ import annotations
+
+import ast
+import json
+import os
+import re
+import subprocess
+import sys
+import xml.etree.ElementTree as ElementTree
+from collections import Counter
+from pathlib import Path
+
+import pytest
+
+from extkv.reporting import render_report
+from extkv.reporting.check_run import INSTALLED_OPTIONS
+from extkv.reporting.rundir import checkout_root, gpu_slug, run_directory
+from extkv.reporting.summary import ALL_TESTS_ROW, CHECK_FORMAT
+from extkv.reporting.summary import HOST_LABEL as SUMMARY_HOST_LABEL
+from extkv.testing.harness import DEVICE_PROPERTY, HOST_LABEL, INVARIANTS, INVARIANTS_PROPERTY, RECORD_FORMAT
+
+CONFORMANCE = Path(__file__).resolve().parent
+#: Real conformance tests for the first run: invariant 5 on the host
+#: (and a skipped or run cuda:0), invariant 6 on the host.
+REAL_SELECTION = [str(CONFORMANCE / "test_timeline.py"), str(CONFORMANCE / "test_ranks.py"), "-k", "timeline or rejects"]
+PLANTED = '''
+import pytest
+
+@pytest.mark.invariant(1)
+def test_passes(device):
+    assert device is not None
+
+@pytest.mark.invariant(1, 6)
+def test_fails():
+    assert 1 == 2, "planted failure"
+
+@pytest.mark.invariant(6)
+def test_skips():
+    pytest.skip("planted skip")
+
+@pytest.fixture
+def broken_teardown():
+    yield
+    raise RuntimeError("planted teardown error")
+
+@pytest.mark.invariant(3)
+def test_errors_in_teardown(broken_teardown):
+    pass
+
+def test_without_invariant():
+    pass
+'''
+
+
+def run_pytest(run_dir: Path, step: str, arguments: list[str], rootdir: Path) -> subprocess.CompletedProcess:
+    """pytest in a fresh process, as `extkv check` runs it from an installed
+    package: the harness as a plugin, no configuration file."""
+    # An outer xdist worker's variables would make the inner run pin a GPU
+    # and call itself a worker.
+    environment = {name: value for name, value in os.environ.items() if not name.startswith(("PYTEST_", "XDIST_"))}
+    command = [sys.executable, "-m", "pytest", "-q", "-p", "extkv.testing.harness", "-p", "no:cacheprovider"]
+    command += ["-c", os.devnull, "--rootdir", str(rootdir), *INSTALLED_OPTIONS]
+    command += [f"--junitxml={run_dir / f'{step}-junit.xml'}", f"--extkv-report-dir={run_dir}", f"--extkv-report-step={step}"]
+    return subprocess.run(command + arguments, env=environment, capture_output=True, text=True, timeout=300)
+
+
+@pytest.fixture(scope="module")
+def rendered(tmp_path_factory) -> Path:
+    """A run directory from two real runs, rendered; returns it."""
+    run_dir = tmp_path_factory.mktemp("run")
+    real = run_pytest(run_dir, "check", REAL_SELECTION, CONFORMANCE)
+    assert real.returncode == 0, f"the real selection failed:\n{real.stdout[-3000:]}\n{real.stderr[-2000:]}"
+    planted_dir = tmp_path_factory.mktemp("planted")
+    (planted_dir / "test_planted.py").write_text(PLANTED)
+    planted = run_pytest(run_dir, "check-multi-gpu", [str(planted_dir / "test_planted.py")], planted_dir)
+    assert planted.returncode == 1, f"the planted failures must fail the run:\n{planted.stdout[-3000:]}"
+    render_report(run_dir)
+    return run_dir
+
+
+def junit_outcome(testcase) -> str:
+    tags = {child.tag for child in testcase}
+    if "failure" in tags:
+        return "failed"
+    if "error" in tags:
+        return "error"
+    return "skipped" if "skipped" in tags else "passed"
+
+
+def junit_counts(run_dir: Path) -> dict[str, dict[str, Counter]]:
+    """{row: {device: Counter(outcome)}} from the JUnit XML files alone, the
+    later step's testcase replacing the earlier's of the same name."""
+    testcases = {}
+    for step in ("check", "check-multi-gpu"):
+        for testcase in ElementTree.parse(run_dir / f"{step}-junit.xml").iter("testcase"):
+            properties = {p.get("name"): p.get("value") for p in testcase.iter("property")}
+            invariants = ast.literal_eval(properties.get(INVARIANTS_PROPERTY, "[]"))
+            testcases[(testcase.get("classname"), testcase.get("name"))] = (
+                invariants,
+                properties[DEVICE_PROPERTY],
+                junit_outcome(testcase),
+            )
+    rows: dict[str, dict[str, Counter]] = {}
+    for invariants, device, outcome in testcases.values():
+        for row in [str(n) for n in invariants] + [ALL_TESTS_ROW]:
+            rows.setdefault(row, {}).setdefault(device, Counter())[outcome] += 1
+    return rows
+
+
+def summary_counts(summary: str) -> dict[str, dict[str, tuple[int, int, int]]]:
+    """{row: {device: (passed, run, skipped)}} read back from summary.md's table."""
+    lines = summary.splitlines()
+    header = next(i for i, line in enumerate(lines) if line.startswith("| invariant |"))
+    devices = [cell.strip() for cell in lines[header].strip("|").split("|")][1:]
+    table = {}
+    for line in lines[header + 2 :]:
+        if not line.startswith("|"):
+            break
+        name, *cells = [cell.strip() for cell in line.strip("|").split("|")]
+        row = ALL_TESTS_ROW if name == ALL_TESTS_ROW else name.split(".")[0]
+        for device, cell in zip(devices, cells):
+            found = re.fullmatch(r"\**(\d+)/(\d+)(?: \((\d+) skipped\))?\**", cell)
+            if found:
+                passed, run, skipped = found.groups()
+                table.setdefault(row, {})[device] = (int(passed), int(run), int(skipped or 0))
+            else:
+                assert cell == "-", f"row {row!r}, device {device!r}: cell {cell!r}"
+    return table
+
+
+def test_summary_counts_equal_the_junit_xml(rendered):
+    summary = (rendered / "summary.md").read_text()
+    from_junit = {
+        row: {
+            device: (c["passed"], c["passed"] + c["failed"] + c["error"], c["skipped"])
+            for device, c in by_device.items()
+        }
+        for row, by_device in junit_counts(rendered).items()
+    }
+    assert summary_counts(summary) == from_junit
+    # The planted run touched invariants 1, 3 and 6 with every outcome; the
+    # real one proved 5 on the host.
+    assert from_junit["5"][HOST_LABEL] == (1, 1, 0)
+    assert from_junit["3"][HOST_LABEL] == (0, 1, 0), "a teardown error is a test run and not passed"
+    assert from_junit["6"][HOST_LABEL][2] >= 1 and from_junit["6"][HOST_LABEL][1] > from_junit["6"][HOST_LABEL][0]
+
+
+def test_summary_lists_failures_skips_timeline_and_the_step(rendered):
+    summary = (rendered / "summary.md").read_text()
+    assert re.search(r"- `[^`]*test_planted.py::test_fails` \(host, failed\): AssertionError: planted failure", summary)
+    assert re.search(r"- `[^`]*test_planted.py::test_errors_in_teardown` \(host, error\): .*planted teardown error", summary)
+    assert "| 1 | planted skip |" in summary
+    assert "### Memory timeline: host" in summary and "(timeline-host.png)" in summary
+    assert (rendered / "timeline-host.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    step = summary.split("### Multi-GPU step")[1].split("###")[0]
+    assert re.search(r"FAILED: \d+ passed, 2 failed, \d+ skipped, of 6 tests on ", step), step
+
+
+def test_check_json_matches_its_own_totals(rendered):
+    document = json.loads((rendered / "check.json").read_text())
+    outcomes = Counter(record["outcome"] for record in document["tests"].values())
+    assert document["totals"] == {kind: outcomes[kind] for kind in document["totals"]}
+    assert document["machine"]["host"] and document["invariants"] == {str(n): w for n, w in INVARIANTS.items()}
+
+
+def test_render_names_the_file_it_cannot_read(tmp_path):
+    with pytest.raises(FileNotFoundError, match=re.escape(str(tmp_path / "nowhere"))):
+        render_report(tmp_path / "nowhere")
+    with pytest.raises(ValueError, match=f"{re.escape(str(tmp_path))}: no results to report"):
+        render_report(tmp_path)
+    (tmp_path / "check.json").write_text('{"format": "extkv-check/1", "tests": {')
+    with pytest.raises(ValueError, match=re.escape(str(tmp_path / "check.json")) + ": not JSON"):
+        render_report(tmp_path)
+    (tmp_path / "check.json").write_text('{"format": "something else"}')
+    with pytest.raises(ValueError, match=re.escape(str(tmp_path / "check.json")) + ".*format 'something else'"):
+        render_report(tmp_path)
+
+
+def test_render_names_a_garbled_timeline(rendered, tmp_path):
+    for name in ("check.json", "check-multi-gpu.json"):
+        (tmp_path / name).write_text((rendered / name).read_text())
+    (tmp_path / "timeline-host.json").write_text('{"format": "extkv-timeline/1", "device": "host"}')
+    with pytest.raises(ValueError, match=re.escape(str(tmp_path / "timeline-host.json")) + ": not a memory timeline"):
+        render_report(tmp_path)
+
+
+def test_without_matplotlib_the_report_says_plots_were_skipped(rendered, tmp_path):
+    for path in rendered.glob("*.json"):
+        (tmp_path / path.name).write_text(path.read_text())
+    blocked = "import sys; sys.modules['matplotlib'] = None; from pathlib import Path; from extkv.reporting import render_report; "
+    result = subprocess.run(
+        [sys.executable, "-c", blocked + f"render_report(Path({str(tmp_path)!r}))"], capture_output=True, text=True, timeout=120
+    )
+    assert result.returncode == 0, result.stderr[-2000:]
+    summary = (tmp_path / "summary.md").read_text()
+    assert "Plots skipped: matplotlib is not installed" in summary and "install extkv[report]" in summary
+    assert not list(tmp_path.glob("*.png"))
+
+
+def test_reporting_imports_without_the_test_extra():
+    """`extkv info`, `extkv peer` and `extkv report` must not need pytest or hypothesis."""
+    blocked = "import sys; sys.modules.update(pytest=None, hypothesis=None, xdist=None); import extkv.cli, extkv.reporting"
+    result = subprocess.run([sys.executable, "-c", blocked], capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr[-2000:]
+
+
+def test_summary_reads_what_the_harness_writes():
+    assert CHECK_FORMAT == RECORD_FORMAT and SUMMARY_HOST_LABEL == HOST_LABEL
+
+
+@pytest.mark.parametrize(
+    ("names", "slug"),
+    [([], "host"), (["NVIDIA H200"], "h200"), (["NVIDIA H200"] * 2, "2xh200"), (["NVIDIA H200", "NVIDIA A100-SXM4-80GB"], "h200-a100-sxm4-80gb")],
+)
+def test_run_directory_names_the_machine(names, slug, tmp_path):
+    import datetime
+
+    facts = {"host": "Node-7.example.org", "gpus": [{"name": name} for name in names]}
+    assert gpu_slug(facts) == slug
+    assert run_directory(facts, datetime.date(2026, 11, 30), tmp_path) == tmp_path / f"2026-11-30-node-7-{slug}"
+
+
+def test_the_distribution_names_every_package_and_the_ini_options():
+    """pyproject lists extkv's packages by hand (the suites are mapped to
+    other names) and check_run repeats its pytest options for installed runs."""
+    root = checkout_root()
+    if root is None:
+        pytest.skip("an installed extkv has no pyproject.toml to compare: checked from a checkout")
+    import tomllib
+
+    project = tomllib.loads((root / "pyproject.toml").read_text())
+    packages = {".".join(path.parent.relative_to(root).parts) for path in (root / "extkv").rglob("__init__.py")}
+    listed = set(project["tool"]["setuptools"]["packages"])
+    assert packages <= listed, f"extkv packages missing from pyproject's [tool.setuptools] packages: {sorted(packages - listed)}"
+    ini = project["tool"]["pytest"]["ini_options"]
+    assert INSTALLED_OPTIONS == ini["addopts"].split() + ["-o", f"timeout={ini['timeout']}"]
