@@ -1,10 +1,526 @@
-"""The bench section of a report: not built yet."""
+"""The bench section of a report: every case as ratios, targets met or missed.
+
+Theory of operation
+-------------------
+`extkv bench` leaves two files in the run directory: pytest-benchmark's
+`bench.json` (one benchmark per (case, contender): the interleaved wall
+times as `stats.data`, the case, CPU times and any pivot in `extra_info`)
+and the engine's `bench_cases.json` (the run's facts, and every case with
+the status of each contender: measured, not run or failed, and why). Times
+come from bench.json; what was not run, and why, from bench_cases.json.
+
+Every figure is a ratio: extkv's time over a contender's, with the minimum
+over rounds of each (`ratio (min)`) and the median of each (`ratio
+(median)`). Two contenders of one process are divided directly. A peer that
+ran in a process of its own (torch's expandable segments,
+torch_memory_saver) is compared through the case's pivot, measured in both
+processes: (extkv / pivot here) / (peer / pivot there).
+
+`TARGETS` holds the goals of issue 9 as data, each over the cases it applies
+to; `SCALING_TARGETS` the two scaling readings of issue 10 (host CPU time
+per commit flat in bytes, linear in segments). A verdict uses the ratio of
+minima; the median is shown beside it. A target is met or missed by how
+much, or not measured, saying why.
+
+Plots (PNG, written into the run directory): time against bytes (one
+segment) and against segments (fixed total), per operation, extkv against
+its floors, log-log, wall time and host CPU time in separate panels.
+matplotlib is optional (`[report]`): without it the section says the plots
+were skipped and why.
+"""
 
 from __future__ import annotations
 
+import json
+import statistics
+from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Callable
+
+from ..testing.benchmarking import BENCH_JSON, CASES_FILE, size_label
+
+MiB = 1 << 20
+
+# -- targets ---------------------------------------------------------------------------
+COMMIT_OPS = frozenset({"commit", "grow8", "grow64", "per_block", "recommit"})
+GROWTH_OPS = frozenset({"grow8", "grow64"})
+
+
+@dataclass(frozen=True)
+class Target:
+    """`subject` over `baseline` in every case of `ops` (and, where set, only
+    where each segment commits at least `min_segment_bytes`): at most
+    `bound`; with `speedup`, stated as baseline over subject at least
+    1/bound; with `two_sided`, within `bound - 1` of 1 either way."""
+
+    key: str
+    what: str
+    ops: frozenset[str]
+    baseline: str
+    bound: float
+    subject: str = "extkv"
+    speedup: bool = False
+    two_sided: bool = False
+    min_segment_bytes: int = 0
+
+    def applies(self, case: dict) -> bool:
+        return (
+            case["op"] in self.ops
+            and self.subject in case["contenders"]
+            and self.baseline in case["contenders"]
+            and case["smallest_segment_bytes"] >= self.min_segment_bytes
+        )
+
+    def bound_words(self) -> str:
+        if self.speedup:
+            return f">= {1 / self.bound:.0f}x faster"
+        if self.two_sided:
+            return f"within +-{(self.bound - 1) * 100:.0f}%"
+        return f"<= {self.bound:g}x"
+
+    def verdict(self, ratio: float) -> tuple[bool, str]:
+        """(met, words) for a ratio subject/baseline."""
+        if self.speedup:
+            faster, wanted = 1 / ratio, 1 / self.bound
+            if faster >= wanted:
+                return True, f"met: {faster:.1f}x faster"
+            return False, f"missed: {faster:.1f}x faster, {(1 - faster / wanted) * 100:.0f}% short of {wanted:.0f}x"
+        if self.two_sided:
+            off, allowed = abs(ratio - 1), self.bound - 1
+            if off <= allowed:
+                return True, f"met: {ratio:.3f}x"
+            return False, f"missed: {ratio:.3f}x, {(off - allowed) * 100:.1f} points outside +-{allowed * 100:.0f}%"
+        if ratio <= self.bound:
+            return True, f"met: {ratio:.2f}x"
+        return False, f"missed by {(ratio / self.bound - 1) * 100:.0f}%: {ratio:.2f}x"
+
+
+TARGETS: list[Target] = [
+    Target("commit-raw", "commit and recommit within 1.05x of the raw sequence (same geometry, same steps)",
+           COMMIT_OPS, "raw", 1.05),
+    Target("commit-memset", "commit and recommit within 1.15x of memset, segments of 512 MiB and more",
+           COMMIT_OPS - {"per_block"}, "memset", 1.15, min_segment_bytes=512 * MiB),
+    Target("defrag-create-copy", "preserving defragment within 1.5x of the raw create + device copy",
+           frozenset({"defrag_preserve"}), "raw", 1.5),
+    Target("release-raw", "release within 1.1x of raw unmap + release", frozenset({"release"}), "raw", 1.1),
+    Target("release-tms", "release no slower than torch_memory_saver's pause", frozenset({"release"}), "tms", 1.0),
+    Target("growth-granule", "growth at least 20x faster than one handle per granule",
+           GROWTH_OPS, "per_granule", 1 / 20, speedup=True),
+    Target("growth-expandable", "growth at least 5x faster than torch expandable_segments",
+           GROWTH_OPS, "expandable", 1 / 5, speedup=True),
+    Target("replay-unchanged", "graph replay time unchanged by growth (grown vs not grown, +-5%)",
+           frozenset({"replay"}), "extkv", 1.05, subject="extkv_grown", two_sided=True),
+]
+
+
+@dataclass(frozen=True)
+class ScalingTarget:
+    """extkv's host CPU time per commit (`op`, recycled) at the far end of a
+    series over the near end: at most `bound`."""
+
+    key: str
+    what: str
+    series: str  # "bytes": one segment, smallest vs largest size; "segments": `near` vs `far` geometry
+    bound: float
+    op: str = "commit"
+    near: str = ""
+    far: str = ""
+
+
+SCALING_TARGETS: list[ScalingTarget] = [
+    ScalingTarget("cpu-flat-in-bytes", "host CPU time per commit flat in the granule count (one segment, smallest vs "
+                  "largest size; issue 10: within 10%)", "bytes", 1.10),
+    ScalingTarget("cpu-linear-in-segments", "host CPU time per commit linear in segments (1,024 vs 256 segments, same "
+                  "bytes; issue 10: at most 4.5x)", "segments", 4.5, near="lhbnc256", far="lhbnc1024"),
+]
+
+#: Operations drawn against bytes and against segments, and the contenders drawn.
+PLOTTED_BY_BYTES = ("commit", "grow8", "release")
+PLOTTED_BY_SEGMENTS = ("commit", "grow8", "release", "recommit", "defrag_preserve")
+PLOTTED_CONTENDERS = ("extkv", "raw", "memset", "copy")
+SEGMENT_SERIES = ("blhnc1", "lbhnc32", "lhbnc256", "lhbnc1024")
+
+
+# -- loading -------------------------------------------------------------------------------
+@dataclass
+class Entry:
+    """One contender's rounds in one case (seconds)."""
+
+    contender: str
+    process: str
+    wall: list[float]
+    cpu: list[float]
+    pivot: dict | None = None
+
+
+@dataclass
+class CaseResult:
+    facts: dict
+    entries: dict[str, Entry] = field(default_factory=dict)
+    #: contender -> (status, reason) for those with no times.
+    missing: dict[str, tuple[str, str]] = field(default_factory=dict)
+
+    @property
+    def id(self) -> str:
+        return self.facts["case"]
+
+
+@dataclass
+class BenchRun:
+    facts: dict
+    cases: list[CaseResult]
+    bench_json_problem: str = ""
+
+    def case(self, op: str, geometry: str, state: str = "recycled", size: int | None = None) -> CaseResult | None:
+        for case in self.cases:
+            f = case.facts
+            if f["op"] == op and f["geometry"] == geometry and f["state"] == state and (size is None or f["bytes"] == size):
+                return case
+        return None
+
+
+def load(run_dir: Path) -> BenchRun | None:
+    """The run's bench results, or None where the directory has none."""
+    cases_path = Path(run_dir) / CASES_FILE
+    if not cases_path.exists():
+        return None
+    facts = json.loads(cases_path.read_text())
+    measured: dict[tuple[str, str], Entry] = {}
+    problem = ""
+    bench_path = Path(run_dir) / BENCH_JSON
+    if bench_path.exists():
+        for benchmark in json.loads(bench_path.read_text()).get("benchmarks", []):
+            info = benchmark.get("extra_info", {})
+            if "case" not in info:
+                continue
+            measured[(info["case"], info["contender"])] = Entry(
+                info["contender"], info["process"], list(benchmark["stats"]["data"]), list(info["cpu"]), info.get("pivot")
+            )
+    else:
+        problem = f"{BENCH_JSON} is missing: pytest-benchmark wrote no results (the run stopped early?)"
+    cases = []
+    for case_facts in facts.pop("cases"):
+        result = CaseResult({k: v for k, v in case_facts.items() if k != "results"})
+        for name, outcome in case_facts["results"].items():
+            entry = measured.get((result.id, name))
+            if entry is not None and entry.wall:
+                result.entries[name] = entry
+            elif outcome["status"] == "measured":
+                result.missing[name] = ("not recorded", f"measured, but not in {BENCH_JSON}")
+            else:
+                result.missing[name] = (outcome["status"], outcome["reason"])
+        cases.append(result)
+    return BenchRun(facts, cases, problem)
+
+
+# -- ratios ----------------------------------------------------------------------------------
+STATISTICS: dict[str, Callable[[list[float]], float]] = {"min": min, "median": statistics.median}
+
+
+def _pivot_wall(case: CaseResult, entry: Entry) -> list[float] | None:
+    if entry.pivot:
+        return entry.pivot["wall"]
+    pivot = case.entries.get(case.facts["pivot"])
+    return pivot.wall if pivot is not None and pivot.process == entry.process else None
+
+
+def ratio(case: CaseResult, subject: str, baseline: str, statistic: str) -> float | None:
+    """subject's time over baseline's in `case` (None where either is
+    missing): directly within one process, else through the pivots."""
+    first, second = case.entries.get(subject), case.entries.get(baseline)
+    if first is None or second is None:
+        return None
+    stat = STATISTICS[statistic]
+    if first.process == second.process:
+        return stat(first.wall) / stat(second.wall)
+    first_pivot, second_pivot = _pivot_wall(case, first), _pivot_wall(case, second)
+    if not first_pivot or not second_pivot:
+        return None
+    return (stat(first.wall) / stat(first_pivot)) / (stat(second.wall) / stat(second_pivot))
+
+
+@dataclass
+class TargetRow:
+    target: Target
+    case: CaseResult
+    ratio_min: float | None
+    ratio_median: float | None
+    met: bool | None
+    words: str
+
+
+def evaluate(run: BenchRun) -> list[TargetRow]:
+    rows = []
+    for target in TARGETS:
+        for case in run.cases:
+            if not target.applies(case.facts):
+                continue
+            low = ratio(case, target.subject, target.baseline, "min")
+            middle = ratio(case, target.subject, target.baseline, "median")
+            if low is None:
+                absent = [n for n in (target.subject, target.baseline) if n not in case.entries]
+                reasons = "; ".join(f"{n}: {case.missing.get(n, ('', 'no pivot to compare through'))[1]}" for n in absent)
+                rows.append(TargetRow(target, case, None, None, None, f"not measured ({reasons or 'no pivot'})"))
+                continue
+            met, words = target.verdict(low)
+            rows.append(TargetRow(target, case, low, middle, met, words))
+    return rows
+
+
+@dataclass
+class ScalingRow:
+    target: ScalingTarget
+    near: CaseResult | None
+    far: CaseResult | None
+    value: float | None
+    met: bool | None
+    words: str
+
+
+def evaluate_scaling(run: BenchRun) -> list[ScalingRow]:
+    rows = []
+    for target in SCALING_TARGETS:
+        if target.series == "bytes":
+            series = sorted(
+                (c for c in run.cases if c.facts["op"] == target.op and c.facts["geometry"] == "blhnc1"
+                 and c.facts["state"] == "recycled"),
+                key=lambda c: c.facts["bytes"],
+            )
+            near, far = (series[0], series[-1]) if len(series) > 1 else (None, None)
+        else:
+            near, far = run.case(target.op, target.near), run.case(target.op, target.far)
+        if near is None or far is None or "extkv" not in near.entries or "extkv" not in far.entries:
+            rows.append(ScalingRow(target, near, far, None, None, "not measured (a case of the series is missing)"))
+            continue
+        value = min(far.entries["extkv"].cpu) / min(near.entries["extkv"].cpu)
+        met = value <= target.bound
+        words = f"met: {value:.2f}x" if met else f"missed by {(value / target.bound - 1) * 100:.0f}%: {value:.2f}x"
+        rows.append(ScalingRow(target, near, far, value, met, words))
+    return rows
+
+
+# -- rendering -------------------------------------------------------------------------------
+def _seconds(value: float) -> str:
+    if value >= 1:
+        return f"{value:.3g} s"
+    if value >= 1e-3:
+        return f"{value * 1e3:.3g} ms"
+    return f"{value * 1e6:.3g} us"
+
+
+def _times(entry: Entry) -> str:
+    return f"{_seconds(min(entry.wall))} / {_seconds(statistics.median(entry.wall))}"
+
+
+def _ratio(value: float | None) -> str:
+    return "-" if value is None else f"{value:.2f}x"
+
+
+def _mark(met: bool | None) -> str:
+    return {True: "met", False: "MISSED", None: "n/a"}[met]
+
+
+def _case_words(case: CaseResult) -> str:
+    f = case.facts
+    return f"{f['op']} {f['geometry']} ({f['segments']} seg) {size_label(f['bytes'])} {f['state']}"
+
+
+def _facts_lines(run: BenchRun) -> list[str]:
+    f = run.facts
+    device = f["device_description"]
+    measured = sum(1 for c in run.cases for _ in c.entries)
+    missing = sum(1 for c in run.cases for _ in c.missing)
+    lines = [
+        f"Profile **{f['profile']}** ({f['profile_what']}) on {device.get('device', f['device'])} "
+        f"({device.get('driver', '')}, granularity {device.get('granularity', '?')}), host {f['host']}, torch {f['torch']}.",
+        f"{len(run.cases)} cases; {measured} (case, contender) pairs measured, {missing} not. "
+        f"Rounds per case <= {f['rounds']} (a case stops adding rounds after {f['case_seconds']:g} s once it has two; "
+        f"one handle per granule <= {f['costly_rounds']}); measuring took {f['elapsed_seconds']:.0f} s of a "
+        f"{f['budget_seconds']:.0f} s budget.",
+        "Clocks: " + "; at the end: ".join(dict.fromkeys(f["clocks"])) + ".",
+        "",
+        "How it was measured:",
+        "- Contenders of a case run interleaved, one round each per round in an order rotated every round, so all "
+        "meet the same driver state; each round is setup (untimed), the operation up to a device synchronize (timed), "
+        "teardown that gives the memory back (untimed).",
+        "- *recycled*: memory a previous round released. *fresh*: a new process per case, each contender once, all "
+        "keeping their memory until the last has run, so each meets never-used memory.",
+        f"- Host CPU time: {f['cpu_time']}.",
+        "- ratio = extkv / contender, minimum over rounds of each (min) and median of each (median); verdicts use the "
+        "minima. A peer in another process is compared through the case's pivot measured in both processes: "
+        "(extkv / pivot here) / (peer / pivot there).",
+    ]
+    if run.bench_json_problem:
+        lines.append(f"- **{run.bench_json_problem}**")
+    return lines
+
+
+def _targets_table(rows: list[TargetRow]) -> list[str]:
+    lines = ["| target | case | extkv (min / median) | baseline (min / median) | ratio min | ratio median | bound | verdict |",
+             "|---|---|---|---|---|---|---|---|"]
+    for row in rows:
+        subject, baseline = row.case.entries.get(row.target.subject), row.case.entries.get(row.target.baseline)
+        lines.append(
+            f"| {row.target.key} | {_case_words(row.case)} | {_times(subject) if subject else '-'} | "
+            f"{(row.target.baseline + ' ' + _times(baseline)) if baseline else row.target.baseline + ' -'} | "
+            f"{_ratio(row.ratio_min)} | {_ratio(row.ratio_median)} | {row.target.bound_words()} | {row.words} |"
+        )
+    return lines
+
+
+def _issue10_table(run: BenchRun, rows: list[TargetRow], scaling: list[ScalingRow]) -> list[str]:
+    """The readings the performance issue is closed on, one row each."""
+    geometries = [g for g in ("blhnc1", "lbhnc32", "lhbnc256") if any(c.facts["geometry"] == g for c in run.cases)]
+    readings = [
+        ("commit vs raw, one shot, fresh", "commit-raw", "commit", "fresh"),
+        ("commit vs raw, one shot, recycled", "commit-raw", "commit", "recycled"),
+        ("commit vs raw, 8 steps", "commit-raw", "grow8", "recycled"),
+        ("recommit vs raw", "commit-raw", "recommit", "recycled"),
+        ("commit vs memset (segments >= 512 MiB)", "commit-memset", "commit", "recycled"),
+        ("8 steps vs memset (segments >= 512 MiB)", "commit-memset", "grow8", "recycled"),
+        ("preserving defragment vs create + copy", "defrag-create-copy", "defrag_preserve", "recycled"),
+    ]
+    headline = run.facts.get("headline_bytes")
+    header = "| reading | " + " | ".join(f"{g} ({_segments(run, g)} seg)" for g in geometries) + " |"
+    lines = [header, "|---|" + "---|" * len(geometries)]
+    for words, key, op, state in readings:
+        cells = []
+        for geometry in geometries:
+            found = [
+                r for r in rows
+                if r.target.key == key and r.case.facts["op"] == op and r.case.facts["geometry"] == geometry
+                and r.case.facts["state"] == state and (headline is None or r.case.facts["bytes"] == headline)
+            ]
+            cells.append(
+                f"{_ratio(found[0].ratio_min)} ({_mark(found[0].met)})" if found and found[0].ratio_min is not None
+                else "n/a"
+            )
+        lines.append(f"| {words} | " + " | ".join(cells) + " |")
+    lines.append("")
+    for row in scaling:
+        sizes = (
+            f"{_case_words(row.near)} -> {_case_words(row.far)}" if row.near is not None and row.far is not None else ""
+        )
+        lines.append(f"- {row.target.what}: **{row.words}** (bound <= {row.target.bound:g}x; {sizes})")
+    return lines
+
+
+def _segments(run: BenchRun, geometry: str) -> int:
+    return next(c.facts["segments"] for c in run.cases if c.facts["geometry"] == geometry)
+
+
+def _every_case_table(run: BenchRun, rows: list[TargetRow]) -> list[str]:
+    verdicts: dict[tuple[str, str], list[str]] = {}
+    for row in rows:
+        # On the row of the contender the target compares extkv with.
+        where = row.target.baseline if row.target.subject == "extkv" else row.target.subject
+        verdicts.setdefault((row.case.id, where), []).append(f"{row.target.key}: {_mark(row.met)}")
+    lines = []
+    for op in dict.fromkeys(c.facts["op"] for c in run.cases):
+        cases = [c for c in run.cases if c.facts["op"] == op]
+        lines += ["", f"#### {op}: {cases[0].facts['op_what']}", "",
+                  "| case | contender | wall min / median | CPU min | extkv / this (min / median) | targets |",
+                  "|---|---|---|---|---|---|"]
+        for case in cases:
+            per_commit = case.facts["commits"] if case.facts["op"] == "per_block" else 1
+            for name in case.facts["contenders"]:
+                entry = case.entries.get(name)
+                if entry is None:
+                    status, reason = case.missing.get(name, ("not run", ""))
+                    lines.append(f"| {_case_words(case)} | {name} | {status}: {reason} | | | |")
+                    continue
+                times = _times(entry)
+                if per_commit > 1:
+                    times += f" (per commit {_seconds(min(entry.wall) / per_commit)})"
+                # extkv_grown's row compares it with extkv (the replay target).
+                subject, against = ("extkv_grown", "extkv") if name == "extkv_grown" else ("extkv", name)
+                ratios = "" if name == "extkv" else (
+                    f"{_ratio(ratio(case, subject, against, 'min'))} / {_ratio(ratio(case, subject, against, 'median'))}"
+                    + (" (extkv_grown / extkv)" if subject == "extkv_grown" else "")
+                )
+                lines.append(
+                    f"| {_case_words(case)} | {name} | {times} | {_seconds(min(entry.cpu))} | {ratios} | "
+                    f"{', '.join(verdicts.get((case.id, name), []))} |"
+                )
+    return lines
+
+
+def _series_points(run: BenchRun, op: str, by: str) -> tuple[dict[str, list[tuple[float, float, float]]], str]:
+    """contender -> [(x, wall min, cpu min)] for one plot panel, and the x label."""
+    if by == "bytes":
+        cases = [c for c in run.cases if c.facts["op"] == op and c.facts["geometry"] == "blhnc1"
+                 and c.facts["state"] == "recycled"]
+        x_of, label = (lambda c: c.facts["bytes"]), "bytes committed (1 segment)"
+    else:
+        headline = run.facts.get("headline_bytes")
+        cases = [c for c in run.cases if c.facts["op"] == op and c.facts["geometry"] in SEGMENT_SERIES
+                 and c.facts["state"] == "recycled" and c.facts["bytes"] == headline]
+        x_of, label = (lambda c: c.facts["segments"]), f"segments ({size_label(headline or 0)} in all)"
+    points: dict[str, list[tuple[float, float, float]]] = {}
+    for case in sorted(cases, key=x_of):
+        for name in PLOTTED_CONTENDERS:
+            entry = case.entries.get(name)
+            if entry is not None:
+                points.setdefault(name, []).append((x_of(case), min(entry.wall), min(entry.cpu)))
+    return points, label
+
+
+def plot(run: BenchRun, run_dir: Path) -> tuple[list[Path], str]:
+    """Write the scaling PNGs; (paths, why none) where matplotlib is missing."""
+    try:
+        import matplotlib
+    except ImportError as error:
+        return [], f"plots skipped: matplotlib is not installed ({error}); install extkv[report]"
+    matplotlib.use("Agg")
+    from matplotlib import pyplot, ticker
+
+    written = []
+    styles = {"extkv": "o-", "raw": "s--", "memset": "^:", "copy": "v:"}
+    for by, ops in (("bytes", PLOTTED_BY_BYTES), ("segments", PLOTTED_BY_SEGMENTS)):
+        panels = [(op, *_series_points(run, op, by)) for op in ops]
+        panels = [panel for panel in panels if any(len(series) > 1 for series in panel[1].values())]
+        if not panels:
+            continue
+        figure, axes = pyplot.subplots(len(panels), 2, figsize=(11, 3.2 * len(panels)), squeeze=False)
+        for row, (op, points, label) in enumerate(panels):
+            for column, (index, what) in enumerate(((1, "wall time"), (2, "host CPU time"))):
+                axis = axes[row][column]
+                for name, series in points.items():
+                    axis.plot([p[0] for p in series], [p[index] for p in series], styles.get(name, "o-"), label=name)
+                axis.set_xscale("log", base=2)
+                axis.set_yscale("log")
+                xs = sorted({p[0] for series in points.values() for p in series})
+                axis.set_xticks(xs, [size_label(x) if by == "bytes" else str(x) for x in xs])
+                axis.xaxis.set_minor_locator(ticker.NullLocator())
+                axis.set_xlabel(label)
+                axis.set_ylabel("seconds (min over rounds)")
+                axis.set_title(f"{op}: {what}")
+                axis.grid(True, which="both", alpha=0.3)
+                axis.legend(fontsize=8)
+        figure.suptitle(f"extkv bench, {run.facts['profile']} profile, {run.facts['device']}: cost against {by}")
+        figure.tight_layout(rect=(0, 0, 1, 0.98))
+        path = Path(run_dir) / f"bench_scaling_{by}.png"
+        figure.savefig(path, dpi=90)
+        pyplot.close(figure)
+        written.append(path)
+    return written, "" if written else "plots skipped: no series with two or more sizes was measured"
 
 
 def bench_section(run_dir: Path) -> str | None:
     """Markdown for the bench results in `run_dir` (plots written beside it), or None when there are none."""
-    return None
+    run = load(Path(run_dir))
+    if run is None:
+        return None
+    rows = evaluate(run)
+    scaling = evaluate_scaling(run)
+    met = sum(1 for r in rows if r.met)
+    missed = sum(1 for r in rows if r.met is False)
+    lines = ["## Benchmarks", "", *_facts_lines(run), "",
+             "### Issue 10 at a glance (headline size, ratio of minima)", "", *_issue10_table(run, rows, scaling), "",
+             f"### Targets ({met} met, {missed} missed, {len(rows) - met - missed} not measured)", "",
+             *_targets_table(rows), ""]
+    paths, why_not = plot(run, run_dir)
+    lines += ["### Scaling", ""]
+    lines += [f"![{path.stem}]({path.name})" for path in paths] or [why_not]
+    lines += ["", "### Every case", *_every_case_table(run, rows), ""]
+    return "\n".join(lines)

@@ -1,0 +1,975 @@
+"""The benchmark engine behind `extkv bench`: what is measured, and how.
+
+Theory of operation
+-------------------
+A *case* is one operation (`OPERATIONS`: first commit, growth in 8 or 64
+commits, one block per commit, shrink, discarding and preserving
+defragment, release, recommit, CUDA graph replay) on one KV geometry
+(`GEOMETRIES`: a Llama-like 32 x 8 x 128 bf16 cache as 1, 32 and 256
+segments, 1,024 segments of the same bytes per block, and an MLA cache) at
+one size, with a list of *contenders*: extkv and the baselines and peers of
+extkv.vmm.baselines, each a `Store` that does the same work its own way.
+Which cases a run holds is a `Profile` (the H200 run, a host run scaled to a
+small machine, a smoke run), laid out by `catalogue` in priority order.
+
+The driver has state: a 32 GiB create right after 32 GiB were released ran
+10x slower on an H200 than on never-used memory. So the contenders of a case
+are measured together, interleaved: round r runs every contender once, in
+an order rotated by r, so each meets the state the others leave as often as
+they meet its own. Each round of a contender is: a new store, untimed setup
+(reserve, the growth a defragment starts from, ...), the timed operation
+ended by a device synchronize, untimed teardown that gives everything back.
+Wall time (`perf_counter`) runs to the end of the synchronize; host CPU time
+(`thread_time` of the calling thread) stops before it, since a GPU
+synchronize spins the CPU for as long as the device works. Rounds stop at
+the profile's count, or once a case has used its seconds and has two. A
+run has a budget of seconds: a case that would start after it is reported
+as not run, with that reason, so a run never overstays its machine.
+
+Memory a round uses has been released by the round before: those cases are
+*recycled*. *Fresh* cases (the headline first commits) run in a new process
+each, every contender once, each keeping its memory until all have run, so
+all of them meet never-used memory.
+
+Peers that need a process of their own (torch's expandable segments, which
+is chosen when a process starts; torch_memory_saver, whose allocator hook
+changes torch) run in one subprocess per kind for all cases that need them,
+interleaved there with the case's *pivot* (memset for commits, the raw
+sequence for releases). Every figure is a ratio measured inside one process:
+a peer in another process is compared through the pivots,
+(extkv / pivot here) / (peer / pivot there). A contender that cannot run
+(no GPU, a missing package, a failure of a peer) is recorded as not run with
+the reason, never dropped.
+
+pytest-benchmark records what the engine measured: each (case, contender)
+is one pytest test whose `benchmark.pedantic` plays the measured rounds back
+through `playback_clock`, which `extkv bench` passes as
+`--benchmark-timer`; so bench.json holds one benchmark per (case,
+contender) whose `stats.data` are the interleaved wall times, with the case,
+the CPU times and any pivot in `extra_info`. `record` checks that the timer
+really was the playback clock. The engine also writes `bench_cases.json`:
+the run's facts and every case, measured or not, with the reasons.
+"""
+
+from __future__ import annotations
+
+import gc
+import json
+import os
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Callable, Sequence
+
+import torch
+
+from .. import vmm
+from ..cache import ExtensibleKVCache
+from ..layout import (
+    FullAttentionSpec,
+    KVCacheConfig,
+    KVCacheGroupSpec,
+    KVCacheLayout,
+    KVCacheSpec,
+    MLAAttentionSpec,
+    build_kv_cache_config,
+    kv_cache_segments,
+    pad_kv_cache_segments,
+)
+from ..vmm import baselines
+from ..vmm.baselines import Store, Unsupported
+from .configs import GRANULE
+
+KiB, MiB, GiB = 1 << 10, 1 << 20, 1 << 30
+
+#: File the engine writes into the run directory.
+CASES_FILE = "bench_cases.json"
+#: File pytest-benchmark writes (`--benchmark-json`).
+BENCH_JSON = "bench.json"
+
+
+def size_label(num_bytes: int) -> str:
+    """"32GiB", "256MiB", "31.4GiB": bytes in three significant digits."""
+    unit, name = (GiB, "GiB") if num_bytes >= GiB else (MiB, "MiB") if num_bytes >= MiB else (KiB, "KiB")
+    return f"{num_bytes / unit:.3g}{name}"
+
+
+# -- geometries ----------------------------------------------------------------------
+@dataclass(frozen=True)
+class Geometry:
+    """A KV cache shape: one group of `layers` layers of `spec` in `layout`."""
+
+    name: str
+    what: str
+    spec: KVCacheSpec
+    layers: int
+    layout: KVCacheLayout
+    #: Layer regions start on granules (`pad_kv_cache_segments`).
+    padded: bool = False
+
+    def config(self, capacity_blocks: int) -> KVCacheConfig:
+        groups = [KVCacheGroupSpec(layer_names=[f"layers.{i}" for i in range(self.layers)], kv_cache_spec=self.spec)]
+        config = build_kv_cache_config(groups, capacity_blocks, self.layout)
+        return pad_kv_cache_segments(config, self.layout, GRANULE) if self.padded else config
+
+    def strides(self) -> list[int]:
+        """Bytes per block of each segment."""
+        return list(kv_cache_segments(self.config(1), self.layout)[1])
+
+    @property
+    def segments(self) -> int:
+        return len(self.strides())
+
+    @property
+    def bytes_per_block(self) -> int:
+        return sum(self.strides())
+
+
+_LLAMA = FullAttentionSpec(block_size=16, num_kv_heads=8, head_size=128, dtype=torch.bfloat16)
+_NARROW_HEADS = FullAttentionSpec(block_size=16, num_kv_heads=32, head_size=32, dtype=torch.bfloat16)
+_MLA = MLAAttentionSpec(block_size=16, head_size=576, dtype=torch.bfloat16)
+_LLAMA_WORDS = "32 layers x 8 KV heads x 128, bf16, 16-token blocks (2 MiB per block)"
+
+GEOMETRIES: dict[str, Geometry] = {
+    g.name: g
+    for g in [
+        Geometry("blhnc1", f"{_LLAMA_WORDS}, BLHNC: 1 segment (block-outermost)", _LLAMA, 32, KVCacheLayout.BLHNC),
+        Geometry("lbhnc32", f"{_LLAMA_WORDS}, LBHNC: 32 segments (layer-outermost)", _LLAMA, 32, KVCacheLayout.LBHNC),
+        Geometry("lhbnc256", f"{_LLAMA_WORDS}, LHBNC: 256 segments (layer, head)", _LLAMA, 32, KVCacheLayout.LHBNC),
+        Geometry(
+            "lhbnc1024",
+            "32 layers x 32 KV heads x 32, bf16, 16-token blocks (2 MiB per block), LHBNC: 1,024 segments",
+            _NARROW_HEADS,
+            32,
+            KVCacheLayout.LHBNC,
+        ),
+        Geometry(
+            "mla61",
+            "61 MLA layers (latent 576, bf16, 16-token blocks), LBHNC padded to granules: 61 segments",
+            _MLA,
+            61,
+            KVCacheLayout.LBHNC,
+            padded=True,
+        ),
+    ]
+}
+
+
+# -- extkv as a store -------------------------------------------------------------------
+class ExtkvStore(Store):
+    """extkv's ExtensibleKVCache, driven through its public API."""
+
+    what = "extkv: ExtensibleKVCache (commit, shrink, defragment, release_physical, recommit)"
+
+    def __init__(self, device: torch.device, geometry: Geometry, capacity_blocks: int):
+        self.geometry = geometry
+        self.config = geometry.config(capacity_blocks)
+        super().__init__(device, list(kv_cache_segments(self.config, geometry.layout)[1]), capacity_blocks)
+        self.cache: ExtensibleKVCache | None = None
+
+    def open(self) -> None:
+        self.cache = ExtensibleKVCache(self.config, self.device, self.geometry.layout)
+
+    def grow(self, blocks: int) -> None:
+        self.cache.commit(blocks)
+        self.blocks = self.cache.num_committed_blocks
+
+    def shrink(self, blocks: int) -> None:
+        self.cache.commit(blocks, shrink=True)
+        self.blocks = self.cache.num_committed_blocks
+
+    def defragment(self, preserve: bool) -> None:
+        self.cache.commit(self.cache.num_committed_blocks, defragment=True, preserve_contents=preserve)
+
+    def release(self) -> None:
+        self.cache.release_physical()
+
+    def recommit(self) -> None:
+        self.cache.recommit()
+
+    def views(self) -> list[torch.Tensor]:
+        return [self.cache.buffer.segment_view(i) for i in range(len(self.strides))]
+
+    def synchronize(self) -> None:
+        self.cache.buffer.driver.synchronize()
+
+    def close(self) -> None:
+        super().close()
+        if self.cache is not None:
+            self.cache.free()
+            self.cache = None
+
+
+# -- contenders ---------------------------------------------------------------------------
+@dataclass(frozen=True)
+class Contender:
+    """Who does the work: `role` is subject (extkv), baseline (the floors a
+    target is stated against) or peer (other designs)."""
+
+    name: str
+    role: str
+    store: type[Store]
+    what: str = ""
+    #: Rounds are capped at the profile's `costly_rounds` (a slow peer).
+    costly: bool = False
+    #: Replay only: the cache grows to all blocks after the graph is captured.
+    grown_after_capture: bool = False
+
+    @property
+    def process(self) -> str:
+        return self.store.process
+
+    def describe(self) -> str:
+        return self.what or self.store.what
+
+    def make(self, device: torch.device, geometry: Geometry, capacity_blocks: int) -> Store:
+        if self.store is ExtkvStore:
+            return ExtkvStore(device, geometry, capacity_blocks)
+        return self.store(device, geometry.strides(), capacity_blocks)
+
+
+CONTENDERS: dict[str, Contender] = {
+    c.name: c
+    for c in [
+        Contender("extkv", "subject", ExtkvStore),
+        Contender(
+            "extkv_grown",
+            "subject",
+            ExtkvStore,
+            what="extkv, the graph replayed after the cache grew from N/8 to N blocks in 7 commits",
+            grown_after_capture=True,
+        ),
+        Contender("raw", "baseline", baselines.RawStore),
+        Contender("memset", "baseline", baselines.PlainStore),
+        Contender("copy", "baseline", baselines.CopyStore),
+        Contender("per_granule", "peer", baselines.GranuleStore, costly=True),
+        Contender("upfront", "peer", baselines.UpfrontStore),
+        Contender("allocate_copy", "peer", baselines.AllocCopyStore),
+        Contender("expandable", "peer", baselines.ExpandableStore),
+        Contender("tms", "peer", baselines.TmsStore),
+    ]
+}
+
+
+# -- cases ----------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class Case:
+    """One operation on one geometry at one size, and who does it."""
+
+    op: str
+    geometry: str
+    #: Blocks the operation works on (N; B for per_block).
+    blocks: int
+    capacity_blocks: int
+    contenders: tuple[str, ...]
+    state: str = "recycled"
+    #: Replays per round (replay only).
+    replays: int = 0
+
+    @property
+    def bytes(self) -> int:
+        return self.blocks * GEOMETRIES[self.geometry].bytes_per_block
+
+    @property
+    def id(self) -> str:
+        return f"{self.op}-{self.geometry}-{size_label(self.bytes)}-{self.state}"
+
+    @property
+    def segments(self) -> int:
+        return GEOMETRIES[self.geometry].segments
+
+    @property
+    def commits(self) -> int:
+        """Commits in the timed part (time per commit = time / commits)."""
+        return {"grow8": 8, "grow64": 64, "per_block": self.blocks}.get(self.op, 1)
+
+    @property
+    def smallest_segment_bytes(self) -> int:
+        return self.blocks * min(GEOMETRIES[self.geometry].strides())
+
+    def facts(self) -> dict:
+        """What the report needs to know of the case."""
+        operation = OPERATIONS[self.op]
+        return {
+            "case": self.id,
+            "op": self.op,
+            "op_what": operation.what,
+            "pivot": operation.pivot,
+            "geometry": self.geometry,
+            "geometry_what": GEOMETRIES[self.geometry].what,
+            "segments": self.segments,
+            "blocks": self.blocks,
+            "capacity_blocks": self.capacity_blocks,
+            "bytes": self.bytes,
+            "smallest_segment_bytes": self.smallest_segment_bytes,
+            "commits": self.commits,
+            "replays": self.replays,
+            "state": self.state,
+            "contenders": list(self.contenders),
+        }
+
+
+# -- operations -------------------------------------------------------------------------------
+def _grow_in_steps(store: Store, blocks: int, steps: int, first_step: int = 1) -> None:
+    for step in range(first_step, steps + 1):
+        store.grow(max(1, blocks * step // steps))
+
+
+def _prepare_nothing(store: Store, case: Case, contender: Contender) -> None:
+    """The timed part starts on a store just opened."""
+
+
+def _prepare_committed(store: Store, case: Case, contender: Contender) -> None:
+    store.grow(case.blocks)
+
+
+def _prepare_grown_in_8(store: Store, case: Case, contender: Contender) -> None:
+    _grow_in_steps(store, case.blocks, 8)
+
+
+def _prepare_released(store: Store, case: Case, contender: Contender) -> None:
+    store.grow(case.blocks)
+    store.release()
+
+
+def _prepare_captured(store: Store, case: Case, contender: Contender) -> None:
+    store.grow(max(1, case.blocks // 8))
+    store.capture()
+    if contender.grown_after_capture:
+        _grow_in_steps(store, case.blocks, 8, first_step=2)
+
+
+@dataclass(frozen=True)
+class Operation:
+    name: str
+    what: str
+    #: The baseline that carries a peer's figures across processes.
+    pivot: str
+    prepare: Callable[[Store, Case, Contender], None]
+    timed: Callable[[Store, Case], None]
+
+
+OPERATIONS: dict[str, Operation] = {
+    op.name: op
+    for op in [
+        Operation("commit", "first commit: commit(N) on a cache just made (reservation untimed)", "memset",
+                  _prepare_nothing, lambda store, case: store.grow(case.blocks)),
+        Operation("grow8", "growth from empty to N blocks in 8 equal commits (warmup style)", "memset",
+                  _prepare_nothing, lambda store, case: _grow_in_steps(store, case.blocks, 8)),
+        Operation("grow64", "growth from empty to N blocks in 64 equal commits", "memset",
+                  _prepare_nothing, lambda store, case: _grow_in_steps(store, case.blocks, 64)),
+        Operation("per_block", "one block per commit, commit(1) .. commit(B); time per commit = time / B", "memset",
+                  _prepare_nothing, lambda store, case: [store.grow(n) for n in range(1, case.blocks + 1)]),
+        Operation("shrink", "commit(N/2, shrink=True) with N blocks committed", "raw",
+                  _prepare_committed, lambda store, case: store.shrink(case.blocks // 2)),
+        Operation("defrag_discard", "commit(N, defragment=True) after growth in 8 commits (contents discarded)", "raw",
+                  _prepare_grown_in_8, lambda store, case: store.defragment(False)),
+        Operation("defrag_preserve",
+                  "commit(N, defragment=True, preserve_contents=True) after growth in 8 commits", "copy",
+                  _prepare_grown_in_8, lambda store, case: store.defragment(True)),
+        Operation("release", "release_physical() with N blocks committed in one commit", "raw",
+                  _prepare_committed, lambda store, case: store.release()),
+        Operation("recommit", "recommit() of N blocks after release_physical()", "memset",
+                  _prepare_released, lambda store, case: store.recommit()),
+        Operation("replay", "CUDA graph replays reading the first N/8 blocks, captured with N/8 committed", "memset",
+                  _prepare_captured, lambda store, case: store.replay(case.replays)),
+    ]
+}
+
+#: Contenders of an operation where a case names no others (scaling series).
+FLOORS = {
+    "commit": ("extkv", "raw", "memset"),
+    "grow8": ("extkv", "raw", "memset"),
+    "release": ("extkv", "raw"),
+    "recommit": ("extkv", "raw", "memset"),
+    "defrag_preserve": ("extkv", "raw", "copy"),
+}
+
+
+# -- profiles -------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class Profile:
+    """Sizes, rounds and time of one kind of run."""
+
+    name: str
+    what: str
+    headline_bytes: int
+    #: One-segment sizes for the scaling in bytes (commit, grow8, release).
+    byte_series: tuple[int, ...]
+    #: Geometries every operation runs on, at the headline size.
+    headline_geometries: tuple[str, ...]
+    #: Geometries whose first commit is also measured on fresh memory.
+    fresh_geometries: tuple[str, ...]
+    #: Further geometries for the scaling in segments (at the headline size).
+    segment_series: tuple[str, ...]
+    #: Further geometries with the floors' operations (MLA).
+    extra_geometries: tuple[str, ...]
+    per_block_blocks: int
+    replays: int
+    rounds: int
+    case_seconds: float
+    budget_seconds: float
+    costly_rounds: int
+    grow64: bool = True
+
+
+PROFILES: dict[str, Profile] = {
+    p.name: p
+    for p in [
+        Profile(
+            "gpu",
+            "the reference run on one GPU (headline 32 GiB)",
+            headline_bytes=32 * GiB,
+            byte_series=(64 * MiB, 256 * MiB, GiB, 4 * GiB, 16 * GiB, 32 * GiB, 64 * GiB),
+            headline_geometries=("blhnc1", "lbhnc32", "lhbnc256"),
+            fresh_geometries=("blhnc1", "lbhnc32", "lhbnc256"),
+            segment_series=("lhbnc1024",),
+            extra_geometries=("mla61",),
+            per_block_blocks=1000,
+            replays=20,
+            rounds=3,
+            case_seconds=8.0,
+            budget_seconds=225.0,
+            costly_rounds=2,
+        ),
+        Profile(
+            "host",
+            "the host driver, sizes scaled to a small machine (headline 256 MiB)",
+            headline_bytes=256 * MiB,
+            byte_series=(16 * MiB, 64 * MiB, 256 * MiB, GiB, 2 * GiB),
+            headline_geometries=("blhnc1", "lbhnc32", "lhbnc256"),
+            fresh_geometries=("blhnc1", "lbhnc32", "lhbnc256"),
+            segment_series=("lhbnc1024",),
+            extra_geometries=("mla61",),
+            per_block_blocks=1000,
+            replays=20,
+            rounds=3,
+            case_seconds=10.0,
+            budget_seconds=900.0,
+            costly_rounds=2,
+        ),
+        Profile(
+            "quick",
+            "smoke run: tiny sizes, two rounds (proves the pipeline, measures nothing worth quoting)",
+            headline_bytes=16 * MiB,
+            byte_series=(4 * MiB, 16 * MiB),
+            headline_geometries=("blhnc1", "lbhnc32"),
+            fresh_geometries=("lbhnc32",),
+            segment_series=(),
+            extra_geometries=(),
+            per_block_blocks=8,
+            replays=2,
+            rounds=2,
+            case_seconds=2.0,
+            budget_seconds=60.0,
+            costly_rounds=2,
+            grow64=False,
+        ),
+    ]
+}
+
+
+def catalogue(profile: Profile) -> list[Case]:
+    """Every case of a run, in the order it is measured: what the
+    performance issue reads first (fresh and recycled headline commits,
+    targets) comes first, so a run that meets its budget drops the least."""
+    cases: dict[str, Case] = {}
+
+    def add(op: str, geometry: str, total_bytes: int, contenders: Sequence[str], **kwargs) -> None:
+        blocks = max(1, total_bytes // GEOMETRIES[geometry].bytes_per_block)
+        capacity = max(blocks, kwargs.pop("capacity_blocks", blocks))
+        case = Case(op, geometry, blocks, capacity, tuple(contenders), **kwargs)
+        cases.setdefault(case.id, case)
+
+    headline = profile.headline_bytes
+    for geometry in profile.fresh_geometries:
+        add("commit", geometry, headline, FLOORS["commit"], state="fresh")
+    for geometry in profile.headline_geometries:
+        add("commit", geometry, headline, ("extkv", "raw", "memset", "upfront", "per_granule", "expandable"))
+        add("grow8", geometry, headline, ("extkv", "raw", "memset", "per_granule", "allocate_copy", "expandable"))
+        add("recommit", geometry, headline, ("extkv", "raw", "memset", "tms"))
+        add("release", geometry, headline, ("extkv", "raw", "per_granule", "tms", "expandable"))
+        add("defrag_preserve", geometry, headline, FLOORS["defrag_preserve"])
+    add("replay", profile.headline_geometries[0], headline, ("extkv", "extkv_grown", "memset"), replays=profile.replays)
+    for geometry in profile.segment_series:
+        for op, contenders in FLOORS.items():
+            add(op, geometry, headline, contenders)
+    for total in profile.byte_series:
+        for op in ("commit", "grow8", "release"):
+            add(op, "blhnc1", total, FLOORS[op])
+    for geometry in profile.headline_geometries:
+        if profile.grow64:
+            add("grow64", geometry, headline, ("extkv", "raw", "memset", "allocate_copy"))
+        add("shrink", geometry, headline, ("extkv", "raw"))
+        add("defrag_discard", geometry, headline, ("extkv", "raw"))
+        if GEOMETRIES[geometry].segments <= 32:
+            # One block per commit zeroes each segment's share of the block
+            # separately; at 256 segments that is 256,000 zeroes a round.
+            per_block_bytes = profile.per_block_blocks * GEOMETRIES[geometry].bytes_per_block
+            add("per_block", geometry, per_block_bytes, ("extkv", "raw", "memset"),
+                capacity_blocks=headline // GEOMETRIES[geometry].bytes_per_block)
+    for geometry in profile.extra_geometries:
+        for op, contenders in FLOORS.items():
+            add(op, geometry, headline, contenders)
+    for case in cases.values():
+        pivot = OPERATIONS[case.op].pivot
+        if any(CONTENDERS[name].process != "main" for name in case.contenders) and pivot not in case.contenders:
+            raise ValueError(f"case {case.id}: a peer in another process needs the pivot {pivot} among its contenders")
+    return list(cases.values())
+
+
+# -- measuring ---------------------------------------------------------------------------------
+@dataclass
+class Measurement:
+    """One contender's rounds in one case."""
+
+    contender: str
+    process: str
+    status: str = "measured"  # "measured", "not run" or "failed"
+    reason: str = ""
+    wall: list[float] = field(default_factory=list)
+    cpu: list[float] = field(default_factory=list)
+    #: For a peer measured in another process: that process's pivot,
+    #: {"contender": name, "wall": [...], "cpu": [...]}.
+    pivot: dict | None = None
+
+    def stop(self, status: str, reason: str) -> None:
+        self.status, self.reason = status, reason
+        self.wall, self.cpu = [], []
+
+    def summary(self) -> str:
+        if self.status != "measured":
+            return f"{self.contender} {self.status}"
+        if not self.wall:
+            return f"{self.contender} no rounds"
+        return f"{self.contender} {min(self.wall) * 1e3:.3g} ms"
+
+
+def _not_runnable(contender: Contender, device: torch.device) -> str | None:
+    return contender.store.unsupported_reason(device)
+
+
+def time_round(case: Case, contender: Contender, device: torch.device) -> tuple[float, float]:
+    """(wall seconds, CPU seconds) of one round of `contender` in `case`."""
+    operation = OPERATIONS[case.op]
+    store = contender.make(device, GEOMETRIES[case.geometry], case.capacity_blocks)
+    try:
+        store.open()
+        operation.prepare(store, case, contender)
+        store.synchronize()
+        # No collection here: a full one costs 80 ms with torch loaded, more
+        # than many rounds; disabled, none lands inside the timed part.
+        gc.disable()
+        try:
+            wall_start, cpu_start = time.perf_counter(), time.thread_time()
+            operation.timed(store, case)
+            cpu_end = time.thread_time()
+            store.synchronize()
+            wall_end = time.perf_counter()
+        finally:
+            gc.enable()
+    finally:
+        store.close()
+    return wall_end - wall_start, cpu_end - cpu_start
+
+
+def _failure(contender: Contender, error: BaseException) -> tuple[str, str]:
+    """How a contender's exception is recorded: a peer that does not work
+    here is not run; extkv or a baseline that fails is a failure."""
+    words = f"{type(error).__name__}: {error}"
+    if isinstance(error, Unsupported):
+        return "not run", str(error)
+    if contender.role == "peer":
+        return "not run", f"failed here: {words}"
+    return "failed", words
+
+
+def interleave(
+    case: Case,
+    names: Sequence[str],
+    device: torch.device,
+    *,
+    rounds: int,
+    case_seconds: float,
+    costly_rounds: int,
+    process: str = "main",
+    order_log: list[str] | None = None,
+) -> dict[str, Measurement]:
+    """Measure `names` in `case`, round r running each once in an order
+    rotated by r; stop after `rounds`, or once `case_seconds` are used and
+    two rounds are done. `order_log` receives each contender as it runs."""
+    results = {name: Measurement(name, process) for name in names}
+    for name in names:
+        reason = _not_runnable(CONTENDERS[name], device)
+        if reason:
+            results[name].stop("not run", reason)
+    started = time.perf_counter()
+    for round_index in range(rounds):
+        live = [
+            name
+            for name in names
+            if results[name].status == "measured"
+            and len(results[name].wall) < (costly_rounds if CONTENDERS[name].costly else rounds)
+        ]
+        if not live:
+            break
+        shift = round_index % len(live)
+        for name in live[shift:] + live[:shift]:
+            if order_log is not None:
+                order_log.append(name)
+            try:
+                wall, cpu = time_round(case, CONTENDERS[name], device)
+            except Exception as error:
+                results[name].stop(*_failure(CONTENDERS[name], error))
+                continue
+            results[name].wall.append(wall)
+            results[name].cpu.append(cpu)
+        if round_index + 1 >= min(2, rounds) and time.perf_counter() - started > case_seconds:
+            break
+    return results
+
+
+def warm_up(device: torch.device, names: Sequence[str], ops: Sequence[str]) -> None:
+    """One tiny round (4 MiB) of each contender in each operation, so that
+    first-call costs (kernel loading, lazy imports) land in no case."""
+    for op in ops:
+        tiny = Case(op, "blhnc1", 2, 2, (), replays=1)
+        interleave(tiny, names, device, rounds=1, case_seconds=0.0, costly_rounds=1)
+
+
+def measure_fresh(case: Case, names: Sequence[str], device: torch.device, process: str = "fresh") -> dict[str, Measurement]:
+    """One round of each contender on memory never used by this process:
+    every store keeps its memory until all have run."""
+    results = {name: Measurement(name, process) for name in names}
+    operation = OPERATIONS[case.op]
+    stores: list[Store] = []
+    try:
+        for name in names:
+            contender = CONTENDERS[name]
+            reason = _not_runnable(contender, device)
+            if reason:
+                results[name].stop("not run", reason)
+                continue
+            store = contender.make(device, GEOMETRIES[case.geometry], case.capacity_blocks)
+            stores.append(store)
+            try:
+                store.open()
+                operation.prepare(store, case, contender)
+                store.synchronize()
+                wall_start, cpu_start = time.perf_counter(), time.thread_time()
+                operation.timed(store, case)
+                cpu_end = time.thread_time()
+                store.synchronize()
+                wall_end = time.perf_counter()
+            except Exception as error:
+                results[name].stop(*_failure(contender, error))
+                continue
+            results[name].wall.append(wall_end - wall_start)
+            results[name].cpu.append(cpu_end - cpu_start)
+    finally:
+        for store in stores:
+            store.close()
+    return results
+
+
+class Engine:
+    """Measures the cases of one run, each once, on first request."""
+
+    def __init__(
+        self,
+        profile: Profile,
+        device: torch.device | str,
+        run_dir: Path,
+        *,
+        rounds: int | None = None,
+        budget_seconds: float | None = None,
+        log: Callable[[str], None] | None = None,
+        warm_up: bool = True,
+    ):
+        self.profile = profile
+        self.device = vmm.canonical_device(device)
+        self.run_dir = Path(run_dir)
+        self.rounds = profile.rounds if rounds is None else rounds
+        if self.rounds < 1:
+            raise ValueError(f"rounds must be an int >= 1, got {rounds!r}")
+        self.budget_seconds = profile.budget_seconds if budget_seconds is None else budget_seconds
+        self.log = log or (lambda line: print(line, flush=True))
+        self.cases = catalogue(profile)
+        self._by_id = {case.id: case for case in self.cases}
+        self._results: dict[str, dict[str, Measurement]] = {}
+        self._batches: dict[str, dict[str, dict[str, Measurement]]] = {}
+        self.clocks = [baselines.clock_note(self.device)]
+        self.started = time.perf_counter()
+        if warm_up:
+            self._warm_up()
+        self.log(
+            f"extkv bench: {len(self.cases)} cases, profile {profile.name} ({profile.what}) on {self.device}; "
+            f"rounds <= {self.rounds}, budget {self.budget_seconds:.0f} s"
+        )
+
+    def elapsed(self) -> float:
+        return time.perf_counter() - self.started
+
+    def case(self, case_id: str) -> Case:
+        return self._by_id[case_id]
+
+    def _warm_up(self) -> None:
+        warm_up(self.device, [name for name, contender in CONTENDERS.items() if contender.process == "main"], OPERATIONS)
+
+    def measure(self, case: Case) -> dict[str, Measurement]:
+        if case.id in self._results:
+            return self._results[case.id]
+        position = self.cases.index(case) + 1
+        case_started = time.perf_counter()
+        if self.elapsed() > self.budget_seconds:
+            results = {name: Measurement(name, CONTENDERS[name].process) for name in case.contenders}
+            for measurement in results.values():
+                measurement.stop("not run", f"time budget of {self.budget_seconds:.0f} s spent before this case")
+        elif case.state == "fresh":
+            results = self._in_subprocess("fresh", [(case, list(case.contenders))])[case.id]
+        else:
+            here = [name for name in case.contenders if CONTENDERS[name].process == "main"]
+            results = interleave(
+                case,
+                here,
+                self.device,
+                rounds=self.rounds,
+                case_seconds=self.profile.case_seconds,
+                costly_rounds=self.profile.costly_rounds,
+            )
+            for name in case.contenders:
+                if name not in results:
+                    results[name] = self._peer(case, name)
+        self._results[case.id] = results
+        self.log(
+            f"bench [{position}/{len(self.cases)}] {case.id}: "
+            + ", ".join(results[name].summary() for name in case.contenders)
+            + f" (min of <= {self.rounds} rounds; {time.perf_counter() - case_started:.1f} s, "
+            f"{self.elapsed():.0f} s of {self.budget_seconds:.0f} s)"
+        )
+        return results
+
+    def _peer(self, case: Case, name: str) -> Measurement:
+        contender = CONTENDERS[name]
+        reason = _not_runnable(contender, self.device)
+        if reason:
+            measurement = Measurement(name, contender.process)
+            measurement.stop("not run", reason)
+            return measurement
+        if contender.process not in self._batches:
+            jobs = [
+                (other, [n for n in other.contenders if CONTENDERS[n].process == contender.process]
+                 + [OPERATIONS[other.op].pivot])
+                for other in self.cases[self.cases.index(case):]
+                if other.state != "fresh" and any(CONTENDERS[n].process == contender.process for n in other.contenders)
+            ]
+            self._batches[contender.process] = self._in_subprocess(contender.process, jobs)
+        batch = self._batches[contender.process].get(case.id, {})
+        measurement = batch.get(name)
+        if measurement is None:
+            measurement = Measurement(name, contender.process)
+            measurement.stop("not run", f"the {contender.process} process did not reach this case")
+            return measurement
+        pivot = batch.get(OPERATIONS[case.op].pivot)
+        if pivot is not None and pivot.status == "measured":
+            measurement.pivot = {"contender": pivot.contender, "wall": pivot.wall, "cpu": pivot.cpu}
+        return measurement
+
+    def _in_subprocess(self, process: str, jobs: list[tuple[Case, list[str]]]) -> dict[str, dict[str, Measurement]]:
+        """Run `jobs` in a new process (environment for `process` from
+        extkv.vmm.baselines); every contender of a job that fails to come
+        back is recorded as not run, with the process's last words."""
+        remaining = max(self.budget_seconds - self.elapsed(), 1.0)
+        request = {
+            "profile": self.profile.name,
+            "device": str(self.device),
+            "rounds": self.rounds,
+            "process": process,
+            "seconds": remaining,
+            "jobs": [{"case": case.id, "contenders": names} for case, names in jobs],
+        }
+        environment = {**os.environ, **baselines.PROCESS_ENVIRONMENT.get(process, {})}
+        package_root = str(Path(__file__).resolve().parents[2])
+        environment["PYTHONPATH"] = os.pathsep.join(filter(None, [package_root, environment.get("PYTHONPATH")]))
+        with tempfile.TemporaryDirectory(prefix="extkv-bench-") as scratch:
+            request_path, result_path = Path(scratch, "request.json"), Path(scratch, "result.json")
+            request_path.write_text(json.dumps(request))
+            self.log(f"bench: {process} process for {len(jobs)} case(s) ...")
+            try:
+                finished = subprocess.run(
+                    [sys.executable, "-m", __name__, str(request_path), str(result_path)],
+                    env=environment,
+                    capture_output=True,
+                    text=True,
+                    timeout=remaining + 120,
+                )
+                for line in finished.stdout.splitlines():
+                    self.log(line)
+                problem = None if finished.returncode == 0 else (
+                    f"the {process} process exited with code {finished.returncode}: "
+                    + " | ".join(finished.stderr.strip().splitlines()[-3:])
+                )
+            except subprocess.TimeoutExpired:
+                problem = f"the {process} process ran past {remaining + 120:.0f} s and was stopped"
+            # Written after every job, so a process that died later still
+            # brings back what it finished.
+            answers = json.loads(result_path.read_text()) if result_path.exists() else {}
+        results: dict[str, dict[str, Measurement]] = {}
+        for case, names in jobs:
+            got = answers.get(case.id, {})
+            results[case.id] = {}
+            for name in names:
+                if name in got:
+                    results[case.id][name] = Measurement(**got[name])
+                else:
+                    missing = Measurement(name, process)
+                    missing.stop("not run", problem or f"the {process} process did not reach this case")
+                    results[case.id][name] = missing
+        return results
+
+    def results(self, case: Case) -> dict[str, Measurement] | None:
+        return self._results.get(case.id)
+
+    def finish(self) -> Path:
+        """Write `bench_cases.json` into the run directory: the run's facts
+        and every case, measured or not."""
+        self.clocks.append(baselines.clock_note(self.device))
+        cases = []
+        for case in self.cases:
+            results = self._results.get(case.id)
+            if results is None:
+                results = {name: Measurement(name, CONTENDERS[name].process) for name in case.contenders}
+                for measurement in results.values():
+                    measurement.stop("not run", "not reached (deselected, or the run stopped before it)")
+            cases.append({**case.facts(), "results": {name: asdict(m) for name, m in results.items()}})
+        facts = {
+            "profile": self.profile.name,
+            "profile_what": self.profile.what,
+            "headline_bytes": self.profile.headline_bytes,
+            "device": str(self.device),
+            "device_description": vmm.driver_for(self.device).describe(),
+            "host": socket.gethostname(),
+            "torch": torch.__version__,
+            "clocks": self.clocks,
+            "rounds": self.rounds,
+            "case_seconds": self.profile.case_seconds,
+            "costly_rounds": self.profile.costly_rounds,
+            "budget_seconds": self.budget_seconds,
+            "elapsed_seconds": self.elapsed(),
+            "cpu_time": "thread_time of the calling thread, up to the final device synchronize (excluded)",
+            "contenders": {name: {"role": c.role, "what": c.describe(), "process": c.process} for name, c in CONTENDERS.items()},
+            "geometries": {name: g.what for name, g in GEOMETRIES.items()},
+            "cases": cases,
+        }
+        self.run_dir.mkdir(parents=True, exist_ok=True)
+        path = self.run_dir / CASES_FILE
+        path.write_text(json.dumps(facts, indent=1))
+        return path
+
+
+# -- pytest-benchmark ----------------------------------------------------------------------------
+class PlaybackClock:
+    """pytest-benchmark's timer under `extkv bench`: it reads back the
+    durations the engine measured instead of timing anything itself."""
+
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+    def start_at_zero(self, duration: float) -> tuple[tuple[float], dict]:
+        """pedantic's setup: the next round starts at 0 and lasts `duration`."""
+        self.now = 0.0
+        return (duration,), {}
+
+    def advance(self, duration: float) -> None:
+        self.now += duration
+
+
+_playback = PlaybackClock()
+
+
+def playback_clock() -> float:
+    """The `--benchmark-timer` of `extkv bench` (pytest-benchmark names a
+    timer by module and function name)."""
+    return _playback()
+
+
+#: Its dotted name, as pytest-benchmark takes it.
+PLAYBACK_TIMER = f"{__name__}.playback_clock"
+
+
+def record(benchmark, case: Case, measurement: Measurement) -> None:
+    """Hand one measured (case, contender) to pytest-benchmark's fixture:
+    metadata into `extra_info`, the wall times as its rounds."""
+    contender = CONTENDERS[measurement.contender]
+    benchmark.group = case.id
+    benchmark.extra_info.update(
+        {
+            **case.facts(),
+            "contender": contender.name,
+            "role": contender.role,
+            "contender_what": contender.describe(),
+            "process": measurement.process,
+            "cpu": measurement.cpu,
+            "pivot": measurement.pivot,
+        }
+    )
+    durations = iter(measurement.wall)
+    benchmark.pedantic(
+        _playback.advance,
+        setup=lambda: _playback.start_at_zero(next(durations)),
+        rounds=len(measurement.wall),
+    )
+    recorded = benchmark.stats.stats.data
+    if recorded != measurement.wall:
+        raise RuntimeError(
+            f"pytest-benchmark recorded {recorded} for {case.id}/{contender.name}, not the measured {measurement.wall}: "
+            f"its timer must be extkv's playback clock (--benchmark-timer={PLAYBACK_TIMER}); run `extkv bench`"
+        )
+
+
+# -- the subprocess side ------------------------------------------------------------------------------
+def _serve(request_path: str, result_path: str) -> None:
+    """Run the jobs of a request written by `Engine._in_subprocess`."""
+    torch.set_num_threads(int(os.environ.get("EXTKV_TORCH_THREADS", "1")))
+    request = json.loads(Path(request_path).read_text())
+    profile = PROFILES[request["profile"]]
+    device = vmm.canonical_device(request["device"])
+    by_id = {case.id: case for case in catalogue(profile)}
+    deadline = time.perf_counter() + request["seconds"]
+    process = request["process"]
+    answers: dict[str, dict[str, dict]] = {}
+    for job in request["jobs"]:
+        if time.perf_counter() > deadline:
+            break
+        case = by_id[job["case"]]
+        if process == "fresh":
+            # 4 MiB used and given back: first-call costs stay out of the
+            # case, and the memory it measures on is still never used.
+            warm_up(device, job["contenders"], [case.op])
+            results = measure_fresh(case, job["contenders"], device)
+        else:
+            results = interleave(
+                case,
+                job["contenders"],
+                device,
+                rounds=request["rounds"],
+                case_seconds=profile.case_seconds,
+                costly_rounds=profile.costly_rounds,
+                process=process,
+            )
+        answers[case.id] = {name: asdict(m) for name, m in results.items()}
+        print(f"bench ({process} process) {case.id}: " + ", ".join(m.summary() for m in results.values()), flush=True)
+        # Written after every job: a crash later still returns the rest.
+        Path(result_path).write_text(json.dumps(answers))
+    Path(result_path).write_text(json.dumps(answers))
+
+
+if __name__ == "__main__":
+    _serve(*sys.argv[1:3])
