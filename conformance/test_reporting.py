@@ -3,8 +3,8 @@ subprocess with the harness writing its results into a run directory, and
 the summary's per-invariant, per-device counts are checked against pytest's
 own JUnit XML of the same run. One run takes a few conformance tests; a
 second, as the multi-GPU step, takes a planted file whose tests pass, fail,
-error in teardown and skip, so every outcome goes through the harness, the
-merge and the table. Bad run directories raise errors that name the file."""
+error in teardown and skip, and the timeline test again, so every outcome
+and both ways of merging go through the harness, the merge and the table. Bad run directories raise errors that name the file."""
 
 from __future__ import annotations
 
@@ -23,7 +23,7 @@ import pytest
 from extkv.reporting import render_report
 from extkv.reporting.check_run import INSTALLED_OPTIONS
 from extkv.reporting.rundir import checkout_root, gpu_slug, run_directory
-from extkv.reporting.summary import ALL_TESTS_ROW, CHECK_FORMAT
+from extkv.reporting.summary import ALL_TESTS_ROW, CHECK_FORMAT, load_check
 from extkv.reporting.summary import HOST_LABEL as SUMMARY_HOST_LABEL
 from extkv.testing.harness import DEVICE_PROPERTY, HOST_LABEL, INVARIANTS, INVARIANTS_PROPERTY, RECORD_FORMAT
 
@@ -80,7 +80,9 @@ def rendered(tmp_path_factory) -> Path:
     assert real.returncode == 0, f"the real selection failed:\n{real.stdout[-3000:]}\n{real.stderr[-2000:]}"
     planted_dir = tmp_path_factory.mktemp("planted")
     (planted_dir / "test_planted.py").write_text(PLANTED)
-    planted = run_pytest(run_dir, "check-multi-gpu", [str(planted_dir / "test_planted.py")], planted_dir)
+    # The timeline test again, under the same node id: a test both steps ran.
+    (planted_dir / "test_timeline.py").write_text((CONFORMANCE / "test_timeline.py").read_text())
+    planted = run_pytest(run_dir, "check-multi-gpu", [str(planted_dir)], planted_dir)
     assert planted.returncode == 1, f"the planted failures must fail the run:\n{planted.stdout[-3000:]}"
     render_report(run_dir)
     return run_dir
@@ -96,18 +98,20 @@ def junit_outcome(testcase) -> str:
 
 
 def junit_counts(run_dir: Path) -> dict[str, dict[str, Counter]]:
-    """{row: {device: Counter(outcome)}} from the JUnit XML files alone, the
-    later step's testcase replacing the earlier's of the same name."""
+    """{row: {device: Counter(outcome)}} from the JUnit XML files alone: a
+    later step's testcase replaces an earlier skip of the same name, and
+    stands beside an earlier run of it."""
     testcases = {}
     for step in ("check", "check-multi-gpu"):
         for testcase in ElementTree.parse(run_dir / f"{step}-junit.xml").iter("testcase"):
             properties = {p.get("name"): p.get("value") for p in testcase.iter("property")}
             invariants = ast.literal_eval(properties.get(INVARIANTS_PROPERTY, "[]"))
-            testcases[(testcase.get("classname"), testcase.get("name"))] = (
-                invariants,
-                properties[DEVICE_PROPERTY],
-                junit_outcome(testcase),
-            )
+            found = (invariants, properties[DEVICE_PROPERTY], junit_outcome(testcase))
+            key = (testcase.get("classname"), testcase.get("name"))
+            if key not in testcases or testcases[key][2] == "skipped":
+                testcases[key] = found
+            elif found[2] != "skipped":
+                testcases[key + (step,)] = found
     rows: dict[str, dict[str, Counter]] = {}
     for invariants, device, outcome in testcases.values():
         for row in [str(n) for n in invariants] + [ALL_TESTS_ROW]:
@@ -146,9 +150,9 @@ def test_summary_counts_equal_the_junit_xml(rendered):
         for row, by_device in junit_counts(rendered).items()
     }
     assert summary_counts(summary) == from_junit
-    # The planted run touched invariants 1, 3 and 6 with every outcome; the
-    # real one proved 5 on the host.
-    assert from_junit["5"][HOST_LABEL] == (1, 1, 0)
+    # The planted run touched invariants 1, 3 and 6 with every outcome; both
+    # runs proved 5 on the host, and both count.
+    assert from_junit["5"][HOST_LABEL] == (2, 2, 0)
     assert from_junit["3"][HOST_LABEL] == (0, 1, 0), "a teardown error is a test run and not passed"
     assert from_junit["6"][HOST_LABEL][2] >= 1 and from_junit["6"][HOST_LABEL][1] > from_junit["6"][HOST_LABEL][0]
 
@@ -161,7 +165,8 @@ def test_summary_lists_failures_skips_timeline_and_the_step(rendered):
     assert "### Memory timeline: host" in summary and "(timeline-host.png)" in summary
     assert (rendered / "timeline-host.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     step = summary.split("### Multi-GPU step")[1].split("###")[0]
-    assert re.search(r"FAILED: \d+ passed, 2 failed, \d+ skipped, of 6 tests on ", step), step
+    assert re.search(r"FAILED: \d+ passed, 2 failed, \d+ skipped, of 8 tests on ", step), step
+    assert re.search(r"test_timeline.py::\S+\[host\] \(check-multi-gpu\)", json.dumps(load_check(rendered)["tests"]))
 
 
 def test_check_json_matches_its_own_totals(rendered):

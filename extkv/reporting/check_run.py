@@ -10,10 +10,12 @@ Three phases, each announced by a progress line and timed:
    `--junitxml=<run>/check-junit.xml` (pytest's own) and
    `--extkv-report-dir=<run>` (the harness's `check.json`, which also carries
    what JUnit XML cannot: the machine facts).
-2. Only with 2+ GPUs: the multi_gpu-marked tests (NCCL rank agreement), which
-   xdist workers skip because each sees one GPU, in one process without -n,
-   into `check-multi-gpu-junit.xml` and `check-multi-gpu.json`; the report
-   merges them.
+2. Only with 2+ GPUs, in one process without -n that sees every GPU: the
+   multi_gpu-marked tests (NCCL rank agreement), which xdist workers skip
+   because each sees one GPU, and the per_gpu-marked ones (the memory
+   timeline), which phase 1 ran on one GPU only; into
+   `check-multi-gpu-junit.xml` and `check-multi-gpu.json`, which the report
+   merges with phase 1's.
 3. The report: `render_report(<run>)` writes `summary.md` and the plots.
 
 The run directory is `reports/<date>-<host>-<gpus>/` (extkv.reporting.rundir)
@@ -45,6 +47,8 @@ from .rundir import checkout_root, run_directory, suite_directory
 #: What the checkout's [tool.pytest.ini_options] gives, on the command line
 #: for an installed package (the harness arrives through -p there).
 INSTALLED_OPTIONS = ["-ra", "--strict-markers", "-o", "timeout=600"]
+#: Tests of phase 2, the step in one process that sees every GPU.
+ALL_GPUS_MARKERS = "multi_gpu or per_gpu"
 #: pytest's exit status when no test was selected.
 NO_TESTS_SELECTED = 5
 
@@ -105,10 +109,10 @@ def run(args: argparse.Namespace, pytest_args: list[str]) -> int:
     _finished(1, phases, started, status, status != 0)
 
     if gpus >= 2:
-        command = pytest_command(suite, run_dir, "check-multi-gpu", ["-m", "multi_gpu"])
-        started = _phase(2, phases, f"multi-GPU tests in one process that sees all {gpus} GPUs", command + pytest_args)
+        command = pytest_command(suite, run_dir, "check-multi-gpu", ["-m", ALL_GPUS_MARKERS])
+        started = _phase(2, phases, f"multi-GPU and per-GPU tests in one process that sees all {gpus} GPUs", command + pytest_args)
         status = subprocess.call(command + pytest_args, cwd=checkout_root() or Path.cwd())
-        # Extra arguments (-k ...) may leave no multi-GPU test selected: nothing failed.
+        # Extra arguments (-k ...) may leave none of them selected: nothing failed.
         failed = status not in (0, NO_TESTS_SELECTED)
         if failed:
             failed_phases.append("multi-GPU tests")

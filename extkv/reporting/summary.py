@@ -5,9 +5,11 @@ Theory of operation
 `extkv check` leaves one results file per step in the run directory (the
 harness writes them): `check.json` (the suite, on the host driver and one
 GPU per xdist worker) and, on a machine of several GPUs, `check-multi-gpu.json`
-(the multi-GPU tests, in one process that sees them all). `load_check`
-merges them: a test the later step ran replaces what the earlier one said of
-it (a skip: the multi-GPU tests need every GPU in one process).
+(the multi-GPU tests, and the per-GPU ones again, in one process that sees
+every GPU). `load_check` merges them: a later step's record of a test
+replaces an earlier skip of it (the multi-GPU tests skip under xdist) and
+otherwise stands beside it, keyed `<nodeid> (<step>)`: the timeline test
+ran on one GPU in the first step and on every GPU in the second.
 
 `check_section` renders the merged results: per invariant of DESIGN.md, the
 tests run and passed on each device (a test's device is the label the
@@ -62,8 +64,13 @@ def load_check(run_dir: Path) -> dict | None:
     if not steps:
         return None
     tests: dict[str, dict] = {}
-    for document in steps.values():
-        tests.update(document["tests"])
+    for step, document in steps.items():
+        for nodeid, record in document["tests"].items():
+            earlier = tests.get(nodeid)
+            if earlier is None or earlier["outcome"] == "skipped":
+                tests[nodeid] = record
+            elif record["outcome"] != "skipped":
+                tests[f"{nodeid} ({step})"] = record
     first = next(iter(steps.values()))
     return {
         "steps": steps,

@@ -10,7 +10,8 @@ Theory of operation
   sees (ids `host`, `cuda:0`, ...). Where there is no GPU a `cuda:0` case is
   still collected, so the report shows it skipped and why.
 - Capability markers (gpu, cuda_graphs, multi_gpu(n), stress) become skips
-  with reasons in one hook, `pytest_collection_modifyitems`.
+  with reasons in one hook, `pytest_collection_modifyitems`. `per_gpu` marks
+  a test that `extkv check` runs again in its all-GPUs step.
 - After every test: no reservation, chunk or memfd left behind, and physical
   usage measured outside extkv back where it started.
 - Hypothesis profiles: `ci` (derandomized, the default), `dev`, `nightly`;
@@ -82,6 +83,7 @@ MARKERS = {
     "cuda_graphs": "captures and replays CUDA graphs",
     "multi_gpu(n)": "needs n GPUs visible to this process",
     "stress": "long randomized run; only with --stress",
+    "per_gpu": "runs again in extkv check's all-GPUs step, so that every GPU gets one (under xdist each test runs on one worker's GPU)",
     "invariant(n, ...)": "proves DESIGN.md's invariant(s) n (1-8); counted in the terminal summary",
 }
 
