@@ -118,6 +118,8 @@ def test_every_import_goes_down_a_layer():
 
 
 def test_suites_import_only_extkv():
+    if not (ROOT / "conformance").is_dir():
+        pytest.skip(f"no suite directories beside the extkv package in {ROOT} (an installed extkv): checked from a checkout")
     crossing = [
         f"{path.relative_to(ROOT)}:{line} imports {target}"
         for path in suite_files()
