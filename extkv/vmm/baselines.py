@@ -118,7 +118,16 @@ class Primitives(abc.ABC):
     def set_access(self, address: int, size: int) -> None: ...
 
     @abc.abstractmethod
-    def zero(self, address: int, size: int) -> None: ...
+    def fill(self, address: int, size: int, value: int) -> None:
+        """Set every byte of the range to `value` (queued on the device)."""
+
+    def zero(self, address: int, size: int) -> None:
+        self.fill(address, size, 0)
+
+    @abc.abstractmethod
+    def access(self, address: int) -> str:
+        """The access the driver or kernel reports at `address`, read back:
+        "rw", "r" or "none"."""
 
     @abc.abstractmethod
     def copy(self, destination: int, source: int, size: int) -> None: ...
@@ -198,8 +207,17 @@ class CudaPrimitives(Primitives):
     def set_access(self, address: int, size: int) -> None:
         _cuda_checked("cuMemSetAccess", self._cu.cuMemSetAccess(address, size, self._access, 1), size=size, address=address)
 
-    def zero(self, address: int, size: int) -> None:
-        _cuda_checked("cuMemsetD8Async", self._cu.cuMemsetD8Async(address, 0, size, self._stream()), size=size, address=address)
+    def fill(self, address: int, size: int, value: int) -> None:
+        _cuda_checked(
+            "cuMemsetD8Async", self._cu.cuMemsetD8Async(address, value, size, self._stream()), size=size, address=address
+        )
+
+    def access(self, address: int) -> str:
+        status, flags = self._cu.cuMemGetAccess(self._access[0].location, address)
+        if status != self._cu.CUresult.CUDA_SUCCESS:
+            return "none"
+        return {int(self._cu.CUmemAccess_flags.CU_MEM_ACCESS_FLAGS_PROT_READWRITE): "rw",
+                int(self._cu.CUmemAccess_flags.CU_MEM_ACCESS_FLAGS_PROT_READ): "r"}.get(int(flags), "none")
 
     def copy(self, destination: int, source: int, size: int) -> None:
         _cuda_checked(
@@ -277,8 +295,17 @@ class HostPrimitives(Primitives):
         if _libc.mprotect(address, size, _PROT_READ | _PROT_WRITE) != 0:
             raise _host_failed("mprotect(PROT_READ|PROT_WRITE)", size, address)
 
-    def zero(self, address: int, size: int) -> None:
-        ctypes.memset(address, 0, size)
+    def fill(self, address: int, size: int, value: int) -> None:
+        ctypes.memset(address, value, size)
+
+    def access(self, address: int) -> str:
+        with open("/proc/self/maps") as maps:
+            for line in maps:
+                span, permissions = line.split()[:2]
+                start, end = (int(part, 16) for part in span.split("-"))
+                if start <= address < end:
+                    return {"rw": "rw", "r-": "r"}.get(permissions[:2], "none")
+        return "none"
 
     def copy(self, destination: int, source: int, size: int) -> None:
         ctypes.memmove(destination, source, size)
@@ -294,6 +321,67 @@ class HostPrimitives(Primitives):
 
     def synchronize(self) -> None:
         """Host calls are synchronous."""
+
+
+class PoisoningPrimitives(Primitives):
+    """`inner` with every created chunk filled with `pattern` before it is
+    returned (through `inner`'s own calls: scratch reserve, map, access,
+    fill, unmap), so that a byte a sequence forgets to zero reads as the
+    pattern. Tests of the baselines run on it: fresh chunks read zero on the
+    host and on the H200 whether or not anyone zeroes them."""
+
+    def __init__(self, inner: Primitives, pattern: int):
+        if not 0 < pattern < 256:
+            raise ValueError(f"pattern must be a non-zero byte (1..255), got {pattern!r}")
+        self.inner, self.pattern = inner, pattern
+        self.device, self.granularity = inner.device, inner.granularity
+
+    @contextlib.contextmanager
+    def active(self) -> Iterator[None]:
+        with self.inner.active():
+            yield
+
+    def create(self, size: int) -> Any:
+        inner = self.inner
+        handle = inner.create(size)
+        scratch = inner.reserve(size)
+        inner.map(scratch, size, handle)
+        inner.set_access(scratch, size)
+        inner.fill(scratch, size, self.pattern)
+        inner.synchronize()
+        inner.unmap(scratch, size)
+        inner.free(scratch, size)
+        return handle
+
+    def reserve(self, size: int) -> int:
+        return self.inner.reserve(size)
+
+    def free(self, address: int, size: int) -> None:
+        self.inner.free(address, size)
+
+    def map(self, address: int, size: int, handle: Any) -> None:
+        self.inner.map(address, size, handle)
+
+    def set_access(self, address: int, size: int) -> None:
+        self.inner.set_access(address, size)
+
+    def fill(self, address: int, size: int, value: int) -> None:
+        self.inner.fill(address, size, value)
+
+    def access(self, address: int) -> str:
+        return self.inner.access(address)
+
+    def copy(self, destination: int, source: int, size: int) -> None:
+        self.inner.copy(destination, source, size)
+
+    def unmap(self, address: int, size: int) -> None:
+        self.inner.unmap(address, size)
+
+    def release(self, handle: Any) -> None:
+        self.inner.release(handle)
+
+    def synchronize(self) -> None:
+        self.inner.synchronize()
 
 
 @functools.lru_cache(maxsize=None)
@@ -417,9 +505,10 @@ class RawStore(Store):
 
     what = "raw driver sequence: per segment create, map, set access, zero; one chunk per segment"
 
-    def __init__(self, device, strides, capacity_blocks):
+    def __init__(self, device, strides, capacity_blocks, primitives: Primitives | None = None):
         super().__init__(device, strides, capacity_blocks)
-        self.prims = primitives_for(self.device)
+        #: The device's raw calls; tests pass PoisoningPrimitives.
+        self.prims = primitives or primitives_for(self.device)
         g = self.prims.granularity
         self.offsets, end = [], 0
         for stride in self.strides:

@@ -1,0 +1,401 @@
+"""The benchmarks' yardsticks and their arithmetic.
+
+A benchmark is only as honest as its baselines: a raw sequence that zeroed
+less than extkv, or mapped less, would make extkv look slow for doing its
+job. So each baseline is checked to do exactly the work it claims, over
+poisoned memory (fresh chunks read zero on the host and on the H200 whether
+or not anyone zeroes them): the raw sequence and one handle per granule map
+what a commit needs and no more, grant access, zero exactly the new bytes,
+and give everything back; the raw preserving defragment keeps every byte
+and leaves one chunk per segment; the torch baselines zero, copy and keep
+what they say. Then the engine: contenders interleave in rotated order, and
+one that cannot run or fails is recorded with the reason. Then the report's
+arithmetic: ratios (also across processes, through pivots) and verdicts.
+Finally pytest-benchmark really records the rounds the engine measured.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+import torch
+
+from extkv import vmm
+from extkv.reporting.bench import TARGETS, BenchRun, CaseResult, Entry, ScalingTarget, Target, evaluate, evaluate_scaling, ratio
+from extkv.testing import benchmarking
+from extkv.testing.benchmarking import CONTENDERS, PROFILES, Case, Contender, catalogue, interleave
+from extkv.testing.checks import check_all_equal
+from extkv.vmm import baselines
+from extkv.vmm.dlpack import uint8_view
+
+KiB, MiB = 1 << 10, 1 << 20
+POISON = 0xA5
+MARK = 0x3C
+
+#: name -> (bytes per block of each segment, capacity in blocks). "three" has
+#: segment capacities that are no multiple of a granule.
+STORE_GEOMETRIES = {
+    "one-segment": ([96 * KiB], 64),
+    "three-segments": ([8 * KiB, 12 * KiB, 20 * KiB], 200),
+}
+#: Block counts grown to, as fractions of the capacity: uneven on purpose.
+GROWTH = (0.19, 0.6, 1.0)
+
+
+def poisoned_store(store_class, device, geometry: str):
+    strides, capacity = STORE_GEOMETRIES[geometry]
+    primitives = baselines.PoisoningPrimitives(baselines.primitives_for(device), POISON)
+    return store_class(device, strides, capacity, primitives=primitives)
+
+
+def open_raw_fds() -> int:
+    links = []
+    for name in os.listdir("/proc/self/fd"):
+        try:
+            links.append(os.readlink(f"/proc/self/fd/{name}"))
+        except OSError:
+            continue
+    return sum(link.startswith(f"/memfd:{baselines.RAW_MEMFD_NAME}") for link in links)
+
+
+def granule_chunks(store: baselines.RawStore, segment: int) -> list:
+    """Which chunk backs each granule of a segment's capacity, read back from
+    the driver or kernel (None: unmapped)."""
+    g = store.prims.granularity
+    start = store.base + store.offsets[segment]
+    capacity = store.strides[segment] * store.capacity_blocks
+    return vmm.driver_for(store.device).chunks_at([start + i * g for i in range(-(-capacity // g))])
+
+
+def check_segment(store: baselines.RawStore, segment: int, committed: int, marked: int) -> None:
+    """Granules up to the committed end mapped and writable, none after; the
+    first `marked` bytes still hold MARK, the rest of the committed bytes
+    read zero, and the mapped bytes past them still hold the poison."""
+    g = store.prims.granularity
+    mapped = -(-committed // g) * g
+    owners = granule_chunks(store, segment)
+    used = mapped // g
+    assert all(owner is not None for owner in owners[:used]), f"segment {segment}: unmapped granules below {mapped} bytes: {owners}"
+    assert all(owner is None for owner in owners[used:]), f"segment {segment}: granules mapped past {mapped} bytes: {owners}"
+    start = store.base + store.offsets[segment]
+    for offset in range(0, mapped, g):
+        assert store.prims.access(start + offset) == "rw", f"segment {segment}: no read/write access at +{offset}"
+    view = uint8_view(start, mapped, store.device)
+    check_all_equal(view[:marked], MARK, f"segment {segment}: bytes committed before this commit")
+    check_all_equal(view[marked:committed], 0, f"segment {segment}: bytes this commit added")
+    check_all_equal(view[committed:mapped], POISON, f"segment {segment}: mapped bytes past the committed end")
+
+
+@pytest.mark.parametrize("geometry", sorted(STORE_GEOMETRIES))
+@pytest.mark.parametrize("store_class", [baselines.RawStore, baselines.GranuleStore], ids=["raw", "per_granule"])
+def test_raw_sequences_map_grant_and_zero_exactly_the_new_bytes(device, store_class, geometry):
+    fds_before = open_raw_fds()
+    store = poisoned_store(store_class, device, geometry)
+    store.open()
+    try:
+        previous = [0] * len(store.strides)
+        for fraction in GROWTH:
+            blocks = max(1, int(store.capacity_blocks * fraction))
+            store.grow(blocks)
+            store.synchronize()
+            assert store.blocks == blocks
+            for i, stride in enumerate(store.strides):
+                check_segment(store, i, blocks * stride, previous[i])
+                owners = [o for o in granule_chunks(store, i) if o is not None]
+                if store_class is baselines.GranuleStore:
+                    assert len(set(owners)) == len(owners), f"segment {i}: a handle backs several granules"
+                else:
+                    assert len(set(owners)) == len(store.chunks[i]), (
+                        f"segment {i}: {len(set(owners))} chunks read back, {len(store.chunks[i])} created"
+                    )
+                uint8_view(store.base + store.offsets[i], blocks * stride, device).fill_(MARK)
+                previous[i] = blocks * stride
+            store.synchronize()
+        if device.type == "cpu":
+            assert open_raw_fds() - fds_before == sum(len(chunks) for chunks in store.chunks)
+        store.release()
+        assert all(owner is None for i in range(len(store.strides)) for owner in granule_chunks(store, i))
+    finally:
+        store.close()
+    assert open_raw_fds() == fds_before, "the raw store left memfds open"
+
+
+def test_raw_sequence_is_one_chunk_per_segment_per_commit(device):
+    store = poisoned_store(baselines.RawStore, device, "three-segments")
+    store.open()
+    try:
+        for step in range(1, 5):
+            store.grow(store.capacity_blocks * step // 4)
+        # Each commit that crossed into new granules made one chunk per segment.
+        assert [len(chunks) for chunks in store.chunks] == [
+            len({-(-store.capacity_blocks * step // 4 * stride // store.prims.granularity) for step in range(1, 5)})
+            for stride in store.strides
+        ]
+    finally:
+        store.close()
+
+
+@pytest.mark.parametrize("geometry", sorted(STORE_GEOMETRIES))
+def test_raw_preserving_defragment_keeps_every_byte_on_one_chunk_per_segment(device, geometry):
+    store = poisoned_store(baselines.RawStore, device, geometry)
+    store.open()
+    try:
+        for step in range(1, 9):
+            store.grow(store.capacity_blocks * step // 8)
+        assert any(len(chunks) > 1 for chunks in store.chunks), "growth in 8 commits should fragment a segment"
+        for i, view in enumerate(store.views()):
+            view.copy_(torch.arange(view.numel(), device=device).remainder(251).add(i + 1).to(torch.uint8))
+        expected = [view.clone() for view in store.views()]
+        store.defragment(preserve=True)
+        store.synchronize()
+        for i, (view, before) in enumerate(zip(store.views(), expected)):
+            check_all_equal(view, before, f"segment {i} after the preserving defragment")
+            owners = [o for o in granule_chunks(store, i) if o is not None]
+            assert len(set(owners)) == 1 and len(store.chunks[i]) == 1, f"segment {i} is not one chunk: {owners}"
+    finally:
+        store.close()
+
+
+def test_raw_shrink_and_recommit_map_exactly_and_read_zero(device):
+    store = poisoned_store(baselines.RawStore, device, "three-segments")
+    store.open()
+    try:
+        store.grow(store.capacity_blocks)
+        for view in store.views():
+            view.fill_(MARK)
+        half = store.capacity_blocks // 2
+        store.shrink(half)
+        store.synchronize()
+        for i, stride in enumerate(store.strides):
+            check_segment(store, i, half * stride, 0)
+        store.release()
+        store.recommit()
+        store.synchronize()
+        assert store.blocks == half
+        for i, stride in enumerate(store.strides):
+            check_segment(store, i, half * stride, 0)
+    finally:
+        store.close()
+
+
+def test_torch_baselines_do_the_work_they_stand_for(device):
+    strides, capacity = STORE_GEOMETRIES["three-segments"]
+    total = sum(strides) * capacity
+    plain = baselines.PlainStore(device, strides, capacity)
+    plain.open()
+    try:
+        plain.grow(capacity // 2)
+        plain.buffer[: sum(strides) * (capacity // 2)].fill_(MARK)
+        plain.grow(capacity)
+        check_all_equal(plain.buffer[: sum(strides) * (capacity // 2)], MARK, "memset: bytes committed before")
+        check_all_equal(plain.buffer[sum(strides) * (capacity // 2) : total], 0, "memset: new bytes")
+    finally:
+        plain.close()
+    grown = baselines.AllocCopyStore(device, strides, capacity)
+    grown.open()
+    try:
+        grown.grow(capacity // 3)
+        kept = grown.buffer.clone().fill_(MARK)
+        grown.buffer.copy_(kept)
+        grown.grow(capacity)
+        at = 0
+        for stride in strides:  # each segment: its old bytes first, then zeros
+            old, new = stride * (capacity // 3), stride * capacity
+            check_all_equal(grown.buffer[at : at + old], MARK, f"allocate-copy: kept bytes of stride {stride}")
+            check_all_equal(grown.buffer[at + old : at + new], 0, f"allocate-copy: new bytes of stride {stride}")
+            at += new
+    finally:
+        grown.close()
+    copied = baselines.CopyStore(device, strides, capacity)
+    copied.open()
+    try:
+        copied.grow(capacity)
+        copied.defragment(preserve=True)
+        check_all_equal(copied.target, copied.source, "copy: target after the copy")
+    finally:
+        copied.close()
+    upfront = baselines.UpfrontStore(device, strides, capacity)
+    upfront.open()
+    try:
+        upfront.grow(capacity)
+        assert upfront.buffer.numel() == total
+        check_all_equal(upfront.buffer, 0, "up-front allocation")
+        with pytest.raises(baselines.Unsupported, match="cannot grow"):
+            upfront.grow(capacity)
+    finally:
+        upfront.close()
+
+
+def test_poisoning_needs_a_non_zero_byte():
+    with pytest.raises(ValueError, match="non-zero byte"):
+        baselines.PoisoningPrimitives(baselines.primitives_for(torch.device("cpu")), 0)
+
+
+# -- the engine ----------------------------------------------------------------------
+def tiny_case(op: str, contenders: tuple[str, ...]) -> Case:
+    return Case(op, "lbhnc32", 4, 4, contenders)
+
+
+def test_contenders_interleave_in_an_order_rotated_every_round(device):
+    order: list[str] = []
+    names = ("extkv", "raw", "memset")
+    results = interleave(
+        tiny_case("commit", names), names, device, rounds=3, case_seconds=60.0, costly_rounds=3, order_log=order
+    )
+    assert order == ["extkv", "raw", "memset", "raw", "memset", "extkv", "memset", "extkv", "raw"]
+    for name in names:
+        measured = results[name]
+        assert measured.status == "measured" and len(measured.wall) == len(measured.cpu) == 3, measured
+        assert all(wall > 0 for wall in measured.wall), measured
+
+
+def test_costly_peers_stop_at_their_round_cap():
+    names = ("extkv", "per_granule")
+    results = interleave(tiny_case("commit", names), names, torch.device("cpu"), rounds=3, case_seconds=60.0, costly_rounds=1)
+    assert len(results["extkv"].wall) == 3 and len(results["per_granule"].wall) == 1
+
+
+class _FailingStore(baselines.RawStore):
+    def grow(self, blocks: int) -> None:
+        raise RuntimeError("planted failure")
+
+
+def test_contenders_that_cannot_run_or_fail_are_recorded_with_the_reason(monkeypatch):
+    monkeypatch.setitem(CONTENDERS, "broken_peer", Contender("broken_peer", "peer", _FailingStore))
+    monkeypatch.setitem(CONTENDERS, "broken_baseline", Contender("broken_baseline", "baseline", _FailingStore))
+    names = ("extkv", "broken_peer", "broken_baseline", "expandable", "tms")
+    results = interleave(tiny_case("commit", names), names, torch.device("cpu"), rounds=2, case_seconds=60.0, costly_rounds=2)
+    assert results["extkv"].status == "measured"
+    assert (results["broken_peer"].status, results["broken_baseline"].status) == ("not run", "failed")
+    assert "planted failure" in results["broken_peer"].reason and "planted failure" in results["broken_baseline"].reason
+    for name in ("expandable", "tms"):
+        assert results[name].status == "not run" and "no GPU here" in results[name].reason, results[name]
+        assert results[name].wall == []
+
+
+@pytest.mark.parametrize("profile", sorted(PROFILES))
+def test_every_profile_lays_out_a_runnable_catalogue(profile):
+    cases = catalogue(PROFILES[profile])
+    assert len({case.id for case in cases}) == len(cases)
+    assert cases[0].state == "fresh", "fresh headline commits come first"
+    for case in cases:
+        assert set(case.contenders) <= set(CONTENDERS), case
+        assert case.blocks >= 1 and case.capacity_blocks >= case.blocks, case
+        if any(CONTENDERS[name].process != "main" for name in case.contenders):
+            assert benchmarking.OPERATIONS[case.op].pivot in case.contenders, case
+
+
+# -- the report's arithmetic ----------------------------------------------------------------
+def result(op: str, entries: dict[str, Entry], *, segment_bytes: int = 1 << 30, **facts) -> CaseResult:
+    return CaseResult(
+        {"case": f"{op}-x", "op": op, "pivot": benchmarking.OPERATIONS[op].pivot, "contenders": list(entries),
+         "smallest_segment_bytes": segment_bytes, "geometry": "blhnc1", "state": "recycled", "segments": 1,
+         "bytes": 1 << 30, **facts},
+        entries,
+    )
+
+
+def entry(name: str, wall: list[float], process: str = "main", pivot: list[float] | None = None, cpu=None) -> Entry:
+    return Entry(name, process, wall, cpu or wall, {"contender": "memset", "wall": pivot, "cpu": pivot} if pivot else None)
+
+
+def test_ratios_use_minima_and_medians_within_a_process():
+    case = result("commit", {"extkv": entry("extkv", [3.0, 1.2, 1.5]), "raw": entry("raw", [1.0, 2.0, 1.1])})
+    assert ratio(case, "extkv", "raw", "min") == pytest.approx(1.2)
+    assert ratio(case, "extkv", "raw", "median") == pytest.approx(1.5 / 1.1)
+
+
+def test_ratios_across_processes_go_through_each_process_pivot():
+    case = result(
+        "commit",
+        {
+            "extkv": entry("extkv", [2.0]),
+            "memset": entry("memset", [1.0]),
+            # The other process's memset ran at half speed: its peer's 8.0 is 4.0 here.
+            "expandable": entry("expandable", [8.0], process="expandable", pivot=[2.0]),
+        },
+    )
+    assert ratio(case, "extkv", "expandable", "min") == pytest.approx(0.5)
+    without_pivot = result("commit", {"extkv": entry("extkv", [2.0]), "expandable": entry("expandable", [8.0], process="expandable")})
+    assert ratio(without_pivot, "extkv", "expandable", "min") is None
+
+
+@pytest.mark.parametrize(
+    ("target", "value", "met", "words"),
+    [
+        (Target("t", "", frozenset(), "raw", 1.05), 1.02, True, "met: 1.02x"),
+        (Target("t", "", frozenset(), "raw", 1.05), 1.42, False, "missed by 35%: 1.42x"),
+        (Target("t", "", frozenset(), "g", 1 / 20, speedup=True), 1 / 40, True, "met: 40.0x faster"),
+        (Target("t", "", frozenset(), "g", 1 / 20, speedup=True), 1 / 12, False, "missed: 12.0x faster, 40% short of 20x"),
+        (Target("t", "", frozenset(), "b", 1.05, two_sided=True), 0.97, True, "met: 0.970x"),
+        (Target("t", "", frozenset(), "b", 1.05, two_sided=True), 0.92, False, "missed: 0.920x, 3.0 points outside +-5%"),
+    ],
+)
+def test_verdicts_say_met_or_by_how_much_missed(target, value, met, words):
+    assert target.verdict(value) == (met, words)
+
+
+def test_targets_apply_only_where_stated():
+    by_key = {target.key: target for target in TARGETS}
+    small = result("commit", {"extkv": entry("extkv", [1.0]), "memset": entry("memset", [1.0])}, segment_bytes=128 * MiB)
+    large = result("commit", {"extkv": entry("extkv", [1.0]), "memset": entry("memset", [1.0])}, segment_bytes=512 * MiB)
+    assert not by_key["commit-memset"].applies(small.facts) and by_key["commit-memset"].applies(large.facts)
+    run = BenchRun({}, [
+        result("release", {"extkv": entry("extkv", [1.3]), "raw": entry("raw", [1.0]), "tms": entry("tms", [9.0])}),
+    ])
+    rows = {row.target.key: row for row in evaluate(run)}
+    assert set(rows) == {"release-raw", "release-tms"}
+    assert rows["release-raw"].met is False and rows["release-raw"].ratio_min == pytest.approx(1.3)
+    assert rows["release-tms"].met is True
+
+
+def test_scaling_readings_compare_extkv_cpu_time_at_the_ends_of_a_series():
+    def commit(geometry, size, cpu):
+        return result("commit", {"extkv": entry("extkv", [1.0], cpu=cpu)}, geometry=geometry, bytes=size, case=f"{geometry}-{size}")
+
+    run = BenchRun({}, [commit("blhnc1", 64 * MiB, [0.010, 0.020]), commit("blhnc1", 64 << 30, [0.0105]),
+                        commit("lhbnc256", 32 << 30, [0.02]), commit("lhbnc1024", 32 << 30, [0.1])])
+    rows = {row.target.key: row for row in evaluate_scaling(run)}
+    assert rows["cpu-flat-in-bytes"].value == pytest.approx(1.05) and rows["cpu-flat-in-bytes"].met
+    assert rows["cpu-linear-in-segments"].value == pytest.approx(5.0) and rows["cpu-linear-in-segments"].met is False
+    assert isinstance(rows["cpu-linear-in-segments"].target, ScalingTarget)
+
+
+# -- pytest-benchmark records what the engine measured ----------------------------------------------
+RECORDING_TEST = """
+from extkv.testing.benchmarking import Case, Measurement, record
+
+def test_recorded(benchmark):
+    record(benchmark, Case("commit", "blhnc1", 2, 2, ("extkv",)), Measurement("extkv", "main", wall=[0.5, 0.25, 0.125], cpu=[0.1, 0.1, 0.1]))
+"""
+
+
+def run_pytest_benchmark(tmp_path: Path, *options: str) -> subprocess.CompletedProcess:
+    (tmp_path / "test_recorded.py").write_text(textwrap.dedent(RECORDING_TEST))
+    package_root = str(Path(benchmarking.__file__).resolve().parents[2])
+    environment = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [package_root, os.environ.get("PYTHONPATH")]))}
+    return subprocess.run(
+        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-c", os.devnull, "--rootdir", str(tmp_path),
+         str(tmp_path / "test_recorded.py"), f"--benchmark-json={tmp_path / 'bench.json'}", *options],
+        capture_output=True, text=True, timeout=300, env=environment,
+    )
+
+
+def test_pytest_benchmark_records_the_measured_rounds(tmp_path):
+    finished = run_pytest_benchmark(tmp_path, f"--benchmark-timer={benchmarking.PLAYBACK_TIMER}")
+    assert finished.returncode == 0, finished.stdout + finished.stderr
+    (recorded,) = json.loads((tmp_path / "bench.json").read_text())["benchmarks"]
+    assert recorded["stats"]["data"] == [0.5, 0.25, 0.125]
+    assert recorded["extra_info"]["cpu"] == [0.1, 0.1, 0.1] and recorded["extra_info"]["op"] == "commit"
+    assert recorded["group"] == "commit-blhnc1-4MiB-recycled"
+
+
+def test_recording_without_the_playback_clock_is_refused(tmp_path):
+    finished = run_pytest_benchmark(tmp_path)
+    assert finished.returncode != 0 and "playback clock" in finished.stdout, finished.stdout
