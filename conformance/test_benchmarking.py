@@ -399,3 +399,22 @@ def test_pytest_benchmark_records_the_measured_rounds(tmp_path):
 def test_recording_without_the_playback_clock_is_refused(tmp_path):
     finished = run_pytest_benchmark(tmp_path)
     assert finished.returncode != 0 and "playback clock" in finished.stdout, finished.stdout
+
+
+def test_engine_measures_fresh_cases_in_a_new_process_and_records_every_case(tmp_path):
+    lines: list[str] = []
+    engine = benchmarking.Engine(PROFILES["quick"], "cpu", tmp_path, rounds=2, log=lines.append, warm=False)
+    fresh = next(case for case in engine.cases if case.state == "fresh")
+    recycled = next(case for case in engine.cases if case.op == "release" and case.state == "recycled")
+    for case in (fresh, recycled):
+        for name, measured in engine.measure(case).items():
+            if CONTENDERS[name].process == "main":
+                assert measured.status == "measured" and len(measured.wall) == (1 if case is fresh else 2), measured
+    assert {m.process for m in engine.results(fresh).values()} == {"fresh"}
+    assert any(line.startswith(f"bench [1/{len(engine.cases)}] {fresh.id}") for line in lines), lines
+    written = json.loads(engine.finish().read_text())
+    assert [case["case"] for case in written["cases"]] == [case.id for case in engine.cases]
+    by_id = {case["case"]: case for case in written["cases"]}
+    assert by_id[recycled.id]["results"]["extkv"]["wall"] == engine.results(recycled)["extkv"].wall
+    unreached = by_id[engine.cases[-1].id]["results"]
+    assert all(r["status"] == "not run" and "not reached" in r["reason"] for r in unreached.values()), unreached

@@ -402,6 +402,9 @@ def _issue10_table(run: BenchRun, rows: list[TargetRow], scaling: list[ScalingRo
             f"{_case_words(row.near)} -> {_case_words(row.far)}" if row.near is not None and row.far is not None else ""
         )
         lines.append(f"- {row.target.what}: **{row.words}** (bound <= {row.target.bound:g}x; {sizes})")
+    if run.facts["device"] == "cpu":
+        lines.append("- On the host driver the CPU zeroes the memory itself, so its CPU time grows with the bytes by "
+                     "nature; these readings are for a GPU run, where zeroing is the device's work.")
     return lines
 
 

@@ -53,6 +53,7 @@ the run's facts and every case, measured or not, with the reasons.
 
 from __future__ import annotations
 
+import functools
 import gc
 import json
 import os
@@ -118,7 +119,7 @@ class Geometry:
 
     def strides(self) -> list[int]:
         """Bytes per block of each segment."""
-        return list(kv_cache_segments(self.config(1), self.layout)[1])
+        return list(_strides(self))
 
     @property
     def segments(self) -> int:
@@ -127,6 +128,11 @@ class Geometry:
     @property
     def bytes_per_block(self) -> int:
         return sum(self.strides())
+
+
+@functools.lru_cache(maxsize=None)
+def _strides(geometry: Geometry) -> tuple[int, ...]:
+    return tuple(kv_cache_segments(geometry.config(1), geometry.layout)[1])
 
 
 _LLAMA = FullAttentionSpec(block_size=16, num_kv_heads=8, head_size=128, dtype=torch.bfloat16)
@@ -440,12 +446,12 @@ PROFILES: dict[str, Profile] = {
             "host",
             "the host driver, sizes scaled to a small machine (headline 256 MiB)",
             headline_bytes=256 * MiB,
-            byte_series=(16 * MiB, 64 * MiB, 256 * MiB, GiB, 2 * GiB),
+            byte_series=(16 * MiB, 64 * MiB, 256 * MiB, GiB),
             headline_geometries=("blhnc1", "lbhnc32", "lhbnc256"),
             fresh_geometries=("blhnc1", "lbhnc32", "lhbnc256"),
             segment_series=("lhbnc1024",),
             extra_geometries=("mla61",),
-            per_block_blocks=1000,
+            per_block_blocks=250,
             replays=20,
             rounds=3,
             case_seconds=10.0,
@@ -553,28 +559,35 @@ def _not_runnable(contender: Contender, device: torch.device) -> str | None:
     return contender.store.unsupported_reason(device)
 
 
-def time_round(case: Case, contender: Contender, device: torch.device) -> tuple[float, float]:
-    """(wall seconds, CPU seconds) of one round of `contender` in `case`."""
+def _prepare_and_time(store: Store, case: Case, contender: Contender) -> tuple[float, float]:
+    """Open and prepare `store` (untimed), then time the operation: (wall
+    seconds to the end of a device synchronize, CPU seconds before it)."""
     operation = OPERATIONS[case.op]
+    store.open()
+    operation.prepare(store, case, contender)
+    store.synchronize()
+    # No collection here: a full one costs 80 ms with torch loaded, more than
+    # many rounds; disabled, none lands inside the timed part.
+    gc.disable()
+    try:
+        wall_start, cpu_start = time.perf_counter(), time.thread_time()
+        operation.timed(store, case)
+        cpu_end = time.thread_time()
+        store.synchronize()
+        wall_end = time.perf_counter()
+    finally:
+        gc.enable()
+    return wall_end - wall_start, cpu_end - cpu_start
+
+
+def time_round(case: Case, contender: Contender, device: torch.device) -> tuple[float, float]:
+    """(wall seconds, CPU seconds) of one round of `contender` in `case`,
+    on a store of its own that gives everything back afterwards."""
     store = contender.make(device, GEOMETRIES[case.geometry], case.capacity_blocks)
     try:
-        store.open()
-        operation.prepare(store, case, contender)
-        store.synchronize()
-        # No collection here: a full one costs 80 ms with torch loaded, more
-        # than many rounds; disabled, none lands inside the timed part.
-        gc.disable()
-        try:
-            wall_start, cpu_start = time.perf_counter(), time.thread_time()
-            operation.timed(store, case)
-            cpu_end = time.thread_time()
-            store.synchronize()
-            wall_end = time.perf_counter()
-        finally:
-            gc.enable()
+        return _prepare_and_time(store, case, contender)
     finally:
         store.close()
-    return wall_end - wall_start, cpu_end - cpu_start
 
 
 def _failure(contender: Contender, error: BaseException) -> tuple[str, str]:
@@ -645,7 +658,6 @@ def measure_fresh(case: Case, names: Sequence[str], device: torch.device, proces
     """One round of each contender on memory never used by this process:
     every store keeps its memory until all have run."""
     results = {name: Measurement(name, process) for name in names}
-    operation = OPERATIONS[case.op]
     stores: list[Store] = []
     try:
         for name in names:
@@ -657,19 +669,12 @@ def measure_fresh(case: Case, names: Sequence[str], device: torch.device, proces
             store = contender.make(device, GEOMETRIES[case.geometry], case.capacity_blocks)
             stores.append(store)
             try:
-                store.open()
-                operation.prepare(store, case, contender)
-                store.synchronize()
-                wall_start, cpu_start = time.perf_counter(), time.thread_time()
-                operation.timed(store, case)
-                cpu_end = time.thread_time()
-                store.synchronize()
-                wall_end = time.perf_counter()
+                wall, cpu = _prepare_and_time(store, case, contender)
             except Exception as error:
                 results[name].stop(*_failure(contender, error))
                 continue
-            results[name].wall.append(wall_end - wall_start)
-            results[name].cpu.append(cpu_end - cpu_start)
+            results[name].wall.append(wall)
+            results[name].cpu.append(cpu)
     finally:
         for store in stores:
             store.close()
@@ -688,7 +693,7 @@ class Engine:
         rounds: int | None = None,
         budget_seconds: float | None = None,
         log: Callable[[str], None] | None = None,
-        warm_up: bool = True,
+        warm: bool = True,
     ):
         self.profile = profile
         self.device = vmm.canonical_device(device)
@@ -704,7 +709,7 @@ class Engine:
         self._batches: dict[str, dict[str, dict[str, Measurement]]] = {}
         self.clocks = [baselines.clock_note(self.device)]
         self.started = time.perf_counter()
-        if warm_up:
+        if warm:
             self._warm_up()
         self.log(
             f"extkv bench: {len(self.cases)} cases, profile {profile.name} ({profile.what}) on {self.device}; "
