@@ -1,10 +1,312 @@
-"""The stress section of a report: not built yet."""
+"""The stress section of a report: what `extkv stress` ran, met and found.
+
+Theory of operation
+-------------------
+`extkv stress` leaves its raw results under `<run>/stress/`: one file per
+test and worker in `tests/` (written by the stress suite's conftest: outcome,
+seed, share of the time bound, device, and the test's tally of operations,
+checks, events, faults by (operation, step, mode), leaks, content
+mismatches and failures with their reproductions), one memory timeline per
+worker process (`timeline-<worker>.json`: this process's extkv memory read
+by the usage probe and the device's used memory, sampled outside extkv), and
+`run.json` (the bound, the seed, the command, the exit status). `load_stress`
+reads them all; `stress_totals` adds them up per device; `stress_section`
+renders the markdown and draws one memory plot per worker and device.
+
+Everything here is plain JSON reading, so a report renders again without the
+test extra (pytest, hypothesis) installed.
+"""
 
 from __future__ import annotations
 
+import json
+from collections import Counter
 from pathlib import Path
+
+from ..vmm import FAULTABLE_STEPS
+from .plots import matplotlib_missing
+
+#: The stress suite's results format (stress/conftest.py's RESULT_FORMAT;
+#: the suite is not importable from here).
+STRESS_FORMAT = "extkv-stress/1"
+STRESS_DIR = "stress"
+RUN_FILE = "run.json"
+FAULT_MODES = ("failure", "out of memory")
+_UNITS = [(1 << 30, "GiB"), (1 << 20, "MiB"), (1 << 10, "KiB"), (1, "bytes")]
+
+
+def _read(path: Path) -> dict:
+    try:
+        document = json.loads(path.read_text())
+    except json.JSONDecodeError as error:
+        raise ValueError(f"{path}: not JSON ({error})") from None
+    if not isinstance(document, dict) or document.get("format") != STRESS_FORMAT:
+        found = document.get("format") if isinstance(document, dict) else type(document).__name__
+        raise ValueError(f"{path}: not an extkv stress results file (format {found!r}, expected {STRESS_FORMAT!r})")
+    return document
+
+
+def load_stress(run_dir: Path) -> dict | None:
+    """{"run": run.json or {}, "tests": [records], "timelines": [documents]}
+    from `run_dir/stress/`; None when there are no stress results."""
+    directory = Path(run_dir) / STRESS_DIR
+    tests = sorted((directory / "tests").glob("*.json")) if directory.is_dir() else []
+    if not tests:
+        return None
+    run_file = directory / RUN_FILE
+    return {
+        "run": json.loads(run_file.read_text()) if run_file.is_file() else {},
+        "tests": [_read(path) for path in tests],
+        "timelines": [_read(path) for path in sorted(directory.glob("timeline-*.json"))],
+    }
+
+
+def device_of(record: dict) -> str:
+    """The device a test ran on, naming the physical GPU where the harness did."""
+    return record.get("device_label") or record.get("device") or "host"
+
+
+def stress_totals(stress: dict) -> dict:
+    """Totals over every test, and per device: operations, faults, pairs,
+    leaks, content mismatches, failures, outcomes, peak footprint."""
+
+    def empty() -> dict:
+        return {
+            "operations": Counter(), "checks": Counter(), "events": Counter(), "faults": Counter(),
+            "pairs": set(), "unreached": set(), "leaks": [], "content_mismatches": 0, "failures": 0,
+            "outcomes": Counter(), "peak_physical_bytes": 0, "seeds": [],
+        }
+
+    overall, per_device = empty(), {}
+    for record in stress["tests"]:
+        tally = record["tally"]
+        for totals in (overall, per_device.setdefault(device_of(record), empty())):
+            totals["operations"].update(tally["operations"])
+            totals["checks"].update(tally["checks"])
+            totals["events"].update(tally["events"])
+            totals["faults"].update({(o, s, m): c for o, s, m, c in tally["faults"]})
+            totals["pairs"] |= {tuple(pair) for pair in tally["pairs_covered"]}
+            totals["unreached"] |= {tuple(pair) for pair in tally["unreached"]}
+            totals["leaks"] += tally["leaks"]
+            totals["content_mismatches"] += tally["content_mismatches"]
+            totals["failures"] += len(tally["failures"]) + (record["outcome"] in ("failed", "error") and not tally["failures"])
+            totals["outcomes"][record["outcome"]] += 1
+            totals["peak_physical_bytes"] = max(totals["peak_physical_bytes"], tally["peak_physical_bytes"])
+            totals["seeds"] += tally["seeds"]
+    return {"overall": overall, "devices": per_device}
+
+
+def _bytes(count: int) -> str:
+    scale, unit = next((scale, unit) for scale, unit in _UNITS if abs(count) >= scale or scale == 1)
+    return f"{count / scale:.1f} {unit}" if scale > 1 else f"{count} bytes"
+
+
+def _duration(seconds: float) -> str:
+    minutes, seconds = divmod(round(seconds), 60)
+    return f"{minutes} min {seconds:02d} s"
+
+
+def _timeline_series(timeline: dict) -> dict[str, list[tuple[float, int, int]]]:
+    series: dict[str, list[tuple[float, int, int]]] = {}
+    for seconds, device, process_bytes, device_used in timeline["samples"]:
+        series.setdefault(device, []).append((seconds, process_bytes, device_used))
+    return series
+
+
+def _where(timeline: dict, device: str) -> str:
+    pinned = timeline.get("pinned_gpu")
+    name = timeline.get("devices", {}).get(device, {}).get("device", device)
+    return f"{name} (GPU {pinned}, worker {timeline['worker']})" if pinned and device != "cpu" else f"{name} (worker {timeline['worker']})"
+
+
+def _scale(peak: int) -> tuple[int, str]:
+    return next((scale, unit) for scale, unit in _UNITS if max(peak, 1) >= scale)
+
+
+def plot_memory(timeline: dict, device: str, path: Path) -> Path:
+    """This process's extkv memory (usage probe, left axis) and the device's
+    used memory (right axis) over the run, for one worker and device, into
+    the PNG `path`. Two axes: a stressed cache is megabytes beside a device
+    of gigabytes."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    from matplotlib import pyplot
+
+    samples = _timeline_series(timeline)[device]
+    times = [seconds for seconds, _, _ in samples]
+    figure, axes = pyplot.subplots(figsize=(12, 4.5), dpi=100)
+    used_axes = axes.twinx()
+    source = timeline.get("sources", {}).get(device, "usage probe")
+    for target, values, color, label in (
+        (axes, [p for _, p, _ in samples], "tab:blue", f"this process's extkv memory ({source}), left"),
+        (used_axes, [u for _, _, u in samples], "tab:gray", "device's used memory (all processes, pressure included), right"),
+    ):
+        scale, unit = _scale(max(values))
+        target.plot(times, [value / scale for value in values], drawstyle="steps-post", color=color, linewidth=1.0, label=label)
+        target.set_ylim(0, max(max(values), 1) / scale * 1.15)
+        target.set_ylabel(unit, color=color)
+    axes.set_xlabel("seconds since the stress run started in this process")
+    axes.set_title(f"extkv stress: memory on {_where(timeline, device)}", fontsize=10)
+    handles = axes.get_legend_handles_labels()[0] + used_axes.get_legend_handles_labels()[0]
+    axes.legend(handles, [h.get_label() for h in handles], loc="upper left", fontsize=8)
+    axes.grid(alpha=0.3)
+    figure.tight_layout()
+    figure.savefig(path)
+    pyplot.close(figure)
+    return path
+
+
+def _headline(run: dict, totals: dict, tests: list[dict]) -> list[str]:
+    overall = totals["overall"]
+    lines = ["## Stress", ""]
+    if run:
+        elapsed = run.get("finished", 0) - run.get("started", 0)
+        lines.append(
+            f"- `{run.get('command_line', 'extkv stress')}`: bound {run.get('minutes')} min, ran {_duration(elapsed)}, "
+            f"seed {run.get('seed')}, pytest exit status {run.get('exit_status')}; "
+            f"{run.get('layout_of_work', '')}"
+        )
+    outcomes = overall["outcomes"]
+    lines.append(
+        f"- tests: {outcomes['passed']} passed, {outcomes['failed'] + outcomes['error']} failed, {outcomes['skipped']} skipped"
+    )
+    per_device = ", ".join(
+        f"{device}: {sum(device_totals['operations'].values()):,}" for device, device_totals in totals["devices"].items()
+        if sum(device_totals["operations"].values())
+    )
+    lines.append(f"- **operations run: {sum(overall['operations'].values()):,}** ({per_device or 'none'})")
+    lines.append(
+        f"- **faults injected: {sum(overall['faults'].values()):,}**, **(operation, driver step) pairs covered: "
+        f"{len(overall['pairs'])}** (pairs an operation never reaches are listed below)"
+    )
+    lines.append(
+        f"- **leaks: {len(overall['leaks'])}**, **content mismatches: {overall['content_mismatches']}**, "
+        f"failures: {overall['failures']}"
+    )
+    lines.append(f"- largest footprint of a stressed cache: {_bytes(overall['peak_physical_bytes'])}")
+    return lines
+
+
+def _tests_table(tests: list[dict]) -> list[str]:
+    lines = [
+        "", "### Tests", "",
+        "| test | device | outcome | share of the bound | ran | operations | faults | seed |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    for record in sorted(tests, key=lambda r: (device_of(r), r.get("started") or 0)):
+        tally = record["tally"]
+        name = record["nodeid"].split("::")[-1]
+        budget = f"{record['budget_s']:.0f} s" if record.get("budget_s") is not None else "-"
+        outcome = record["outcome"] if record["outcome"] != "skipped" else f"skipped: {record.get('skip_reason') or ''}"
+        lines.append(
+            f"| `{name}` | {device_of(record)} | {outcome} | {budget} | {record['duration_s']:.0f} s | "
+            f"{tally['operations_total']:,} | {tally['faults_injected']:,} | {record.get('seed') if record.get('seed') is not None else '-'} |"
+        )
+    return lines
+
+
+def _counter_table(title: str, counts: Counter, what: str, note: str = "") -> list[str]:
+    if not counts:
+        return []
+    lines = ["", f"### {title}", ""]
+    if note:
+        lines += [note, ""]
+    lines += [f"| {what} | count |", "|---|---|"]
+    lines += [f"| {name} | {count:,} |" for name, count in counts.most_common()]
+    return lines
+
+
+def _fault_table(overall: dict) -> list[str]:
+    faults, unreached = overall["faults"], overall["unreached"]
+    operations = sorted({operation for operation, _, _ in faults} | {operation for operation, _ in unreached})
+    if not operations:
+        return []
+    lines = [
+        "", "### Faults injected, by operation and driver step", "",
+        "Each cell: faults fired as plain failures / as out-of-memory; `-` where the operation never makes that call. "
+        "After each: the state agreed with the driver's read-back and the usage probe, kept bytes were kept, a retry "
+        "succeeded and ended where a fault-free run ends, and freeing everything left nothing behind.",
+        "",
+        "| operation | " + " | ".join(FAULTABLE_STEPS) + " |",
+        "|---|" + "---|" * len(FAULTABLE_STEPS),
+    ]
+    for operation in operations:
+        cells = []
+        for step in FAULTABLE_STEPS:
+            counts = [faults.get((operation, step, mode), 0) for mode in FAULT_MODES]
+            cells.append("-" if not any(counts) and (operation, step) in unreached else " / ".join(map(str, counts)))
+        lines.append(f"| {operation} | " + " | ".join(cells) + " |")
+    return lines
+
+
+def _memory_lines(stress: dict, run_dir: Path) -> list[str]:
+    if not stress["timelines"]:
+        return []
+    lines = [
+        "", "### Memory timeline", "",
+        "Read outside extkv: this process's extkv memory by the usage probe (the kernel's memfd pages; NVML per "
+        "process), the device's used memory by the kernel (MemTotal - MemAvailable) or the CUDA driver.",
+        "",
+        "| device | samples | peak, this process's extkv memory | final | peak, device used | final, device used |",
+        "|---|---|---|---|---|---|",
+    ]
+    plots = []
+    skipped = matplotlib_missing()
+    for timeline in stress["timelines"]:
+        for device, samples in _timeline_series(timeline).items():
+            lines.append(
+                f"| {_where(timeline, device)} | {len(samples)} | {_bytes(max(p for _, p, _ in samples))} | "
+                f"{_bytes(samples[-1][1])} | {_bytes(max(u for _, _, u in samples))} | {_bytes(samples[-1][2])} |"
+            )
+            if skipped is None:
+                name = f"stress-memory-{timeline['worker']}-{device.replace(':', '')}.png"
+                plot_memory(timeline, device, run_dir / name)
+                plots.append(f"![memory on {_where(timeline, device)}]({name})")
+    lines += [""] + (plots if skipped is None else [f"Plots skipped: {skipped}."])
+    return lines
+
+
+def _failure_lines(tests: list[dict]) -> list[str]:
+    failed = [record for record in tests if record["outcome"] in ("failed", "error") or record["tally"]["failures"]]
+    if not failed:
+        return []
+    lines = ["", "### Failures and their reproductions", ""]
+    for record in failed:
+        lines += [f"**`{record['nodeid']}`** on {device_of(record)} (seed {record.get('seed')}):", ""]
+        for failure in record["tally"]["failures"]:
+            lines += ["```", failure["error"][:2000], failure.get("reproduction", "")[:4000], "```", ""]
+        if record.get("failure"):
+            lines += ["<details><summary>pytest's report</summary>", "", "```", record["failure"][-6000:], "```", "", "</details>", ""]
+    return lines
 
 
 def stress_section(run_dir: Path) -> str | None:
     """Markdown for the stress results in `run_dir` (plots written beside it), or None when there are none."""
-    return None
+    run_dir = Path(run_dir)
+    stress = load_stress(run_dir)
+    if stress is None:
+        return None
+    totals = stress_totals(stress)
+    overall = totals["overall"]
+    settings: dict = {}
+    for record in stress["tests"]:
+        settings.update(record["tally"]["settings"])
+    check_note = (
+        "After every step of a walk: the counts, sizes and physical bytes it changed, and the bytes it touched "
+        "(new blocks zero over poisoned memory, a written block as written, one chunk per segment read back after a "
+        f"defragment); every {settings.get('full check every (steps)', '?')} steps, and after every step of a "
+        "Hypothesis machine, everything: addresses, every committed byte, the driver's read-back of every granule, "
+        "one chunk per segment, the usage probe."
+    )
+    lines = _headline(stress["run"], totals, stress["tests"])
+    lines += _tests_table(stress["tests"])
+    lines += _counter_table("Operations", overall["operations"], "operation (each a public operation on a real cache, checked)")
+    lines += _counter_table("Checks passed", overall["checks"], "check", check_note)
+    lines += _fault_table(overall)
+    lines += _counter_table("Events met", overall["events"], "event (pressure, out-of-memory, crashes)")
+    if overall["leaks"]:
+        lines += ["", "### Leaks", ""] + [f"- {leak}" for leak in overall["leaks"]]
+    lines += _memory_lines(stress, run_dir)
+    lines += _failure_lines(stress["tests"])
+    return "\n".join(lines) + "\n"

@@ -1,13 +1,190 @@
-"""`extkv stress`: not built yet."""
+"""`extkv stress --minutes M [--seed S] [--report-dir DIR]`: the nightly
+stress suite for a bounded time, and its report.
+
+Theory of operation
+-------------------
+Two phases, each announced by a progress line and timed:
+
+1. The suite, in a pytest subprocess over the checkout's `stress/`, with
+   `--stress` and the run's end as a deadline (`--stress-deadline`: now plus
+   M minutes, less REPORT_RESERVE_S for the report), the seed, and
+   `--stress-results <run>/stress`. With GPUs only the GPU tests run
+   (`--stress-device gpu`); on a machine of several, one xdist worker per GPU
+   with `--dist each`, so every GPU runs every test at the same time. Without
+   a GPU the host driver's tests run in one process. Hypothesis runs its
+   `nightly` profile. pytest also writes JUnit XML and the harness's results
+   (`stress.json`) beside. The stress suite's conftest shares the bound out
+   among the tests and gives each a timeout; this process prints the lines
+   the tests append to `progress.log` and, every PROGRESS_EVERY_S, the time
+   left and the operations so far. Should pytest outlive its bound by
+   OVERRUN_S, it is killed, and the run fails.
+2. The report: `run.json` (bound, seed, command, exit status) joins the raw
+   results, and `render_report(<run>)` writes `summary.md`, whose stress
+   section (extkv.reporting.stress) counts operations, faults, (operation,
+   step) pairs, leaks and content mismatches, and plots the memory timeline.
+
+The run directory is `reports/<date>-<host>-<gpus>/` (extkv.reporting.rundir)
+unless `--report-dir` names one; a second run the same day replaces the
+first one's stress results. Arguments `extkv stress` does not know go to
+pytest (`extkv stress --minutes 1 -k walk`). The stress suite lives in a
+source checkout only.
+"""
 
 from __future__ import annotations
 
 import argparse
+import json
+import os
+import shlex
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from . import render_report
+from .machine import machine_facts, write_machine_facts
+from .rundir import checkout_root, run_directory
+from .stress import RUN_FILE, STRESS_DIR, STRESS_FORMAT, load_stress, stress_totals
+
+#: Seconds of the bound kept for the report after the tests.
+REPORT_RESERVE_S = 10.0
+#: Seconds between the lines saying how far the run is.
+PROGRESS_EVERY_S = 30.0
+#: Seconds pytest may run past its bound before it is killed: a test's own
+#: timeout is the bound plus five minutes, so this is later still.
+OVERRUN_S = 420.0
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """Options of `extkv stress`; other arguments go to pytest."""
+    parser.add_argument("--minutes", type=float, required=True, help="time bound of the whole run, report included")
+    parser.add_argument("--seed", type=int, default=None, help="seed of the run (default: from the clock; printed)")
+    parser.add_argument(
+        "--report-dir",
+        metavar="DIR",
+        type=Path,
+        default=None,
+        help="write the results and the report here instead of reports/<date>-<host>-<gpus>/",
+    )
+
+
+def pytest_command(suite: Path, results: Path, deadline: float, seed: int, gpus: int) -> list[str]:
+    """The pytest command of the stress phase."""
+    command = [sys.executable, "-m", "pytest", str(suite), "-q", "-p", "no:cacheprovider", "--stress"]
+    command += [
+        f"--stress-deadline={deadline:.0f}",
+        f"--stress-seed={seed}",
+        f"--stress-results={results}",
+        f"--stress-device={'gpu' if gpus else 'host'}",
+        f"--junitxml={results / 'stress-junit.xml'}",
+        f"--extkv-report-dir={results}",
+        "--extkv-report-step=stress",
+    ]
+    if gpus > 1:
+        command += ["-n", str(gpus), "--dist", "each"]
+    return command
+
+
+def _operations_so_far(results: Path) -> tuple[int, int, int]:
+    """(tests done, operations, faults) of the results written so far."""
+    stress = load_stress(results.parent)
+    if stress is None:
+        return 0, 0, 0
+    overall = stress_totals(stress)["overall"]
+    return len(stress["tests"]), sum(overall["operations"].values()), sum(overall["faults"].values())
+
+
+def _watch(process: subprocess.Popen, results: Path, deadline: float) -> int:
+    """Wait for pytest, printing the tests' progress lines as they come and
+    a line on the whole run every PROGRESS_EVERY_S; kill it past its bound."""
+    log, printed, next_line = results / "progress.log", 0, time.monotonic() + PROGRESS_EVERY_S
+    while True:
+        try:
+            status = process.wait(timeout=1.0)
+        except subprocess.TimeoutExpired:
+            status = None
+        if log.is_file():
+            text = log.read_text()
+            for line in text[printed:].splitlines(keepends=True):
+                if line.endswith("\n"):
+                    print(f"extkv stress | {line.rstrip()}", flush=True)
+                    printed += len(line)
+        if status is not None:
+            return status
+        if time.monotonic() > next_line:
+            next_line += PROGRESS_EVERY_S
+            done, operations, faults = _operations_so_far(results)
+            left = deadline - time.time()
+            print(
+                f"extkv stress: {max(left, 0) / 60:.1f} min left; {done} tests done, {operations:,} operations, "
+                f"{faults:,} faults so far",
+                flush=True,
+            )
+        if time.time() > deadline + OVERRUN_S:
+            print(f"extkv stress: pytest ran {OVERRUN_S:.0f} s past its bound; killing it", flush=True)
+            process.kill()
+            process.wait()
+            return 1
 
 
 def run(args: argparse.Namespace, pytest_args: list[str]) -> int:
-    raise SystemExit("extkv stress: not built yet")
+    if not args.minutes > 0:
+        raise SystemExit(f"extkv stress: --minutes must be a number > 0, got {args.minutes}")
+    root = checkout_root()
+    if root is None or not (root / "stress").is_dir():
+        raise SystemExit(
+            "extkv stress: the stress suite (stress/) ships with a source checkout only; run it from a clone "
+            "installed with `pip install -e '.[test]'`"
+        )
+    started = time.time()
+    deadline = started + 60 * args.minutes - REPORT_RESERVE_S
+    seed = args.seed if args.seed is not None else int(started) % 1_000_000
+    facts = machine_facts()
+    gpus = len(facts["gpus"])
+    run_dir = (args.report_dir or run_directory(facts)).resolve()
+    results = run_dir / STRESS_DIR
+    shutil.rmtree(results, ignore_errors=True)  # the day's earlier stress run
+    results.mkdir(parents=True)
+    write_machine_facts(run_dir)
+    if gpus > 1:
+        layout = f"one xdist worker per GPU ({gpus}), every test on every GPU at once"
+    elif gpus == 1:
+        layout = f"one process on {facts['gpus'][0]['label']}"
+    else:
+        layout = f"one process on the host driver ({facts['no_gpu_reason']})"
+    print(f"extkv stress: {args.minutes:g} min, seed {seed}, {layout}; results in {run_dir}", flush=True)
+
+    command = pytest_command(root / "stress", results, deadline, seed, gpus) + pytest_args
+    print("extkv stress [1/2] the stress suite (a line per test; every test gets its share of the bound)", flush=True)
+    print("$ " + shlex.join(command), flush=True)
+    env = dict(os.environ, EXTKV_HYPOTHESIS_PROFILE="nightly")
+    process = subprocess.Popen(command, cwd=root, env=env)
+    status = _watch(process, results, deadline)
+    print(f"extkv stress [1/2] {'done' if status == 0 else f'FAILED (exit status {status})'} "
+          f"in {time.time() - started:.0f} s", flush=True)
+
+    phase = time.time()
+    print("extkv stress [2/2] report", flush=True)
+    document = {
+        "format": STRESS_FORMAT,
+        "command_line": shlex.join(["extkv", "stress", *sys.argv[2:]]) if sys.argv[1:2] == ["stress"] else "extkv stress",
+        "minutes": args.minutes,
+        "seed": seed,
+        "layout_of_work": layout,
+        "pytest": command,
+        "started": started,
+        "finished": time.time(),
+        "exit_status": status,
+    }
+    (results / RUN_FILE).write_text(json.dumps(document, indent=1) + "\n")
+    try:
+        summary = render_report(run_dir)
+    except (OSError, ValueError) as error:
+        print(f"extkv stress: the report could not be rendered: {error}", flush=True)
+        return 1
+    done, operations, faults = _operations_so_far(results)
+    print(f"extkv stress [2/2] done in {time.time() - phase:.0f} s; report {summary}", flush=True)
+    print(f"extkv stress: {done} tests, {operations:,} operations, {faults:,} faults; "
+          f"{'passed' if status == 0 else 'FAILED'}", flush=True)
+    return status

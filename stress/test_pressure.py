@@ -1,0 +1,40 @@
+"""Real memory pressure from a second process (extkv.testing.stress.PressureProcess):
+memfd pages on the host, torch allocations on a GPU.
+
+- Commits that need more than the pressure leaves are refused with
+  `OutOfMemoryError` by the real driver (GPU) or by the kernel's numbers
+  before anything is allocated (host), change nothing, leave the cache
+  usable, and succeed once the pressure process lets go (on the host only
+  below host_commit_bound(): above it the report says the refused commit fit
+  the kernel's headroom again, and was not performed); a sleeping cache's
+  wake meets the pressure too.
+- The endurance walk runs while the pressure process takes and frees memory
+  in a loop; on a GPU its commits meet real out-of-memory, are checked and
+  made again once memory returns.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from extkv.testing.stress import PressureProcess, meet_real_out_of_memory, walk_under_pressure
+
+pytestmark = [pytest.mark.stress, pytest.mark.invariant(4, 5)]
+
+
+@pytest.mark.stress_weight(1)
+def test_commits_meet_real_out_of_memory(device, stress):
+    with PressureProcess(device) as pressure:
+        meet_real_out_of_memory(device, pressure, stress.tally, seed=stress.seed, until=stress.until)
+    events = stress.tally.events
+    assert events["commit refused by real out-of-memory"] > 0, dict(events)
+    if device.type == "cuda":
+        assert events["refused commit succeeded once memory returned"] > 0, dict(events)
+
+
+@pytest.mark.stress_weight(3)
+def test_walk_under_memory_pressure(device, stress):
+    with PressureProcess(device) as pressure:
+        steps = walk_under_pressure(device, pressure, stress.tally, seed=stress.seed, until=stress.until)
+    assert steps > 0 and stress.tally.failures == [], stress.tally.failures
+    assert stress.tally.events["pressure cycles (take, hold, free)"] > 0, dict(stress.tally.events)
