@@ -857,6 +857,7 @@ class Engine:
             "headline_bytes": self.profile.headline_bytes,
             "device": str(self.device),
             "device_description": vmm.driver_for(self.device).describe(),
+            "granularity": vmm.driver_for(self.device).granularity,
             "host": socket.gethostname(),
             "torch": torch.__version__,
             "clocks": self.clocks,
