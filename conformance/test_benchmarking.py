@@ -406,10 +406,10 @@ def test_engine_measures_fresh_cases_in_a_new_process_and_records_every_case(tmp
     engine = benchmarking.Engine(PROFILES["quick"], "cpu", tmp_path, rounds=2, log=lines.append, warm=False)
     fresh = next(case for case in engine.cases if case.state == "fresh")
     recycled = next(case for case in engine.cases if case.op == "release" and case.state == "recycled")
-    for case in (fresh, recycled):
+    for case, rounds in ((fresh, {1}), (recycled, {1, 2})):  # a loaded machine may spend the case's seconds in one
         for name, measured in engine.measure(case).items():
             if CONTENDERS[name].process == "main":
-                assert measured.status == "measured" and len(measured.wall) == (1 if case is fresh else 2), measured
+                assert measured.status == "measured" and len(measured.wall) in rounds, measured
     assert {m.process for m in engine.results(fresh).values()} == {"fresh"}
     assert any(line.startswith(f"bench [1/{len(engine.cases)}] {fresh.id}") for line in lines), lines
     written = json.loads(engine.finish().read_text())

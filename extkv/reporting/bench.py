@@ -337,8 +337,9 @@ def _facts_lines(run: BenchRun) -> list[str]:
         f"Profile **{f['profile']}** ({f['profile_what']}) on {device.get('device', f['device'])} "
         f"({device.get('driver', '')}, granularity {device.get('granularity', '?')}), host {f['host']}, torch {f['torch']}.",
         f"{len(run.cases)} cases; {measured} (case, contender) pairs measured, {missing} not. "
-        f"Rounds per case <= {f['rounds']} (a case stops adding rounds after {f['case_seconds']:g} s once it has two; "
-        f"one handle per granule <= {f['costly_rounds']}); measuring took {f['elapsed_seconds']:.0f} s of a "
+        f"Rounds per case <= {f['rounds']} (a case stops adding rounds once it has used {f['case_seconds']:g} s, "
+        f"after two, or after one that alone took that long; one handle per granule <= {f['costly_rounds']}); "
+        f"measuring took {f['elapsed_seconds']:.0f} s of a "
         f"{f['budget_seconds']:.0f} s budget.",
         "Clocks: " + "; at the end: ".join(dict.fromkeys(f["clocks"])) + ".",
         "",

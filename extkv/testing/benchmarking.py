@@ -22,9 +22,10 @@ ended by a device synchronize, untimed teardown that gives everything back.
 Wall time (`perf_counter`) runs to the end of the synchronize; host CPU time
 (`thread_time` of the calling thread) stops before it, since a GPU
 synchronize spins the CPU for as long as the device works. Rounds stop at
-the profile's count, or once a case has used its seconds and has two. A
-run has a budget of seconds: a case that would start after it is reported
-as not run, with that reason, so a run never overstays its machine.
+the profile's count, or once a case has used its seconds (after two rounds,
+or after one that alone took that long). A run has a budget of seconds: a
+case that would start after it is reported as not run, with that reason, so
+a run never overstays its machine.
 
 Memory a round uses has been released by the round before: those cases are
 *recycled*. *Fresh* cases (the headline first commits) run in a new process
@@ -481,8 +482,9 @@ PROFILES: dict[str, Profile] = {
 
 def catalogue(profile: Profile) -> list[Case]:
     """Every case of a run, in the order it is measured: what the
-    performance issue reads first (fresh and recycled headline commits,
-    targets) comes first, so a run that meets its budget drops the least."""
+    performance issue reads first (fresh and recycled headline cases with
+    their targets, then its two scaling readings) comes first, so a run that
+    meets its budget drops what matters least."""
     cases: dict[str, Case] = {}
 
     def add(op: str, geometry: str, total_bytes: int, contenders: Sequence[str], **kwargs) -> None:
@@ -500,12 +502,18 @@ def catalogue(profile: Profile) -> list[Case]:
         add("recommit", geometry, headline, ("extkv", "raw", "memset", "tms"))
         add("release", geometry, headline, ("extkv", "raw", "per_granule", "tms", "expandable"))
         add("defrag_preserve", geometry, headline, FLOORS["defrag_preserve"])
+    # The two scaling readings of the performance issue: commit against
+    # segments and against bytes.
+    for geometry in profile.segment_series:
+        add("commit", geometry, headline, FLOORS["commit"])
+    for total in profile.byte_series:
+        add("commit", "blhnc1", total, FLOORS["commit"])
     add("replay", profile.headline_geometries[0], headline, ("extkv", "extkv_grown", "memset"), replays=profile.replays)
     for geometry in profile.segment_series:
         for op, contenders in FLOORS.items():
             add(op, geometry, headline, contenders)
     for total in profile.byte_series:
-        for op in ("commit", "grow8", "release"):
+        for op in ("grow8", "release"):
             add(op, "blhnc1", total, FLOORS[op])
     for geometry in profile.headline_geometries:
         if profile.grow64:
@@ -613,8 +621,10 @@ def interleave(
     order_log: list[str] | None = None,
 ) -> dict[str, Measurement]:
     """Measure `names` in `case`, round r running each once in an order
-    rotated by r; stop after `rounds`, or once `case_seconds` are used and
-    two rounds are done. `order_log` receives each contender as it runs."""
+    rotated by r; stop after `rounds`, or once `case_seconds` are used: after
+    two rounds, or after one that alone took longer than that (a slow case's
+    second round would cost more than it tells). `order_log` receives each
+    contender as it runs."""
     results = {name: Measurement(name, process) for name in names}
     for name in names:
         reason = _not_runnable(CONTENDERS[name], device)
@@ -641,7 +651,7 @@ def interleave(
                 continue
             results[name].wall.append(wall)
             results[name].cpu.append(cpu)
-        if round_index + 1 >= min(2, rounds) and time.perf_counter() - started > case_seconds:
+        if time.perf_counter() - started > case_seconds:
             break
     return results
 

@@ -19,7 +19,8 @@ Two layers:
   uses (pinned device memory, exportable as a POSIX fd: what a KV connector
   needs, so the comparison is for the same product). `HostPrimitives` is the
   same protocol on Linux: memfd_create + fallocate, mmap(MAP_FIXED),
-  mprotect, memset.
+  mprotect, memset. Calls that queue device work (fill, copy) run inside
+  `active()`, which on CUDA also reads torch's current stream once.
 
 - `Store`s: one contender's memory for a KV geometry, given as the per-block
   stride of each segment and a capacity in blocks. Segment i commits
@@ -36,7 +37,7 @@ The stores:
 
 | store | strategy |
 |---|---|
-| `RawStore` | the best raw sequence: per segment, interleaved, create, map, grant access, zero; one chunk per segment per commit; each segment at a granule-aligned offset of one reservation |
+| `RawStore` | the best raw sequence: per segment, interleaved, create, map, grant access, zero; one chunk per segment per commit; each segment at a granule-aligned offset of one reservation (so a segment smaller than a granule maps a whole one, where extkv's neighbours share it) |
 | `GranuleStore` | one handle per granule (kvcached / vAttention): create, map, grant access per 2 MiB, then zero |
 | `PlainStore` | memset of the same bytes on one plain torch allocation: the physical floor of a zeroing commit |
 | `CopyStore` | device copy of the same bytes between two plain allocations: the floor of a preserving move |
@@ -179,18 +180,19 @@ class CudaPrimitives(Primitives):
         access.location.id = index
         access.flags = cu.CUmemAccess_flags.CU_MEM_ACCESS_FLAGS_PROT_READWRITE
         self._access = [access]
+        self._stream = cu.CUstream(torch.cuda.current_stream(self.device).cuda_stream)
 
     @contextlib.contextmanager
     def active(self) -> Iterator[None]:
         cu = self._cu
         _cuda_checked("cuCtxPushCurrent", cu.cuCtxPushCurrent(self._context))
+        # torch's current stream, read once per batch: asking torch per call
+        # costs microseconds that a 256-segment commit would pay 256 times.
+        self._stream = cu.CUstream(torch.cuda.current_stream(self.device).cuda_stream)
         try:
             yield
         finally:
             _cuda_checked("cuCtxPopCurrent", cu.cuCtxPopCurrent())
-
-    def _stream(self):
-        return self._cu.CUstream(torch.cuda.current_stream(self.device).cuda_stream)
 
     def reserve(self, size: int) -> int:
         return int(_cuda_checked("cuMemAddressReserve", self._cu.cuMemAddressReserve(size, self.granularity, 0, 0), size=size))
@@ -209,7 +211,7 @@ class CudaPrimitives(Primitives):
 
     def fill(self, address: int, size: int, value: int) -> None:
         _cuda_checked(
-            "cuMemsetD8Async", self._cu.cuMemsetD8Async(address, value, size, self._stream()), size=size, address=address
+            "cuMemsetD8Async", self._cu.cuMemsetD8Async(address, value, size, self._stream), size=size, address=address
         )
 
     def access(self, address: int) -> str:
@@ -222,7 +224,7 @@ class CudaPrimitives(Primitives):
     def copy(self, destination: int, source: int, size: int) -> None:
         _cuda_checked(
             "cuMemcpyDtoDAsync",
-            self._cu.cuMemcpyDtoDAsync(destination, source, size, self._stream()),
+            self._cu.cuMemcpyDtoDAsync(destination, source, size, self._stream),
             size=size,
             address=destination,
         )
