@@ -16,8 +16,8 @@ test. This file adds what only stress runs need:
   `time.monotonic()` deadline the workloads run to. Every test also has a
   timeout (pytest-timeout): the whole bound plus TIMEOUT_SLACK_S.
 - Seeds: each test's seed mixes `--stress-seed` with a checksum of its
-  nodeid, so every test of a run draws differently and one seed replays the
-  whole run.
+  nodeid and xdist worker, so every test of a run (and every GPU's run of
+  it) draws differently, and one seed replays the whole run.
 - Results: with `--stress-results DIR`, every test's `StressTally` (what it
   did and found), outcome, seed, share and device are written to
   `DIR/tests/<worker>--<test>.json` once its teardown is over, so a leak the
@@ -164,7 +164,10 @@ def stress(request) -> StressTest:
     weights_left = sum(w for _, w in schedule[index:]) or weight
     left = config.stash[_DEADLINE] - time.time() - SESSION_RESERVE_S
     budget = max(left * weight / weights_left, MIN_BUDGET_S)
-    seed = (config.getoption("--stress-seed") * 1_000_003 + zlib.crc32(request.node.nodeid.encode())) % (1 << 31)
+    # The worker is part of it: under `--dist each` every GPU runs every test,
+    # each with draws of its own.
+    worker = os.environ.get("PYTEST_XDIST_WORKER", "main")
+    seed = (config.getoption("--stress-seed") * 1_000_003 + zlib.crc32(f"{worker} {request.node.nodeid}".encode())) % (1 << 31)
     test = StressTest(StressTally(), seed, time.monotonic() + budget, budget, time.time())
     request.node.stash[_TEST] = test
     progress(config, f"{request.node.nodeid}: start, {budget:.0f} s, seed {seed}")

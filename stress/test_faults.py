@@ -11,7 +11,6 @@ share. The report counts the faults and the (operation, step) pairs.
 from __future__ import annotations
 
 import pytest
-import torch
 
 from extkv.testing.stateful import CACHE_MACHINE_CASES
 from extkv.testing.stress import HOST_STRESS_GRANULE, OPERATIONS, enumerate_faults

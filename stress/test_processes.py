@@ -5,7 +5,6 @@ machine of several, so every GPU has its own."""
 
 from __future__ import annotations
 
-import time
 
 import pytest
 

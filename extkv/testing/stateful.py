@@ -473,6 +473,12 @@ class ModelledCache:
         #: Whether the full check compares the usage probe: not while another
         #: process uses a device whose probe reads device-wide.
         self.usage_checks = True
+        #: Whether a thorough "touches nothing" copies every committed byte
+        #: (`snapshot`), and whether bytes are compared on the device: neither
+        #: beside a process that leaves the device nearly full, where a
+        #: comparison's temporary could meet torch's out-of-memory.
+        self.snapshot_checks = True
+        self.compare_on_host = False
         self.graphs: list[CapturedGraph] = []
         self.baseline = probe.read_outside_torch()
         self.live_before = (live_reservations[driver.kind], live_chunks[driver.kind])
@@ -519,16 +525,7 @@ class ModelledCache:
     def commit_at_or_below(self, choose: Choices) -> None:
         n = choose.integer(0, self.model.committed, "num_blocks")
         choose.note(f"commit({n})  # at or below {self.model.committed}: touches nothing")
-        if self.thorough:
-            before = snapshot(self.cache)
-            self.cache.commit(n)
-            check_unchanged(self.cache, before)
-            self.checked("unchanged: snapshot of chunks, read-back and bytes")
-        else:
-            chunks, sizes = self.cache.buffer.mapped_chunks, self.cache.buffer.segment_sizes
-            self.cache.commit(n)
-            check_same_mapping(self.cache, chunks, sizes)
-            self.checked("unchanged: mapped chunk objects and sizes")
+        self.touching_nothing(lambda: self.cache.commit(n))
         self.ran("commit (at or below)")
         self.check_counts()
 
@@ -579,16 +576,7 @@ class ModelledCache:
     def recommit(self, choose: Choices) -> None:
         choose.note("recommit()")
         if self.model.mapped:
-            if self.thorough:
-                before = snapshot(self.cache)
-                self.cache.recommit()
-                check_unchanged(self.cache, before)
-                self.checked("unchanged: snapshot of chunks, read-back and bytes")
-            else:
-                chunks, sizes = self.cache.buffer.mapped_chunks, self.cache.buffer.segment_sizes
-                self.cache.recommit()
-                check_same_mapping(self.cache, chunks, sizes)
-                self.checked("unchanged: mapped chunk objects and sizes")
+            self.touching_nothing(self.cache.recommit)
         else:
             self.call(self.cache.recommit)
             self.model.remap()
@@ -683,7 +671,8 @@ class ModelledCache:
         self.drop_graphs(keep=MAX_GRAPHS - 1)
         before = self.probe.read_outside_torch()
         graph = torch.cuda.CUDAGraph()
-        with torch.cuda.device(device), torch.cuda.graph(graph):
+        # thread_local: a sampler thread's driver calls must not break the capture.
+        with torch.cuda.device(device), torch.cuda.graph(graph, capture_error_mode="thread_local"):
             for view, row in zip(views, rows):
                 row.copy_(view)
                 view.add_(1)
@@ -738,6 +727,20 @@ class ModelledCache:
         self.cache.free()
 
     # -- checks -------------------------------------------------------------------
+    def touching_nothing(self, call: Callable[[], object]) -> None:
+        """Make `call`, which must change nothing: proven against a full
+        snapshot when thorough, else by the mapped chunk objects and sizes."""
+        if self.thorough and self.snapshot_checks:
+            before = snapshot(self.cache)
+            call()
+            check_unchanged(self.cache, before)
+            self.checked("unchanged: snapshot of chunks, read-back and bytes")
+        else:
+            chunks, sizes = self.cache.buffer.mapped_chunks, self.cache.buffer.segment_sizes
+            call()
+            check_same_mapping(self.cache, chunks, sizes)
+            self.checked("unchanged: mapped chunk objects and sizes")
+
     def prefix_is_one_chunk(self, num_blocks: int) -> bool:
         return all(readback_one_chunk_per_segment(self.cache.buffer, self.model.sizes(num_blocks)))
 
@@ -751,7 +754,7 @@ class ModelledCache:
 
     def check_blocks(self, first: int, end: int, what: str) -> None:
         if end > first:
-            check_cache_blocks(self.cache, self.model, first, end, what)
+            check_cache_blocks(self.cache, self.model, first, end, what, on_host=self.compare_on_host)
             self.checked("bytes of the blocks an operation touched")
 
     def check_everything(self) -> None:
@@ -759,7 +762,7 @@ class ModelledCache:
         check_addresses_fixed(cache.buffer, cache.segment_offsets, self.base)
         check_cache_committed(cache, model)
         if model.mapped:
-            check_cache_blocks(cache, model, 0, model.committed, "committed blocks")
+            check_cache_blocks(cache, model, 0, model.committed, "committed blocks", on_host=self.compare_on_host)
         read_back = read_back_granules(cache.buffer)
         check_cache_physical_bytes(cache, model, read_back)
         check_cache_one_chunk_per_segment(cache, model)
@@ -892,22 +895,39 @@ def check_cache_committed(kv_cache: ExtensibleKVCache, model: CacheModel) -> Non
     assert sizes == expected, f"segment sizes {sizes}, model {expected}"
 
 
-def check_cache_blocks(kv_cache: ExtensibleKVCache, model: CacheModel, first: int, end: int, what: str) -> None:
+#: Bytes of a segment compared at once: a comparison on a GPU allocates a
+#: temporary as large as what it compares, and a stress run may leave the
+#: device nearly full.
+COMPARE_BYTES = 32 << 20
+
+
+def check_cache_blocks(
+    kv_cache: ExtensibleKVCache, model: CacheModel, first: int, end: int, what: str, *, on_host: bool = False
+) -> None:
     """Blocks [first, end) hold the model's value in every row of every
     segment (zero where nothing was written); a difference is a
-    `ContentMismatch` that counts the blocks, never prints bytes."""
-    count = end - first
-    expected = model.block_values(end)[first:].to(kv_cache.buffer.device)
+    `ContentMismatch` that counts the blocks, never prints bytes. `on_host`
+    compares copies in host memory, taking no device memory at all."""
+    values = model.block_values(end).to("cpu" if on_host else kv_cache.buffer.device)
     for segment, stride in enumerate(model.strides):
-        rows = kv_cache.buffer.segment_view(segment)[first * stride : end * stride].view(count, stride)
-        if torch.equal(rows, expected[:, None].expand(count, stride)):
-            continue
-        wrong = (rows != expected[:, None]).any(dim=1)
-        wrong_rows, zero_rows = int(wrong.count_nonzero()), int((wrong & (expected == 0)).count_nonzero())
-        raise ContentMismatch(
-            f"{what}: segment {segment}: {wrong_rows} of {count} blocks from block {first} differ from the model, "
-            f"{zero_rows} of them should read zero"
-        )
+        view = kv_cache.buffer.segment_view(segment)
+        step = max(COMPARE_BYTES // stride, 1)
+        wrong_rows = zero_rows = 0
+        for low in range(first, end, step):
+            high = min(low + step, end)
+            rows = view[low * stride : high * stride].view(high - low, stride)
+            rows = rows.cpu() if on_host else rows
+            expected = values[low:high, None]
+            if torch.equal(rows, expected.expand(high - low, stride)):
+                continue
+            wrong = (rows != expected).any(dim=1)
+            wrong_rows += int(wrong.count_nonzero())
+            zero_rows += int((wrong & (expected[:, 0] == 0)).count_nonzero())
+        if wrong_rows:
+            raise ContentMismatch(
+                f"{what}: segment {segment}: {wrong_rows} of {end - first} blocks from block {first} differ from "
+                f"the model, {zero_rows} of them should read zero"
+            )
 
 
 def check_cache_physical_bytes(kv_cache: ExtensibleKVCache, model: CacheModel, read_back: list) -> None:

@@ -55,10 +55,8 @@ from __future__ import annotations
 
 import argparse
 import collections
-import dataclasses
-import errno
+import functools
 import json
-import math
 import os
 import random
 import select
@@ -94,7 +92,6 @@ from .stateful import (
     ModelledCache,
     SeededChoices,
     capacity_for,
-    check_cache_blocks,
 )
 
 #: Host granule of stress caches: segments still span and share several
@@ -338,12 +335,14 @@ def run_walk(
     capacity: int | None = None,
     retry_out_of_memory: bool = False,
     usage_checks: bool = True,
+    beside_full_device: bool = False,
 ) -> int:
     """A walk over a fresh cache of `config_for(kind, layout, capacity)` on
     `stress_driver(device)`; the cache is freed afterwards and must leave
     nothing behind. With `retry_out_of_memory`, a commit refused by real
-    out-of-memory is checked, then made again once memory returns. Returns
-    the steps run."""
+    out-of-memory is checked, then made again once memory returns;
+    `beside_full_device` keeps the checks from taking device memory (no
+    snapshots, comparisons on the host). Returns the steps run."""
     device = torch.device(device)
     driver = stress_driver(device)
     probe = UsageProbe(device) if probe is None else probe
@@ -351,6 +350,9 @@ def run_walk(
     tally.settings["full check every (steps)"] = full_check_every
     driven = ModelledCache(driver, probe, kind, layout, capacity, operations=tally.operations, checks=tally.checks)
     driven.usage_checks = usage_checks
+    driven.snapshot_checks = not beside_full_device
+    driven.compare_on_host = beside_full_device
+    tally.settings["usage probe compared"] = "yes" if usage_checks else f"no: {probe.source}, other processes share the device"
     if retry_out_of_memory:
         driven.on_out_of_memory = out_of_memory_waiter(driver, tally, driven.check_mapping)
     replay = (
@@ -1213,14 +1215,15 @@ def walk_under_pressure(
         capacity = (3 << 29) // bytes_per_block("full", KVCacheLayout.LBHNC)
     if reply != "cycling":
         raise AssertionError(f"the pressure process answered 'cycle' with {reply!r}")
-    # An export hashes every committed byte on the CPU: too slow for 1.5 GiB.
-    weights = WALK_WEIGHTS if capacity is None else dict(WALK_WEIGHTS, export_to_peer=0)
+    # On a GPU: an export hashes every committed byte on the CPU, too slow
+    # for 1.5 GiB, and a graph's capture takes device memory of its own.
+    weights = WALK_WEIGHTS if capacity is None else dict(WALK_WEIGHTS, export_to_peer=0, capture_graph=0, replay_graphs=0)
     try:
         ran = run_walk(
             device, "full", KVCacheLayout.LBHNC, seed, tally, until=until, steps=steps, probe=probe,
             capacity=capacity, weights=weights, retry_out_of_memory=True,
             # A device-wide reading would count the pressure process too.
-            usage_checks=probe.per_process,
+            usage_checks=probe.per_process, beside_full_device=capacity is not None,
         )
     finally:
         stopped = pressure.ask("stop")
@@ -1497,6 +1500,7 @@ def processes_reaching(memfds: set[tuple[int, int]]) -> dict[int, int]:
     return reaching
 
 
+@functools.lru_cache(maxsize=None)
 def nvml_handle(device: torch.device):
     """NVML's handle for a CUDA device (by UUID: NVML numbers GPUs physically,
     CUDA_VISIBLE_DEVICES renumbers them)."""
@@ -1565,7 +1569,7 @@ def crash_once(device: torch.device | str, seed: int, tally: StressTally) -> str
             while skip >= 0:
                 if child.line() == f"begin {target}":
                     skip -= 1
-            time.sleep(rng.uniform(0, 0.002))  # into the operation, or past it
+            time.sleep(rng.uniform(0, 0.0005))  # into the operation, or past it
             os.kill(child.pid, signal.SIGSTOP)
             last = child.drain()[-1:] or [f"begin {target}"]
             where = f"inside {last[0].split()[1]}" if last[0].startswith("begin") else f"just after {last[0].split()[1]}"
@@ -1621,7 +1625,7 @@ def run_walk_processes(
             ChildProcess([
                 "walk", "--device", str(device), "--kind", kind, "--layout", layout.name, "--seed", str(seed + index),
                 *(["--seconds", str(seconds)] if steps is None else ["--steps", str(steps)]),
-                "--full-check-every", str(full_check_every),
+                "--full-check-every", str(full_check_every), "--shared-device",
             ])
         )
     failures = []
@@ -1657,6 +1661,10 @@ def main(argv: list[str] | None = None) -> int:
     bound.add_argument("--seconds", type=float)
     bound.add_argument("--steps", type=int)
     walk_command.add_argument("--full-check-every", type=int, default=FULL_CHECK_EVERY)
+    walk_command.add_argument(
+        "--shared-device", action="store_true",
+        help="other processes use the device: compare the usage probe only where it reads this process alone",
+    )
     pressure_command = commands.add_parser("pressure", help="hold and free memory as told on stdin")
     pressure_command.add_argument("--device", default="cpu")
     crash_command = commands.add_parser("crash-child", help="commit, defragment and export until killed")
@@ -1674,10 +1682,12 @@ def main(argv: list[str] | None = None) -> int:
     tally = StressTally()
     until = None if args.seconds is None else time.monotonic() + args.seconds
     status = 0
+    probe = UsageProbe(device)
     try:
         run_walk(
             device, args.kind, KVCacheLayout[args.layout], args.seed, tally, until=until, steps=args.steps,
-            full_check_every=args.full_check_every,
+            full_check_every=args.full_check_every, probe=probe,
+            usage_checks=probe.per_process or not args.shared_device,
         )
     except Exception as error:  # recorded in the tally, which the parent reads
         print(f"walk failed: {error!r}", file=sys.stderr, flush=True)
