@@ -28,8 +28,8 @@ from extkv.testing.stress import (
     stress_driver,
     thread_rounds,
     walk_under_pressure,
+    warmed_probe,
 )
-from extkv.usage import UsageProbe
 from extkv.vmm import FAULTABLE_STEPS, HostDriver, driver_for
 
 CASE_IDS = [f"{kind}-{layout.name}" for kind, layout in CACHE_MACHINE_CASES]
@@ -65,7 +65,7 @@ def test_endurance_walk(device, kind, layout):
 def test_endurance_state_machine(device, kind, layout):
     tally = StressTally()
     machine = endurance_machine(
-        stress_driver(device), UsageProbe(device), kind, layout, operations=tally.operations, checks=tally.checks
+        stress_driver(device), warmed_probe(device), kind, layout, operations=tally.operations, checks=tally.checks
     )
     run_state_machine_as_test(machine, settings=settings(max_examples=MACHINE_EXAMPLES))
     for operation in ("commit (grow)", "read a block", "free"):
@@ -76,7 +76,7 @@ def test_endurance_state_machine(device, kind, layout):
 def test_every_driver_step_of_every_operation(device):
     real = HostDriver(HOST_STRESS_GRANULE) if device.type == "cpu" else driver_for(device)
     tally = StressTally()
-    assert enumerate_faults(real, UsageProbe(device), tally, scenarios=CACHE_MACHINE_CASES[:1])
+    assert enumerate_faults(real, warmed_probe(device), tally, scenarios=CACHE_MACHINE_CASES[:1])
     no_failures(tally)
     covered = tally.pairs_covered
     assert {step for _, step in covered} == set(FAULTABLE_STEPS)

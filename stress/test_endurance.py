@@ -21,8 +21,7 @@ from hypothesis.reporting import with_reporter
 from hypothesis.stateful import run_state_machine_as_test
 
 from extkv.testing.stateful import CACHE_MACHINE_CASES, endurance_machine
-from extkv.testing.stress import run_walk, stress_driver
-from extkv.usage import UsageProbe
+from extkv.testing.stress import run_walk, stress_driver, warmed_probe
 
 pytestmark = [pytest.mark.stress, pytest.mark.invariant(1, 3, 4, 5)]
 CASE_IDS = [f"{kind}-{layout.name}" for kind, layout in CACHE_MACHINE_CASES]
@@ -47,7 +46,7 @@ def test_endurance_walk(device, stress, kind, layout):
 def test_endurance_state_machine(device, stress, kind, layout):
     tally = stress.tally
     machine = endurance_machine(
-        stress_driver(device), UsageProbe(device), kind, layout, operations=tally.operations, checks=tally.checks
+        stress_driver(device), warmed_probe(device), kind, layout, operations=tally.operations, checks=tally.checks
     )
     batch_settings = settings(
         max_examples=EXAMPLES_PER_BATCH,

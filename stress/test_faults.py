@@ -13,8 +13,7 @@ from __future__ import annotations
 import pytest
 
 from extkv.testing.stateful import CACHE_MACHINE_CASES
-from extkv.testing.stress import HOST_STRESS_GRANULE, OPERATIONS, enumerate_faults
-from extkv.usage import UsageProbe
+from extkv.testing.stress import HOST_STRESS_GRANULE, OPERATIONS, enumerate_faults, warmed_probe
 from extkv.vmm import FAULTABLE_STEPS, HostDriver, driver_for
 
 pytestmark = [pytest.mark.stress, pytest.mark.invariant(5)]
@@ -23,7 +22,7 @@ pytestmark = [pytest.mark.stress, pytest.mark.invariant(5)]
 @pytest.mark.stress_weight(2)
 def test_every_driver_step_of_every_operation(device, stress):
     real = HostDriver(HOST_STRESS_GRANULE) if device.type == "cpu" else driver_for(device)
-    probe = UsageProbe(device)
+    probe = warmed_probe(device)
     tally = stress.tally
     assert enumerate_faults(real, probe, tally, scenarios=CACHE_MACHINE_CASES[:1])
     enumerate_faults(real, probe, tally, scenarios=CACHE_MACHINE_CASES[1:], until=stress.until)
