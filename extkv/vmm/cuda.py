@@ -84,6 +84,9 @@ def _granularity(prop) -> int:
     return int(_check("cuMemGetAllocationGranularity", cu.cuMemGetAllocationGranularity(prop, option)))
 
 
+_ALREADY_ACTIVE = contextlib.nullcontext()
+
+
 class CudaDriver(Driver):
     """CUDA virtual memory management on one device."""
 
@@ -116,28 +119,28 @@ class CudaDriver(Driver):
         read_only.flags = cu.CUmemAccess_flags.CU_MEM_ACCESS_FLAGS_PROT_READ
         self._access = {True: [access], False: [read_only]}
         self.granularity = _granularity(self._prop)
-        # Per thread: how many `_active`/`batch` blocks are open, and the
-        # stream `batch` looked up (None outside one).
+        # Per thread: whether this driver's context is pushed (by an open
+        # `_active` or `batch`), and the stream `batch` looked up (None
+        # outside one).
         self._thread = threading.local()
 
+    def _active(self) -> contextlib.AbstractContextManager[None]:
+        # Inside another `_active` or `batch` of this thread the context is
+        # current already; a commit makes thousands of calls, each would
+        # otherwise push and pop.
+        if getattr(self._thread, "pushed", False):
+            return _ALREADY_ACTIVE
+        return self._pushed()
+
     @contextlib.contextmanager
-    def _active(self) -> Iterator[None]:
-        thread = self._thread
-        depth = getattr(thread, "depth", 0)
-        if depth:
-            thread.depth = depth + 1
-            try:
-                yield
-            finally:
-                thread.depth = depth
-            return
+    def _pushed(self) -> Iterator[None]:
         cu = _bindings()
         _check("cuCtxPushCurrent", cu.cuCtxPushCurrent(self._context))
-        thread.depth = 1
+        self._thread.pushed = True
         try:
             yield
         finally:
-            thread.depth = 0
+            self._thread.pushed = False
             _check("cuCtxPopCurrent", cu.cuCtxPopCurrent())
 
     @contextlib.contextmanager
