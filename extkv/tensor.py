@@ -69,6 +69,7 @@ from __future__ import annotations
 import bisect
 import enum
 import functools
+import operator
 import threading
 import warnings
 from dataclasses import dataclass
@@ -118,22 +119,39 @@ class MappedChunk:
 DEFRAGMENT_BATCH_BYTES = 1 << 30
 
 
+_FIRST_GRANULE = operator.attrgetter("first_granule")
+
+
 class _Mapping:
     """Mapped chunks in address order, never edited: a change builds a new
     one, so a reader holding one sees a whole state."""
 
     __slots__ = ("chunks", "starts", "granules")
 
-    def __init__(self, chunks: Sequence[MappedChunk]):
-        self.chunks = tuple(chunks)
-        self.starts = [mapped.first_granule for mapped in self.chunks]
-        self.granules = sum(mapped.num_granules for mapped in self.chunks)
+    def __init__(self, chunks: tuple[MappedChunk, ...] = (), starts: tuple[int, ...] = (), granules: int = 0):
+        self.chunks = chunks
+        self.starts = starts  # first granule of each chunk, for bisect
+        self.granules = granules
 
     def changed(self, *, added: Sequence[MappedChunk] = (), removed: Sequence[MappedChunk] = ()) -> "_Mapping":
-        gone = {id(mapped) for mapped in removed}
-        kept = [mapped for mapped in self.chunks if id(mapped) not in gone]
-        # Both lists are in address order: a merge, not a sort of the whole.
-        return _Mapping(list(_merged(kept, sorted(added, key=lambda mapped: mapped.first_granule))))
+        # Tuple and C-level sort work only: a commit of one block into a
+        # cache of thousands of chunks must not walk them in Python.
+        chunks, starts, granules = self.chunks, self.starts, self.granules
+        if removed:
+            gone = {id(mapped) for mapped in removed}
+            chunks = tuple(mapped for mapped in chunks if id(mapped) not in gone)
+            starts = tuple(map(_FIRST_GRANULE, chunks))
+            granules -= sum(mapped.num_granules for mapped in removed)
+        if added:
+            added = tuple(sorted(added, key=_FIRST_GRANULE))
+            granules += sum(mapped.num_granules for mapped in added)
+            if not chunks or chunks[-1].first_granule < added[0].first_granule:
+                chunks, starts = chunks + added, starts + tuple(map(_FIRST_GRANULE, added))
+            else:
+                # Two sorted runs: Timsort merges them in linear time.
+                chunks = tuple(sorted(chunks + added, key=_FIRST_GRANULE))
+                starts = tuple(map(_FIRST_GRANULE, chunks))
+        return _Mapping(chunks, starts, granules)
 
     def overlapping(self, first: int, end: int) -> list[MappedChunk]:
         """Chunks that map any granule of [first, end), in address order."""
@@ -156,19 +174,6 @@ class _Mapping:
         if at < end:
             runs.append((at, end - at))
         return runs
-
-
-def _merged(left: list[MappedChunk], right: list[MappedChunk]):
-    i = j = 0
-    while i < len(left) and j < len(right):
-        if left[i].first_granule < right[j].first_granule:
-            yield left[i]
-            i += 1
-        else:
-            yield right[j]
-            j += 1
-    yield from left[i:]
-    yield from right[j:]
 
 
 class _ZeroCursor:
@@ -268,7 +273,7 @@ class ExtensibleTensor:
         self.base = self._driver.reserve(self.reserved_bytes)
         self._state = _State.LIVE
         self._sizes = [0] * len(capacities)
-        self._mapping = _Mapping(())
+        self._mapping = _Mapping()
         self._unreleased = UnreleasedChunks(driver)  # unmapped, not yet released
         # Defragmentation's scratch reservations not yet freed, and the
         # mappings in them not yet unmapped: (address, size) each.
