@@ -512,3 +512,119 @@ def test_full_view_repr_reads_nothing(device, granule):
     result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, f"exit {result.returncode}: {result.stderr[-2000:]}"
     assert result.stdout.count(f"ReservationView({64 * granule} bytes at 0x") == 4
+
+
+def fragmented_neighbours(build, driver, granule) -> ExtensibleTensor:
+    """Four segments of 2.5 granules, grown in two steps so that each spans
+    two or three chunks; neighbours share a granule (capacities are not
+    granule multiples), so some chunks belong to two segments."""
+    capacity = 5 * granule // 2
+    t = build.tensor(4 * capacity, device=driver, segment_capacities=[capacity] * 4)
+    t.resize_segments_([granule // 2] * 4, zero_new=True)
+    t.resize_segments_([capacity] * 4, zero_new=True)
+    for i in range(4):
+        view = t.segment_view(i)
+        view.copy_(pattern(view.numel(), 7 * (i + 1), view.device))
+    return t
+
+
+@pytest.mark.invariant(1, 3, 5)
+@pytest.mark.parametrize("batch_granules", [1, 3, 1000])
+def test_defragment_segments_in_batches_keeps_bytes_and_addresses(build, device, granule, usage, batch_granules):
+    """One scratch reservation serves every batch and is freed at the end;
+    the result is the same whatever the batch size."""
+    baseline = usage.read_outside_torch()
+    t = fragmented_neighbours(build, driver_for(device), granule)
+    reservations = _nonzero(live_reservations)
+    before = [t.segment_view(i).clone() for i in range(4)]
+    pointers = [t.segment_view(i).data_ptr() for i in range(4)]
+    assert t.segments_backed_by_one_chunk(t.segment_sizes) == [False] * 4
+    assert t.defragment_segments_(batch_bytes=batch_granules * granule) == [True] * 4
+    assert readback_one_chunk_per_segment(t, t.segment_sizes) == [True] * 4
+    assert [t.segment_view(i).data_ptr() for i in range(4)] == pointers
+    for i in range(4):
+        check_all_equal(t.segment_view(i), before[i], f"segment {i} after defragment_segments_")
+    check_readback_matches_bookkeeping(t)
+    check_usage_matches(usage, baseline, [t])
+    assert _nonzero(live_reservations) == reservations, "the scratch reservation outlived the defragmentation"
+    assert t.defragment_segments_([3, 0]) == [False, False]
+
+
+@pytest.mark.invariant(3, 5)
+def test_fault_in_a_later_batch_keeps_earlier_batches_moved_and_a_retry_finishes(build, device, granule, usage):
+    baseline = usage.read_outside_torch()
+    faulty = FaultInjectingDriver(driver_for(device))
+    t = fragmented_neighbours(build, faulty, granule)
+    before = [t.segment_view(i).clone() for i in range(4)]
+    # Neighbours share chunks, so the four segments form fewer groups; with
+    # one group per batch, the second batch's create is the second create.
+    faulty.fail_in("create", 2)
+    with pytest.raises(DriverError, match="injected fault"):
+        t.defragment_segments_(batch_bytes=granule)
+    moved = readback_one_chunk_per_segment(t, t.segment_sizes)
+    assert moved[0] and not all(moved), f"one chunk per segment after a fault in batch 2, read back: {moved}"
+    check_readback_matches_bookkeeping(t)
+    for i in range(4):
+        check_all_equal(t.segment_view(i), before[i], f"segment {i} after a fault in a later batch")
+    check_usage_matches(usage, baseline, [t])
+    assert t.defragment_segments_(batch_bytes=granule) == [not one for one in moved]
+    assert readback_one_chunk_per_segment(t, t.segment_sizes) == [True] * 4
+    for i in range(4):
+        check_all_equal(t.segment_view(i), before[i], f"segment {i} after the retry")
+
+
+@pytest.mark.invariant(6)
+@pytest.mark.parametrize(
+    "args, kwargs, error, message",
+    [
+        (([4],), {}, IndexError, r"segment index must be an int >= 0 and <= 3, got 4"),
+        (([0, -1],), {}, IndexError, r"segment index must be an int >= 0 and <= 3, got -1"),
+        ((7,), {}, ValueError, r"indices must be a sequence of segment indices, got 7"),
+        ((), {"batch_bytes": 0}, ValueError, r"batch_bytes must be an int >= 1, got 0"),
+        ((), {"batch_bytes": True}, ValueError, r"batch_bytes must be an int >= 1, got True"),
+    ],
+)
+def test_defragment_segments_refuses_bad_arguments_and_changes_nothing(build, device, granule, args, kwargs, error, message):
+    t = fragmented_neighbours(build, driver_for(device), granule)
+    before = snapshot(t)
+    with pytest.raises(error, match=message):
+        t.defragment_segments_(*args, **kwargs)
+    check_unchanged(t, before)
+
+
+def test_mapped_chunk_at_names_the_chunk_holding_an_address(build, granule):
+    t = build.tensor(4 * granule)
+    t.resize_segments_([granule])
+    t.resize_segments_([3 * granule])
+    first, second = t.mapped_chunks
+    assert t.mapped_chunk_at(t.base) is first and t.mapped_chunk_at(t.base + granule - 1) is first
+    assert t.mapped_chunk_at(t.base + granule) is second and t.mapped_chunk_at(t.base + 3 * granule - 1) is second
+    assert t.mapped_chunk_at(t.base + 3 * granule) is None
+    assert t.mapped_chunk_at(t.base - 1) is None and t.mapped_chunk_at(t.base + 4 * granule) is None
+
+
+def test_driver_zero_and_copy_touch_exactly_their_range(device, driver, granule):
+    """Driver.zero and Driver.copy, which a commit and a defragmentation use
+    in place of tensor views: each writes its range and nothing beside it."""
+    size = 2 * granule
+    address = driver.reserve(size)
+    chunk = driver.create(size)
+    try:
+        driver.map(address, chunk)
+        try:
+            driver.set_access(address, size)
+            view = driver.view(address, size)
+            view.fill_(0xA5)
+            driver.zero(address + 100, granule)
+            driver.copy(address + granule + 200, address + 50, 100)  # 50 poison bytes, then 50 zeros
+            driver.synchronize()
+            expected = torch.full((size,), 0xA5, dtype=torch.uint8)
+            expected[100 : 100 + granule] = 0
+            expected[granule + 200 : granule + 250] = 0xA5
+            expected[granule + 250 : granule + 300] = 0
+            check_all_equal(view, expected.to(device), "bytes after zero and copy")
+        finally:
+            driver.unmap(address, size)
+    finally:
+        driver.release(chunk)
+        driver.free_reservation(address, size)

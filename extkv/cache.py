@@ -225,8 +225,7 @@ class ExtensibleKVCache:
             self.buffer.resize_segments_(sizes, zero_new=True)
             self.num_committed_blocks = num_blocks
         if fragmented and preserve_contents:
-            for index in range(len(sizes)):
-                self.buffer.defragment_segment_(index)
+            self.buffer.defragment_segments_()
         logger.debug("KV cache at %s after commit(%d).", self, num_blocks)
 
     def _sizes_for(self, num_blocks: int) -> list[int]:

@@ -361,14 +361,13 @@ def _registrations_of(buffer: ExtensibleTensor) -> list[SegmentRegistration]:
             "memory needs each segment backed by one chunk: commit with defragment=True "
             "(ExtensibleKVCache.commit(n, defragment=True))"
         )
-    mapped_chunks = buffer.mapped_chunks
     registrations = []
     for index, (offset, size) in enumerate(zip(buffer.segment_offsets, sizes)):
         address = buffer.base + offset
         if size == 0:
             registrations.append(SegmentRegistration(index, address, 0, None, 0))
             continue
-        owner = next(m for m in mapped_chunks if m.address <= address < m.address + m.chunk.size)
+        owner = buffer.mapped_chunk_at(address)
         registrations.append(SegmentRegistration(index, address, size, owner, address - owner.address))
     return registrations
 

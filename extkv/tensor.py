@@ -8,25 +8,37 @@ reservation is cut into segments, each with a capacity, laid end to end. A
 segment's *committed size* is the prefix of it that is backed by physical
 memory and readable.
 
-Physical memory is tracked per granule. `resize_segments_` grows segments: it
-collects the granules the new sizes need that are not mapped yet (a granule
-shared by two neighbouring segments is mapped once), merges them into maximal
-runs, and backs each run with one chunk: per-chunk driver cost dominates a
-commit, so one chunk per run, never one per granule. Each run is one small
-`Transaction` (extkv.vmm: create, map, grant access) that undoes its own
-steps if a later step fails. Runs finished before a failure stay mapped,
-recorded and accessible, and the committed sizes stay as they were, so the
-tensor is consistent and a retry maps only what is still missing.
+Physical memory is tracked as runs, not granules: the mapped chunks in
+address order (`_Mapping`, bisected by first granule), so every question a
+resize, a defragmentation or a connector asks costs O(log chunks + chunks
+touched), whatever the number of granules. `resize_segments_` grows segments:
+the granule spans the new sizes need are merged in one pass over the
+segments (a granule shared by two neighbouring segments is needed once), the
+mapped chunks are subtracted from them, and each maximal unmapped run is
+backed by one chunk: per-chunk driver cost dominates a commit, so one chunk
+per run, never one per granule. Each run is one small `Transaction`
+(extkv.vmm: create, map, grant access) that undoes its own steps if a later
+step fails. Runs finished before a failure stay mapped, recorded and
+accessible, and the committed sizes stay as they were, so the tensor is
+consistent and a retry maps only what is still missing.
 
 With `zero_new`, exactly the new logical bytes are zeroed on the current
 stream, interleaved with mapping so the device zeroes one run while the CPU
-maps the next.
+maps the next. The new byte ranges and the runs are both in address order,
+so one merge walk covers them (`_ZeroCursor`): one driver memset per new range
+per run it crosses, no tensor built per range. The whole operation runs in
+one driver `batch()` (one CUDA context push, one stream lookup).
 
-`defragment_segment_` moves one segment onto a single chunk at the same
-address and keeps every byte: the new chunk is filled through a scratch mapping,
-then swapped in for the old chunks. Only the chunks touching that segment are
-duplicated at any moment, so the transient extra memory is one segment (plus
-any chunk it shares with a neighbour), not the whole tensor.
+`defragment_segments_` moves segments onto a single chunk each at the same
+addresses and keeps every byte: each segment's chunks are copied into a new
+chunk through a scratch mapping, then the new chunk is swapped in for the old
+ones. Segments are moved in batches of at most `DEFRAGMENT_BATCH_BYTES`
+(or one segment, if larger) through one scratch reservation reused for every
+batch, with one synchronize per batch: a swap unmaps the old chunks, so the
+copies out of them must be finished first, but copies of different segments
+of one batch never depend on each other, so one wait covers them all. The
+transient extra memory is one batch, not the whole tensor; a segment that
+shares a chunk with its neighbour moves together with it.
 
 `release_physical` synchronizes the device, then unmaps and releases every
 chunk; addresses stay reserved, so views and captured CUDA graphs keep valid
@@ -54,8 +66,10 @@ Lifecycle, as data: every public operation names the states it is legal in
 
 from __future__ import annotations
 
+import bisect
 import enum
 import functools
+import operator
 import threading
 import warnings
 from dataclasses import dataclass
@@ -80,6 +94,7 @@ _LEGAL_IN: dict[str, frozenset[_State]] = {
     "segment_view": frozenset({_State.LIVE}),
     "segments_backed_by_one_chunk": frozenset({_State.LIVE}),
     "defragment_segment_": frozenset({_State.LIVE}),
+    "defragment_segments_": frozenset({_State.LIVE}),
     "free": frozenset({_State.LIVE, _State.FREED}),
 }
 
@@ -92,6 +107,100 @@ class MappedChunk:
     address: int
     first_granule: int
     num_granules: int
+
+    @property
+    def end_granule(self) -> int:
+        return self.first_granule + self.num_granules
+
+
+#: Largest transient extra memory of a content-preserving defragmentation
+#: (a larger segment is moved alone): the copies of one batch share one
+#: synchronize, and 1 GiB of copies (~0.3 ms on an H200) hides its latency.
+DEFRAGMENT_BATCH_BYTES = 1 << 30
+
+
+_FIRST_GRANULE = operator.attrgetter("first_granule")
+
+
+class _Mapping:
+    """Mapped chunks in address order, never edited: a change builds a new
+    one, so a reader holding one sees a whole state."""
+
+    __slots__ = ("chunks", "starts", "granules")
+
+    def __init__(self, chunks: tuple[MappedChunk, ...] = (), starts: tuple[int, ...] = (), granules: int = 0):
+        self.chunks = chunks
+        self.starts = starts  # first granule of each chunk, for bisect
+        self.granules = granules
+
+    def changed(self, *, added: Sequence[MappedChunk] = (), removed: Sequence[MappedChunk] = ()) -> "_Mapping":
+        # Tuple and C-level sort work only: a commit of one block into a
+        # cache of thousands of chunks must not walk them in Python.
+        chunks, starts, granules = self.chunks, self.starts, self.granules
+        if removed:
+            gone = {id(mapped) for mapped in removed}
+            chunks = tuple(mapped for mapped in chunks if id(mapped) not in gone)
+            starts = tuple(map(_FIRST_GRANULE, chunks))
+            granules -= sum(mapped.num_granules for mapped in removed)
+        if added:
+            added = tuple(sorted(added, key=_FIRST_GRANULE))
+            granules += sum(mapped.num_granules for mapped in added)
+            if not chunks or chunks[-1].first_granule < added[0].first_granule:
+                chunks, starts = chunks + added, starts + tuple(map(_FIRST_GRANULE, added))
+            else:
+                # Two sorted runs: Timsort merges them in linear time.
+                chunks = tuple(sorted(chunks + added, key=_FIRST_GRANULE))
+                starts = tuple(map(_FIRST_GRANULE, chunks))
+        return _Mapping(chunks, starts, granules)
+
+    def overlapping(self, first: int, end: int) -> list[MappedChunk]:
+        """Chunks that map any granule of [first, end), in address order."""
+        index = bisect.bisect_right(self.starts, first) - 1
+        if index < 0 or self.chunks[index].end_granule <= first:
+            index += 1
+        found = []
+        while index < len(self.chunks) and self.chunks[index].first_granule < end:
+            found.append(self.chunks[index])
+            index += 1
+        return found
+
+    def gaps(self, first: int, end: int) -> list[tuple[int, int]]:
+        """Unmapped runs (first granule, count) inside [first, end)."""
+        runs, at = [], first
+        for mapped in self.overlapping(first, end):
+            if mapped.first_granule > at:
+                runs.append((at, mapped.first_granule - at))
+            at = max(at, mapped.end_granule)
+        if at < end:
+            runs.append((at, end - at))
+        return runs
+
+
+class _ZeroCursor:
+    """Zeroes byte ranges (absolute, in address order, disjoint) window by
+    window as the memory under them gets mapped; each range is visited once
+    over all windows, so a commit's zeroing costs O(ranges + runs)."""
+
+    def __init__(self, driver: Driver, ranges: list[tuple[int, int]]):
+        self._driver = driver
+        self._ranges = ranges
+        self._next = 0
+        self._done_to = 0
+
+    def zero_below(self, end: int) -> None:
+        """Zero whatever part of the ranges lies below `end` and is not zeroed yet."""
+        ranges = self._ranges
+        while self._next < len(ranges):
+            low, high = ranges[self._next]
+            low = max(low, self._done_to)
+            if low >= end:
+                return
+            top = min(high, end)
+            self._driver.zero(low, top - low)
+            self._done_to = top
+            if top < high:
+                return
+            self._next += 1
 
 
 def _operation(method):
@@ -164,12 +273,12 @@ class ExtensibleTensor:
         self.base = self._driver.reserve(self.reserved_bytes)
         self._state = _State.LIVE
         self._sizes = [0] * len(capacities)
-        self._owner: list[MappedChunk | None] = [None] * (self.reserved_bytes // granule)
-        self._chunks: dict[int, MappedChunk] = {}  # by first granule
+        self._mapping = _Mapping()
         self._unreleased = UnreleasedChunks(driver)  # unmapped, not yet released
-        # Scratch reservations of defragmentation not yet freed: (address,
-        # size, whether the new chunk is still mapped there).
-        self._scratch: list[tuple[int, int, bool]] = []
+        # Defragmentation's scratch reservations not yet freed, and the
+        # mappings in them not yet unmapped: (address, size) each.
+        self._scratch: list[tuple[int, int]] = []
+        self._scratch_mappings: list[tuple[int, int]] = []
 
     # -- read-only facts ------------------------------------------------------
     @property
@@ -192,16 +301,23 @@ class ExtensibleTensor:
     @property
     def physical_bytes(self) -> int:
         """Mapped bytes: mapped granules times the granularity."""
-        return sum(m.num_granules for m in self._chunks.values()) * self.granularity
+        return self._mapping.granules * self.granularity
 
     @property
     def num_physical_chunks(self) -> int:
-        return len(self._chunks)
+        return len(self._mapping.chunks)
 
     @property
     def mapped_chunks(self) -> list[MappedChunk]:
         """Every mapped chunk, in address order."""
-        return sorted(self._chunks.values(), key=lambda mapped: mapped.first_granule)
+        return list(self._mapping.chunks)
+
+    def mapped_chunk_at(self, address: int) -> MappedChunk | None:
+        """The mapped chunk whose range holds `address`, from bookkeeping; None
+        where nothing is mapped (or outside the reservation)."""
+        granule = (address - self.base) // self.granularity
+        found = self._mapping.overlapping(granule, granule + 1) if 0 <= address - self.base < self.reserved_bytes else []
+        return found[0] if found else None
 
     @property
     def is_freed(self) -> bool:
@@ -248,21 +364,28 @@ class ExtensibleTensor:
         zero_new = validate.flag("zero_new", zero_new)
         sizes = self._validated_sizes(sizes, grow_only=True)
         runs = self._unmapped_runs(sizes)
-        new_ranges = [
-            (self.base + offset + old, self.base + offset + new)
-            for offset, old, new in zip(self.segment_offsets, self._sizes, sizes)
-            if new > old
-        ]
-        zeroed_up_to = self.base
+        zeroing = _ZeroCursor(
+            self._driver,
+            [
+                (self.base + offset + old, self.base + offset + new)
+                for offset, old, new in zip(self.segment_offsets, self._sizes, sizes)
+                if new > old
+            ],
+        )
         granule = self.granularity
-        for first, count in runs:
-            self._map_run(first, count)
+        added: list[MappedChunk] = []
+        with self._driver.batch():
+            try:
+                for first, count in runs:
+                    added.append(self._map_run(first, count))
+                    if zero_new:
+                        zeroing.zero_below(self.base + (first + count) * granule)
+            finally:
+                # Runs mapped before a failure stay mapped: record them.
+                if added:
+                    self._publish(added=added)
             if zero_new:
-                run_end = self.base + (first + count) * granule
-                self._zero(new_ranges, zeroed_up_to, run_end)
-                zeroed_up_to = run_end
-        if zero_new:
-            self._zero(new_ranges, zeroed_up_to, self.base + self.reserved_bytes)
+                zeroing.zero_below(self.base + self.reserved_bytes)
         self._sizes = sizes
 
     def _validated_sizes(self, sizes: Sequence[int], *, grow_only: bool) -> list[int]:
@@ -285,52 +408,44 @@ class ExtensibleTensor:
             checked.append(size)
         return checked
 
-    def _granule_span(self, offset: int, size: int) -> range:
-        """Granules covering bytes [offset, offset+size) of the allocation."""
-        if size == 0:
-            return range(0)
+    def _granule_span(self, offset: int, size: int) -> tuple[int, int]:
+        """Granules [first, end) covering bytes [offset, offset+size) of the
+        allocation; empty (first == end) for no bytes."""
         granule = self.granularity
-        return range(offset // granule, -(-(offset + size) // granule))
+        if size == 0:
+            return offset // granule, offset // granule
+        return offset // granule, -(-(offset + size) // granule)
 
     def _unmapped_runs(self, sizes: list[int]) -> list[tuple[int, int]]:
-        """Maximal runs (first granule, count) of granules `sizes` need that are unmapped."""
-        needed = sorted(
-            {
-                index
-                for offset, old, new in zip(self.segment_offsets, self._sizes, sizes)
-                if new > old
-                for index in self._granule_span(offset + old, new - old)
-                if self._owner[index] is None
-            }
-        )
-        runs: list[tuple[int, int]] = []
-        for index in needed:
-            if runs and runs[-1][0] + runs[-1][1] == index:
-                runs[-1] = (runs[-1][0], runs[-1][1] + 1)
+        """Maximal runs (first granule, count) of granules `sizes` need that
+        are unmapped, in address order."""
+        # Segments lie end to end, so their growing spans come in address
+        # order; neighbours may share a granule or touch: merge as we go.
+        needed: list[list[int]] = []
+        for offset, old, new in zip(self.segment_offsets, self._sizes, sizes):
+            if new <= old:
+                continue
+            first, end = self._granule_span(offset + old, new - old)
+            if needed and first <= needed[-1][1]:
+                needed[-1][1] = max(needed[-1][1], end)
             else:
-                runs.append((index, 1))
-        return runs
+                needed.append([first, end])
+        return [run for first, end in needed for run in self._mapping.gaps(first, end)]
 
-    def _map_run(self, first: int, count: int) -> None:
+    def _map_run(self, first: int, count: int) -> MappedChunk:
         """Back granules [first, first+count) with one new chunk: create, map,
-        grant access, each step undone if a later one fails."""
+        grant access, each step undone if a later one fails. The caller
+        records the chunk (`_publish`)."""
         size = count * self.granularity
         address = self.base + first * self.granularity
         with Transaction() as transaction:
             chunk = self._new_chunk_mapped_at(address, size, transaction)
-        self._publish(added=[MappedChunk(chunk=chunk, address=address, first_granule=first, num_granules=count)])
+        return MappedChunk(chunk=chunk, address=address, first_granule=first, num_granules=count)
 
     def _publish(self, *, added: Sequence[MappedChunk] = (), removed: Sequence[MappedChunk] = ()) -> None:
-        """Record a change of mapping. `_chunks` is replaced, never edited, so
-        a reader in another thread iterates a whole state."""
-        chunks = dict(self._chunks)
-        for mapped in removed:
-            del chunks[mapped.first_granule]
-            self._owner[mapped.first_granule : mapped.first_granule + mapped.num_granules] = [None] * mapped.num_granules
-        for mapped in added:
-            chunks[mapped.first_granule] = mapped
-            self._owner[mapped.first_granule : mapped.first_granule + mapped.num_granules] = [mapped] * mapped.num_granules
-        self._chunks = chunks
+        """Record a change of mapping; the mapping is replaced, never edited,
+        so a reader in another thread sees a whole state."""
+        self._mapping = self._mapping.changed(added=added, removed=removed)
 
     def _new_chunk_mapped_at(self, address: int, size: int, transaction: Transaction) -> Chunk:
         """Create a chunk, map it at `address` and grant access, registering
@@ -356,13 +471,6 @@ class ExtensibleTensor:
             except OutOfMemoryError as retry_error:
                 raise retry_error from error
 
-    def _zero(self, ranges: list[tuple[int, int]], start: int, end: int) -> None:
-        """Zero the parts of `ranges` (absolute addresses) inside [start, end)."""
-        for range_start, range_end in ranges:
-            low, high = max(range_start, start), min(range_end, end)
-            if low < high:
-                self._driver.view(low, high - low).zero_()
-
     @_operation
     def segments_backed_by_one_chunk(self, sizes: Sequence[int]) -> list[bool]:
         """For each segment, whether its first `sizes[i]` bytes are mapped and
@@ -371,56 +479,127 @@ class ExtensibleTensor:
         return [self._backed_by_one_chunk(offset, size) for offset, size in zip(self.segment_offsets, sizes)]
 
     def _backed_by_one_chunk(self, offset: int, size: int) -> bool:
-        owners = {id(self._owner[index]) if self._owner[index] else None for index in self._granule_span(offset, size)}
-        return size == 0 or (len(owners) == 1 and None not in owners)
+        if size == 0:
+            return True
+        first, end = self._granule_span(offset, size)
+        chunks = self._mapping.overlapping(first, end)
+        return len(chunks) == 1 and chunks[0].first_granule <= first and chunks[0].end_granule >= end
 
     # -- content-preserving defragmentation ----------------------------------
     @_operation
     def defragment_segment_(self, index: int) -> bool:
         """Back segment `index`'s committed bytes with one chunk, keeping every
-        mapped byte at its address. Returns False when it already was.
+        mapped byte at its address. Returns False when it already was."""
+        return self._defragment([self._checked_segment_index(index)])[0]
 
-        The chunks overlapping the segment are replaced together by one new
+    @_operation
+    def defragment_segments_(
+        self, indices: Sequence[int] | None = None, *, batch_bytes: int = DEFRAGMENT_BATCH_BYTES
+    ) -> list[bool]:
+        """`defragment_segment_` for each of `indices` (default: every
+        segment), in batches of at most `batch_bytes` of moved chunks (a
+        larger group moves alone); returns for each whether it moved.
+
+        The chunks overlapping a segment are replaced together by one new
         chunk spanning them all (a chunk shared with a neighbouring segment
-        moves with it). Steps: reserve scratch address space, create the
-        chunk and map it there, copy, synchronize, unmap the old chunks, map the new one
-        in their place; each step is undone if a later one fails, so a failure
-        leaves the old mapping and its contents in place.
+        moves with it). Per batch: create the new chunks and map them in a
+        scratch reservation, copy, synchronize, unmap the old chunks, map the
+        new ones in their place; each step is undone if a later one fails, so
+        a failure leaves that batch's old mapping and contents in place, and
+        the batches before it moved.
         """
-        index = self._checked_segment_index(index)
-        offset, size = self.segment_offsets[index], self._sizes[index]
-        if self._backed_by_one_chunk(offset, size):
-            return False
-        span = self._granule_span(offset, size)
-        old = sorted({id(m): m for m in (self._owner[g] for g in span)}.values(), key=lambda m: m.first_granule)
-        first = old[0].first_granule
-        count = old[-1].first_granule + old[-1].num_granules - first
-        nbytes = count * self.granularity
-        address = self.base + first * self.granularity
-        driver = self._driver
-        with Transaction() as transaction:
-            scratch = driver.reserve(nbytes)
-            transaction.push(lambda: driver.free_reservation(scratch, nbytes))
-            chunk = self._new_chunk_mapped_at(scratch, nbytes, transaction)
-            driver.view(scratch, nbytes).copy_(driver.view(address, nbytes))
-            driver.synchronize()
-            for mapped in old:
-                driver.unmap(mapped.address, mapped.chunk.size)
-                transaction.push(
-                    lambda m=mapped: (driver.map(m.address, m.chunk), driver.set_access(m.address, m.chunk.size))
-                )
-            driver.map(address, chunk)
-            transaction.push(lambda: driver.unmap(address, nbytes))
-            driver.set_access(address, nbytes)
-        # The new mapping is in place. What is left cannot be undone, only
-        # finished: record it all first, so a failing step is retried later.
-        self._publish(
-            removed=old, added=[MappedChunk(chunk=chunk, address=address, first_granule=first, num_granules=count)]
+        if indices is None:
+            indices = range(len(self._sizes))
+        try:
+            indices = list(indices)
+        except TypeError:
+            raise ValueError(f"indices must be a sequence of segment indices, got {indices!r}") from None
+        checked = [self._checked_segment_index(index) for index in indices]
+        return self._defragment(checked, validate.integer("batch_bytes", batch_bytes, minimum=1))
+
+    def _defragment(self, indices: list[int], batch_bytes: int = DEFRAGMENT_BATCH_BYTES) -> list[bool]:
+        moved = {index: False for index in indices}
+        groups: list[list[MappedChunk]] = []  # old chunks that become one new chunk
+        for index in sorted(moved):
+            offset, size = self.segment_offsets[index], self._sizes[index]
+            if self._backed_by_one_chunk(offset, size):
+                continue
+            moved[index] = True
+            old = self._mapping.overlapping(*self._granule_span(offset, size))
+            if groups and old[0].first_granule < groups[-1][-1].end_granule:
+                groups[-1].extend(old[1:])  # shares its first chunk with the previous segment's group
+            else:
+                groups.append(old)
+        if groups:
+            self._move_groups(groups, batch_bytes)
+        return [moved[index] for index in indices]
+
+    def _move_groups(self, groups: list[list[MappedChunk]], batch_bytes: int) -> None:
+        granule = self.granularity
+        batches: list[list[list[MappedChunk]]] = []
+        filled = 0
+        for group in groups:
+            nbytes = (group[-1].end_granule - group[0].first_granule) * granule
+            if not batches or filled + nbytes > batch_bytes:
+                batches.append([])
+                filled = 0
+            batches[-1].append(group)
+            filled += nbytes
+        scratch_bytes = max(
+            sum((group[-1].end_granule - group[0].first_granule) * granule for group in batch) for batch in batches
         )
-        self._unreleased.keep(m.chunk for m in old)
-        self._scratch.append((scratch, nbytes, True))
-        self._finish_cleanup()
-        return True
+        driver = self._driver
+        with driver.batch():
+            scratch = driver.reserve(scratch_bytes)
+            self._scratch.append((scratch, scratch_bytes))
+            try:
+                for batch in batches:
+                    self._move_batch(batch, scratch)
+            except BaseException:
+                # A failed cleanup step is not retried at once (it stays
+                # recorded for release_physical or free); an idle scratch
+                # reservation holds no memory and can go now.
+                if not self._scratch_mappings:
+                    try:
+                        self._free_scratch()
+                    except Exception:
+                        pass  # still recorded
+                raise
+            self._finish_cleanup()
+
+    def _move_batch(self, groups: list[list[MappedChunk]], scratch: int) -> None:
+        driver = self._driver
+        granule = self.granularity
+        moves: list[tuple[list[MappedChunk], MappedChunk, int]] = []  # old chunks, new chunk, its scratch address
+        with Transaction() as transaction:
+            at = scratch
+            for group in groups:
+                first = group[0].first_granule
+                count = group[-1].end_granule - first
+                nbytes, target = count * granule, self.base + first * granule
+                chunk = self._new_chunk_mapped_at(at, nbytes, transaction)
+                driver.copy(at, target, nbytes)
+                moves.append((group, MappedChunk(chunk=chunk, address=target, first_granule=first, num_granules=count), at))
+                at += nbytes
+            # The swap unmaps what the copies read.
+            driver.synchronize()
+            for group, new, _ in moves:
+                for mapped in group:
+                    driver.unmap(mapped.address, mapped.chunk.size)
+                    transaction.push(
+                        lambda m=mapped: (driver.map(m.address, m.chunk), driver.set_access(m.address, m.chunk.size))
+                    )
+                driver.map(new.address, new.chunk)
+                transaction.push(lambda n=new: driver.unmap(n.address, n.chunk.size))
+                driver.set_access(new.address, new.chunk.size)
+        # The new mappings are in place. What is left cannot be undone, only
+        # finished: record it all first, so a failing step is retried later.
+        old = [mapped for group, _, _ in moves for mapped in group]
+        self._publish(removed=old, added=[new for _, new, _ in moves])
+        self._unreleased.keep(mapped.chunk for mapped in old)
+        self._scratch_mappings.extend((at, new.chunk.size) for _, new, at in moves)
+        self._unmap_scratch()
+        self._unreleased.retry()
 
     # -- release ----------------------------------------------------------------
     @_operation
@@ -433,28 +612,31 @@ class ExtensibleTensor:
         """
         self._sizes = [0] * len(self._sizes)
         self._finish_cleanup()
-        if not self._chunks:
+        if not self._mapping.chunks:
             return
         # Kernels still queued may touch these pages; unmapping under them is
         # an illegal-address fault.
         self._driver.synchronize()
         unmapped: list[MappedChunk] = []
-        try:
-            for mapped in self.mapped_chunks:
-                self._driver.unmap(mapped.address, mapped.chunk.size)
-                unmapped.append(mapped)
-        finally:
-            self._publish(removed=unmapped)
-            self._unreleased.keep(mapped.chunk for mapped in unmapped)
-        self._unreleased.retry()
+        with self._driver.batch():
+            try:
+                for mapped in self._mapping.chunks:
+                    self._driver.unmap(mapped.address, mapped.chunk.size)
+                    unmapped.append(mapped)
+            finally:
+                self._publish(removed=unmapped)
+                self._unreleased.keep(mapped.chunk for mapped in unmapped)
+            self._unreleased.retry()
+
+    def _unmap_scratch(self) -> None:
+        while self._scratch_mappings:
+            self._driver.unmap(*self._scratch_mappings[-1])
+            self._scratch_mappings.pop()
 
     def _free_scratch(self) -> None:
+        self._unmap_scratch()
         while self._scratch:
-            address, size, mapped = self._scratch[-1]
-            if mapped:
-                self._driver.unmap(address, size)
-                self._scratch[-1] = (address, size, False)
-            self._driver.free_reservation(address, size)
+            self._driver.free_reservation(*self._scratch[-1])
             self._scratch.pop()
 
     def _finish_cleanup(self) -> None:

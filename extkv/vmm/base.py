@@ -14,6 +14,13 @@ the real work to `_`-prefixed methods that concrete drivers implement. A
 wrapper such as the fault injector delegates to the public methods of the
 driver it wraps, so counts stay with the real driver.
 
+`zero` and `copy` work on mapped memory in order with the device's current
+stream (a kernel launch on CUDA, a memset/memmove on the host) without
+building a tensor per range: a commit zeroes one range per new run, and a
+tensor view per range cost more than the memset it wraps. `batch()` holds
+whatever per-call setup a driver needs (CUDA: its context pushed, the current
+stream looked up) across the many calls of one operation.
+
 `chunk_at(address)` reads back, from the driver or kernel, which chunk backs an
 address; it never consults bookkeeping, so tests can check bookkeeping with it.
 
@@ -27,9 +34,10 @@ from __future__ import annotations
 
 import abc
 import collections
+import contextlib
 import threading
 from dataclasses import dataclass
-from typing import Hashable, Iterable
+from typing import Hashable, Iterable, Iterator
 
 import torch
 
@@ -136,6 +144,23 @@ class Driver(abc.ABC):
         """Unmap one whole chunk's mapping. Callers synchronize first."""
         self._unmap(address, size)
 
+    # -- work on mapped memory ---------------------------------------------------
+    def zero(self, address: int, size: int) -> None:
+        """Fill the mapped, writable `[address, address+size)` with zeros, in
+        order with the device's current stream."""
+        self._zero(address, size)
+
+    def copy(self, destination: int, source: int, size: int) -> None:
+        """Copy `size` bytes between two mapped ranges that do not overlap, in
+        order with the device's current stream."""
+        self._copy(destination, source, size)
+
+    @contextlib.contextmanager
+    def batch(self) -> Iterator[None]:
+        """Keep per-call setup across the calls made inside; re-entrant, and
+        only for the calling thread. Drivers that need none yield at once."""
+        yield
+
     # -- everything else -----------------------------------------------------
     @abc.abstractmethod
     def synchronize(self) -> None:
@@ -195,6 +220,12 @@ class Driver(abc.ABC):
 
     @abc.abstractmethod
     def _unmap(self, address: int, size: int) -> None: ...
+
+    @abc.abstractmethod
+    def _zero(self, address: int, size: int) -> None: ...
+
+    @abc.abstractmethod
+    def _copy(self, destination: int, source: int, size: int) -> None: ...
 
     def _check_granular(self, call: str, size: int) -> None:
         # Checked here, before any C call: ctypes and cuda-python truncate an

@@ -7,6 +7,10 @@ public step maps to one driver call (`cuMemAddressReserve`, `cuMemCreate`,
 `cuMemMap`, `cuMemSetAccess`, `cuMemUnmap`, `cuMemRelease`,
 `cuMemAddressFree`), run with the device's primary context pushed, the same
 context torch's runtime uses, so addresses are valid for torch kernels.
+`zero` and `copy` are `cuMemsetD8Async` and `cuMemcpyDtoDAsync` on torch's
+current stream. `batch()` pushes the context once for many calls (a commit
+of 256 segments makes over a thousand) and looks the stream up once; the
+push is per thread, since a CUDA context is current per thread.
 A failing CUresult becomes a `DriverError` naming the call, the code, the size
 and the address.
 
@@ -26,6 +30,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import threading
 from typing import Hashable, Iterator
 
 import torch
@@ -79,6 +84,9 @@ def _granularity(prop) -> int:
     return int(_check("cuMemGetAllocationGranularity", cu.cuMemGetAllocationGranularity(prop, option)))
 
 
+_ALREADY_ACTIVE = contextlib.nullcontext()
+
+
 class CudaDriver(Driver):
     """CUDA virtual memory management on one device."""
 
@@ -111,15 +119,60 @@ class CudaDriver(Driver):
         read_only.flags = cu.CUmemAccess_flags.CU_MEM_ACCESS_FLAGS_PROT_READ
         self._access = {True: [access], False: [read_only]}
         self.granularity = _granularity(self._prop)
+        # Per thread: whether this driver's context is pushed (by an open
+        # `_active` or `batch`), and the stream `batch` looked up (None
+        # outside one).
+        self._thread = threading.local()
+
+    def _active(self) -> contextlib.AbstractContextManager[None]:
+        # Inside another `_active` or `batch` of this thread the context is
+        # current already; a commit makes thousands of calls, each would
+        # otherwise push and pop.
+        if getattr(self._thread, "pushed", False):
+            return _ALREADY_ACTIVE
+        return self._pushed()
 
     @contextlib.contextmanager
-    def _active(self) -> Iterator[None]:
+    def _pushed(self) -> Iterator[None]:
         cu = _bindings()
         _check("cuCtxPushCurrent", cu.cuCtxPushCurrent(self._context))
+        self._thread.pushed = True
         try:
             yield
         finally:
+            self._thread.pushed = False
             _check("cuCtxPopCurrent", cu.cuCtxPopCurrent())
+
+    @contextlib.contextmanager
+    def batch(self) -> Iterator[None]:
+        thread = self._thread
+        outer_stream = getattr(thread, "stream", None)
+        with self._active():
+            if outer_stream is None:
+                thread.stream = torch.cuda.current_stream(self.device).cuda_stream
+            try:
+                yield
+            finally:
+                thread.stream = outer_stream
+
+    def _stream(self) -> int:
+        stream = getattr(self._thread, "stream", None)
+        return torch.cuda.current_stream(self.device).cuda_stream if stream is None else stream
+
+    def _zero(self, address: int, size: int) -> None:
+        cu = _bindings()
+        with self._active():
+            _check("cuMemsetD8Async", cu.cuMemsetD8Async(address, 0, size, self._stream()), size=size, address=address)
+
+    def _copy(self, destination: int, source: int, size: int) -> None:
+        cu = _bindings()
+        with self._active():
+            _check(
+                "cuMemcpyDtoDAsync",
+                cu.cuMemcpyDtoDAsync(destination, source, size, self._stream()),
+                size=size,
+                address=destination,
+            )
 
     def _reserve(self, size: int) -> int:
         cu = _bindings()

@@ -364,6 +364,12 @@ class HostDriver(Driver):
             MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE | MAP_FIXED,
         )
 
+    def _zero(self, address: int, size: int) -> None:
+        ctypes.memset(address, 0, size)
+
+    def _copy(self, destination: int, source: int, size: int) -> None:
+        ctypes.memmove(destination, source, size)
+
     def synchronize(self) -> None:
         """CPU tensor operations are synchronous: nothing is in flight."""
 

@@ -58,6 +58,15 @@ class WrappingDriver(Driver):
     def _unmap(self, address: int, size: int) -> None:
         self.inner._unmap(address, size)
 
+    def _zero(self, address: int, size: int) -> None:
+        self.inner._zero(address, size)
+
+    def _copy(self, destination: int, source: int, size: int) -> None:
+        self.inner._copy(destination, source, size)
+
+    def batch(self):
+        return self.inner.batch()
+
     def synchronize(self) -> None:
         self.inner.synchronize()
 
