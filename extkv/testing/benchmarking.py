@@ -82,7 +82,8 @@ from ..layout import (
     kv_cache_segments,
     pad_kv_cache_segments,
 )
-from ..vmm import baselines
+from ..vmm import baselines, driver_for
+from ..vmm.wrapping import WrappingDriver
 from ..vmm.baselines import Store, Unsupported
 from .configs import GRANULE
 
@@ -167,6 +168,53 @@ GEOMETRIES: dict[str, Geometry] = {
 
 
 # -- extkv as a store -------------------------------------------------------------------
+class DriverClock(WrappingDriver):
+    """The real driver, with the thread CPU time spent inside its steps
+    summed up: a commit's CPU time minus this is extkv's own bookkeeping,
+    which must not grow with the bytes committed (the driver's does)."""
+
+    def __init__(self, inner: vmm.Driver):
+        super().__init__(inner)
+        self.cpu_seconds = 0.0
+
+    def _timed(self, step: Callable, *args):
+        start = time.thread_time()
+        try:
+            return step(*args)
+        finally:
+            self.cpu_seconds += time.thread_time() - start
+
+    def _reserve(self, size):
+        return self._timed(self.inner._reserve, size)
+
+    def _free_reservation(self, address, size):
+        self._timed(self.inner._free_reservation, address, size)
+
+    def _create(self, size):
+        return self._timed(self.inner._create, size)
+
+    def _release(self, chunk):
+        self._timed(self.inner._release, chunk)
+
+    def _map(self, address, chunk):
+        self._timed(self.inner._map, address, chunk)
+
+    def _set_access(self, address, size, writable):
+        self._timed(self.inner._set_access, address, size, writable)
+
+    def _unmap(self, address, size):
+        self._timed(self.inner._unmap, address, size)
+
+    def _zero(self, address, size):
+        self._timed(self.inner._zero, address, size)
+
+    def _copy(self, destination, source, size):
+        self._timed(self.inner._copy, destination, source, size)
+
+    def synchronize(self):
+        self._timed(self.inner.synchronize)
+
+
 class ExtkvStore(Store):
     """extkv's ExtensibleKVCache, driven through its public API."""
 
@@ -179,7 +227,11 @@ class ExtkvStore(Store):
         self.cache: ExtensibleKVCache | None = None
 
     def open(self) -> None:
-        self.cache = ExtensibleKVCache(self.config, self.device, self.geometry.layout)
+        self.clock = DriverClock(driver_for(self.device))
+        self.cache = ExtensibleKVCache(self.config, self.clock, self.geometry.layout)
+
+    def driver_cpu_seconds(self) -> float:
+        return self.clock.cpu_seconds
 
     def grow(self, blocks: int) -> None:
         self.cache.commit(blocks)
@@ -547,13 +599,23 @@ class Measurement:
     reason: str = ""
     wall: list[float] = field(default_factory=list)
     cpu: list[float] = field(default_factory=list)
+    #: extkv only: the CPU seconds of each round spent outside driver calls
+    #: (extkv's own bookkeeping; the driver's own CPU time grows with bytes).
+    own_cpu: list[float] = field(default_factory=list)
     #: For a peer measured in another process: that process's pivot,
     #: {"contender": name, "wall": [...], "cpu": [...]}.
     pivot: dict | None = None
 
     def stop(self, status: str, reason: str) -> None:
         self.status, self.reason = status, reason
-        self.wall, self.cpu = [], []
+        self.wall, self.cpu, self.own_cpu = [], [], []
+
+    def add(self, times: tuple[float, float, float | None]) -> None:
+        wall, cpu, own_cpu = times
+        self.wall.append(wall)
+        self.cpu.append(cpu)
+        if own_cpu is not None:
+            self.own_cpu.append(own_cpu)
 
     def summary(self) -> str:
         if self.status != "measured":
@@ -567,9 +629,10 @@ def _not_runnable(contender: Contender, device: torch.device) -> str | None:
     return contender.store.unsupported_reason(device)
 
 
-def _prepare_and_time(store: Store, case: Case, contender: Contender) -> tuple[float, float]:
+def _prepare_and_time(store: Store, case: Case, contender: Contender) -> tuple[float, float, float | None]:
     """Open and prepare `store` (untimed), then time the operation: (wall
-    seconds to the end of a device synchronize, CPU seconds before it)."""
+    seconds to the end of a device synchronize, CPU seconds before it, and
+    of those the seconds outside driver calls where the store counts them)."""
     operation = OPERATIONS[case.op]
     store.open()
     operation.prepare(store, case, contender)
@@ -578,18 +641,21 @@ def _prepare_and_time(store: Store, case: Case, contender: Contender) -> tuple[f
     # many rounds; disabled, none lands inside the timed part.
     gc.disable()
     try:
+        driver_start = store.driver_cpu_seconds()
         wall_start, cpu_start = time.perf_counter(), time.thread_time()
         operation.timed(store, case)
         cpu_end = time.thread_time()
+        driver_end = store.driver_cpu_seconds()
         store.synchronize()
         wall_end = time.perf_counter()
     finally:
         gc.enable()
-    return wall_end - wall_start, cpu_end - cpu_start
+    own = None if driver_start is None else (cpu_end - cpu_start) - (driver_end - driver_start)
+    return wall_end - wall_start, cpu_end - cpu_start, own
 
 
-def time_round(case: Case, contender: Contender, device: torch.device) -> tuple[float, float]:
-    """(wall seconds, CPU seconds) of one round of `contender` in `case`,
+def time_round(case: Case, contender: Contender, device: torch.device) -> tuple[float, float, float | None]:
+    """(wall seconds, CPU seconds, own CPU seconds or None) of one round of `contender` in `case`,
     on a store of its own that gives everything back afterwards."""
     store = contender.make(device, GEOMETRIES[case.geometry], case.capacity_blocks)
     try:
@@ -645,12 +711,11 @@ def interleave(
             if order_log is not None:
                 order_log.append(name)
             try:
-                wall, cpu = time_round(case, CONTENDERS[name], device)
+                times = time_round(case, CONTENDERS[name], device)
             except Exception as error:
                 results[name].stop(*_failure(CONTENDERS[name], error))
                 continue
-            results[name].wall.append(wall)
-            results[name].cpu.append(cpu)
+            results[name].add(times)
         if time.perf_counter() - started > case_seconds:
             break
     return results
@@ -679,12 +744,11 @@ def measure_fresh(case: Case, names: Sequence[str], device: torch.device, proces
             store = contender.make(device, GEOMETRIES[case.geometry], case.capacity_blocks)
             stores.append(store)
             try:
-                wall, cpu = _prepare_and_time(store, case, contender)
+                times = _prepare_and_time(store, case, contender)
             except Exception as error:
                 results[name].stop(*_failure(contender, error))
                 continue
-            results[name].wall.append(wall)
-            results[name].cpu.append(cpu)
+            results[name].add(times)
     finally:
         for store in stores:
             store.close()
@@ -933,6 +997,7 @@ def record(benchmark, case: Case, measurement: Measurement) -> None:
             "contender_what": contender.describe(),
             "process": measurement.process,
             "cpu": measurement.cpu,
+            "own_cpu": measurement.own_cpu,
             "pivot": measurement.pivot,
         }
     )

@@ -500,6 +500,11 @@ class Store(abc.ABC):
     def synchronize(self) -> None:
         synchronize(self.device)
 
+    def driver_cpu_seconds(self) -> float | None:
+        """CPU seconds this store's calls have spent inside the driver so far,
+        where it counts them (extkv does); None where it does not."""
+        return None
+
     def close(self) -> None:
         """Give everything back (untimed)."""
         self._captured = None
