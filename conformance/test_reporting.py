@@ -23,7 +23,7 @@ import pytest
 from extkv.reporting import render_report
 from extkv.reporting.check_run import INSTALLED_OPTIONS
 from extkv.reporting.plots import matplotlib_missing
-from extkv.reporting.rundir import checkout_root, gpu_slug, run_directory
+from extkv.reporting.rundir import SUITE_PACKAGES, checkout_root, gpu_slug, run_directory
 from extkv.reporting.summary import ALL_TESTS_ROW, CHECK_FORMAT, load_check
 from extkv.reporting.summary import HOST_LABEL as SUMMARY_HOST_LABEL
 from extkv.testing.harness import DEVICE_PROPERTY, HOST_LABEL, INVARIANTS, INVARIANTS_PROPERTY, RECORD_FORMAT
@@ -239,8 +239,9 @@ def test_run_directory_names_the_machine(names, slug, tmp_path):
 
 
 def test_the_distribution_names_every_package_and_the_ini_options():
-    """pyproject lists extkv's packages by hand (the suites are mapped to
-    other names) and check_run repeats its pytest options for installed runs."""
+    """pyproject lists extkv's packages by hand, and every suite rundir finds
+    (conformance, reports, stress) as the package it looks for, mapped to its
+    directory; check_run repeats its pytest options for installed runs."""
     root = checkout_root()
     if root is None:
         pytest.skip("an installed extkv has no pyproject.toml to compare: checked from a checkout")
@@ -250,5 +251,10 @@ def test_the_distribution_names_every_package_and_the_ini_options():
     packages = {".".join(path.parent.relative_to(root).parts) for path in (root / "extkv").rglob("__init__.py")}
     listed = set(project["tool"]["setuptools"]["packages"])
     assert packages <= listed, f"extkv packages missing from pyproject's [tool.setuptools] packages: {sorted(packages - listed)}"
+    mapped = project["tool"]["setuptools"]["package-dir"]
+    for directory, package in SUITE_PACKAGES.items():
+        assert package in listed, f"suite {directory}/ is not shipped: {package!r} missing from pyproject's packages"
+        assert mapped.get(package) == directory, f"pyproject maps {package!r} to {mapped.get(package)!r}, expected {directory!r}"
+        assert (root / directory).is_dir(), f"suite directory {directory}/ missing from the checkout"
     ini = project["tool"]["pytest"]["ini_options"]
     assert INSTALLED_OPTIONS == ini["addopts"].split() + ["-o", f"timeout={ini['timeout']}"]

@@ -23,7 +23,7 @@ from collections import Counter
 from pathlib import Path
 
 #: Suite directory in a checkout -> the package it is installed as.
-SUITE_PACKAGES = {"conformance": "extkv_conformance", "reports": "extkv_benchmarks"}
+SUITE_PACKAGES = {"conformance": "extkv_conformance", "reports": "extkv_benchmarks", "stress": "extkv_stress"}
 #: Words dropped from a GPU's name in a run directory's name.
 _VENDOR_WORDS = ("nvidia",)
 

@@ -5,7 +5,8 @@ Theory of operation
 -------------------
 Two phases, each announced by a progress line and timed:
 
-1. The suite, in a pytest subprocess over the checkout's `stress/`, with
+1. The suite, in a pytest subprocess over `stress/` (from an installed
+   package: the `extkv_stress` package, with the harness as a plugin), with
    `--stress` and the run's end as a deadline (`--stress-deadline`: now plus
    M minutes, less REPORT_RESERVE_S for the report), the seed, and
    `--stress-results <run>/stress`. With GPUs only the GPU tests run
@@ -26,8 +27,7 @@ Two phases, each announced by a progress line and timed:
 The run directory is `reports/<date>-<host>-<gpus>/` (extkv.reporting.rundir)
 unless `--report-dir` names one; a second run the same day replaces the
 first one's stress results. Arguments `extkv stress` does not know go to
-pytest (`extkv stress --minutes 1 -k walk`). The stress suite lives in a
-source checkout only.
+pytest (`extkv stress --minutes 1 -k walk`).
 """
 
 from __future__ import annotations
@@ -43,8 +43,9 @@ import time
 from pathlib import Path
 
 from . import render_report
+from .check_run import INSTALLED_OPTIONS
 from .machine import machine_facts, write_machine_facts
-from .rundir import checkout_root, run_directory
+from .rundir import checkout_root, run_directory, suite_directory
 from .stress import RUN_FILE, STRESS_DIR, STRESS_FORMAT, load_stress, stress_totals
 
 #: Seconds of the bound kept for the report after the tests.
@@ -72,6 +73,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def pytest_command(suite: Path, results: Path, deadline: float, seed: int, gpus: int) -> list[str]:
     """The pytest command of the stress phase."""
     command = [sys.executable, "-m", "pytest", str(suite), "-q", "-p", "no:cacheprovider", "--stress"]
+    if checkout_root() is None:
+        command += ["-c", os.devnull, "--rootdir", str(suite), "-p", "extkv.testing.harness", *INSTALLED_OPTIONS]
     command += [
         f"--stress-deadline={deadline:.0f}",
         f"--stress-seed={seed}",
@@ -131,12 +134,7 @@ def _watch(process: subprocess.Popen, results: Path, deadline: float) -> int:
 def run(args: argparse.Namespace, pytest_args: list[str]) -> int:
     if not args.minutes > 0:
         raise SystemExit(f"extkv stress: --minutes must be a number > 0, got {args.minutes}")
-    root = checkout_root()
-    if root is None or not (root / "stress").is_dir():
-        raise SystemExit(
-            "extkv stress: the stress suite (stress/) ships with a source checkout only; run it from a clone "
-            "installed with `pip install -e '.[test]'`"
-        )
+    suite = suite_directory("stress")
     started = time.time()
     deadline = started + 60 * args.minutes - REPORT_RESERVE_S
     seed = args.seed if args.seed is not None else int(started) % 1_000_000
@@ -155,11 +153,11 @@ def run(args: argparse.Namespace, pytest_args: list[str]) -> int:
         layout = f"one process on the host driver ({facts['no_gpu_reason']})"
     print(f"extkv stress: {args.minutes:g} min, seed {seed}, {layout}; results in {run_dir}", flush=True)
 
-    command = pytest_command(root / "stress", results, deadline, seed, gpus) + pytest_args
+    command = pytest_command(suite, results, deadline, seed, gpus) + pytest_args
     print("extkv stress [1/2] the stress suite (a line per test; every test gets its share of the bound)", flush=True)
     print("$ " + shlex.join(command), flush=True)
     env = dict(os.environ, EXTKV_HYPOTHESIS_PROFILE="nightly")
-    process = subprocess.Popen(command, cwd=root, env=env)
+    process = subprocess.Popen(command, cwd=checkout_root() or Path.cwd(), env=env)
     status = _watch(process, results, deadline)
     print(f"extkv stress [1/2] {'done' if status == 0 else f'FAILED (exit status {status})'} "
           f"in {time.time() - started:.0f} s", flush=True)
