@@ -661,11 +661,14 @@ class ModelledCache:
         addresses = [self.base + offset + block * stride for offset, stride in zip(self.model.offsets, strides)]
         views = [self.driver.view(address, stride) for address, stride in zip(addresses, strides)]
         rows = [torch.empty(stride, dtype=torch.uint8, device=device) for stride in strides]
-        # The same kernels run once eagerly on scratch memory: CUDA loads
-        # modules lazily, and loading one inside a capture fails.
+        # Kernels only, no copy_: a captured memcpy node is checked against
+        # the memory it reads when captured, and the block may be unmapped
+        # then (cudaErrorInvalidValue on the H200); a kernel reads only when
+        # replayed. The same kernels run once eagerly on scratch memory: CUDA
+        # loads modules lazily, and loading one inside a capture fails.
         for row in rows:
             scratch = torch.zeros_like(row)
-            row.copy_(scratch)
+            row.zero_().add_(scratch)
             scratch.add_(1)
         torch.cuda.synchronize(device)
         self.drop_graphs(keep=MAX_GRAPHS - 1)
@@ -674,7 +677,7 @@ class ModelledCache:
         # thread_local: a sampler thread's driver calls must not break the capture.
         with torch.cuda.device(device), torch.cuda.graph(graph, capture_error_mode="thread_local"):
             for view, row in zip(views, rows):
-                row.copy_(view)
+                row.zero_().add_(view)
                 view.add_(1)
         torch.cuda.synchronize(device)
         # A graph's own memory is the CUDA driver's, not extkv's: whatever the
