@@ -379,9 +379,12 @@ def test_recorded(benchmark):
 def run_pytest_benchmark(tmp_path: Path, *options: str) -> subprocess.CompletedProcess:
     (tmp_path / "test_recorded.py").write_text(textwrap.dedent(RECORDING_TEST))
     package_root = str(Path(benchmarking.__file__).resolve().parents[2])
-    environment = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [package_root, os.environ.get("PYTHONPATH")]))}
+    # Run from an xdist worker (extkv check on several GPUs), the child must
+    # not count as distributed: pytest-benchmark disables itself there.
+    environment = {name: value for name, value in os.environ.items() if not name.startswith("PYTEST_XDIST")}
+    environment["PYTHONPATH"] = os.pathsep.join(filter(None, [package_root, os.environ.get("PYTHONPATH")]))
     return subprocess.run(
-        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-c", os.devnull, "--rootdir", str(tmp_path),
+        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-p", "no:xdist", "-c", os.devnull, "--rootdir", str(tmp_path),
          str(tmp_path / "test_recorded.py"), f"--benchmark-json={tmp_path / 'bench.json'}", *options],
         capture_output=True, text=True, timeout=300, env=environment,
     )

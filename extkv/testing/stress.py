@@ -81,6 +81,7 @@ from ..peer import ImportedSegments, import_segments, sha256_hex
 from ..tensor import ExtensibleTensor
 from ..usage import UsageProbe, open_chunk_fds
 from ..vmm import FAULTABLE_STEPS, Driver, FaultInjectingDriver, HostDriver, PoisoningDriver, driver_for
+from ..vmm import torch_memory
 from ..vmm.host import read_host_memory_headroom
 from ..vmm.wrapping import WrappingDriver
 from .checks import (
@@ -1081,11 +1082,14 @@ def bytes_per_block(kind: str, layout: KVCacheLayout) -> int:
 def free_memory_for(driver: Driver, size: int) -> int:
     """What a create of `size` bytes may take now: the host's headroom (the
     kernel's numbers, as the host driver's create reads them) or the CUDA
-    driver's free memory."""
+    driver's free memory plus what torch's caching allocator holds unused,
+    which extkv hands back and retries with when a create meets out of
+    memory (found on 2x H200: a commit 1 GiB past the driver's free memory
+    succeeded on cached blocks)."""
     if driver.kind == "host":
         available = read_host_memory_headroom(size).available
         return size * 2 if available is None else available
-    return driver.memory_info()[0]
+    return driver.memory_info()[0] + torch_memory.cached_unused(driver.device)
 
 
 #: Bytes compared at once: a comparison allocates a mask as large as its input.
