@@ -28,7 +28,6 @@ Other arguments go to pytest (`extkv bench -k commit`). Device settings
 from __future__ import annotations
 
 import argparse
-import os
 import subprocess
 import sys
 import time
@@ -37,7 +36,7 @@ from pathlib import Path
 from .. import vmm
 from ..testing.benchmarking import BENCH_JSON, PLAYBACK_TIMER
 from . import render_report
-from .check_run import INSTALLED_OPTIONS
+from .check_run import add_report_dir_argument, installed_suite_options
 from .machine import machine_facts, write_machine_facts
 from .rundir import checkout_root, run_directory, suite_directory
 
@@ -48,22 +47,14 @@ BENCH_HEADING = "## Benchmarks"
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """Options of `extkv bench`; other arguments go to pytest."""
     parser.add_argument("--quick", action="store_true", help="smoke run: tiny sizes, two rounds; fails unless the report renders")
-    parser.add_argument(
-        "--report-dir",
-        metavar="DIR",
-        type=Path,
-        default=None,
-        help="write the results and the report here instead of reports/<date>-<host>-<gpus>/",
-    )
+    add_report_dir_argument(parser)
     parser.add_argument("--rounds", type=int, default=None, metavar="N", help="at most N rounds per case (default: the profile's)")
 
 
 def pytest_command(suite: Path, run_dir: Path, profile: str, device: str, rounds: int | None) -> list[str]:
     """The pytest command of the measuring phase."""
     command = [sys.executable, "-m", "pytest", str(suite), "-q", "-s", "-o", "python_files=bench_*.py"]
-    if checkout_root() is None:
-        command += ["-c", os.devnull, "--rootdir", str(suite), "-p", "no:cacheprovider", "-p", "extkv.testing.harness"]
-        command += INSTALLED_OPTIONS
+    command += installed_suite_options(suite)
     command += [
         f"--benchmark-json={run_dir / BENCH_JSON}",
         f"--benchmark-timer={PLAYBACK_TIMER}",

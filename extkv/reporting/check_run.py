@@ -53,8 +53,8 @@ ALL_GPUS_MARKERS = "multi_gpu or per_gpu"
 NO_TESTS_SELECTED = 5
 
 
-def add_arguments(parser: argparse.ArgumentParser) -> None:
-    """Options of `extkv check`; other arguments go to pytest."""
+def add_report_dir_argument(parser: argparse.ArgumentParser) -> None:
+    """`--report-dir DIR`, which check, bench and stress share."""
     parser.add_argument(
         "--report-dir",
         metavar="DIR",
@@ -64,12 +64,23 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
 
 
+def installed_suite_options(suite: Path) -> list[str]:
+    """What pytest needs to run `suite` from an installed package, where no
+    checkout gives it a conftest and ini options; nothing in a checkout."""
+    if checkout_root() is not None:
+        return []
+    return ["-c", os.devnull, "--rootdir", str(suite), "-p", "no:cacheprovider", "-p", "extkv.testing.harness", *INSTALLED_OPTIONS]
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """Options of `extkv check`; other arguments go to pytest."""
+    add_report_dir_argument(parser)
+
+
 def pytest_command(suite: Path, run_dir: Path, step: str, options: list[str]) -> list[str]:
     """The pytest command of one test phase, whose results go to `run_dir` as `<step>.json` and `<step>-junit.xml`."""
     command = [sys.executable, "-m", "pytest", str(suite), "-q"]
-    if checkout_root() is None:
-        command += ["-c", os.devnull, "--rootdir", str(suite), "-p", "no:cacheprovider", "-p", "extkv.testing.harness"]
-        command += INSTALLED_OPTIONS
+    command += installed_suite_options(suite)
     command += [
         f"--junitxml={run_dir / f'{step}-junit.xml'}",
         f"--extkv-report-dir={run_dir}",

@@ -43,7 +43,7 @@ import time
 from pathlib import Path
 
 from . import render_report
-from .check_run import INSTALLED_OPTIONS
+from .check_run import add_report_dir_argument, installed_suite_options
 from .machine import machine_facts, write_machine_facts
 from .rundir import checkout_root, run_directory, suite_directory
 from .stress import RUN_FILE, STRESS_DIR, STRESS_FORMAT, load_stress, stress_totals
@@ -61,20 +61,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     """Options of `extkv stress`; other arguments go to pytest."""
     parser.add_argument("--minutes", type=float, required=True, help="time bound of the whole run, report included")
     parser.add_argument("--seed", type=int, default=None, help="seed of the run (default: from the clock; printed)")
-    parser.add_argument(
-        "--report-dir",
-        metavar="DIR",
-        type=Path,
-        default=None,
-        help="write the results and the report here instead of reports/<date>-<host>-<gpus>/",
-    )
+    add_report_dir_argument(parser)
 
 
 def pytest_command(suite: Path, results: Path, deadline: float, seed: int, gpus: int) -> list[str]:
     """The pytest command of the stress phase."""
     command = [sys.executable, "-m", "pytest", str(suite), "-q", "-p", "no:cacheprovider", "--stress"]
-    if checkout_root() is None:
-        command += ["-c", os.devnull, "--rootdir", str(suite), "-p", "extkv.testing.harness", *INSTALLED_OPTIONS]
+    command += installed_suite_options(suite)
     command += [
         f"--stress-deadline={deadline:.0f}",
         f"--stress-seed={seed}",
