@@ -29,7 +29,7 @@ import torch
 from extkv import vmm
 from extkv.reporting.bench import TARGETS, BenchRun, CaseResult, Entry, ScalingTarget, Target, evaluate, evaluate_scaling, ratio
 from extkv.testing import benchmarking
-from extkv.testing.benchmarking import CONTENDERS, PROFILES, Case, Contender, catalogue, interleave
+from extkv.testing.benchmarking import CONTENDERS, GEOMETRIES, PROFILES, Case, Contender, catalogue, interleave
 from extkv.testing.checks import check_all_equal
 from extkv.vmm import baselines
 from extkv.vmm.dlpack import uint8_view
@@ -253,6 +253,21 @@ def test_contenders_interleave_in_an_order_rotated_every_round(device):
         measured = results[name]
         assert measured.status == "measured" and len(measured.wall) == len(measured.cpu) == 3, measured
         assert all(wall > 0 for wall in measured.wall), measured
+
+
+@pytest.mark.parametrize("op, counted", [("commit", True), ("grow8", False)])
+def test_own_cpu_comes_from_a_clocked_round_in_recycled_commits_only(device, op, counted):
+    """Timed rounds run extkv on its plain driver (timing each driver step
+    would weigh on the ratios); a recycled commit adds a clocked round whose
+    own CPU time (outside driver steps) is at most the round's CPU time."""
+    names = ("extkv", "raw")
+    results = interleave(tiny_case(op, names), names, device, rounds=2, case_seconds=60.0, costly_rounds=2)
+    own = results["extkv"].own_cpu
+    assert len(own) == (2 if counted else 0), own
+    assert all(0 <= seconds for seconds in own), own
+    assert results["raw"].own_cpu == []
+    store = CONTENDERS["extkv"].make(device, GEOMETRIES["lbhnc32"], 4)
+    assert store.driver_cpu_seconds() is None, "an unclocked store must not claim to count driver time"
 
 
 def test_costly_peers_stop_at_their_round_cap():

@@ -93,6 +93,30 @@ def test_shared_granule_is_mapped_once(build, granule):
     check_readback_matches_bookkeeping(t)
 
 
+@pytest.mark.invariant(3)
+def test_a_run_over_many_segments_is_cut_only_at_aligned_segment_starts(build, granule):
+    """A run spanning whole segments becomes chunks of at least
+    `pipelined_chunk_bytes`, cut where a segment starts on a granule
+    boundary: every segment mapped whole lies in one chunk."""
+    half = granule // 2
+    # Segments 0-3 start on granule boundaries; 4 and 5 share granule 5.
+    capacities = [granule, granule, 2 * granule, granule, granule + half, granule + half]
+    t = build.tensor(sum(capacities), segment_capacities=capacities)
+    t.pipelined_chunk_bytes = 2 * granule
+    t.resize_segments_(capacities)
+    assert [(m.first_granule, m.num_granules) for m in t.mapped_chunks] == [(0, 2), (2, 2), (4, 4)]
+    assert t.segments_backed_by_one_chunk(capacities) == [True] * len(capacities)
+    assert readback_one_chunk_per_segment(t, capacities) == [True] * len(capacities)
+    check_readback_matches_bookkeeping(t)
+
+
+def test_a_run_inside_one_segment_is_never_cut(build, granule):
+    t = build.tensor(8 * granule, segment_capacities=[6 * granule, 2 * granule])
+    t.pipelined_chunk_bytes = granule
+    t.resize_segments_([6 * granule, 0])
+    assert t.num_physical_chunks == 1
+
+
 @pytest.mark.invariant(1)
 def test_shared_granule_grown_by_second_segment_is_not_remapped(build, granule):
     half = granule // 2

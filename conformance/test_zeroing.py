@@ -62,6 +62,22 @@ def test_poisoning_driver_takes_a_non_zero_byte(device):
 
 # -- the tensor ---------------------------------------------------------------
 @pytest.mark.invariant(1)
+def test_a_run_cut_into_chunks_is_zeroed_in_every_chunk(build, poisoned, granule):
+    """Zeroing walks the chunks a cut run becomes, each as it is mapped: every
+    new byte reads zero, and the uncommitted tail of each segment keeps the poison."""
+    capacities = [2 * granule] * 4
+    t = build.tensor(sum(capacities), device=poisoned, segment_capacities=capacities)
+    t.pipelined_chunk_bytes = granule
+    sizes = [2 * granule - 100] * 4
+    t.resize_segments_(sizes, zero_new=True)
+    assert t.num_physical_chunks == 4, f"{t.num_physical_chunks} chunks for 4 aligned segments"
+    for i, size in enumerate(sizes):
+        start = t.segment_offsets[i]
+        expect_bytes(t, start, start + size, 0, f"segment {i}'s new bytes")
+        expect_bytes(t, start + size, start + capacities[i], POISON, f"segment {i}'s mapped, uncommitted tail")
+
+
+@pytest.mark.invariant(1)
 def test_without_zero_new_the_poison_shows(build, poisoned, granule):
     """The driver really poisons, and extkv zeroes nothing it was not asked
     to: every mapped byte reads 0xA5."""

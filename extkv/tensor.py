@@ -16,7 +16,13 @@ the granule spans the new sizes need are merged in one pass over the
 segments (a granule shared by two neighbouring segments is needed once), the
 mapped chunks are subtracted from them, and each maximal unmapped run is
 backed by one chunk: per-chunk driver cost dominates a commit, so one chunk
-per run, never one per granule. Each run is one small `Transaction`
+per run, never one per granule. One exception, for overlap: a run that spans
+several whole segments is cut at granule-aligned segment boundaries into
+chunks of at least `pipelined_chunk_bytes` (1 GiB by default), so the device
+zeroes one chunk while the CPU creates and maps the next; one chunk of 32 GiB
+would make the device wait for its whole creation first. A cut never falls
+inside a segment, so each segment a commit maps whole still lies in one
+chunk. Each run is one small `Transaction`
 (extkv.vmm: create, map, grant access) that undoes its own steps if a later
 step fails. Runs finished before a failure stay mapped, recorded and
 accessible, and the committed sizes stay as they were, so the tensor is
@@ -111,6 +117,12 @@ class MappedChunk:
     @property
     def end_granule(self) -> int:
         return self.first_granule + self.num_granules
+
+
+#: Smallest chunk a run spanning several segments is cut into: zeroing 1 GiB
+#: (~0.3 ms on an H200) outlasts creating and mapping the next chunk (~0.1
+#: ms), so the device never waits for the CPU after the first chunk.
+PIPELINED_CHUNK_BYTES = 1 << 30
 
 
 #: Largest transient extra memory of a content-preserving defragmentation
@@ -269,6 +281,12 @@ class ExtensibleTensor:
             end += capacity
         self.segment_offsets = offsets
         granule = self._driver.granularity
+        #: Granules where a segment starts on a granule boundary: the only
+        #: places a run may be cut (see `pipelined_chunk_bytes`).
+        self._aligned_segment_starts = [offset // granule for offset in offsets[1:] if offset % granule == 0]
+        #: A run spanning several segments is cut into chunks of at least
+        #: this many bytes at segment starts, so zeroing overlaps mapping.
+        self.pipelined_chunk_bytes = PIPELINED_CHUNK_BYTES
         self.reserved_bytes = -(-max(size, 1) // granule) * granule
         self.base = self._driver.reserve(self.reserved_bytes)
         self._state = _State.LIVE
@@ -430,7 +448,25 @@ class ExtensibleTensor:
                 needed[-1][1] = max(needed[-1][1], end)
             else:
                 needed.append([first, end])
-        return [run for first, end in needed for run in self._mapping.gaps(first, end)]
+        return [piece for first, end in needed for run in self._mapping.gaps(first, end) for piece in self._cut(*run)]
+
+    def _cut(self, first: int, count: int) -> list[tuple[int, int]]:
+        """Run [first, first+count) cut at aligned segment starts into pieces
+        of at least `pipelined_chunk_bytes` (the last may be smaller)."""
+        starts = self._aligned_segment_starts
+        end = first + count
+        at = bisect.bisect_right(starts, first)
+        if at == len(starts) or starts[at] >= end:
+            return [(first, count)]  # inside one segment: never cut
+        least = max(1, -(-self.pipelined_chunk_bytes // self.granularity))
+        pieces, piece_start = [], first
+        while at < len(starts) and starts[at] < end:
+            if starts[at] - piece_start >= least:
+                pieces.append((piece_start, starts[at] - piece_start))
+                piece_start = starts[at]
+            at += 1
+        pieces.append((piece_start, end - piece_start))
+        return pieces
 
     def _map_run(self, first: int, count: int) -> MappedChunk:
         """Back granules [first, first+count) with one new chunk: create, map,

@@ -32,6 +32,8 @@ def integer(name: str, value: object, *, minimum: int | None = 0, maximum: int |
     `minimum=None` accepts any sign. `what` says what the number counts
     ("a block count", "bytes") when the name alone does not.
     """
+    if type(value) is int and (minimum is None or value >= minimum) and (maximum is None or value <= maximum):
+        return value  # the common case, checked before any message is built
     wanted = "an int" if minimum is None else f"an int >= {minimum}"
     if maximum is not None:
         wanted = f"{wanted} and <= {maximum}" if minimum is not None else f"an int <= {maximum}"
@@ -51,6 +53,8 @@ def integer(name: str, value: object, *, minimum: int | None = 0, maximum: int |
 def flag(name: str, value: object) -> bool:
     """`value` as a bool, or a ValueError naming `name`: only True and False
     (Python's or numpy's) are flags."""
+    if value is True or value is False:
+        return value
     if not _is_bool(value):
         raise ValueError(f"{name} must be a bool (True or False), got {value!r}")
     return bool(value)
