@@ -45,7 +45,7 @@ import torch
 
 from extkv import vmm
 from extkv.testing.harness import DEVICE_PROPERTY
-from extkv.testing.stress import MemoryTimeline, StressTally, warmed_probe
+from extkv.testing.stress import MemoryTimeline, StressTally
 
 #: Format tag of the files written here (extkv.reporting.stress reads them).
 RESULT_FORMAT = "extkv-stress/1"
@@ -172,19 +172,6 @@ def stress(request) -> StressTest:
     request.node.stash[_TEST] = test
     progress(config, f"{request.node.nodeid}: start, {budget:.0f} s, seed {seed}")
     return test
-
-
-@pytest.fixture(scope="session", autouse=True)
-def kernels_loaded_before_leak_baselines(request):
-    """Run every kernel the stress workloads use once per GPU of this
-    process, before the first test's leak baseline: CUDA loads a module on
-    first use and the context keeps it, which read as a leak of 35 granules
-    after whichever stress test ran first on an H200."""
-    if not request.config.getoption("--stress"):
-        return
-    devices = {device_param(item) for item in request.session.items}
-    for name in sorted(str(d) for d in devices if d is not None and str(d) != "host"):
-        warmed_probe(vmm.canonical_device(name))
 
 
 @pytest.fixture(scope="session", autouse=True)

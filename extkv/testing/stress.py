@@ -88,6 +88,7 @@ from .checks import (
     check_readback_matches_bookkeeping,
     check_unchanged,
     readback_one_chunk_per_segment,
+    register_workload_warm_up,
     snapshot,
     warm_up_kernels,
 )
@@ -381,26 +382,36 @@ def run_walk(
     return ran
 
 
-@functools.lru_cache(maxsize=None)
 def warmed_probe(device: torch.device | str) -> UsageProbe:
     """The usage probe of `device`, once every kernel the workloads run has
     run: CUDA loads a kernel's module on first use, which grows the process's
-    NVML reading by a granule or so, and a usage check must see only extkv.
-    On a GPU that takes a short walk and a thread round's row checks on a
-    throwaway cache, with usage unchecked; the host needs nothing."""
+    NVML reading, and a usage check must see only extkv."""
     device = vmm.canonical_device(device)
     warm_up_kernels(device)
-    if device.type == "cuda":
-        driven = ModelledCache(stress_driver(device), UsageProbe(device), "full", KVCacheLayout.LBHNC)
-        driven.usage_checks = False
-        try:
-            walk(driven, SeededChoices(0), StressTally(), steps=WARM_UP_STEPS, full_check_every=4)
-            if driven.model.mapped and driven.model.committed:
-                write_thread_patterns(driven.cache)
-                row_states(driven.cache)
-        finally:
-            driven.free()
     return UsageProbe(device)
+
+
+@functools.lru_cache(maxsize=None)
+def _warm_up_workload_kernels(device: torch.device | str) -> None:
+    """On a GPU, once per process: a short walk and a thread round's row
+    checks on a throwaway cache, usage unchecked. The host needs nothing.
+    Registered with `warm_up_kernels`, which the harness runs before every
+    leak baseline, so no test is the first to load these kernels."""
+    device = vmm.canonical_device(device)
+    if device.type != "cuda":
+        return
+    driven = ModelledCache(stress_driver(device), UsageProbe(device), "full", KVCacheLayout.LBHNC)
+    driven.usage_checks = False
+    try:
+        walk(driven, SeededChoices(0), StressTally(), steps=WARM_UP_STEPS, full_check_every=4)
+        if driven.model.mapped and driven.model.committed:
+            write_thread_patterns(driven.cache)
+            row_states(driven.cache)
+    finally:
+        driven.free()
+
+
+register_workload_warm_up(_warm_up_workload_kernels)
 
 
 #: Steps of the walk that runs every kernel once before a GPU's usage is compared.
