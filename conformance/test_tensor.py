@@ -110,6 +110,15 @@ def test_a_run_over_many_segments_is_cut_only_at_aligned_segment_starts(build, g
     check_readback_matches_bookkeeping(t)
 
 
+@pytest.mark.invariant(6)
+@pytest.mark.parametrize("value", [0, -1, "1", 1.5, True])
+def test_pipelined_chunk_bytes_takes_only_a_positive_int(build, granule, value):
+    t = build.tensor(2 * granule)
+    with pytest.raises(ValueError, match=r"pipelined_chunk_bytes must be an int >= 1, got"):
+        t.pipelined_chunk_bytes = value
+    assert t.pipelined_chunk_bytes == 1 << 30
+
+
 def test_a_run_inside_one_segment_is_never_cut(build, granule):
     t = build.tensor(8 * granule, segment_capacities=[6 * granule, 2 * granule])
     t.pipelined_chunk_bytes = granule

@@ -284,9 +284,7 @@ class ExtensibleTensor:
         #: Granules where a segment starts on a granule boundary: the only
         #: places a run may be cut (see `pipelined_chunk_bytes`).
         self._aligned_segment_starts = [offset // granule for offset in offsets[1:] if offset % granule == 0]
-        #: A run spanning several segments is cut into chunks of at least
-        #: this many bytes at segment starts, so zeroing overlaps mapping.
-        self.pipelined_chunk_bytes = PIPELINED_CHUNK_BYTES
+        self._pipelined_chunk_bytes = PIPELINED_CHUNK_BYTES
         self.reserved_bytes = -(-max(size, 1) // granule) * granule
         self.base = self._driver.reserve(self.reserved_bytes)
         self._state = _State.LIVE
@@ -315,6 +313,16 @@ class ExtensibleTensor:
     def segment_sizes(self) -> list[int]:
         """Committed bytes of each segment."""
         return list(self._sizes)
+
+    @property
+    def pipelined_chunk_bytes(self) -> int:
+        """A run spanning several segments is cut into chunks of at least
+        this many bytes at segment starts, so zeroing overlaps mapping."""
+        return self._pipelined_chunk_bytes
+
+    @pipelined_chunk_bytes.setter
+    def pipelined_chunk_bytes(self, value: int) -> None:
+        self._pipelined_chunk_bytes = validate.integer("pipelined_chunk_bytes", value, minimum=1)
 
     @property
     def physical_bytes(self) -> int:
@@ -376,8 +384,9 @@ class ExtensibleTensor:
     def resize_segments_(self, sizes: Sequence[int], zero_new: bool = False) -> None:
         """Grow each segment to `sizes[i]` committed bytes (grow-only).
 
-        Maps only granules not mapped yet, one chunk per maximal run. With
-        `zero_new`, zeroes exactly the bytes that become committed.
+        Maps only granules not mapped yet, one chunk per maximal run (cut at
+        segment starts past `pipelined_chunk_bytes`). With `zero_new`, zeroes
+        exactly the bytes that become committed.
         """
         zero_new = validate.flag("zero_new", zero_new)
         sizes = self._validated_sizes(sizes, grow_only=True)
@@ -458,7 +467,7 @@ class ExtensibleTensor:
         at = bisect.bisect_right(starts, first)
         if at == len(starts) or starts[at] >= end:
             return [(first, count)]  # inside one segment: never cut
-        least = max(1, -(-self.pipelined_chunk_bytes // self.granularity))
+        least = -(-self._pipelined_chunk_bytes // self.granularity)
         pieces, piece_start = [], first
         while at < len(starts) and starts[at] < end:
             if starts[at] - piece_start >= least:
