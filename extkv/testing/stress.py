@@ -391,15 +391,18 @@ def warmed_probe(device: torch.device | str) -> UsageProbe:
     return UsageProbe(device)
 
 
-@functools.lru_cache(maxsize=None)
 def _warm_up_workload_kernels(device: torch.device | str) -> None:
-    """On a GPU, once per process: a short walk and a thread round's row
-    checks on a throwaway cache, usage unchecked. The host needs nothing.
-    Registered with `warm_up_kernels`, which the harness runs before every
+    """Registered with `warm_up_kernels`, which the harness runs before every
     leak baseline, so no test is the first to load these kernels."""
     device = vmm.canonical_device(device)
-    if device.type != "cuda":
-        return
+    if device.type == "cuda":
+        _walk_once(device)
+
+
+@functools.lru_cache(maxsize=None)
+def _walk_once(device: torch.device) -> None:
+    """Once per process and GPU: a short walk and a thread round's row checks
+    on a throwaway cache, usage unchecked."""
     driven = ModelledCache(stress_driver(device), UsageProbe(device), "full", KVCacheLayout.LBHNC)
     driven.usage_checks = False
     try:
