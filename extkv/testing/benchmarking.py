@@ -960,7 +960,11 @@ class Engine:
             "costly_rounds": self.profile.costly_rounds,
             "budget_seconds": self.budget_seconds,
             "elapsed_seconds": self.elapsed(),
-            "cpu_time": "thread_time of the calling thread, up to the final device synchronize (excluded)",
+            "cpu_time": (
+                "thread_time of the calling thread, up to the final device synchronize (excluded); extkv's own CPU "
+                "(outside driver calls) from an extra round per round of each recycled commit, with every driver "
+                "step timed, so that timing never weighs on the rounds the ratios come from"
+            ),
             "contenders": {name: {"role": c.role, "what": c.describe(), "process": c.process} for name, c in CONTENDERS.items()},
             "geometries": {name: g.what for name, g in GEOMETRIES.items()},
             "cases": cases,
