@@ -218,13 +218,13 @@ def _map_imported(driver: Driver, fds: list[int], header: ExportHeader) -> Impor
     if header.chunk_sizes:
         with Transaction() as transaction:
             reservation = driver.reserve(reserved_bytes)
-            transaction.push(lambda: driver.free_reservation(reservation, reserved_bytes))
+            transaction.push(driver.free_reservation, reservation, reserved_bytes)
             for fd, size, placement in zip(fds, header.chunk_sizes, placements):
                 chunk = driver.import_fd(fd, size)
-                transaction.push(lambda chunk=chunk: unreleased.release(chunk))
+                transaction.push(unreleased.release, chunk)
                 address = reservation + placement
                 driver.map(address, chunk)
-                transaction.push(lambda address=address, size=size: driver.unmap(address, size))
+                transaction.push(driver.unmap, address, size)
                 mapped.append((address, chunk))
             # Chunk sizes are granule multiples, so the chunks tile the whole
             # reservation: one access call covers them all. The host driver

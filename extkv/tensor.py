@@ -78,8 +78,7 @@ import functools
 import operator
 import threading
 import warnings
-from dataclasses import dataclass
-from typing import Sequence
+from typing import NamedTuple, Sequence
 
 import torch
 
@@ -105,9 +104,11 @@ _LEGAL_IN: dict[str, frozenset[_State]] = {
 }
 
 
-@dataclass(frozen=True)
-class MappedChunk:
-    """A chunk and where it is mapped: granules [first_granule, first_granule+num_granules)."""
+class MappedChunk(NamedTuple):
+    """A chunk and where it is mapped: granules [first_granule, first_granule+num_granules).
+
+    Immutable; a tuple because a commit makes one per chunk, thousands per
+    call, and a frozen dataclass costs several times as much to build."""
 
     chunk: Chunk
     address: int
@@ -135,44 +136,59 @@ _FIRST_GRANULE = operator.attrgetter("first_granule")
 
 
 class _Mapping:
-    """Mapped chunks in address order, never edited: a change builds a new
-    one, so a reader holding one sees a whole state."""
+    """Mapped chunks in address order. A change builds a new `_Mapping`, so
+    a reader holding one sees a whole state.
 
-    __slots__ = ("chunks", "starts", "granules")
+    Growth at the end, the common change, appends to the lists the newest
+    mapping shares with the one before it instead of copying them (a commit
+    of one block into a cache of thousands of chunks must not copy them
+    all): each mapping reads only its own first `count` entries, so an older
+    one never sees what was appended after it. Every other change builds new
+    lists with C-level copies and sorts only."""
 
-    def __init__(self, chunks: tuple[MappedChunk, ...] = (), starts: tuple[int, ...] = (), granules: int = 0):
-        self.chunks = chunks
-        self.starts = starts  # first granule of each chunk, for bisect
+    __slots__ = ("_chunks", "_starts", "count", "granules")
+
+    def __init__(self, chunks: list[MappedChunk] | None = None, starts: list[int] | None = None, granules: int = 0):
+        self._chunks = [] if chunks is None else chunks
+        self._starts = [] if starts is None else starts  # first granule of each chunk, for bisect
+        self.count = len(self._chunks)
         self.granules = granules
 
+    @property
+    def chunks(self) -> list[MappedChunk]:
+        """A copy of this state's chunks, in address order."""
+        return self._chunks[: self.count]
+
     def changed(self, *, added: Sequence[MappedChunk] = (), removed: Sequence[MappedChunk] = ()) -> "_Mapping":
-        # Tuple and C-level sort work only: a commit of one block into a
-        # cache of thousands of chunks must not walk them in Python.
-        chunks, starts, granules = self.chunks, self.starts, self.granules
+        chunks, starts, granules = self._chunks, self._starts, self.granules
+        if len(chunks) != self.count:  # a newer mapping appended already: never share
+            chunks, starts = chunks[: self.count], starts[: self.count]
         if removed:
             gone = {id(mapped) for mapped in removed}
-            chunks = tuple(mapped for mapped in chunks if id(mapped) not in gone)
-            starts = tuple(map(_FIRST_GRANULE, chunks))
+            chunks = [mapped for mapped in chunks if id(mapped) not in gone]
+            starts = list(map(_FIRST_GRANULE, chunks))
             granules -= sum(mapped.num_granules for mapped in removed)
         if added:
-            added = tuple(sorted(added, key=_FIRST_GRANULE))
+            added = sorted(added, key=_FIRST_GRANULE)
             granules += sum(mapped.num_granules for mapped in added)
             if not chunks or chunks[-1].first_granule < added[0].first_granule:
-                chunks, starts = chunks + added, starts + tuple(map(_FIRST_GRANULE, added))
+                chunks.extend(added)
+                starts.extend(map(_FIRST_GRANULE, added))
             else:
                 # Two sorted runs: Timsort merges them in linear time.
-                chunks = tuple(sorted(chunks + added, key=_FIRST_GRANULE))
-                starts = tuple(map(_FIRST_GRANULE, chunks))
+                chunks = sorted(chunks + added, key=_FIRST_GRANULE)
+                starts = list(map(_FIRST_GRANULE, chunks))
         return _Mapping(chunks, starts, granules)
 
     def overlapping(self, first: int, end: int) -> list[MappedChunk]:
         """Chunks that map any granule of [first, end), in address order."""
-        index = bisect.bisect_right(self.starts, first) - 1
-        if index < 0 or self.chunks[index].end_granule <= first:
+        chunks, count = self._chunks, self.count
+        index = bisect.bisect_right(self._starts, first, 0, count) - 1
+        if index < 0 or chunks[index].end_granule <= first:
             index += 1
         found = []
-        while index < len(self.chunks) and self.chunks[index].first_granule < end:
-            found.append(self.chunks[index])
+        while index < count and chunks[index].first_granule < end:
+            found.append(chunks[index])
             index += 1
         return found
 
@@ -289,6 +305,7 @@ class ExtensibleTensor:
         self.base = self._driver.reserve(self.reserved_bytes)
         self._state = _State.LIVE
         self._sizes = [0] * len(capacities)
+        self._no_sizes = (0,) * len(capacities)
         self._mapping = _Mapping()
         self._unreleased = UnreleasedChunks(driver)  # unmapped, not yet released
         # Defragmentation's scratch reservations not yet freed, and the
@@ -331,12 +348,12 @@ class ExtensibleTensor:
 
     @property
     def num_physical_chunks(self) -> int:
-        return len(self._mapping.chunks)
+        return self._mapping.count
 
     @property
     def mapped_chunks(self) -> list[MappedChunk]:
         """Every mapped chunk, in address order."""
-        return list(self._mapping.chunks)
+        return self._mapping.chunks
 
     def mapped_chunk_at(self, address: int) -> MappedChunk | None:
         """The mapped chunk whose range holds `address`, from bookkeeping; None
@@ -390,29 +407,30 @@ class ExtensibleTensor:
         """
         zero_new = validate.flag("zero_new", zero_new)
         sizes = self._validated_sizes(sizes, grow_only=True)
-        runs = self._unmapped_runs(sizes)
-        zeroing = _ZeroCursor(
-            self._driver,
-            [
-                (self.base + offset + old, self.base + offset + new)
-                for offset, old, new in zip(self.segment_offsets, self._sizes, sizes)
-                if new > old
-            ],
-        )
-        granule = self.granularity
+        base = self.base
+        # The bytes that become committed, absolute and in address order.
+        growing = [
+            (base + offset + old, base + offset + new)
+            for offset, old, new in zip(self.segment_offsets, self._sizes, sizes)
+            if new > old
+        ]
+        runs = self._unmapped_runs(growing)
+        zeroing = _ZeroCursor(self._driver, growing) if zero_new else None
+        granule = self._driver.granularity
+        map_run = self._map_run
         added: list[MappedChunk] = []
         with self._driver.batch():
             try:
                 for first, count in runs:
-                    added.append(self._map_run(first, count))
-                    if zero_new:
-                        zeroing.zero_below(self.base + (first + count) * granule)
+                    added.append(map_run(first, count))
+                    if zeroing:
+                        zeroing.zero_below(base + (first + count) * granule)
             finally:
                 # Runs mapped before a failure stay mapped: record them.
                 if added:
                     self._publish(added=added)
-            if zero_new:
-                zeroing.zero_below(self.base + self.reserved_bytes)
+            if zeroing:
+                zeroing.zero_below(base + self.reserved_bytes)
         self._sizes = sizes
 
     def _validated_sizes(self, sizes: Sequence[int], *, grow_only: bool) -> list[int]:
@@ -422,6 +440,14 @@ class ExtensibleTensor:
             raise ValueError(f"sizes must be a sequence of ints, one per segment, got {sizes!r}") from None
         if len(sizes) != len(self._sizes):
             raise ValueError(f"expected {len(self._sizes)} segment size(s), got {len(sizes)}: {sizes}")
+        # The common case in one pass, no message built: a commit checks
+        # every segment, and naming each one would cost more than the check.
+        floors = self._sizes if grow_only else self._no_sizes
+        if all(
+            type(size) is int and floor <= size <= capacity
+            for size, floor, capacity in zip(sizes, floors, self.segment_capacities)
+        ):
+            return sizes
         checked = []
         for i, (size, capacity) in enumerate(zip(sizes, self.segment_capacities)):
             size = validate.integer(f"sizes[{i}]", size)
@@ -443,21 +469,20 @@ class ExtensibleTensor:
             return offset // granule, offset // granule
         return offset // granule, -(-(offset + size) // granule)
 
-    def _unmapped_runs(self, sizes: list[int]) -> list[tuple[int, int]]:
-        """Maximal runs (first granule, count) of granules `sizes` need that
-        are unmapped, in address order."""
-        # Segments lie end to end, so their growing spans come in address
-        # order; neighbours may share a granule or touch: merge as we go.
+    def _unmapped_runs(self, growing: list[tuple[int, int]]) -> list[tuple[int, int]]:
+        """Maximal runs (first granule, count) of unmapped granules under the
+        byte ranges `growing` (absolute, in address order), cut by `_cut`."""
+        # Neighbouring segments may share a granule or touch: merge as we go.
+        base, granule = self.base, self._driver.granularity
         needed: list[list[int]] = []
-        for offset, old, new in zip(self.segment_offsets, self._sizes, sizes):
-            if new <= old:
-                continue
-            first, end = self._granule_span(offset + old, new - old)
+        for low, high in growing:
+            first, end = (low - base) // granule, -(-(high - base) // granule)
             if needed and first <= needed[-1][1]:
                 needed[-1][1] = max(needed[-1][1], end)
             else:
                 needed.append([first, end])
-        return [piece for first, end in needed for run in self._mapping.gaps(first, end) for piece in self._cut(*run)]
+        gaps, cut = self._mapping.gaps, self._cut
+        return [piece for first, end in needed for run in gaps(first, end) for piece in cut(*run)]
 
     def _cut(self, first: int, count: int) -> list[tuple[int, int]]:
         """Run [first, first+count) cut at aligned segment starts into pieces
@@ -481,11 +506,11 @@ class ExtensibleTensor:
         """Back granules [first, first+count) with one new chunk: create, map,
         grant access, each step undone if a later one fails. The caller
         records the chunk (`_publish`)."""
-        size = count * self.granularity
-        address = self.base + first * self.granularity
+        granule = self._driver.granularity
+        address = self.base + first * granule
         with Transaction() as transaction:
-            chunk = self._new_chunk_mapped_at(address, size, transaction)
-        return MappedChunk(chunk=chunk, address=address, first_granule=first, num_granules=count)
+            chunk = self._new_chunk_mapped_at(address, count * granule, transaction)
+        return MappedChunk(chunk, address, first, count)
 
     def _publish(self, *, added: Sequence[MappedChunk] = (), removed: Sequence[MappedChunk] = ()) -> None:
         """Record a change of mapping; the mapping is replaced, never edited,
@@ -496,25 +521,25 @@ class ExtensibleTensor:
         """Create a chunk, map it at `address` and grant access, registering
         the undo of each step with `transaction`."""
         driver = self._driver
-        chunk = self._create_chunk(size)
-        transaction.push(lambda: self._unreleased.release(chunk))
+        try:
+            chunk = driver.create(size)
+        except OutOfMemoryError as error:
+            chunk = self._create_after_reclaiming(size, error)
+        transaction.push(self._unreleased.release, chunk)
         driver.map(address, chunk)
-        transaction.push(lambda: driver.unmap(address, size))
+        transaction.push(driver.unmap, address, size)
         driver.set_access(address, size)
         return chunk
 
-    def _create_chunk(self, size: int) -> Chunk:
+    def _create_after_reclaiming(self, size: int, error: OutOfMemoryError) -> Chunk:
+        # Memory torch's caching allocator holds but does not use may be
+        # exactly what this chunk needs: return it and try once more.
+        if not self._driver.reclaim_cache():
+            raise error
         try:
             return self._driver.create(size)
-        except OutOfMemoryError as error:
-            # Memory torch's caching allocator holds but does not use may be
-            # exactly what this chunk needs: return it and try once more.
-            if not self._driver.reclaim_cache():
-                raise
-            try:
-                return self._driver.create(size)
-            except OutOfMemoryError as retry_error:
-                raise retry_error from error
+        except OutOfMemoryError as retry_error:
+            raise retry_error from error
 
     @_operation
     def segments_backed_by_one_chunk(self, sizes: Sequence[int]) -> list[bool]:
@@ -631,11 +656,9 @@ class ExtensibleTensor:
             for group, new, _ in moves:
                 for mapped in group:
                     driver.unmap(mapped.address, mapped.chunk.size)
-                    transaction.push(
-                        lambda m=mapped: (driver.map(m.address, m.chunk), driver.set_access(m.address, m.chunk.size))
-                    )
+                    transaction.push(self._remap, mapped)
                 driver.map(new.address, new.chunk)
-                transaction.push(lambda n=new: driver.unmap(n.address, n.chunk.size))
+                transaction.push(driver.unmap, new.address, new.chunk.size)
                 driver.set_access(new.address, new.chunk.size)
         # The new mappings are in place. What is left cannot be undone, only
         # finished: record it all first, so a failing step is retried later.
@@ -645,6 +668,11 @@ class ExtensibleTensor:
         self._scratch_mappings.extend((at, new.chunk.size) for _, new, at in moves)
         self._unmap_scratch()
         self._unreleased.retry()
+
+    def _remap(self, mapped: MappedChunk) -> None:
+        """Put an unmapped chunk back where it was, accessible (a swap's undo)."""
+        self._driver.map(mapped.address, mapped.chunk)
+        self._driver.set_access(mapped.address, mapped.chunk.size)
 
     # -- release ----------------------------------------------------------------
     @_operation
@@ -657,7 +685,7 @@ class ExtensibleTensor:
         """
         self._sizes = [0] * len(self._sizes)
         self._finish_cleanup()
-        if not self._mapping.chunks:
+        if not self._mapping.count:
             return
         # Kernels still queued may touch these pages; unmapping under them is
         # an illegal-address fault.

@@ -6,7 +6,10 @@ Backing memory takes several driver steps (reserve, create, map, grant
 access), and any of them can fail. `Transaction` is the one way extkv undoes
 such a sequence: after each step succeeds, the caller pushes the step that
 undoes it; if the `with` block raises, the undo steps run newest first and the
-original error propagates. Every undo step is attempted even if an earlier one
+original error propagates. An undo step is a callable and its arguments,
+not a closure, because a commit registers two per chunk and thousands of
+chunks per call: a closure per step costs more than the bookkeeping it
+protects. Every undo step is attempted even if an earlier one
 fails, because each releases something different; their failures are added to
 the original error as notes (Python >= 3.11) rather than replacing it, since
 the step that failed first is what the caller needs to see.
@@ -19,12 +22,12 @@ failed release leaves the chunk exactly as it was. Only releases are retried
 later: replaying any other failed undo step is not safe (an unmap replayed
 after its reservation was freed would map over address space that belongs to
 someone else). A transaction's undo of a create is therefore
-`lambda: unreleased.release(chunk)`, for every owner alike.
+`push(unreleased.release, chunk)`, for every owner alike.
 """
 
 from __future__ import annotations
 
-from typing import Callable, Iterable
+from typing import Any, Callable, Iterable
 
 from .base import Chunk, Driver
 
@@ -33,12 +36,14 @@ class Transaction:
     """Undo steps of one multi-step driver sequence, run newest first if the
     `with` block raises."""
 
-    def __init__(self) -> None:
-        self._undo_steps: list[Callable[[], object]] = []
+    __slots__ = ("_undo_steps",)
 
-    def push(self, undo: Callable[[], object]) -> None:
-        """Register the undo of the step that just succeeded."""
-        self._undo_steps.append(undo)
+    def __init__(self) -> None:
+        self._undo_steps: list[tuple[Callable[..., object], tuple[Any, ...]]] = []
+
+    def push(self, undo: Callable[..., object], *args: Any) -> None:
+        """Register `undo(*args)` as the undo of the step that just succeeded."""
+        self._undo_steps.append((undo, args))
 
     def __enter__(self) -> "Transaction":
         return self
@@ -46,9 +51,9 @@ class Transaction:
     def __exit__(self, error_type, error, traceback) -> None:
         if error is None:
             return
-        for undo in reversed(self._undo_steps):
+        for undo, args in reversed(self._undo_steps):
             try:
-                undo()
+                undo(*args)
             except Exception as undo_error:
                 if hasattr(error, "add_note"):  # Python >= 3.11
                     error.add_note(f"while undoing: {undo_error}")
