@@ -54,6 +54,7 @@ the run's facts and every case, measured or not, with the reasons.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import gc
 import json
@@ -213,6 +214,17 @@ class DriverClock(WrappingDriver):
 
     def synchronize(self):
         self._timed(self.inner.synchronize)
+
+    @contextlib.contextmanager
+    def batch(self):
+        # Entering and leaving a batch is driver setup (CUDA: a context push
+        # and pop, the current stream looked up), not extkv's bookkeeping.
+        batch = self.inner.batch()
+        self._timed(batch.__enter__)
+        try:
+            yield
+        finally:
+            self._timed(batch.__exit__, None, None, None)
 
 
 class ExtkvStore(Store):
@@ -963,7 +975,8 @@ class Engine:
             "cpu_time": (
                 "thread_time of the calling thread, up to the final device synchronize (excluded); extkv's own CPU "
                 "(outside driver calls) from an extra round per round of each recycled commit, with every driver "
-                "step timed, so that timing never weighs on the rounds the ratios come from"
+                "step and the driver's batch setup (CUDA: context push and pop, stream lookup) timed, so that "
+                "timing never weighs on the rounds the ratios come from"
             ),
             "contenders": {name: {"role": c.role, "what": c.describe(), "process": c.process} for name, c in CONTENDERS.items()},
             "geometries": {name: g.what for name, g in GEOMETRIES.items()},

@@ -31,7 +31,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import threading
-from typing import Hashable, Iterator
+from typing import Callable, Hashable
 
 import torch
 
@@ -92,6 +92,63 @@ def _granularity(prop) -> int:
 _ALREADY_ACTIVE = contextlib.nullcontext()
 
 
+def _raw_stream_lookup() -> Callable[[int], int]:
+    """`index -> handle of the current stream of device index`. torch's own
+    generated kernels read it with `torch._C._cuda_getCurrentRawStream`,
+    which builds no Stream object (a tenth of the public lookup's cost, paid
+    once per commit); the public call stands in where a build lacks it."""
+    raw = getattr(torch._C, "_cuda_getCurrentRawStream", None)
+    if raw is not None:
+        return raw
+    return lambda index: torch.cuda.current_stream(index).cuda_stream
+
+
+# Context managers below are classes, not generators: a commit opens one per
+# call, and a generator-based one costs several times as much to enter.
+class _ContextPushed:
+    """The driver's primary context pushed on this thread for the calls inside."""
+
+    __slots__ = ("_driver",)
+
+    def __init__(self, driver: "CudaDriver"):
+        self._driver = driver
+
+    def __enter__(self) -> None:
+        _check("cuCtxPushCurrent", _bindings().cuCtxPushCurrent(self._driver._context))
+        self._driver._thread.pushed = True
+
+    def __exit__(self, *exc_info) -> None:
+        self._driver._thread.pushed = False
+        _check("cuCtxPopCurrent", _bindings().cuCtxPopCurrent())
+
+
+class _Batch:
+    """The context pushed and the current stream looked up once, for every
+    call inside (see `Driver.batch`); re-entrant per thread."""
+
+    __slots__ = ("_driver", "_active", "_outer_stream")
+
+    def __init__(self, driver: "CudaDriver"):
+        self._driver = driver
+
+    def __enter__(self) -> None:
+        driver = self._driver
+        thread = driver._thread
+        self._active = driver._active()
+        self._active.__enter__()
+        self._outer_stream = getattr(thread, "stream", None)
+        if self._outer_stream is None:
+            try:
+                thread.stream = driver._current_stream(driver.device.index)
+            except BaseException:
+                self._active.__exit__(None, None, None)
+                raise
+
+    def __exit__(self, *exc_info) -> None:
+        self._driver._thread.stream = self._outer_stream
+        self._active.__exit__(*exc_info)
+
+
 class CudaDriver(Driver):
     """CUDA virtual memory management on one device."""
 
@@ -124,6 +181,7 @@ class CudaDriver(Driver):
         read_only.flags = cu.CUmemAccess_flags.CU_MEM_ACCESS_FLAGS_PROT_READ
         self._access = {True: [access], False: [read_only]}
         self.granularity = _granularity(self._prop)
+        self._current_stream = _raw_stream_lookup()
         # Per thread: whether this driver's context is pushed (by an open
         # `_active` or `batch`), and the stream `batch` looked up (None
         # outside one).
@@ -135,34 +193,14 @@ class CudaDriver(Driver):
         # otherwise push and pop.
         if getattr(self._thread, "pushed", False):
             return _ALREADY_ACTIVE
-        return self._pushed()
+        return _ContextPushed(self)
 
-    @contextlib.contextmanager
-    def _pushed(self) -> Iterator[None]:
-        cu = _bindings()
-        _check("cuCtxPushCurrent", cu.cuCtxPushCurrent(self._context))
-        self._thread.pushed = True
-        try:
-            yield
-        finally:
-            self._thread.pushed = False
-            _check("cuCtxPopCurrent", cu.cuCtxPopCurrent())
-
-    @contextlib.contextmanager
-    def batch(self) -> Iterator[None]:
-        thread = self._thread
-        outer_stream = getattr(thread, "stream", None)
-        with self._active():
-            if outer_stream is None:
-                thread.stream = torch.cuda.current_stream(self.device).cuda_stream
-            try:
-                yield
-            finally:
-                thread.stream = outer_stream
+    def batch(self) -> contextlib.AbstractContextManager[None]:
+        return _Batch(self)
 
     def _stream(self) -> int:
         stream = getattr(self._thread, "stream", None)
-        return torch.cuda.current_stream(self.device).cuda_stream if stream is None else stream
+        return self._current_stream(self.device.index) if stream is None else stream
 
     def _zero(self, address: int, size: int) -> None:
         cu = _bindings()
