@@ -22,11 +22,12 @@ chunks of at least `pipelined_chunk_bytes` (1 GiB by default), so the device
 zeroes one chunk while the CPU creates and maps the next; one chunk of 32 GiB
 would make the device wait for its whole creation first. A cut never falls
 inside a segment, so each segment a commit maps whole still lies in one
-chunk. Each run is one small `Transaction`
-(extkv.vmm: create, map, grant access) that undoes its own steps if a later
-step fails. Runs finished before a failure stay mapped, recorded and
-accessible, and the committed sizes stay as they were, so the tensor is
-consistent and a retry maps only what is still missing.
+chunk. A run takes three driver steps (create, map, grant access), each
+registered with one `Transaction` (extkv.vmm) that is settled once the run
+is mapped, so a failure undoes only the steps of the run it hit. Runs
+finished before a failure stay mapped, recorded and accessible, and the
+committed sizes stay as they were, so the tensor is consistent and a retry
+maps only what is still missing.
 
 With `zero_new`, exactly the new logical bytes are zeroed on the current
 stream, interleaved with mapping so the device zeroes one run while the CPU
@@ -194,11 +195,17 @@ class _Mapping:
 
     def gaps(self, first: int, end: int) -> list[tuple[int, int]]:
         """Unmapped runs (first granule, count) inside [first, end)."""
+        chunks, count = self._chunks, self.count
+        index = bisect.bisect_right(self._starts, first, 0, count) - 1
+        if index < 0 or chunks[index].end_granule <= first:
+            index += 1
         runs, at = [], first
-        for mapped in self.overlapping(first, end):
+        while index < count and chunks[index].first_granule < end:
+            mapped = chunks[index]
             if mapped.first_granule > at:
                 runs.append((at, mapped.first_granule - at))
             at = max(at, mapped.end_granule)
+            index += 1
         if at < end:
             runs.append((at, end - at))
         return runs
@@ -421,10 +428,12 @@ class ExtensibleTensor:
         added: list[MappedChunk] = []
         with self._driver.batch():
             try:
-                for first, count in runs:
-                    added.append(map_run(first, count))
-                    if zeroing:
-                        zeroing.zero_below(base + (first + count) * granule)
+                with Transaction() as transaction:
+                    for first, count in runs:
+                        added.append(map_run(first, count, transaction))
+                        transaction.settle()  # a mapped run stays, whatever fails later
+                        if zeroing:
+                            zeroing.zero_below(base + (first + count) * granule)
             finally:
                 # Runs mapped before a failure stay mapped: record them.
                 if added:
@@ -502,14 +511,13 @@ class ExtensibleTensor:
         pieces.append((piece_start, end - piece_start))
         return pieces
 
-    def _map_run(self, first: int, count: int) -> MappedChunk:
+    def _map_run(self, first: int, count: int, transaction: Transaction) -> MappedChunk:
         """Back granules [first, first+count) with one new chunk: create, map,
-        grant access, each step undone if a later one fails. The caller
-        records the chunk (`_publish`)."""
+        grant access, registering each step's undo with `transaction`. The
+        caller records the chunk (`_publish`)."""
         granule = self._driver.granularity
         address = self.base + first * granule
-        with Transaction() as transaction:
-            chunk = self._new_chunk_mapped_at(address, count * granule, transaction)
+        chunk = self._new_chunk_mapped_at(address, count * granule, transaction)
         return MappedChunk(chunk, address, first, count)
 
     def _publish(self, *, added: Sequence[MappedChunk] = (), removed: Sequence[MappedChunk] = ()) -> None:

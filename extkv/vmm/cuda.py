@@ -163,7 +163,7 @@ class CudaDriver(Driver):
                 f"cuda device index {index} is out of range: {torch.cuda.device_count()} device(s) visible"
             )
         self.device = torch.device("cuda", index)
-        cu = _bindings()
+        self._cu = cu = _bindings()
         # torch's runtime owns the primary context; initializing torch's CUDA
         # state first means we share it rather than create a second one.
         torch.cuda.init()
@@ -202,67 +202,58 @@ class CudaDriver(Driver):
         stream = getattr(self._thread, "stream", None)
         return self._current_stream(self.device.index) if stream is None else stream
 
+    def _call(self, name: str, function: Callable, *args, size: int | None = None, address: int | None = None):
+        """`function(*args)` with the context current, its result checked
+        (`_check`). A commit makes four of these per chunk, so the common
+        case, the context already pushed by a batch, takes no `with`."""
+        if getattr(self._thread, "pushed", False):
+            return _check(name, function(*args), size=size, address=address)
+        with _ContextPushed(self):
+            return _check(name, function(*args), size=size, address=address)
+
     def _zero(self, address: int, size: int) -> None:
-        cu = _bindings()
-        with self._active():
-            _check("cuMemsetD8Async", cu.cuMemsetD8Async(address, 0, size, self._stream()), size=size, address=address)
+        self._call("cuMemsetD8Async", self._cu.cuMemsetD8Async, address, 0, size, self._stream(), size=size, address=address)
 
     def _copy(self, destination: int, source: int, size: int) -> None:
-        cu = _bindings()
-        with self._active():
-            _check(
-                "cuMemcpyDtoDAsync",
-                cu.cuMemcpyDtoDAsync(destination, source, size, self._stream()),
-                size=size,
-                address=destination,
-            )
+        self._call(
+            "cuMemcpyDtoDAsync",
+            self._cu.cuMemcpyDtoDAsync,
+            destination,
+            source,
+            size,
+            self._stream(),
+            size=size,
+            address=destination,
+        )
 
     def _reserve(self, size: int) -> int:
-        cu = _bindings()
-        with self._active():
-            pointer = _check("cuMemAddressReserve", cu.cuMemAddressReserve(size, self.granularity, 0, 0), size=size)
-        return int(pointer)
+        return int(self._call("cuMemAddressReserve", self._cu.cuMemAddressReserve, size, self.granularity, 0, 0, size=size))
 
     def _free_reservation(self, address: int, size: int) -> None:
-        cu = _bindings()
-        with self._active():
-            _check("cuMemAddressFree", cu.cuMemAddressFree(address, size), size=size, address=address)
+        self._call("cuMemAddressFree", self._cu.cuMemAddressFree, address, size, size=size, address=address)
 
     def _create(self, size: int) -> Chunk:
-        cu = _bindings()
-        with self._active():
-            handle = _check("cuMemCreate", cu.cuMemCreate(size, self._prop, 0), size=size)
-        return Chunk(handle=int(handle), size=size)
+        return Chunk(int(self._call("cuMemCreate", self._cu.cuMemCreate, size, self._prop, 0, size=size)), size)
 
     def _release(self, chunk: Chunk) -> None:
-        cu = _bindings()
-        with self._active():
-            _check("cuMemRelease", cu.cuMemRelease(chunk.handle), size=chunk.size)
+        self._call("cuMemRelease", self._cu.cuMemRelease, chunk.handle, size=chunk.size)
 
     def _map(self, address: int, chunk: Chunk) -> None:
-        cu = _bindings()
-        with self._active():
-            _check("cuMemMap", cu.cuMemMap(address, chunk.size, 0, chunk.handle, 0), size=chunk.size, address=address)
+        self._call("cuMemMap", self._cu.cuMemMap, address, chunk.size, 0, chunk.handle, 0, size=chunk.size, address=address)
 
     def _set_access(self, address: int, size: int, writable: bool) -> None:
-        cu = _bindings()
-        with self._active():
-            _check(
-                "cuMemSetAccess", cu.cuMemSetAccess(address, size, self._access[writable], 1), size=size, address=address
-            )
+        self._call(
+            "cuMemSetAccess", self._cu.cuMemSetAccess, address, size, self._access[writable], 1, size=size, address=address
+        )
 
     def _unmap(self, address: int, size: int) -> None:
-        cu = _bindings()
-        with self._active():
-            _check("cuMemUnmap", cu.cuMemUnmap(address, size), size=size, address=address)
+        self._call("cuMemUnmap", self._cu.cuMemUnmap, address, size, size=size, address=address)
 
     def synchronize(self) -> None:
         torch.cuda.synchronize(self.device)
 
     def memory_info(self) -> tuple[int, int]:
-        cu = _bindings()
-        with self._active():
-            free, total = _check("cuMemGetInfo", cu.cuMemGetInfo())
+        free, total = self._call("cuMemGetInfo", self._cu.cuMemGetInfo)
         return int(free), int(total)
 
     def reclaim_cache(self) -> bool:
@@ -284,26 +275,27 @@ class CudaDriver(Driver):
     def _export_fd(self, chunk: Chunk, writable: bool) -> int:
         # A CUDA shareable handle carries no access mode: `writable` cannot
         # be enforced here, only by the importer's own cuMemSetAccess.
-        cu = _bindings()
-        with self._active():
-            fd = _check(
-                "cuMemExportToShareableHandle(POSIX_FILE_DESCRIPTOR)",
-                cu.cuMemExportToShareableHandle(chunk.handle, _posix_fd_handle_type(), 0),
-                size=chunk.size,
-            )
+        fd = self._call(
+            "cuMemExportToShareableHandle(POSIX_FILE_DESCRIPTOR)",
+            self._cu.cuMemExportToShareableHandle,
+            chunk.handle,
+            _posix_fd_handle_type(),
+            0,
+            size=chunk.size,
+        )
         return int(fd)
 
     def _import_fd(self, fd: int, size: int) -> Chunk:
-        cu = _bindings()
-        with self._active():
-            # cuda-python passes an int osHandle through as the void* the C
-            # API expects, which for a POSIX fd is the descriptor's value. The
-            # driver takes its own reference: the caller still closes fd.
-            handle = _check(
-                f"cuMemImportFromShareableHandle(fd {fd}, POSIX_FILE_DESCRIPTOR)",
-                cu.cuMemImportFromShareableHandle(fd, _posix_fd_handle_type()),
-                size=size,
-            )
+        # cuda-python passes an int osHandle through as the void* the C API
+        # expects, which for a POSIX fd is the descriptor's value. The driver
+        # takes its own reference: the caller still closes fd.
+        handle = self._call(
+            f"cuMemImportFromShareableHandle(fd {fd}, POSIX_FILE_DESCRIPTOR)",
+            self._cu.cuMemImportFromShareableHandle,
+            fd,
+            _posix_fd_handle_type(),
+            size=size,
+        )
         return Chunk(handle=int(handle), size=size)
 
     def describe(self) -> dict[str, str]:

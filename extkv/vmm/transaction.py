@@ -45,6 +45,12 @@ class Transaction:
         """Register `undo(*args)` as the undo of the step that just succeeded."""
         self._undo_steps.append((undo, args))
 
+    def settle(self) -> None:
+        """The steps so far succeeded and stay: a later failure undoes only
+        the steps registered after this (one transaction serves a series of
+        independent sequences, such as the runs of one commit)."""
+        self._undo_steps.clear()
+
     def __enter__(self) -> "Transaction":
         return self
 
