@@ -224,18 +224,22 @@ class _ZeroCursor:
 
     def zero_below(self, end: int) -> None:
         """Zero whatever part of the ranges lies below `end` and is not zeroed yet."""
-        ranges = self._ranges
-        while self._next < len(ranges):
-            low, high = ranges[self._next]
-            low = max(low, self._done_to)
-            if low >= end:
-                return
-            top = min(high, end)
-            self._driver.zero(low, top - low)
-            self._done_to = top
-            if top < high:
-                return
-            self._next += 1
+        ranges, index, done_to, zero = self._ranges, self._next, self._done_to, self._driver.zero
+        try:
+            while index < len(ranges):
+                low, high = ranges[index]
+                if low < done_to:
+                    low = done_to
+                if low >= end:
+                    return
+                top = high if high < end else end
+                zero(low, top - low)
+                done_to = top
+                if top < high:
+                    return
+                index += 1
+        finally:
+            self._next, self._done_to = index, done_to
 
 
 def _operation(method):
