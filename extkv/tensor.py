@@ -134,6 +134,7 @@ DEFRAGMENT_BATCH_BYTES = 1 << 30
 
 
 _FIRST_GRANULE = operator.attrgetter("first_granule")
+_NUM_GRANULES = operator.attrgetter("num_granules")
 
 
 class _Mapping:
@@ -165,19 +166,20 @@ class _Mapping:
         if len(chunks) != self.count:  # a newer mapping appended already: never share
             chunks, starts = chunks[: self.count], starts[: self.count]
         if removed:
-            gone = {id(mapped) for mapped in removed}
+            gone = set(map(id, removed))
             chunks = [mapped for mapped in chunks if id(mapped) not in gone]
             starts = list(map(_FIRST_GRANULE, chunks))
-            granules -= sum(mapped.num_granules for mapped in removed)
+            granules -= sum(map(_NUM_GRANULES, removed))
         if added:
-            added = sorted(added, key=_FIRST_GRANULE)
-            granules += sum(mapped.num_granules for mapped in added)
+            if len(added) > 1:
+                added = sorted(added, key=_FIRST_GRANULE)
+            granules += sum(map(_NUM_GRANULES, added))
             if not chunks or chunks[-1].first_granule < added[0].first_granule:
                 chunks.extend(added)
                 starts.extend(map(_FIRST_GRANULE, added))
             else:
                 # Two sorted runs: Timsort merges them in linear time.
-                chunks = sorted(chunks + added, key=_FIRST_GRANULE)
+                chunks = sorted(chunks + list(added), key=_FIRST_GRANULE)
                 starts = list(map(_FIRST_GRANULE, chunks))
         return _Mapping(chunks, starts, granules)
 
@@ -246,10 +248,13 @@ def _operation(method):
     """Run `method` holding the tensor's lock, once its state allows it."""
     name = method.__name__
 
+    legal_in = _LEGAL_IN[name]
+
     @functools.wraps(method)
     def locked(self, *args, **kwargs):
         with self.lock:
-            self._require(name)
+            if self._state not in legal_in:
+                self._require(name)  # raises, naming the state
             return method(self, *args, **kwargs)
 
     return locked
@@ -428,16 +433,19 @@ class ExtensibleTensor:
         runs = self._unmapped_runs(growing)
         zeroing = _ZeroCursor(self._driver, growing) if zero_new else None
         granule = self._driver.granularity
-        map_run = self._map_run
+        new_chunk_mapped_at = self._new_chunk_mapped_at
         added: list[MappedChunk] = []
         with self._driver.batch():
             try:
                 with Transaction() as transaction:
                     for first, count in runs:
-                        added.append(map_run(first, count, transaction))
-                        transaction.settle()  # a mapped run stays, whatever fails later
+                        # One chunk per run; its steps' undo lives until the run is mapped.
+                        address = base + first * granule
+                        chunk = new_chunk_mapped_at(address, count * granule, transaction)
+                        added.append(MappedChunk(chunk, address, first, count))
+                        transaction.settle()
                         if zeroing:
-                            zeroing.zero_below(base + (first + count) * granule)
+                            zeroing.zero_below(address + count * granule)
             finally:
                 # Runs mapped before a failure stay mapped: record them.
                 if added:
@@ -514,15 +522,6 @@ class ExtensibleTensor:
             at += 1
         pieces.append((piece_start, end - piece_start))
         return pieces
-
-    def _map_run(self, first: int, count: int, transaction: Transaction) -> MappedChunk:
-        """Back granules [first, first+count) with one new chunk: create, map,
-        grant access, registering each step's undo with `transaction`. The
-        caller records the chunk (`_publish`)."""
-        granule = self._driver.granularity
-        address = self.base + first * granule
-        chunk = self._new_chunk_mapped_at(address, count * granule, transaction)
-        return MappedChunk(chunk, address, first, count)
 
     def _publish(self, *, added: Sequence[MappedChunk] = (), removed: Sequence[MappedChunk] = ()) -> None:
         """Record a change of mapping; the mapping is replaced, never edited,
