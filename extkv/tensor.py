@@ -44,8 +44,10 @@ ones. Segments are moved in batches of at most `DEFRAGMENT_BATCH_BYTES`
 batch, with one synchronize per batch: a swap unmaps the old chunks, so the
 copies out of them must be finished first, but copies of different segments
 of one batch never depend on each other, so one wait covers them all. The
-transient extra memory is one batch, not the whole tensor; a segment that
-shares a chunk with its neighbour moves together with it.
+chunks a batch replaced are released while the next batch's copies run
+(releasing costs about as much as copying, so neither waits for the other),
+and the transient extra memory is at most two batches, not the whole tensor.
+A segment that shares a chunk with its neighbour moves together with it.
 
 `release_physical` synchronizes the device, then unmaps and releases every
 chunk; addresses stay reserved, so views and captured CUDA graphs keep valid
@@ -127,9 +129,10 @@ class MappedChunk(NamedTuple):
 PIPELINED_CHUNK_BYTES = 1 << 30
 
 
-#: Largest transient extra memory of a content-preserving defragmentation
-#: (a larger segment is moved alone): the copies of one batch share one
-#: synchronize, and 1 GiB of copies (~0.3 ms on an H200) hides its latency.
+#: Bytes moved per batch of a content-preserving defragmentation (a larger
+#: segment is moved alone); at most two batches are extra memory at once.
+#: The copies of one batch share one synchronize, and 1 GiB of copies
+#: (~0.5 ms on an H200) hides its latency.
 DEFRAGMENT_BATCH_BYTES = 1 << 30
 
 
@@ -638,8 +641,13 @@ class ExtensibleTensor:
                     self._move_batch(batch, scratch)
             except BaseException:
                 # A failed cleanup step is not retried at once (it stays
-                # recorded for release_physical or free); an idle scratch
-                # reservation holds no memory and can go now.
+                # recorded for release_physical or free). What the batch
+                # before replaced is owed a release, and an idle scratch
+                # reservation holds no memory: both can go now.
+                try:
+                    self._unreleased.retry()
+                except Exception:
+                    pass  # still recorded
                 if not self._scratch_mappings:
                     try:
                         self._free_scratch()
@@ -660,8 +668,13 @@ class ExtensibleTensor:
                 nbytes, target = count * granule, self.base + first * granule
                 chunk = self._new_chunk_mapped_at(at, nbytes, transaction)
                 driver.copy(at, target, nbytes)
+                # Undone before the unmaps registered above: the copy may still run.
+                transaction.push(driver.synchronize)
                 moves.append((group, MappedChunk(chunk=chunk, address=target, first_granule=first, num_granules=count), at))
                 at += nbytes
+            # While the device copies, release what the batch before replaced
+            # (unmapped already, and recorded, so a refusal loses nothing).
+            self._unreleased.retry()
             # The swap unmaps what the copies read.
             driver.synchronize()
             for group, new, _ in moves:
@@ -678,7 +691,8 @@ class ExtensibleTensor:
         self._unreleased.keep(mapped.chunk for mapped in old)
         self._scratch_mappings.extend((at, new.chunk.size) for _, new, at in moves)
         self._unmap_scratch()
-        self._unreleased.retry()
+        # The replaced chunks are released during the next batch's copies,
+        # or by the cleanup after the last batch.
 
     def _remap(self, mapped: MappedChunk) -> None:
         """Put an unmapped chunk back where it was, accessible (a swap's undo)."""
