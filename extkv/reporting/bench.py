@@ -302,8 +302,22 @@ def evaluate_scaling(run: BenchRun) -> list[ScalingRow]:
         value = min(far_cpu) / min(near_cpu)
         met = value <= target.bound
         words = f"met: {value:.2f}x" if met else f"missed by {(value / target.bound - 1) * 100:.0f}%: {value:.2f}x"
+        yardstick = _raw_outside_driver_ratio(near, far)
+        if yardstick is not None:
+            # The same reading for the raw sequence, whose Python is the same
+            # few calls at every size: growth there is the machine's.
+            words += f"; the raw sequence's CPU outside its driver calls over the same cases: {yardstick:.2f}x"
         rows.append(ScalingRow(target, near, far, value, met, words))
     return rows
+
+
+def _raw_outside_driver_ratio(near: CaseResult, far: CaseResult) -> float | None:
+    """The raw sequence's CPU outside its driver calls, far over near, where
+    both cases counted it."""
+    entries = [case.entries.get("raw") for case in (near, far)]
+    if any(entry is None or not entry.own_cpu for entry in entries):
+        return None
+    return min(entries[1].own_cpu) / min(entries[0].own_cpu)
 
 
 # -- rendering -------------------------------------------------------------------------------

@@ -227,6 +227,79 @@ class DriverClock(WrappingDriver):
             self._timed(batch.__exit__, None, None, None)
 
 
+class PrimitivesClock(baselines.Primitives):
+    """The raw sequence's calls, with the thread CPU time inside them summed
+    up as `DriverClock` does for extkv: the raw sequence's CPU time outside
+    its driver calls is the yardstick for extkv's own (what the machine adds
+    around driver calls, such as caches a large call evicted, shows in both)."""
+
+    def __init__(self, inner: baselines.Primitives):
+        self.inner = inner
+        self.device = inner.device
+        self.granularity = inner.granularity
+        self.cpu_seconds = 0.0
+
+    def _timed(self, step: Callable, *args):
+        start = time.thread_time()
+        try:
+            return step(*args)
+        finally:
+            self.cpu_seconds += time.thread_time() - start
+
+    @contextlib.contextmanager
+    def active(self):
+        context = self.inner.active()
+        self._timed(context.__enter__)
+        try:
+            yield
+        finally:
+            self._timed(context.__exit__, None, None, None)
+
+    def reserve(self, size):
+        return self._timed(self.inner.reserve, size)
+
+    def free(self, address, size):
+        self._timed(self.inner.free, address, size)
+
+    def create(self, size):
+        return self._timed(self.inner.create, size)
+
+    def map(self, address, size, handle):
+        self._timed(self.inner.map, address, size, handle)
+
+    def set_access(self, address, size):
+        self._timed(self.inner.set_access, address, size)
+
+    def fill(self, address, size, value):
+        self._timed(self.inner.fill, address, size, value)
+
+    def access(self, address):
+        return self._timed(self.inner.access, address)
+
+    def copy(self, destination, source, size):
+        self._timed(self.inner.copy, destination, source, size)
+
+    def unmap(self, address, size):
+        self._timed(self.inner.unmap, address, size)
+
+    def release(self, handle):
+        self._timed(self.inner.release, handle)
+
+    def synchronize(self):
+        self._timed(self.inner.synchronize)
+
+
+class ClockedRawStore(baselines.RawStore):
+    """The raw sequence on clocked primitives (`PrimitivesClock`)."""
+
+    def __init__(self, device: torch.device, strides: list[int], capacity_blocks: int):
+        self.clock = PrimitivesClock(baselines.primitives_for(device))
+        super().__init__(device, strides, capacity_blocks, primitives=self.clock)
+
+    def driver_cpu_seconds(self) -> float | None:
+        return self.clock.cpu_seconds
+
+
 class ExtkvStore(Store):
     """extkv's ExtensibleKVCache, driven through its public API."""
 
@@ -306,6 +379,8 @@ class Contender:
     def make(self, device: torch.device, geometry: Geometry, capacity_blocks: int, *, clocked: bool = False) -> Store:
         if self.store is ExtkvStore:
             return ExtkvStore(device, geometry, capacity_blocks, clocked=clocked)
+        if clocked and self.store is baselines.RawStore:
+            return ClockedRawStore(device, geometry.strides(), capacity_blocks)
         return self.store(device, geometry.strides(), capacity_blocks)
 
 
@@ -617,8 +692,9 @@ class Measurement:
     reason: str = ""
     wall: list[float] = field(default_factory=list)
     cpu: list[float] = field(default_factory=list)
-    #: extkv only: the CPU seconds of each round spent outside driver calls
-    #: (extkv's own bookkeeping; the driver's own CPU time grows with bytes).
+    #: extkv and the raw sequence only: the CPU seconds of each round spent
+    #: outside driver calls (extkv's own bookkeeping; the driver's own CPU
+    #: time grows with bytes).
     own_cpu: list[float] = field(default_factory=list)
     #: For a peer measured in another process: that process's pivot,
     #: {"contender": name, "wall": [...], "cpu": [...]}.
@@ -673,12 +749,13 @@ def _prepare_and_time(store: Store, case: Case, contender: Contender) -> tuple[f
 
 
 def counts_own_cpu(case: Case, contender: Contender) -> bool:
-    """Whether extkv's own CPU time is read in `case`: in recycled commits,
-    the cases its scaling targets compare. It takes a second, clocked round:
-    timing every driver step costs microseconds per step (a thread-time read
-    is a system call), which would weigh on the timed round that extkv's
-    ratios against the raw sequence come from."""
-    return contender.store is ExtkvStore and case.op == "commit" and case.state == "recycled"
+    """Whether the CPU time outside driver calls is read in `case`: extkv's
+    and the raw sequence's (its yardstick), in recycled commits, the cases
+    the scaling targets compare. It takes a second, clocked round: timing
+    every driver step costs microseconds per step (a thread-time read is a
+    system call), which would weigh on the timed round that the ratios
+    against the raw sequence come from."""
+    return contender.store in (ExtkvStore, baselines.RawStore) and case.op == "commit" and case.state == "recycled"
 
 
 def time_round(
@@ -686,7 +763,7 @@ def time_round(
 ) -> tuple[float, float, float | None]:
     """(wall seconds, CPU seconds, own CPU seconds or None) of one round of `contender` in `case`,
     on a store of its own that gives everything back afterwards. Own CPU
-    seconds only from a `clocked` extkv round."""
+    seconds only from a `clocked` round of extkv or the raw sequence."""
     store = contender.make(device, GEOMETRIES[case.geometry], case.capacity_blocks, clocked=clocked)
     try:
         return _prepare_and_time(store, case, contender)
@@ -974,7 +1051,8 @@ class Engine:
             "elapsed_seconds": self.elapsed(),
             "cpu_time": (
                 "thread_time of the calling thread, up to the final device synchronize (excluded); extkv's own CPU "
-                "(outside driver calls) from an extra round per round of each recycled commit, with every driver "
+                "(outside driver calls), and the raw sequence's as its yardstick, from an extra round per round of "
+                "each recycled commit, with every driver "
                 "step and the driver's batch setup (CUDA: context push and pop, stream lookup) timed, so that "
                 "timing never weighs on the rounds the ratios come from"
             ),
