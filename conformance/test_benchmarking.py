@@ -21,6 +21,7 @@ import os
 import subprocess
 import sys
 import textwrap
+from collections import Counter
 from pathlib import Path
 
 import pytest
@@ -29,7 +30,7 @@ import torch
 from extkv import vmm
 from extkv.reporting.bench import TARGETS, BenchRun, CaseResult, Entry, ScalingTarget, Target, evaluate, evaluate_scaling, ratio
 from extkv.testing import benchmarking
-from extkv.testing.benchmarking import CONTENDERS, GEOMETRIES, PROFILES, Case, Contender, catalogue, interleave
+from extkv.testing.benchmarking import CONTENDERS, GEOMETRIES, PROFILES, Case, Contender, catalogue, interleave, round_order
 from extkv.testing.checks import check_all_equal
 from extkv.vmm import baselines
 from extkv.vmm.dlpack import uint8_view
@@ -242,7 +243,20 @@ def tiny_case(op: str, contenders: tuple[str, ...]) -> Case:
     return Case(op, "lbhnc32", 4, 4, contenders)
 
 
-def test_contenders_interleave_in_an_order_rotated_every_round(device):
+@pytest.mark.parametrize("n", [2, 3, 4, 5, 6])
+def test_round_orders_give_each_contender_every_other_as_predecessor_equally_often(n):
+    """A round meets the driver state its predecessor left: over n rounds
+    (2n for an odd n) each ordered pair of neighbours occurs equally often."""
+    names = [f"contender{i}" for i in range(n)]
+    rounds = n if n % 2 == 0 else 2 * n
+    orders = [round_order(names, r) for r in range(rounds)]
+    assert all(sorted(order) == sorted(names) for order in orders), orders
+    neighbours = Counter(pair for order in orders for pair in zip(order, order[1:]))
+    assert len(neighbours) == n * (n - 1), neighbours
+    assert set(neighbours.values()) == {1 if n % 2 == 0 else 2}, neighbours
+
+
+def test_contenders_interleave_in_round_order(device):
     order: list[str] = []
     names = ("extkv", "raw", "memset")
     results = interleave(

@@ -365,8 +365,9 @@ def _facts_lines(run: BenchRun) -> list[str]:
         "Clocks: " + "; at the end: ".join(dict.fromkeys(f["clocks"])) + ".",
         "",
         "How it was measured:",
-        "- Contenders of a case run interleaved, one round each per round in an order rotated every round, so all "
-        "meet the same driver state; each round is setup (untimed), the operation up to a device synchronize (timed), "
+        "- Contenders of a case run interleaved, one round each per round, in the orders of a Williams design, so "
+        "each meets the driver state every other one leaves equally often (a plain rotation would give each the same "
+        "predecessor every round); each round is setup (untimed), the operation up to a device synchronize (timed), "
         "teardown that gives the memory back (untimed).",
         "- *recycled*: memory a previous round released. *fresh*: a new process per case, each contender once, all "
         "keeping their memory until the last has run, so each meets never-used memory.",

@@ -15,8 +15,11 @@ small machine, a smoke run), laid out by `catalogue` in priority order.
 The driver has state: a 32 GiB create right after 32 GiB were released ran
 10x slower on an H200 than on never-used memory. So the contenders of a case
 are measured together, interleaved: round r runs every contender once, in
-an order rotated by r, so each meets the state the others leave as often as
-they meet its own. Each round of a contender is: a new store, untimed setup
+row r of a Williams design (`round_order`). A round meets the state its
+predecessor left, and plain rotation keeps predecessors fixed (in a, b, c
+rotated, b always follows a); a Williams design gives each contender every
+other one as predecessor equally often (once each over n rounds for an even
+number n of contenders, twice each over 2n for an odd one). Each round of a contender is: a new store, untimed setup
 (reserve, the growth a defragment starts from, ...), the timed operation
 ended by a device synchronize, untimed teardown that gives everything back.
 Wall time (`perf_counter`) runs to the end of the synchronize; host CPU time
@@ -782,6 +785,24 @@ def _failure(contender: Contender, error: BaseException) -> tuple[str, str]:
     return "failed", words
 
 
+def round_order(names: Sequence[str], round_index: int) -> list[str]:
+    """Row `round_index` of a Williams design over `names`: the first row is
+    0, 1, n-1, 2, n-2, ...; row r adds r to each position (mod n); for an
+    odd n, rows n..2n-1 are those rows reversed."""
+    n = len(names)
+    first_row, low, high = [0], 1, n - 1
+    while len(first_row) < n:
+        first_row.append(low)
+        low += 1
+        if len(first_row) < n:
+            first_row.append(high)
+            high -= 1
+    row = [(position + round_index) % n for position in first_row]
+    if n % 2 and (round_index // n) % 2:
+        row.reverse()
+    return [names[position] for position in row]
+
+
 def interleave(
     case: Case,
     names: Sequence[str],
@@ -793,10 +814,10 @@ def interleave(
     process: str = "main",
     order_log: list[str] | None = None,
 ) -> dict[str, Measurement]:
-    """Measure `names` in `case`, round r running each once in an order
-    rotated by r; stop after `rounds`, or once `case_seconds` are used: after
-    two rounds, or after one that alone took longer than that (a slow case's
-    second round would cost more than it tells). `order_log` receives each
+    """Measure `names` in `case`, round r running each once in the order
+    `round_order` gives; stop after `rounds`, or once `case_seconds` are
+    used: after two rounds, or after one that alone took longer than that (a
+    slow case's second round would cost more than it tells). `order_log` receives each
     contender as it runs."""
     results = {name: Measurement(name, process) for name in names}
     for name in names:
@@ -813,8 +834,7 @@ def interleave(
         ]
         if not live:
             break
-        shift = round_index % len(live)
-        for name in live[shift:] + live[:shift]:
+        for name in round_order(live, round_index):
             if order_log is not None:
                 order_log.append(name)
             try:
