@@ -583,6 +583,49 @@ def test_defragment_segments_in_batches_keeps_bytes_and_addresses(build, device,
     assert t.defragment_segments_([3, 0]) == [False, False]
 
 
+class _StepLog(FaultInjectingDriver):
+    """Fault injection that also logs the order of copies, waits and unmaps."""
+
+    def __init__(self, inner):
+        super().__init__(inner)
+        self.log: list[str] = []
+
+    def _copy(self, destination, source, size):
+        self.log.append("copy")
+        super()._copy(destination, source, size)
+
+    def synchronize(self):
+        self.log.append("synchronize")
+        super().synchronize()
+
+    def _unmap(self, address, size):
+        self.log.append("unmap")
+        super()._unmap(address, size)
+
+
+@pytest.mark.invariant(3)
+def test_a_failure_after_a_copy_was_queued_waits_for_it_before_unmapping(build, device, granule):
+    """A copy into the scratch mapping may still run on the device when a
+    later step of its batch fails: the undo must wait for the device before
+    it unmaps that mapping (on a GPU, unmapping under a running copy faults)."""
+    logged = _StepLog(driver_for(device))
+    t = fragmented_neighbours(build, logged, granule)
+    before = [t.segment_view(i).clone() for i in range(4)]
+    logged.fail_in("create", 2)  # the second group's chunk, after the first group's copy
+    logged.log.clear()
+    with pytest.raises(DriverError, match="injected fault"):
+        t.defragment_segments_(batch_bytes=1000 * granule)
+    first_copy = logged.log.index("copy")
+    after_copy = logged.log[first_copy:]
+    assert "unmap" in after_copy, logged.log
+    assert "synchronize" in after_copy[: after_copy.index("unmap")], (
+        f"the undo unmapped before waiting for the queued copy: {logged.log}"
+    )
+    check_readback_matches_bookkeeping(t)
+    for i in range(4):
+        check_all_equal(t.segment_view(i), before[i], f"segment {i} after a fault in the batch")
+
+
 @pytest.mark.invariant(3, 5)
 def test_fault_in_a_later_batch_keeps_earlier_batches_moved_and_a_retry_finishes(build, device, granule, usage):
     baseline = usage.read_outside_torch()
