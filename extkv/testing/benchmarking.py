@@ -172,14 +172,10 @@ GEOMETRIES: dict[str, Geometry] = {
 
 
 # -- extkv as a store -------------------------------------------------------------------
-class DriverClock(WrappingDriver):
-    """The real driver, with the thread CPU time spent inside its steps
-    summed up: a commit's CPU time minus this is extkv's own bookkeeping,
-    which must not grow with the bytes committed (the driver's does)."""
+class _StepClock:
+    """Sums up the thread CPU time spent inside the steps it runs (`cpu_seconds`)."""
 
-    def __init__(self, inner: vmm.Driver):
-        super().__init__(inner)
-        self.cpu_seconds = 0.0
+    cpu_seconds: float
 
     def _timed(self, step: Callable, *args):
         start = time.thread_time()
@@ -187,6 +183,25 @@ class DriverClock(WrappingDriver):
             return step(*args)
         finally:
             self.cpu_seconds += time.thread_time() - start
+
+    @contextlib.contextmanager
+    def _timed_context(self, context: contextlib.AbstractContextManager):
+        """`context`, with its entering and leaving timed as steps."""
+        self._timed(context.__enter__)
+        try:
+            yield
+        finally:
+            self._timed(context.__exit__, None, None, None)
+
+
+class DriverClock(_StepClock, WrappingDriver):
+    """The real driver, with the thread CPU time spent inside its steps
+    summed up: a commit's CPU time minus this is extkv's own bookkeeping,
+    which must not grow with the bytes committed (the driver's does)."""
+
+    def __init__(self, inner: vmm.Driver):
+        super().__init__(inner)
+        self.cpu_seconds = 0.0
 
     def _reserve(self, size):
         return self._timed(self.inner._reserve, size)
@@ -218,19 +233,13 @@ class DriverClock(WrappingDriver):
     def synchronize(self):
         self._timed(self.inner.synchronize)
 
-    @contextlib.contextmanager
     def batch(self):
         # Entering and leaving a batch is driver setup (CUDA: a context push
         # and pop, the current stream looked up), not extkv's bookkeeping.
-        batch = self.inner.batch()
-        self._timed(batch.__enter__)
-        try:
-            yield
-        finally:
-            self._timed(batch.__exit__, None, None, None)
+        return self._timed_context(self.inner.batch())
 
 
-class PrimitivesClock(baselines.Primitives):
+class PrimitivesClock(_StepClock, baselines.Primitives):
     """The raw sequence's calls, with the thread CPU time inside them summed
     up as `DriverClock` does for extkv: the raw sequence's CPU time outside
     its driver calls is the yardstick for extkv's own (what the machine adds
@@ -242,21 +251,8 @@ class PrimitivesClock(baselines.Primitives):
         self.granularity = inner.granularity
         self.cpu_seconds = 0.0
 
-    def _timed(self, step: Callable, *args):
-        start = time.thread_time()
-        try:
-            return step(*args)
-        finally:
-            self.cpu_seconds += time.thread_time() - start
-
-    @contextlib.contextmanager
     def active(self):
-        context = self.inner.active()
-        self._timed(context.__enter__)
-        try:
-            yield
-        finally:
-            self._timed(context.__exit__, None, None, None)
+        return self._timed_context(self.inner.active())
 
     def reserve(self, size):
         return self._timed(self.inner.reserve, size)
