@@ -186,12 +186,16 @@ class _Mapping:
                 starts = list(map(_FIRST_GRANULE, chunks))
         return _Mapping(chunks, starts, granules)
 
+    def _first_ending_after(self, first: int) -> int:
+        """Index of the first chunk that maps granule `first` or a later one."""
+        index = bisect.bisect_right(self._starts, first, 0, self.count) - 1
+        if index < 0 or self._chunks[index].end_granule <= first:
+            index += 1
+        return index
+
     def overlapping(self, first: int, end: int) -> list[MappedChunk]:
         """Chunks that map any granule of [first, end), in address order."""
-        chunks, count = self._chunks, self.count
-        index = bisect.bisect_right(self._starts, first, 0, count) - 1
-        if index < 0 or chunks[index].end_granule <= first:
-            index += 1
+        chunks, count, index = self._chunks, self.count, self._first_ending_after(first)
         found = []
         while index < count and chunks[index].first_granule < end:
             found.append(chunks[index])
@@ -200,10 +204,7 @@ class _Mapping:
 
     def gaps(self, first: int, end: int) -> list[tuple[int, int]]:
         """Unmapped runs (first granule, count) inside [first, end)."""
-        chunks, count = self._chunks, self.count
-        index = bisect.bisect_right(self._starts, first, 0, count) - 1
-        if index < 0 or chunks[index].end_granule <= first:
-            index += 1
+        chunks, count, index = self._chunks, self.count, self._first_ending_after(first)
         runs, at = [], first
         while index < count and chunks[index].first_granule < end:
             mapped = chunks[index]
@@ -250,7 +251,6 @@ class _ZeroCursor:
 def _operation(method):
     """Run `method` holding the tensor's lock, once its state allows it."""
     name = method.__name__
-
     legal_in = _LEGAL_IN[name]
 
     @functools.wraps(method)

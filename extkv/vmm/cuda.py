@@ -50,12 +50,8 @@ def _bindings():
 
 
 def _check(call: str, result, *, size: int | None = None, address: int | None = None):
-    """Unpack a cuda-python result tuple, raising DriverError on failure."""
-    status = result[0]
-    if status == 0 and len(result) <= 2:
-        # The common case, without the enum lookups below: a commit makes
-        # four driver calls per chunk, and small commits are mostly those.
-        return result[1] if len(result) == 2 else None
+    """Unpack a cuda-python result tuple, raising DriverError on failure
+    (`CudaDriver._call` answers the common success itself, sooner)."""
     cu = _bindings()
     status, *values = result
     if status != cu.CUresult.CUDA_SUCCESS:
@@ -114,12 +110,12 @@ class _ContextPushed:
         self._driver = driver
 
     def __enter__(self) -> None:
-        _check("cuCtxPushCurrent", _bindings().cuCtxPushCurrent(self._driver._context))
+        _check("cuCtxPushCurrent", self._driver._cu.cuCtxPushCurrent(self._driver._context))
         self._driver._thread.pushed = True
 
     def __exit__(self, *exc_info) -> None:
         self._driver._thread.pushed = False
-        _check("cuCtxPopCurrent", _bindings().cuCtxPopCurrent())
+        _check("cuCtxPopCurrent", self._driver._cu.cuCtxPopCurrent())
 
 
 class _Batch:
@@ -212,7 +208,8 @@ class CudaDriver(Driver):
             with _ContextPushed(self):
                 result = function(*args)
         if result[0] == 0 and len(result) <= 2:
-            # Success: what `_check` would return, one call sooner.
+            # Success with at most one value, without `_check`'s enum lookups:
+            # a commit makes four calls per chunk, small commits mostly these.
             return result[1] if len(result) == 2 else None
         return _check(name, result, size=size, address=address)
 
