@@ -19,16 +19,16 @@ row r of a Williams design (`round_order`). A round meets the state its
 predecessor left, and plain rotation keeps predecessors fixed (in a, b, c
 rotated, b always follows a); a Williams design gives each contender every
 other one as predecessor equally often (once each over n rounds for an even
-number n of contenders, twice each over 2n for an odd one). Each round of a contender is: a new store, untimed setup
-(reserve, the growth a defragment starts from, ...), the timed operation
-ended by a device synchronize, untimed teardown that gives everything back.
-Wall time (`perf_counter`) runs to the end of the synchronize; host CPU time
-(`thread_time` of the calling thread) stops before it, since a GPU
-synchronize spins the CPU for as long as the device works. Rounds stop at
-the profile's count, or once a case has used its seconds (after two rounds,
-or after one that alone took that long). A run has a budget of seconds: a
-case that would start after it is reported as not run, with that reason, so
-a run never overstays its machine.
+number n of contenders, twice each over 2n for an odd one). Each round of a
+contender is: a new store, untimed setup (reserve, the growth a defragment
+starts from, ...), the timed operation ended by a device synchronize,
+untimed teardown that gives everything back. Wall time (`perf_counter`) runs
+to the end of the synchronize; host CPU time (`thread_time` of the calling
+thread) stops before it, since a GPU synchronize spins the CPU for as long
+as the device works. Rounds stop at the profile's count, or once a case has
+used its seconds (after two rounds, or after one that alone took that long).
+A run has a budget of seconds: a case that would start after it is reported
+as not run, with that reason, so a run never overstays its machine.
 
 Memory a round uses has been released by the round before: those cases are
 *recycled*. *Fresh* cases (the headline first commits) run in a new process
