@@ -50,8 +50,11 @@ def _bindings():
 
 
 def _check(call: str, result, *, size: int | None = None, address: int | None = None):
-    """Unpack a cuda-python result tuple, raising DriverError on failure
-    (`CudaDriver._call` answers the common success itself, sooner)."""
+    """Unpack a cuda-python result tuple, raising DriverError on failure."""
+    if result[0] == 0 and len(result) <= 2:
+        # Success with at most one value, without the enum lookups below: a
+        # commit makes four driver calls per chunk, small commits mostly these.
+        return result[1] if len(result) == 2 else None
     cu = _bindings()
     status, *values = result
     if status != cu.CUresult.CUDA_SUCCESS:
@@ -203,15 +206,9 @@ class CudaDriver(Driver):
         (`_check`). A commit makes four of these per chunk, so the common
         case, the context already pushed by a batch, takes no `with`."""
         if getattr(self._thread, "pushed", False):
-            result = function(*args)
-        else:
-            with _ContextPushed(self):
-                result = function(*args)
-        if result[0] == 0 and len(result) <= 2:
-            # Success with at most one value, without `_check`'s enum lookups:
-            # a commit makes four calls per chunk, small commits mostly these.
-            return result[1] if len(result) == 2 else None
-        return _check(name, result, size=size, address=address)
+            return _check(name, function(*args), size=size, address=address)
+        with _ContextPushed(self):
+            return _check(name, function(*args), size=size, address=address)
 
     def _zero(self, address: int, size: int) -> None:
         self._call("cuMemsetD8Async", self._cu.cuMemsetD8Async, address, 0, size, self._stream(), size=size, address=address)
