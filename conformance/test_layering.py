@@ -26,7 +26,8 @@ ROOT = Path(extkv.__file__).resolve().parent.parent
 LAYERS: list[set[str]] = [
     {"extkv.errors", "extkv.validate", "extkv.vmm.dlpack", "extkv.vmm.torch_memory"},
     {"extkv.vmm.base"},
-    {"extkv.vmm.transaction", "extkv.vmm.wrapping", "extkv.vmm.host", "extkv.vmm.cuda"},
+    {"extkv.vmm.transaction"},
+    {"extkv.vmm.wrapping", "extkv.vmm.host", "extkv.vmm.cuda"},
     {"extkv.vmm.faults", "extkv.vmm.poison", "extkv.vmm.baselines"},
     {"extkv.vmm"},
     {"extkv.tensor", "extkv.layout_types", "extkv.sizing", "extkv.usage", "extkv.wire"},

@@ -404,6 +404,79 @@ def test_driver_error_names_call_code_size_and_address(device, granule):
         driver.free_reservation(address, granule)
 
 
+def test_map_new_chunks_maps_each_run_then_zeroes_exactly_its_ranges(driver, granule, device):
+    """The one-call commit path of the bare driver (on CUDA its own loop, not
+    the step-by-step one wrappers take): zeroing is checked on a chunk mapped
+    before and poisoned, so a range it missed or overran reads as poison."""
+    address = driver.reserve(3 * granule)
+    earlier = driver.create(granule)
+    created: list = []
+    try:
+        driver.map(address, earlier)
+        driver.set_access(address, granule)
+        driver.view(address, granule).fill_(0xA5)
+        zero = [(address + 100, 300), (address + granule - 8, 8), (address + granule + 5, 7)]
+        runs = [(address + granule, granule, zero), (address + 2 * granule, granule, ())]
+        driver.map_new_chunks(runs, created, driver.release)
+        driver.synchronize()
+        assert [chunk.size for chunk in created] == [granule, granule]
+        backing = driver.chunks_at([address, address + granule, address + 2 * granule])
+        assert None not in backing and len(set(backing)) == 3
+        expected = torch.full((granule,), 0xA5, dtype=torch.uint8, device=device)
+        expected[100:400] = 0
+        expected[granule - 8 :] = 0
+        assert int((driver.view(address, granule) != expected).sum()) == 0
+        new = driver.view(address + granule, 2 * granule)
+        new.fill_(1)  # writable
+        driver.synchronize()
+        assert int(new.sum()) == 2 * granule
+    finally:
+        driver.synchronize()
+        for index, chunk in enumerate([earlier, *created]):
+            driver.unmap(address + index * granule, granule)
+            driver.release(chunk)
+        driver.free_reservation(address, 3 * granule)
+
+
+def test_map_new_chunks_failure_keeps_finished_runs_and_gives_back_the_failing_chunk(driver, granule):
+    address = driver.reserve(2 * granule)
+    chunks_before = live_chunks[driver.kind]
+    created: list = []
+    given_back: list = []
+
+    def give_back(chunk):
+        given_back.append(chunk)
+        driver.release(chunk)
+
+    try:
+        with pytest.raises(DriverError) as raised:
+            # The second run's address is misaligned: its map fails after its create.
+            driver.map_new_chunks([(address, granule, ()), (address + granule + 1, granule, ())], created, give_back)
+        assert raised.value.address == address + granule + 1 and raised.value.size == granule
+        assert len(created) == 1 and len(given_back) == 1
+        assert live_chunks[driver.kind] == chunks_before + 1
+        assert driver.chunk_at(address) is not None and driver.chunk_at(address + granule) is None
+    finally:
+        for chunk in created:
+            driver.unmap(address, granule)
+            driver.release(chunk)
+        driver.free_reservation(address, 2 * granule)
+    assert live_chunks[driver.kind] == chunks_before
+
+
+def test_map_new_chunks_refuses_a_size_off_the_granularity_before_creating_anything(driver, granule):
+    address = driver.reserve(2 * granule)
+    chunks_before = live_chunks[driver.kind]
+    created: list = []
+    try:
+        with pytest.raises(ValueError, match=f"size {granule + 1} is not a positive multiple of the granularity {granule}"):
+            driver.map_new_chunks([(address, granule, ()), (address + granule, granule + 1, ())], created, driver.release)
+        assert created == [] and live_chunks[driver.kind] == chunks_before
+        assert driver.chunk_at(address) is None
+    finally:
+        driver.free_reservation(address, 2 * granule)
+
+
 @pytest.mark.invariant(5)
 def test_create_free_cycles_return_everything_to_baseline(device, granule, usage):
     baseline = usage.read_outside_torch()

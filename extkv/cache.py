@@ -96,11 +96,14 @@ _LEGAL_IN: dict[str, frozenset[_State]] = {
 def _operation(method):
     """Run `method` holding the buffer's lock, once the cache's state allows it."""
     name = method.__name__
+    # A tuple, not the set: `in` on a tuple finds the member by identity,
+    # without hashing the enum in Python (a commit passes here twice).
+    legal_in = tuple(_LEGAL_IN[name])
 
     @functools.wraps(method)
     def locked(self, *args, **kwargs):
         with self.buffer.lock:
-            if self._state not in _LEGAL_IN[name]:
+            if self._state not in legal_in:
                 raise StateError(f"ExtensibleKVCache.{name}() is not allowed on a {self._state.value} cache")
             return method(self, *args, **kwargs)
 

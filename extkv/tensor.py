@@ -22,19 +22,20 @@ chunks of at least `pipelined_chunk_bytes` (1 GiB by default), so the device
 zeroes one chunk while the CPU creates and maps the next; one chunk of 32 GiB
 would make the device wait for its whole creation first. A cut never falls
 inside a segment, so each segment a commit maps whole still lies in one
-chunk. A run takes three driver steps (create, map, grant access), each
-registered with one `Transaction` (extkv.vmm) that is settled once the run
-is mapped, so a failure undoes only the steps of the run it hit. Runs
-finished before a failure stay mapped, recorded and accessible, and the
-committed sizes stay as they were, so the tensor is consistent and a retry
-maps only what is still missing.
+chunk. A run takes three driver steps (create, map, grant access); the
+tensor plans every run and hands the plan to the driver in one call
+(`Driver.map_new_chunks`), which undoes the steps of the run a failure hits
+and reports the runs finished before it. Those stay mapped, recorded and
+accessible, and the committed sizes stay as they were, so the tensor is
+consistent and a retry maps only what is still missing.
 
 With `zero_new`, exactly the new logical bytes are zeroed on the current
-stream, interleaved with mapping so the device zeroes one run while the CPU
-maps the next. The new byte ranges and the runs are both in address order,
-so one merge walk covers them (`_ZeroCursor`): one driver memset per new range
-per run it crosses, no tensor built per range. The whole operation runs in
-one driver `batch()` (one CUDA context push, one stream lookup).
+stream, interleaved with mapping: each run carries the new bytes below its
+end not zeroed yet, so the device zeroes one run while the CPU maps the
+next. The new byte ranges and the runs are both in address order, so one
+merge walk plans them (`_ZeroCursor`): one driver memset per new range per
+run it crosses, no tensor built per range. The whole operation runs in one
+driver `batch()` (one CUDA context push, one stream lookup).
 
 `defragment_segments_` moves segments onto a single chunk each at the same
 addresses and keeps every byte: each segment's chunks are copied into a new
@@ -218,40 +219,41 @@ class _Mapping:
 
 
 class _ZeroCursor:
-    """Zeroes byte ranges (absolute, in address order, disjoint) window by
+    """Hands out byte ranges (absolute, in address order, disjoint) window by
     window as the memory under them gets mapped; each range is visited once
-    over all windows, so a commit's zeroing costs O(ranges + runs)."""
+    over all windows, so planning a commit's zeroing costs O(ranges + runs)."""
 
-    def __init__(self, driver: Driver, ranges: list[tuple[int, int]]):
-        self._driver = driver
+    def __init__(self, ranges: list[tuple[int, int]]):
         self._ranges = ranges
         self._next = 0
         self._done_to = 0
 
-    def zero_below(self, end: int) -> None:
-        """Zero whatever part of the ranges lies below `end` and is not zeroed yet."""
-        ranges, index, done_to, zero = self._ranges, self._next, self._done_to, self._driver.zero
-        try:
-            while index < len(ranges):
-                low, high = ranges[index]
-                if low < done_to:
-                    low = done_to
-                if low >= end:
-                    return
-                top = high if high < end else end
-                zero(low, top - low)
-                done_to = top
-                if top < high:
-                    return
-                index += 1
-        finally:
-            self._next, self._done_to = index, done_to
+    def take_below(self, end: int) -> list[tuple[int, int]]:
+        """`(address, size)` of whatever part of the ranges lies below `end`
+        and was not taken yet."""
+        ranges, index, done_to, taken = self._ranges, self._next, self._done_to, []
+        while index < len(ranges):
+            low, high = ranges[index]
+            if low < done_to:
+                low = done_to
+            if low >= end:
+                break
+            top = high if high < end else end
+            taken.append((low, top - low))
+            done_to = top
+            if top < high:
+                break
+            index += 1
+        self._next, self._done_to = index, done_to
+        return taken
 
 
 def _operation(method):
     """Run `method` holding the tensor's lock, once its state allows it."""
     name = method.__name__
-    legal_in = _LEGAL_IN[name]
+    # A tuple, not the set: `in` on a tuple finds the member by identity,
+    # without hashing the enum in Python (a commit passes here twice).
+    legal_in = tuple(_LEGAL_IN[name])
 
     @functools.wraps(method)
     def locked(self, *args, **kwargs):
@@ -434,28 +436,47 @@ class ExtensibleTensor:
             if new > old
         ]
         runs = self._unmapped_runs(growing)
-        zeroing = _ZeroCursor(self._driver, growing) if zero_new else None
+        # Each run's new bytes are zeroed as soon as it is mapped, so the
+        # device zeroes one run while the CPU maps the next.
+        zeroing = _ZeroCursor(growing) if zero_new else None
         granule = self._driver.granularity
-        new_chunk_mapped_at = self._new_chunk_mapped_at
-        added: list[MappedChunk] = []
+        plan = []
+        for first, count in runs:
+            address = base + first * granule
+            plan.append((address, count * granule, zeroing.take_below(address + count * granule) if zeroing else ()))
+        created: list[Chunk] = []
         with self._driver.batch():
             try:
-                with Transaction() as transaction:
-                    for first, count in runs:
-                        # One chunk per run; its steps' undo lives until the run is mapped.
-                        address = base + first * granule
-                        chunk = new_chunk_mapped_at(address, count * granule, transaction)
-                        added.append(MappedChunk(chunk, address, first, count))
-                        transaction.settle()
-                        if zeroing:
-                            zeroing.zero_below(address + count * granule)
+                if plan:
+                    self._map_new_chunks(plan, created)
             finally:
                 # Runs mapped before a failure stay mapped: record them.
-                if added:
-                    self._publish(added=added)
+                if created:
+                    self._publish(
+                        added=[
+                            MappedChunk(chunk, plan[i][0], runs[i][0], runs[i][1]) for i, chunk in enumerate(created)
+                        ]
+                    )
             if zeroing:
-                zeroing.zero_below(base + self.reserved_bytes)
+                # New bytes in granules mapped before this call.
+                for address, size in zeroing.take_below(base + self.reserved_bytes):
+                    self._driver.zero(address, size)
         self._sizes = sizes
+
+    def _map_new_chunks(self, plan: list, created: list[Chunk]) -> None:
+        driver, give_back = self._driver, self._unreleased.release
+        try:
+            driver.map_new_chunks(plan, created, give_back)
+        except OutOfMemoryError as error:
+            # Memory torch's caching allocator holds but does not use may be
+            # exactly what the failed run needs: return it and try once more
+            # from that run.
+            if not driver.reclaim_cache():
+                raise
+            try:
+                driver.map_new_chunks(plan[len(created):], created, give_back)
+            except OutOfMemoryError as retry_error:
+                raise retry_error from error
 
     def _validated_sizes(self, sizes: Sequence[int], *, grow_only: bool) -> list[int]:
         try:

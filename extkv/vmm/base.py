@@ -36,7 +36,7 @@ import abc
 import collections
 import contextlib
 import threading
-from typing import Hashable, Iterable, NamedTuple
+from typing import Callable, Hashable, Iterable, NamedTuple, Sequence
 
 import torch
 
@@ -47,6 +47,12 @@ from .. import validate
 _live_lock = threading.Lock()
 live_reservations: collections.Counter[str] = collections.Counter()
 live_chunks: collections.Counter[str] = collections.Counter()
+
+
+def count_live_chunks(kind: str, change: int) -> None:
+    """Record chunks a driver of `kind` made (positive) or gave back (negative)."""
+    with _live_lock:
+        live_chunks[kind] += change
 
 
 class Chunk(NamedTuple):
@@ -102,14 +108,12 @@ class Driver(abc.ABC):
         """Create a physical chunk of `size` bytes (a multiple of the granularity)."""
         self._check_granular("create", size)
         chunk = self._create(size)
-        with _live_lock:
-            live_chunks[self.kind] += 1
+        count_live_chunks(self.kind, 1)
         return chunk
 
     def release(self, chunk: Chunk) -> None:
         self._release(chunk)
-        with _live_lock:
-            live_chunks[self.kind] -= 1
+        count_live_chunks(self.kind, -1)
 
     # -- sharing chunks between processes --------------------------------------
     def export_fd(self, chunk: Chunk, *, writable: bool = False) -> int:
@@ -129,8 +133,7 @@ class Driver(abc.ABC):
         fd = validate.integer("import_fd: fd", fd, what="a file descriptor")
         self._check_granular("import_fd", size)
         chunk = self._import_fd(fd, size)
-        with _live_lock:
-            live_chunks[self.kind] += 1
+        count_live_chunks(self.kind, 1)
         return chunk
 
     # -- mappings ------------------------------------------------------------
@@ -163,6 +166,29 @@ class Driver(abc.ABC):
         """Keep per-call setup across the calls made inside; re-entrant, and
         only for the calling thread. Drivers that need none do nothing."""
         return _NO_SETUP
+
+    # -- a commit's steps, as one call -------------------------------------------
+    def map_new_chunks(
+        self,
+        runs: Sequence[tuple[int, int, Sequence[tuple[int, int]]]],
+        created: list[Chunk],
+        give_back: Callable[[Chunk], object],
+    ) -> None:
+        """For each `(address, size, zero)` of `runs`, in order: create a chunk
+        of `size` bytes, map it at `address`, make it writable, then zero the
+        `(address, size)` ranges of `zero` (mapped and writable by then).
+
+        Each chunk is appended to `created` once its run is mapped and
+        writable, so after a failure `created` holds exactly the runs that
+        stand. The failing run's own steps are undone before the error
+        propagates, its chunk handed to `give_back` (which releases it, or
+        keeps it for a later retry).
+        """
+        granularity, most = self.granularity, self.max_reservation_bytes
+        if not all(type(size) is int and 0 < size <= most and not size % granularity for _, size, _ in runs):
+            for _, size, _ in runs:
+                self._check_granular("map_new_chunks", size)
+        self._map_new_chunks(runs, created, give_back)
 
     # -- everything else -----------------------------------------------------
     @abc.abstractmethod
@@ -229,6 +255,11 @@ class Driver(abc.ABC):
 
     @abc.abstractmethod
     def _copy(self, destination: int, source: int, size: int) -> None: ...
+
+    @abc.abstractmethod
+    def _map_new_chunks(self, runs, created: list[Chunk], give_back: Callable[[Chunk], object]) -> None:
+        """Step by step (`transaction.map_new_chunks_step_by_step`), or in one
+        loop where the driver's steps cost less that way."""
 
     def _check_granular(self, call: str, size: int) -> None:
         # Checked here, before any C call: ctypes and cuda-python truncate an

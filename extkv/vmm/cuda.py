@@ -36,7 +36,8 @@ from typing import Callable, Hashable
 import torch
 
 from ..errors import DriverError, OutOfMemoryError
-from .base import Chunk, Driver, format_granularity
+from .base import Chunk, Driver, count_live_chunks, format_granularity
+from .transaction import Transaction
 from . import torch_memory
 from .dlpack import uint8_view
 
@@ -51,10 +52,6 @@ def _bindings():
 
 def _check(call: str, result, *, size: int | None = None, address: int | None = None):
     """Unpack a cuda-python result tuple, raising DriverError on failure."""
-    if result[0] == 0 and len(result) <= 2:
-        # Success with at most one value, without the enum lookups below: a
-        # commit makes four driver calls per chunk, small commits mostly these.
-        return result[1] if len(result) == 2 else None
     cu = _bindings()
     status, *values = result
     if status != cu.CUresult.CUDA_SUCCESS:
@@ -104,6 +101,15 @@ def _raw_stream_lookup() -> Callable[[int], int]:
 
 # Context managers below are classes, not generators: a commit opens one per
 # call, and a generator-based one costs several times as much to enter.
+class _ThreadState(threading.local):
+    """Per thread: whether the driver's context is pushed (by an open
+    `_active` or `batch`), and the stream `batch` looked up (None outside
+    one). Class-level defaults, so that reading them needs no `getattr`."""
+
+    pushed = False
+    stream = None
+
+
 class _ContextPushed:
     """The driver's primary context pushed on this thread for the calls inside."""
 
@@ -113,12 +119,14 @@ class _ContextPushed:
         self._driver = driver
 
     def __enter__(self) -> None:
-        _check("cuCtxPushCurrent", self._driver._cu.cuCtxPushCurrent(self._driver._context))
+        result = self._driver._cu.cuCtxPushCurrent(self._driver._context)
+        result[0] == 0 or _check("cuCtxPushCurrent", result)
         self._driver._thread.pushed = True
 
     def __exit__(self, *exc_info) -> None:
         self._driver._thread.pushed = False
-        _check("cuCtxPopCurrent", self._driver._cu.cuCtxPopCurrent())
+        result = self._driver._cu.cuCtxPopCurrent()
+        result[0] == 0 or _check("cuCtxPopCurrent", result)
 
 
 class _Batch:
@@ -135,10 +143,12 @@ class _Batch:
         thread = driver._thread
         self._active = driver._active()
         self._active.__enter__()
-        self._outer_stream = getattr(thread, "stream", None)
+        self._outer_stream = thread.stream
         if self._outer_stream is None:
             try:
-                thread.stream = driver._current_stream(driver.device.index)
+                # As the bindings' own type: an int would be converted on
+                # every call that takes it, and a commit makes one per run.
+                thread.stream = driver._cu.CUstream(driver._current_stream(driver.device.index))
             except BaseException:
                 self._active.__exit__(None, None, None)
                 raise
@@ -181,34 +191,63 @@ class CudaDriver(Driver):
         self._access = {True: [access], False: [read_only]}
         self.granularity = _granularity(self._prop)
         self._current_stream = _raw_stream_lookup()
-        # Per thread: whether this driver's context is pushed (by an open
-        # `_active` or `batch`), and the stream `batch` looked up (None
-        # outside one).
-        self._thread = threading.local()
+        self._thread = _ThreadState()
 
     def _active(self) -> contextlib.AbstractContextManager[None]:
         # Inside another `_active` or `batch` of this thread the context is
         # current already; a commit makes thousands of calls, each would
         # otherwise push and pop.
-        if getattr(self._thread, "pushed", False):
+        if self._thread.pushed:
             return _ALREADY_ACTIVE
         return _ContextPushed(self)
 
     def batch(self) -> contextlib.AbstractContextManager[None]:
         return _Batch(self)
 
-    def _stream(self) -> int:
-        stream = getattr(self._thread, "stream", None)
+    def _stream(self):
+        stream = self._thread.stream
         return self._current_stream(self.device.index) if stream is None else stream
 
     def _call(self, name: str, function: Callable, *args, size: int | None = None, address: int | None = None):
         """`function(*args)` with the context current, its result checked
         (`_check`). A commit makes four of these per chunk, so the common
-        case, the context already pushed by a batch, takes no `with`."""
-        if getattr(self._thread, "pushed", False):
-            return _check(name, function(*args), size=size, address=address)
-        with _ContextPushed(self):
-            return _check(name, function(*args), size=size, address=address)
+        case, the context already pushed by a batch, takes no `with`, and a
+        success with at most one value returns before any enum lookup."""
+        if self._thread.pushed:
+            result = function(*args)
+        else:
+            with _ContextPushed(self):
+                result = function(*args)
+        if result[0] == 0 and len(result) <= 2:
+            return result[1] if len(result) == 2 else None
+        return _check(name, result, size=size, address=address)
+
+    def _map_new_chunks(self, runs, created: list[Chunk], give_back: Callable[[Chunk], object]) -> None:
+        # The generic loop (`Driver._map_new_chunks`) goes through three layers
+        # per step; a commit of 256 segments makes over a thousand steps, each
+        # a few microseconds of Python that runs cold after the driver's own
+        # work. Here every step is one bindings call, its result checked inline.
+        cu = self._cu
+        create, map_, grant, memset = cu.cuMemCreate, cu.cuMemMap, cu.cuMemSetAccess, cu.cuMemsetD8Async
+        prop, writable, stream, kind = self._prop, self._access[True], self._stream(), self.kind
+        with self._active(), Transaction() as undo:
+            for address, size, zero in runs:
+                result = create(size, prop, 0)
+                result[0] == 0 or _check("cuMemCreate", result, size=size)
+                chunk = Chunk(int(result[1]), size)
+                count_live_chunks(kind, 1)
+                undo.push(give_back, chunk)
+                # The handle as an int: the bindings take it faster than their own type.
+                result = map_(address, size, 0, chunk.handle, 0)
+                result[0] == 0 or _check("cuMemMap", result, size=size, address=address)
+                undo.push(self.unmap, address, size)
+                result = grant(address, size, writable, 1)
+                result[0] == 0 or _check("cuMemSetAccess", result, size=size, address=address)
+                created.append(chunk)
+                undo.settle()
+                for low, count in zero:
+                    result = memset(low, 0, count, stream)
+                    result[0] == 0 or _check("cuMemsetD8Async", result, size=count, address=low)
 
     def _zero(self, address: int, size: int) -> None:
         self._call("cuMemsetD8Async", self._cu.cuMemsetD8Async, address, 0, size, self._stream(), size=size, address=address)

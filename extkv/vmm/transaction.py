@@ -27,7 +27,7 @@ someone else). A transaction's undo of a create is therefore
 
 from __future__ import annotations
 
-from typing import Any, Callable, Iterable
+from typing import Any, Callable, Iterable, Sequence
 
 from .base import Chunk, Driver
 
@@ -89,3 +89,25 @@ class UnreleasedChunks:
         while self._chunks:
             self._driver.release(self._chunks[-1])
             self._chunks.pop()
+
+
+def map_new_chunks_step_by_step(
+    driver: Driver,
+    runs: Sequence[tuple[int, int, Sequence[tuple[int, int]]]],
+    created: list[Chunk],
+    give_back: Callable[[Chunk], object],
+) -> None:
+    """`Driver.map_new_chunks` through the driver's public steps, one by one,
+    so that a wrapper's own steps (an injected fault, a poisoned chunk) take
+    part and the live counts are kept by the steps themselves."""
+    with Transaction() as undo:
+        for address, size, zero in runs:
+            chunk = driver.create(size)
+            undo.push(give_back, chunk)
+            driver.map(address, chunk)
+            undo.push(driver.unmap, address, size)
+            driver.set_access(address, size)
+            created.append(chunk)
+            undo.settle()
+            for low, count in zero:
+                driver.zero(low, count)

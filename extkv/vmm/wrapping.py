@@ -17,6 +17,7 @@ from typing import Hashable, Iterable
 import torch
 
 from .base import Chunk, Driver
+from .transaction import map_new_chunks_step_by_step
 
 
 class WrappingDriver(Driver):
@@ -63,6 +64,12 @@ class WrappingDriver(Driver):
 
     def _copy(self, destination: int, source: int, size: int) -> None:
         self.inner._copy(destination, source, size)
+
+    def _map_new_chunks(self, runs, created, give_back) -> None:
+        # Through this wrapper's own steps, never the inner driver's loop:
+        # a wrapper changes steps, and a loop inside the inner driver would
+        # bypass them.
+        map_new_chunks_step_by_step(self, runs, created, give_back)
 
     def batch(self):
         return self.inner.batch()
