@@ -27,6 +27,7 @@ someone else). A transaction's undo of a create is therefore
 
 from __future__ import annotations
 
+import collections
 from typing import Any, Callable, Iterable, Sequence
 
 from .base import Chunk, Driver
@@ -70,7 +71,7 @@ class UnreleasedChunks:
 
     def __init__(self, driver: Driver) -> None:
         self._driver = driver
-        self._chunks: list[Chunk] = []
+        self._chunks: collections.deque[Chunk] = collections.deque()
 
     def keep(self, chunks: Iterable[Chunk]) -> None:
         """Record chunks to release at the next `retry`, before trying, so that
@@ -84,11 +85,15 @@ class UnreleasedChunks:
         self.retry()
 
     def retry(self) -> None:
-        """Release every kept chunk, newest first; stops at the first the
+        """Release every kept chunk, oldest first; stops at the first the
         driver refuses (raised), which stays kept with those after it."""
+        # Oldest first, so that a tensor releases in address order: on the
+        # H200 the creates that follow cost less after a release in address
+        # order than after one in reverse (33.6 vs 40.0 us per 128 MiB chunk,
+        # the least over 8 rounds), and a recommit's creates follow it.
         while self._chunks:
-            self._driver.release(self._chunks[-1])
-            self._chunks.pop()
+            self._driver.release(self._chunks[0])
+            self._chunks.popleft()
 
 
 def map_new_chunks_step_by_step(
