@@ -582,9 +582,9 @@ PROFILES: dict[str, Profile] = {
             extra_geometries=("mla61",),
             per_block_blocks=1000,
             replays=20,
-            rounds=5,
+            rounds=9,
             case_seconds=8.0,
-            budget_seconds=330.0,
+            budget_seconds=420.0,
             costly_rounds=2,
         ),
         Profile(
