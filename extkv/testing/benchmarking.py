@@ -197,7 +197,9 @@ class _StepClock:
 class DriverClock(_StepClock, WrappingDriver):
     """The real driver, with the thread CPU time spent inside its steps
     summed up: a commit's CPU time minus this is extkv's own bookkeeping,
-    which must not grow with the bytes committed (the driver's does)."""
+    which must not grow with the bytes committed (the driver's does). Like
+    every wrapper it maps a commit's runs step by step (so each step can be
+    timed), not in the inner driver's own loop, if it has one."""
 
     def __init__(self, inner: vmm.Driver):
         super().__init__(inner)
@@ -1070,7 +1072,9 @@ class Engine:
                 "(outside driver calls), and the raw sequence's as its yardstick, from an extra round per round of "
                 "each recycled commit, with every driver "
                 "step and the driver's batch setup (CUDA: context push and pop, stream lookup) timed, so that "
-                "timing never weighs on the rounds the ratios come from"
+                "timing never weighs on the rounds the ratios come from; to time each step, extkv's extra round "
+                "maps a commit's runs step by step, as a wrapped driver does, not in the CUDA driver's own loop, "
+                "which does a subset of that Python: its own CPU reads high, if anything"
             ),
             "contenders": {name: {"role": c.role, "what": c.describe(), "process": c.process} for name, c in CONTENDERS.items()},
             "geometries": {name: g.what for name, g in GEOMETRIES.items()},
