@@ -36,7 +36,8 @@ LAYERS: list[set[str]] = [
     {"extkv.ranks", "extkv.connector"},
     {"extkv.runner"},
     {"extkv.reference_model"},
-    {"extkv.testing", "extkv.testing.gpus", "extkv.testing.readings", "extkv.testing.configs", "extkv.testing.checks"},
+    {"extkv.testing", "extkv.testing.gpus", "extkv.testing.readings", "extkv.testing.configs", "extkv.testing.checks",
+     "extkv.testing.work"},
     {"extkv.testing.stateful"},
     # One line per owner, so that work on checks, benchmarks and stress runs
     # can add modules without touching each other's line.

@@ -22,7 +22,8 @@ from extkv.testing.checks import (
     readback_one_chunk_per_segment,
     snapshot,
 )
-from extkv.vmm import driver_for, live_chunks, live_reservations
+from extkv.testing.work import python_instructions
+from extkv.vmm import HostDriver, driver_for, live_chunks, live_reservations
 from extkv.usage import open_chunk_fds
 
 
@@ -402,6 +403,37 @@ def test_driver_error_names_call_code_size_and_address(device, granule):
             driver.release(chunk)
     finally:
         driver.free_reservation(address, granule)
+
+
+def _commit_work(driver, segments: int, granules_each: int) -> int:
+    """Python bytecode instructions of one zeroing commit that maps
+    `segments` segments of `granules_each` granules, on a fresh tensor."""
+    g = driver.granularity
+    t = ExtensibleTensor(segments * granules_each * g, device=driver, segment_capacities=[granules_each * g] * segments)
+    try:
+        return python_instructions(lambda: t.resize_segments_([granules_each * g] * segments, zero_new=True))
+    finally:
+        t.free()
+
+
+@pytest.fixture
+def small_granule_driver(device):
+    """On the host a 4 KiB granule, so a thousand granules are 4 MiB, not 2 GiB."""
+    return HostDriver(granularity=4096) if device.type == "cpu" else driver_for(device)
+
+
+def test_a_commits_python_work_does_not_grow_with_its_granule_count(small_granule_driver):
+    _commit_work(small_granule_driver, 1, 1)  # first-use work (imports, caches) is not the commit's
+    work = {granules: _commit_work(small_granule_driver, 1, granules) for granules in (1, 16, 1024)}
+    assert work[1] == work[16] == work[1024], f"bytecode instructions per commit by granule count: {work}"
+
+
+def test_a_commits_python_work_grows_linearly_with_its_segment_count(small_granule_driver):
+    _commit_work(small_granule_driver, 1, 1)
+    work = {segments: _commit_work(small_granule_driver, segments, 1) for segments in (256, 1024)}
+    # Four times the segments: four times the per-segment work, plus the
+    # same fixed part (so a little under 4x); anything quadratic exceeds it.
+    assert work[1024] <= 4 * work[256], f"bytecode instructions per commit by segment count: {work}"
 
 
 def test_map_new_chunks_maps_each_run_then_zeroes_exactly_its_ranges(driver, granule, device):
