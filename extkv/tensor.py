@@ -553,28 +553,14 @@ class ExtensibleTensor:
         self._mapping = self._mapping.changed(added=added, removed=removed)
 
     def _new_chunk_mapped_at(self, address: int, size: int, transaction: Transaction) -> Chunk:
-        """Create a chunk, map it at `address` and grant access, registering
-        the undo of each step with `transaction`."""
-        driver = self._driver
-        try:
-            chunk = driver.create(size)
-        except OutOfMemoryError as error:
-            chunk = self._create_after_reclaiming(size, error)
+        """A new chunk mapped writable at `address` (the commit path, for one
+        run), the undo of each step registered with `transaction`."""
+        created: list[Chunk] = []
+        self._map_new_chunks([(address, size, ())], created)
+        (chunk,) = created
         transaction.push(self._unreleased.release, chunk)
-        driver.map(address, chunk)
-        transaction.push(driver.unmap, address, size)
-        driver.set_access(address, size)
+        transaction.push(self._driver.unmap, address, size)
         return chunk
-
-    def _create_after_reclaiming(self, size: int, error: OutOfMemoryError) -> Chunk:
-        # Memory torch's caching allocator holds but does not use may be
-        # exactly what this chunk needs: return it and try once more.
-        if not self._driver.reclaim_cache():
-            raise error
-        try:
-            return self._driver.create(size)
-        except OutOfMemoryError as retry_error:
-            raise retry_error from error
 
     @_operation
     def segments_backed_by_one_chunk(self, sizes: Sequence[int]) -> list[bool]:
