@@ -387,16 +387,32 @@ def test_targets_apply_only_where_stated():
     assert rows["release-tms"].met is True
 
 
-def test_scaling_readings_compare_extkv_cpu_time_at_the_ends_of_a_series():
-    def commit(geometry, size, cpu):
-        return result("commit", {"extkv": entry("extkv", [1.0], cpu=cpu)}, geometry=geometry, bytes=size, case=f"{geometry}-{size}")
+def test_scaling_readings_compare_extkv_cpu_time_and_python_work_at_the_ends_of_a_series():
+    def commit(geometry, size, cpu, instructions):
+        extkv = entry("extkv", [1.0], cpu=cpu)
+        extkv.python_instructions = instructions
+        raw = entry("raw", [1.0])
+        raw.own_cpu, raw.python_instructions = [c / 4 for c in cpu], 100
+        return result("commit", {"extkv": extkv, "raw": raw}, geometry=geometry, bytes=size, case=f"{geometry}-{size}")
 
-    run = BenchRun({}, [commit("blhnc1", 64 * MiB, [0.010, 0.020]), commit("blhnc1", 64 << 30, [0.0105]),
-                        commit("lhbnc256", 32 << 30, [0.02]), commit("lhbnc1024", 32 << 30, [0.1])])
+    run = BenchRun({}, [commit("blhnc1", 64 * MiB, [0.010, 0.020], 1000), commit("blhnc1", 64 << 30, [0.0105], 1000),
+                        commit("lhbnc256", 32 << 30, [0.02], 20_000), commit("lhbnc1024", 32 << 30, [0.1], 80_000)])
     rows = {row.target.key: row for row in evaluate_scaling(run)}
     assert rows["cpu-flat-in-bytes"].value == pytest.approx(1.05) and rows["cpu-flat-in-bytes"].met
     assert rows["cpu-linear-in-segments"].value == pytest.approx(5.0) and rows["cpu-linear-in-segments"].met is False
+    assert "the raw sequence's over the same cases: 5.00x" in rows["cpu-linear-in-segments"].words
+    assert rows["work-flat-in-bytes"].value == pytest.approx(1.0) and rows["work-flat-in-bytes"].met
+    assert rows["work-linear-in-segments"].value == pytest.approx(4.0) and rows["work-linear-in-segments"].met
+    assert "(20,000 -> 80,000)" in rows["work-linear-in-segments"].words
+    assert "the raw sequence's over the same cases: 1.00x" in rows["work-linear-in-segments"].words
     assert isinstance(rows["cpu-linear-in-segments"].target, ScalingTarget)
+
+
+def test_a_scaling_reading_the_run_did_not_count_says_so():
+    run = BenchRun({}, [result("commit", {"extkv": entry("extkv", [1.0])}, geometry=g, bytes=b, case=f"{g}-{b}")
+                        for g, b in (("blhnc1", 64 * MiB), ("blhnc1", 64 << 30))])
+    row = {row.target.key: row for row in evaluate_scaling(run)}["work-flat-in-bytes"]
+    assert row.value is None and row.met is None and row.words == "not measured (the run did not count this reading)"
 
 
 # -- pytest-benchmark records what the engine measured ----------------------------------------------

@@ -17,8 +17,10 @@ torch_memory_saver) is compared through the case's pivot, measured in both
 processes: (extkv / pivot here) / (peer / pivot there).
 
 `TARGETS` holds the goals of issue 9 as data, each over the cases it applies
-to; `SCALING_TARGETS` the two scaling readings of issue 10 (host CPU time
-per commit flat in bytes, linear in segments). A verdict uses the ratio of
+to; `SCALING_TARGETS` the scaling readings of issue 10 (host CPU time per
+commit flat in bytes, linear in segments), each also read as Python work in
+bytecode instructions: exact where CPU time also measures the caches a large
+driver call evicted. A verdict uses the ratio of
 minima; the median is shown beside it. A target is met or missed by how
 much, or not measured, saying why.
 
@@ -115,7 +117,7 @@ TARGETS: list[Target] = [
 
 @dataclass(frozen=True)
 class ScalingTarget:
-    """extkv's host CPU time per commit (`op`, recycled) at the far end of a
+    """extkv's `reading` per commit (`op`, recycled) at the far end of a
     series over the near end: at most `bound`."""
 
     key: str
@@ -125,6 +127,9 @@ class ScalingTarget:
     op: str = "commit"
     near: str = ""
     far: str = ""
+    #: "own_cpu": CPU seconds outside driver calls, least over rounds;
+    #: "python_instructions": bytecode instructions, one exact count.
+    reading: str = "own_cpu"
 
 
 SCALING_TARGETS: list[ScalingTarget] = [
@@ -133,6 +138,11 @@ SCALING_TARGETS: list[ScalingTarget] = [
     ScalingTarget("cpu-linear-in-segments", "extkv's host CPU time per commit outside driver calls linear in segments "
                   "(1,024 vs 256 segments, same bytes; issue 10: at most 4.5x)", "segments", 4.5, near="lhbnc256",
                   far="lhbnc1024"),
+    ScalingTarget("work-flat-in-bytes", "extkv's Python work per commit (bytecode instructions) flat in the granule "
+                  "count (the same cases and bound)", "bytes", 1.10, reading="python_instructions"),
+    ScalingTarget("work-linear-in-segments", "extkv's Python work per commit (bytecode instructions) linear in segments "
+                  "(the same cases and bound)", "segments", 4.5, near="lhbnc256", far="lhbnc1024",
+                  reading="python_instructions"),
 ]
 
 #: Operations drawn against bytes and against segments, and the contenders drawn.
@@ -154,6 +164,8 @@ class Entry:
     pivot: dict | None = None
     #: extkv: CPU seconds of each round outside driver calls (else empty).
     own_cpu: list[float] = field(default_factory=list)
+    #: Where own CPU is read: bytecode instructions of the operation (else None).
+    python_instructions: int | None = None
 
 
 @dataclass
@@ -198,7 +210,7 @@ def load(run_dir: Path) -> BenchRun | None:
                 continue
             measured[(info["case"], info["contender"])] = Entry(
                 info["contender"], info["process"], list(benchmark["stats"]["data"]), list(info["cpu"]), info.get("pivot"),
-                list(info.get("own_cpu") or []),
+                list(info.get("own_cpu") or []), info.get("python_instructions"),
             )
     else:
         problem = f"{BENCH_JSON} is missing: pytest-benchmark wrote no results (the run stopped early?)"
@@ -297,27 +309,36 @@ def evaluate_scaling(run: BenchRun) -> list[ScalingRow]:
             rows.append(ScalingRow(target, near, far, None, None, "not measured (a case of the series is missing)"))
             continue
         # extkv's own CPU time (outside driver calls) where the run counted
-        # it: the driver's CPU time for a create grows with the bytes.
-        near_cpu, far_cpu = (entry.own_cpu or entry.cpu for entry in (near.entries["extkv"], far.entries["extkv"]))
-        value = min(far_cpu) / min(near_cpu)
+        # it, else its CPU time: the driver's CPU time grows with the bytes.
+        value = _reading_ratio(target.reading, near.entries["extkv"], far.entries["extkv"], or_cpu=True)
+        if value is None:
+            rows.append(ScalingRow(target, near, far, None, None, "not measured (the run did not count this reading)"))
+            continue
         met = value <= target.bound
         words = f"met: {value:.2f}x" if met else f"missed by {(value / target.bound - 1) * 100:.0f}%: {value:.2f}x"
-        yardstick = _raw_outside_driver_ratio(near, far)
+        if target.reading == "python_instructions":
+            words += f" ({near.entries['extkv'].python_instructions:,} -> {far.entries['extkv'].python_instructions:,})"
+        raw = [case.entries.get("raw") for case in (near, far)]
+        yardstick = None if None in raw else _reading_ratio(target.reading, *raw)
         if yardstick is not None:
             # The same reading for the raw sequence, whose Python is the same
             # few calls at every size: growth there is the machine's.
-            words += f"; the raw sequence's CPU outside its driver calls over the same cases: {yardstick:.2f}x"
+            words += f"; the raw sequence's over the same cases: {yardstick:.2f}x"
         rows.append(ScalingRow(target, near, far, value, met, words))
     return rows
 
 
-def _raw_outside_driver_ratio(near: CaseResult, far: CaseResult) -> float | None:
-    """The raw sequence's CPU outside its driver calls, far over near, where
-    both cases counted it."""
-    entries = [case.entries.get("raw") for case in (near, far)]
-    if any(entry is None or not entry.own_cpu for entry in entries):
+def _reading_ratio(reading: str, near: Entry, far: Entry, *, or_cpu: bool = False) -> float | None:
+    """`reading` of `far` over `near`, where both counted it (with `or_cpu`,
+    CPU time stands in for own CPU time a run did not count)."""
+    if reading == "python_instructions":
+        if not near.python_instructions or far.python_instructions is None:
+            return None
+        return far.python_instructions / near.python_instructions
+    near_cpu, far_cpu = (entry.own_cpu or (entry.cpu if or_cpu else []) for entry in (near, far))
+    if not near_cpu or not far_cpu:
         return None
-    return min(entries[1].own_cpu) / min(entries[0].own_cpu)
+    return min(far_cpu) / min(near_cpu)
 
 
 # -- rendering -------------------------------------------------------------------------------

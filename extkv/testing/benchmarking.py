@@ -90,6 +90,7 @@ from ..vmm import baselines, driver_for
 from ..vmm.wrapping import WrappingDriver
 from ..vmm.baselines import Store, Unsupported
 from .configs import GRANULE
+from .work import python_instructions
 
 KiB, MiB, GiB = 1 << 10, 1 << 20, 1 << 30
 
@@ -697,13 +698,17 @@ class Measurement:
     #: outside driver calls (extkv's own bookkeeping; the driver's own CPU
     #: time grows with bytes).
     own_cpu: list[float] = field(default_factory=list)
+    #: Where `own_cpu` is read: the bytecode instructions Python executes in
+    #: the operation, counted in one extra round (exact, so one tells it;
+    #: see extkv.testing.work).
+    python_instructions: int | None = None
     #: For a peer measured in another process: that process's pivot,
     #: {"contender": name, "wall": [...], "cpu": [...]}.
     pivot: dict | None = None
 
     def stop(self, status: str, reason: str) -> None:
         self.status, self.reason = status, reason
-        self.wall, self.cpu, self.own_cpu = [], [], []
+        self.wall, self.cpu, self.own_cpu, self.python_instructions = [], [], [], None
 
     def add(self, times: tuple[float, float, float | None]) -> None:
         wall, cpu, own_cpu = times
@@ -768,6 +773,27 @@ def time_round(
     store = contender.make(device, GEOMETRIES[case.geometry], case.capacity_blocks, clocked=clocked)
     try:
         return _prepare_and_time(store, case, contender)
+    finally:
+        store.close()
+
+
+def count_python_work(case: Case, contender: Contender, device: torch.device) -> int:
+    """Bytecode instructions Python executes in one round's operation, on a
+    store of its own (setup and teardown not counted)."""
+    store = contender.make(device, GEOMETRIES[case.geometry], case.capacity_blocks)
+    operation = OPERATIONS[case.op]
+    try:
+        store.open()
+        operation.prepare(store, case, contender)
+        store.synchronize()
+        # A collection would run finalizers' Python inside the count.
+        gc.disable()
+        try:
+            count = python_instructions(lambda: operation.timed(store, case))
+        finally:
+            gc.enable()
+        store.synchronize()
+        return count
     finally:
         store.close()
 
@@ -845,6 +871,12 @@ def interleave(
             results[name].add(times)
         if time.perf_counter() - started > case_seconds:
             break
+    for name in names:
+        if results[name].status == "measured" and counts_own_cpu(case, CONTENDERS[name]):
+            try:
+                results[name].python_instructions = count_python_work(case, CONTENDERS[name], device)
+            except Exception as error:
+                results[name].stop(*_failure(CONTENDERS[name], error))
     return results
 
 
@@ -1133,6 +1165,7 @@ def record(benchmark, case: Case, measurement: Measurement) -> None:
             "process": measurement.process,
             "cpu": measurement.cpu,
             "own_cpu": measurement.own_cpu,
+            "python_instructions": measurement.python_instructions,
             "pivot": measurement.pivot,
         }
     )
