@@ -10,7 +10,9 @@ context torch's runtime uses, so addresses are valid for torch kernels.
 `zero` and `copy` are `cuMemsetD8Async` and `cuMemcpyDtoDAsync` on torch's
 current stream. `batch()` pushes the context once for many calls (a commit
 of 256 segments makes over a thousand) and looks the stream up once; the
-push is per thread, since a CUDA context is current per thread.
+push is per thread, since a CUDA context is current per thread. A commit's
+runs (`map_new_chunks`) go through one loop here, each step one bindings
+call, rather than through the public steps one by one as wrappers take them.
 A failing CUresult becomes a `DriverError` naming the call, the code, the size
 and the address.
 
@@ -99,8 +101,6 @@ def _raw_stream_lookup() -> Callable[[int], int]:
     return lambda index: torch.cuda.current_stream(index).cuda_stream
 
 
-# Context managers below are classes, not generators: a commit opens one per
-# call, and a generator-based one costs several times as much to enter.
 class _ThreadState(threading.local):
     """Per thread: whether the driver's context is pushed (by an open
     `_active` or `batch`), and the stream `batch` looked up (None outside
@@ -110,6 +110,8 @@ class _ThreadState(threading.local):
     stream = None
 
 
+# Context managers below are classes, not generators: a commit opens one per
+# call, and a generator-based one costs several times as much to enter.
 class _ContextPushed:
     """The driver's primary context pushed on this thread for the calls inside."""
 
@@ -223,10 +225,11 @@ class CudaDriver(Driver):
         return _check(name, result, size=size, address=address)
 
     def _map_new_chunks(self, runs, created: list[Chunk], give_back: Callable[[Chunk], object]) -> None:
-        # The generic loop (`Driver._map_new_chunks`) goes through three layers
-        # per step; a commit of 256 segments makes over a thousand steps, each
-        # a few microseconds of Python that runs cold after the driver's own
-        # work. Here every step is one bindings call, its result checked inline.
+        # The step-by-step sequence (`map_new_chunks_step_by_step`) goes
+        # through three layers per step; a commit of 256 segments makes over a
+        # thousand steps, each a few microseconds of Python that runs cold
+        # after the driver's own work. Here every step is one bindings call,
+        # its result checked inline.
         cu = self._cu
         create, map_, grant, memset = cu.cuMemCreate, cu.cuMemMap, cu.cuMemSetAccess, cu.cuMemsetD8Async
         prop, writable, stream, kind = self._prop, self._access[True], self._stream(), self.kind
