@@ -184,10 +184,8 @@ class Driver(abc.ABC):
         propagates, its chunk handed to `give_back` (which releases it, or
         keeps it for a later retry).
         """
-        granularity, most = self.granularity, self.max_reservation_bytes
-        if not all(type(size) is int and 0 < size <= most and not size % granularity for _, size, _ in runs):
-            for _, size, _ in runs:
-                self._check_granular("map_new_chunks", size)
+        for _, size, _ in runs:
+            self._check_granular("map_new_chunks", size)
         self._map_new_chunks(runs, created, give_back)
 
     # -- everything else -----------------------------------------------------
