@@ -21,6 +21,7 @@ import os
 import subprocess
 import sys
 import textwrap
+import time
 from collections import Counter
 from pathlib import Path
 
@@ -28,6 +29,7 @@ import pytest
 import torch
 
 from extkv import vmm
+from extkv.cache import ExtensibleKVCache
 from extkv.reporting.bench import TARGETS, BenchRun, CaseResult, Entry, ScalingTarget, Target, evaluate, evaluate_scaling, ratio
 from extkv.testing import benchmarking
 from extkv.testing.benchmarking import CONTENDERS, GEOMETRIES, PROFILES, Case, Contender, catalogue, interleave, round_order
@@ -287,6 +289,89 @@ def test_own_cpu_comes_from_a_clocked_round_in_recycled_commits_only(device, op,
         assert store.driver_cpu_seconds() is None, f"an unclocked {name} store must not claim to count driver time"
 
 
+@pytest.mark.parametrize("geometry, counted", [("blhnc1", True), ("lbhnc32", False)])
+def test_own_cpu_with_evicted_caches_comes_from_a_third_round_in_one_segment_commits(device, geometry, counted):
+    """Flatness in bytes is read over one-segment commits; there a third,
+    clocked round evicts the CPU caches inside every driver step."""
+    names = ("extkv", "raw", "memset")
+    case = Case("commit", geometry, 4, 4, names)
+    results = interleave(case, names, device, rounds=2, case_seconds=60.0, costly_rounds=2)
+    for name in ("extkv", "raw"):
+        evicted = results[name].own_cpu_evicted
+        assert len(evicted) == (2 if counted else 0), (name, evicted)
+        assert all(0 <= seconds for seconds in evicted), (name, evicted)
+    assert results["memset"].own_cpu_evicted == []
+
+
+def test_a_step_clock_counts_its_eviction_as_driver_time_not_extkv_time(device):
+    """The eviction runs inside each step's time: what it costs must not
+    appear as extkv's own CPU time."""
+    burn = 0.01
+
+    def evict() -> None:
+        start = time.thread_time()
+        while time.thread_time() - start < burn:
+            pass
+
+    clock = benchmarking.DriverClock(vmm.driver_for(device), evict)
+    geometry = GEOMETRIES["blhnc1"]
+    cache = ExtensibleKVCache(geometry.config(4), clock, geometry.layout)
+    try:
+        steps_before, cpu_before = clock.cpu_seconds, time.thread_time()
+        cache.commit(4)
+        cpu, driver = time.thread_time() - cpu_before, clock.cpu_seconds - steps_before
+    finally:
+        cache.free()
+    # A commit takes at least a create, a map, an access grant and a zero.
+    assert driver >= 4 * burn, (driver, burn)
+    assert cpu - driver < burn, f"own CPU {cpu - driver:.4f} s holds an eviction's {burn} s"
+
+
+def test_the_cache_evictor_writes_twice_the_largest_cache_sysfs_states(tmp_path):
+    for index, size in enumerate(["48K", "2048K", "307200K"]):
+        (tmp_path / f"index{index}").mkdir()
+        (tmp_path / f"index{index}" / "size").write_text(size + "\n")
+    assert benchmarking.largest_cpu_cache_bytes(tmp_path) == 300 * MiB
+    assert benchmarking.largest_cpu_cache_bytes(tmp_path / "absent") == benchmarking.CacheEvictor.FALLBACK_CACHE_BYTES
+    evictor = benchmarking.CacheEvictor(cache_bytes=1 * MiB)
+    evictor()
+    first = evictor._buffer.raw
+    evictor()
+    second = evictor._buffer.raw
+    assert evictor.size == len(first) == len(second) == 2 * MiB
+    assert first.count(first[0]) == second.count(second[0]) == 2 * MiB
+    assert first[0] != second[0], "each eviction writes a new value over the whole buffer"
+
+
+def test_the_partial_map_probe_answers_from_the_driver(device):
+    """On Linux, mmap maps any part of a memfd; the H200's driver (580,
+    CUDA 13.0) answers CUDA_ERROR_NOT_SUPPORTED for part of a chunk. Either
+    way the probe says what the driver answered and leaves nothing behind."""
+    primitives = baselines.primitives_for(device)
+    supported, how = primitives.probe_partial_map()
+    assert isinstance(supported, bool) and how, (supported, how)
+    if device.type == "cpu":
+        assert supported and "mapped" in how, how
+    else:
+        assert ("CUDA_SUCCESS" in how) == supported, how
+
+
+def test_headline_readings_take_the_profiles_headline_rounds_unless_rounds_are_given(tmp_path):
+    profile = PROFILES["gpu"]
+    headline = [case for case in catalogue(profile) if profile.is_headline_reading(case)]
+    assert sorted((case.op, case.geometry) for case in headline) == sorted(
+        (op, geometry) for op in ("commit", "grow8", "recommit", "defrag_preserve")
+        for geometry in ("blhnc1", "lbhnc32", "lhbnc256")
+    )
+    assert all(case.state == "recycled" and case.bytes == profile.headline_bytes for case in headline), headline
+    other = next(case for case in catalogue(profile) if case.op == "commit" and case.bytes < profile.headline_bytes)
+    engine = benchmarking.Engine(profile, "cpu", tmp_path, warm=False, log=lambda line: None)
+    assert engine.rounds_for(headline[0]) == (profile.headline_rounds, profile.headline_case_seconds) == (21, 20.0)
+    assert engine.rounds_for(other) == (profile.rounds, profile.case_seconds)
+    given = benchmarking.Engine(profile, "cpu", tmp_path, rounds=3, warm=False, log=lambda line: None)
+    assert given.rounds_for(headline[0]) == given.rounds_for(other) == (3, profile.case_seconds)
+
+
 def test_costly_peers_stop_at_their_round_cap():
     names = ("extkv", "per_granule")
     results = interleave(tiny_case("commit", names), names, torch.device("cpu"), rounds=3, case_seconds=60.0, costly_rounds=1)
@@ -406,6 +491,43 @@ def test_scaling_readings_compare_extkv_cpu_time_and_python_work_at_the_ends_of_
     assert "(20,000 -> 80,000)" in rows["work-linear-in-segments"].words
     assert "the raw sequence's over the same cases: 1.00x" in rows["work-linear-in-segments"].words
     assert isinstance(rows["cpu-linear-in-segments"].target, ScalingTarget)
+
+
+def test_flatness_with_evicted_caches_reads_the_evicted_rounds_alone():
+    def commit(size, own, evicted):
+        extkv = entry("extkv", [1.0])
+        extkv.own_cpu, extkv.own_cpu_evicted = own, evicted
+        raw = entry("raw", [1.0])
+        raw.own_cpu, raw.own_cpu_evicted = [o / 4 for o in own], [e / 4 for e in evicted]
+        return result("commit", {"extkv": extkv, "raw": raw}, bytes=size, case=f"blhnc1-{size}")
+
+    run = BenchRun({}, [commit(64 * MiB, [0.010], [0.030, 0.031]), commit(64 << 30, [0.030], [0.0315])])
+    rows = {row.target.key: row for row in evaluate_scaling(run)}
+    assert rows["cpu-flat-in-bytes"].value == pytest.approx(3.0) and rows["cpu-flat-in-bytes"].met is False
+    evicted = rows["cpu-flat-in-bytes-evicted"]
+    assert evicted.value == pytest.approx(1.05) and evicted.met, evicted
+    assert "the raw sequence's over the same cases: 1.05x" in evicted.words
+    without = BenchRun({}, [commit(64 * MiB, [0.010], []), commit(64 << 30, [0.030], [])])
+    row = {row.target.key: row for row in evaluate_scaling(without)}["cpu-flat-in-bytes-evicted"]
+    assert row.value is None and row.words == "not measured (the run did not count this reading)"
+
+
+@pytest.mark.parametrize("raw_time, supported, words", [
+    (1.3, False, "; the raw sequence alone: 1.30x, with the fewest driver calls the geometry allows: this driver maps "
+                 "a chunk only whole (probe answer)"),
+    (1.3, True, "; the raw sequence alone: 1.30x"),
+    (1.1, False, ""),
+])
+def test_a_missed_target_says_what_the_raw_sequence_alone_costs(raw_time, supported, words):
+    case = result("grow8", {"extkv": entry("extkv", [2.0]), "raw": entry("raw", [raw_time]),
+                            "memset": entry("memset", [1.0])}, segment_bytes=1 << 30)
+    run = BenchRun({"partial_map": {"supported": supported, "how": "probe answer"}}, [case])
+    row = {row.target.key: row for row in evaluate(run)}["commit-memset"]
+    assert row.met is False and row.ratio_min == pytest.approx(2.0)
+    assert row.words.startswith("missed by 74%: 2.00x" + words), row.words
+    assert row.raw_alone == (pytest.approx(raw_time) if words else None)
+    raw_row = {row.target.key: row for row in evaluate(run)}["commit-raw"]
+    assert raw_row.raw_alone is None, "against the raw sequence itself there is no raw-alone reading"
 
 
 def test_a_scaling_reading_the_run_did_not_count_says_so():

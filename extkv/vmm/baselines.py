@@ -142,6 +142,15 @@ class Primitives(abc.ABC):
     @abc.abstractmethod
     def synchronize(self) -> None: ...
 
+    def probe_partial_map(self) -> tuple[bool | None, str]:
+        """Whether this driver maps part of a chunk (one granule of a
+        two-granule chunk, from an offset), tried on real memory, and what
+        it answered; (None, why) where the protocol has no such call.
+        Where it cannot, every range a commit adds needs a chunk of its own:
+        the fewest driver calls a geometry allows are one create per segment
+        per commit."""
+        return None, f"{type(self).__name__} has no mapping from an offset"
+
 
 def _cuda_checked(call: str, result, *, size: int | None = None, address: int | None = None):
     from cuda.bindings import driver as cu
@@ -232,6 +241,22 @@ class CudaPrimitives(Primitives):
     def unmap(self, address: int, size: int) -> None:
         _cuda_checked("cuMemUnmap", self._cu.cuMemUnmap(address, size), size=size, address=address)
 
+    def probe_partial_map(self) -> tuple[bool | None, str]:
+        cu, granule = self._cu, self.granularity
+        with self.active():
+            address = self.reserve(2 * granule)
+            try:
+                handle = self.create(2 * granule)
+                try:
+                    status = cu.cuMemMap(address, granule, granule, handle, 0)[0]
+                    if status == cu.CUresult.CUDA_SUCCESS:
+                        self.unmap(address, granule)
+                finally:
+                    self.release(handle)
+            finally:
+                self.free(address, 2 * granule)
+        return status == cu.CUresult.CUDA_SUCCESS, f"cuMemMap of a two-granule chunk's second granule: {status.name}"
+
     def release(self, handle) -> None:
         _cuda_checked("cuMemRelease", self._cu.cuMemRelease(handle))
 
@@ -261,8 +286,8 @@ class HostPrimitives(Primitives):
         self.device = torch.device("cpu")
         self.granularity = granularity
 
-    def _mmap(self, call: str, address: int | None, size: int, prot: int, flags: int, fd: int = -1) -> int:
-        result = _libc.mmap(address, size, prot, flags, fd, 0)
+    def _mmap(self, call: str, address: int | None, size: int, prot: int, flags: int, fd: int = -1, offset: int = 0) -> int:
+        result = _libc.mmap(address, size, prot, flags, fd, offset)
         if result is None or result == _MAP_FAILED:
             raise _host_failed(call, size, address)
         return result
@@ -326,6 +351,23 @@ class HostPrimitives(Primitives):
 
     def synchronize(self) -> None:
         """Host calls are synchronous."""
+
+    def probe_partial_map(self) -> tuple[bool | None, str]:
+        granule = self.granularity
+        address = self.reserve(2 * granule)
+        try:
+            handle = self.create(2 * granule)
+            try:
+                self._mmap("mmap(MAP_FIXED, memfd, offset)", address, granule, _PROT_NONE, _MAP_SHARED | _MAP_FIXED,
+                           handle, granule)
+                answer = "mmap of a two-granule memfd's second granule: mapped"
+            except DriverError as error:
+                return False, f"mmap of a two-granule memfd's second granule: {error}"
+            finally:
+                self.release(handle)
+        finally:
+            self.free(address, 2 * granule)
+        return True, answer
 
 
 class PoisoningPrimitives(Primitives):
