@@ -327,6 +327,22 @@ def test_a_step_clock_counts_its_eviction_as_driver_time_not_extkv_time(device):
     assert cpu - driver < burn, f"own CPU {cpu - driver:.4f} s holds an eviction's {burn} s"
 
 
+def test_caches_are_evicted_in_the_operations_steps_only(device, monkeypatch):
+    """Setup and teardown (reserve, unmap, release, free) are no part of the
+    reading: evicting there would only cost time."""
+    evictions = []
+    monkeypatch.setattr(benchmarking, "cache_evictor", lambda: lambda: evictions.append(1))
+    case = Case("commit", "blhnc1", 4, 4, ("extkv", "raw"))
+    for name in ("extkv", "raw"):
+        evictions.clear()
+        benchmarking.time_round(case, CONTENDERS[name], device, clocked=True, evict_caches=True)
+        # One run: (batch,) create, map, access grant, zero.
+        assert 4 <= len(evictions) <= 6, (name, len(evictions))
+    with pytest.raises(ValueError, match="evicting caches needs a clocked store, got PlainStore"):
+        benchmarking.time_round(Case("commit", "blhnc1", 4, 4, ("memset",)), CONTENDERS["memset"], device,
+                                evict_caches=True)
+
+
 def test_the_cache_evictor_writes_twice_the_largest_cache_sysfs_states(tmp_path):
     for index, size in enumerate(["48K", "2048K", "307200K"]):
         (tmp_path / f"index{index}").mkdir()

@@ -353,8 +353,8 @@ class PrimitivesClock(_StepClock, baselines.Primitives):
 class ClockedRawStore(baselines.RawStore):
     """The raw sequence on clocked primitives (`PrimitivesClock`)."""
 
-    def __init__(self, device: torch.device, strides: list[int], capacity_blocks: int, *, evict_caches: bool = False):
-        self.clock = PrimitivesClock(baselines.primitives_for(device), cache_evictor() if evict_caches else None)
+    def __init__(self, device: torch.device, strides: list[int], capacity_blocks: int):
+        self.clock = PrimitivesClock(baselines.primitives_for(device))
         super().__init__(device, strides, capacity_blocks, primitives=self.clock)
 
     def driver_cpu_seconds(self) -> float | None:
@@ -366,10 +366,7 @@ class ExtkvStore(Store):
 
     what = "extkv: ExtensibleKVCache (commit, shrink, defragment, release_physical, recommit)"
 
-    def __init__(
-        self, device: torch.device, geometry: Geometry, capacity_blocks: int, *, clocked: bool = False,
-        evict_caches: bool = False,
-    ):
+    def __init__(self, device: torch.device, geometry: Geometry, capacity_blocks: int, *, clocked: bool = False):
         self.geometry = geometry
         self.config = geometry.config(capacity_blocks)
         super().__init__(device, list(kv_cache_segments(self.config, geometry.layout)[1]), capacity_blocks)
@@ -377,14 +374,12 @@ class ExtkvStore(Store):
         #: With the driver's steps timed (`DriverClock`), for extkv's own CPU
         #: time; a clocked round is never a timed one (see `interleave`).
         self.clocked = clocked
-        #: The clock also evicts the CPU caches inside every step (`CacheEvictor`).
-        self.evict_caches = evict_caches
         self.clock: DriverClock | None = None
 
     def open(self) -> None:
         driver = driver_for(self.device)
         if self.clocked:
-            self.clock = driver = DriverClock(driver, cache_evictor() if self.evict_caches else None)
+            self.clock = driver = DriverClock(driver)
         self.cache = ExtensibleKVCache(self.config, driver, self.geometry.layout)
 
     def driver_cpu_seconds(self) -> float | None:
@@ -442,14 +437,11 @@ class Contender:
     def describe(self) -> str:
         return self.what or self.store.what
 
-    def make(
-        self, device: torch.device, geometry: Geometry, capacity_blocks: int, *, clocked: bool = False,
-        evict_caches: bool = False,
-    ) -> Store:
+    def make(self, device: torch.device, geometry: Geometry, capacity_blocks: int, *, clocked: bool = False) -> Store:
         if self.store is ExtkvStore:
-            return ExtkvStore(device, geometry, capacity_blocks, clocked=clocked, evict_caches=evict_caches)
+            return ExtkvStore(device, geometry, capacity_blocks, clocked=clocked)
         if clocked and self.store is baselines.RawStore:
-            return ClockedRawStore(device, geometry.strides(), capacity_blocks, evict_caches=evict_caches)
+            return ClockedRawStore(device, geometry.strides(), capacity_blocks)
         return self.store(device, geometry.strides(), capacity_blocks)
 
 
@@ -818,22 +810,35 @@ def _not_runnable(contender: Contender, device: torch.device) -> str | None:
     return contender.store.unsupported_reason(device)
 
 
-def _prepare_and_time(store: Store, case: Case, contender: Contender) -> tuple[float, float, float | None]:
+def _prepare_and_time(
+    store: Store, case: Case, contender: Contender, *, evict_caches: bool = False
+) -> tuple[float, float, float | None]:
     """Open and prepare `store` (untimed), then time the operation: (wall
     seconds to the end of a device synchronize, CPU seconds before it, and
-    of those the seconds outside driver calls where the store counts them)."""
+    of those the seconds outside driver calls where the store counts them).
+    With `evict_caches`, the store's step clock evicts the CPU caches inside
+    every driver step of the operation (not of its setup or teardown)."""
     operation = OPERATIONS[case.op]
     store.open()
     operation.prepare(store, case, contender)
     store.synchronize()
+    clock = getattr(store, "clock", None) if evict_caches else None
+    if evict_caches and not isinstance(clock, _StepClock):
+        raise ValueError(f"evicting caches needs a clocked store, got {type(store).__name__}")
     # No collection here: a full one costs 80 ms with torch loaded, more than
     # many rounds; disabled, none lands inside the timed part.
     gc.disable()
     try:
         driver_start = store.driver_cpu_seconds()
         wall_start, cpu_start = time.perf_counter(), time.thread_time()
-        operation.timed(store, case)
-        cpu_end = time.thread_time()
+        if clock is not None:
+            clock.evict = cache_evictor()
+        try:
+            operation.timed(store, case)
+        finally:
+            cpu_end = time.thread_time()
+            if clock is not None:
+                clock.evict = None
         driver_end = store.driver_cpu_seconds()
         store.synchronize()
         wall_end = time.perf_counter()
@@ -869,10 +874,9 @@ def time_round(
     on a store of its own that gives everything back afterwards. Own CPU
     seconds only from a `clocked` round of extkv or the raw sequence (with
     `evict_caches`, one whose steps each end by evicting the CPU caches)."""
-    store = contender.make(device, GEOMETRIES[case.geometry], case.capacity_blocks, clocked=clocked,
-                           evict_caches=evict_caches)
+    store = contender.make(device, GEOMETRIES[case.geometry], case.capacity_blocks, clocked=clocked)
     try:
-        return _prepare_and_time(store, case, contender)
+        return _prepare_and_time(store, case, contender, evict_caches=evict_caches)
     finally:
         store.close()
 
@@ -1228,7 +1232,8 @@ class Engine:
                 "timing never weighs on the rounds the ratios come from; to time each step, extkv's extra round "
                 "maps a commit's runs step by step, as a wrapped driver does, not in the CUDA driver's own loop, "
                 "which does a subset of that Python: its own CPU reads high, if anything; in one-segment "
-                f"commits a third round ends every driver step by writing {2 * largest_cpu_cache_bytes() // MiB} MiB "
+                "commits a third round ends every driver step of the commit by writing "
+                f"{2 * largest_cpu_cache_bytes() // MiB} MiB "
                 "(twice the CPU's largest cache, inside the step's time), so the Python after each step runs "
                 "from equally cold caches at every size"
             ),
