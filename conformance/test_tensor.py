@@ -6,6 +6,8 @@ read-back and the committed bytes (extkv.testing.checks)."""
 
 from __future__ import annotations
 
+import gc
+
 import subprocess
 import sys
 import textwrap
@@ -434,6 +436,29 @@ def test_a_commits_python_work_grows_linearly_with_its_segment_count(small_granu
     # Four times the segments: four times the per-segment work, plus the
     # same fixed part (so a little under 4x); anything quadratic exceeds it.
     assert work[1024] <= 4 * work[256], f"bytecode instructions per commit by segment count: {work}"
+
+
+class _FinalizedCycle:
+    def __init__(self):
+        self.itself = self  # a cycle: only the collector frees it
+
+    def __del__(self):
+        sum(i for i in range(50))
+
+
+def test_the_instruction_count_holds_no_finalizer_a_collection_would_run():
+    """A count is of the operation alone: garbage waiting for the collector
+    (what earlier tests leave) must not add its finalizers' Python."""
+    def allocate():  # enough new containers to set off a collection
+        return [[] for _ in range(5000)]
+
+    alone = python_instructions(allocate)
+    for _ in range(300):
+        _FinalizedCycle()
+    with_garbage = python_instructions(allocate)
+    assert gc.isenabled(), "the count must give the collector back"
+    gc.collect()
+    assert with_garbage == alone, f"{with_garbage} instructions with garbage waiting vs {alone} without"
 
 
 def test_map_new_chunks_maps_each_run_then_zeroes_exactly_its_ranges(driver, granule, device):

@@ -890,12 +890,7 @@ def count_python_work(case: Case, contender: Contender, device: torch.device) ->
         store.open()
         operation.prepare(store, case, contender)
         store.synchronize()
-        # A collection would run finalizers' Python inside the count.
-        gc.disable()
-        try:
-            count = python_instructions(lambda: operation.timed(store, case))
-        finally:
-            gc.enable()
+        count = python_instructions(lambda: operation.timed(store, case))
         store.synchronize()
         return count
     finally:

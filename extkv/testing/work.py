@@ -11,11 +11,15 @@ the bytecode instructions the interpreter executes is exact and repeatable:
 no cache, clock or neighbouring process changes it. `python_instructions`
 traces every Python frame an operation runs (`sys.settrace` with opcode
 events) on the calling thread; C code, the driver's included, counts
-nothing, which is the point: what is left is extkv's own work.
+nothing, which is the point: what is left is extkv's own work. The
+garbage collector is off while counting: a collection that happened to
+fall inside would add the Python of every finalizer it ran (in a full test
+run, those of objects earlier tests left behind).
 """
 
 from __future__ import annotations
 
+import gc
 import sys
 from typing import Callable
 
@@ -35,9 +39,13 @@ def python_instructions(operation: Callable[[], object]) -> int:
         return trace
 
     previous = sys.gettrace()
+    collecting = gc.isenabled()
+    gc.disable()
     sys.settrace(trace)
     try:
         operation()
     finally:
         sys.settrace(previous)
+        if collecting:
+            gc.enable()
     return count
