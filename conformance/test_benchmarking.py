@@ -343,6 +343,14 @@ def test_caches_are_evicted_in_the_operations_steps_only(device, monkeypatch):
                                 evict_caches=True)
 
 
+def test_a_clocked_round_runs_pinned_to_one_cpu_and_lets_go_after():
+    allowed = os.sched_getaffinity(0)
+    with benchmarking.pinned_to_this_cpu():
+        pinned = os.sched_getaffinity(0)
+    assert len(pinned) == 1 and pinned <= allowed, (pinned, allowed)
+    assert os.sched_getaffinity(0) == allowed
+
+
 def test_the_cache_evictor_writes_twice_the_largest_cache_sysfs_states(tmp_path):
     for index, size in enumerate(["48K", "2048K", "307200K"]):
         (tmp_path / f"index{index}").mkdir()
@@ -375,12 +383,13 @@ def test_the_partial_map_probe_answers_from_the_driver(device):
 def test_headline_readings_take_the_profiles_headline_rounds_unless_rounds_are_given(tmp_path):
     profile = PROFILES["gpu"]
     headline = [case for case in catalogue(profile) if profile.is_headline_reading(case)]
-    assert sorted((case.op, case.geometry) for case in headline) == sorted(
-        (op, geometry) for op in ("commit", "grow8", "recommit", "defrag_preserve")
-        for geometry in ("blhnc1", "lbhnc32", "lhbnc256")
+    assert sorted((case.op, case.geometry, case.bytes) for case in headline) == sorted(
+        [(op, geometry, profile.headline_bytes) for op in ("commit", "grow8", "recommit", "defrag_preserve")
+         for geometry in ("blhnc1", "lbhnc32", "lhbnc256")]
+        + [("commit", "blhnc1", 64 * MiB), ("commit", "blhnc1", 64 << 30)]
     )
-    assert all(case.state == "recycled" and case.bytes == profile.headline_bytes for case in headline), headline
-    other = next(case for case in catalogue(profile) if case.op == "commit" and case.bytes < profile.headline_bytes)
+    assert all(case.state == "recycled" for case in headline), headline
+    other = next(case for case in catalogue(profile) if case.op == "commit" and case.bytes == 1 << 30)
     engine = benchmarking.Engine(profile, "cpu", tmp_path, warm=False, log=lambda line: None)
     assert engine.rounds_for(headline[0]) == (profile.headline_rounds, profile.headline_case_seconds) == (21, 20.0)
     assert engine.rounds_for(other) == (profile.rounds, profile.case_seconds)

@@ -430,8 +430,9 @@ def _facts_lines(run: BenchRun) -> list[str]:
         f"{len(run.cases)} cases; {measured} (case, contender) pairs measured, {missing} not. "
         f"Rounds per case <= {f['rounds']} (a case stops adding rounds once it has used {f['case_seconds']:g} s, "
         f"after two, or after one that alone took that long; one handle per granule <= {f['costly_rounds']}"
-        + (f"; the headline readings of issue 10 <= {f['headline_rounds']} rounds within "
-           f"{f['headline_case_seconds']:g} s, their least round being what a verdict reads"
+        + (f"; the cases issue 10 is read on (its headline cases, and the smallest and largest one-segment "
+           f"commit) <= {f['headline_rounds']} rounds within {f['headline_case_seconds']:g} s, their least round "
+           f"being what a verdict reads"
            if f.get("headline_rounds") else "")
         + "); "
         f"measuring took {f['elapsed_seconds']:.0f} s of a "
