@@ -313,7 +313,8 @@ def test_a_step_clock_counts_its_eviction_as_driver_time_not_extkv_time(device):
         while time.thread_time() - start < burn:
             pass
 
-    clock = benchmarking.DriverClock(vmm.driver_for(device), evict)
+    clock = benchmarking.DriverClock(vmm.driver_for(device))
+    clock.evict = evict
     geometry = GEOMETRIES["blhnc1"]
     cache = ExtensibleKVCache(geometry.config(4), clock, geometry.layout)
     try:
