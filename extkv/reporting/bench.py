@@ -280,6 +280,7 @@ class TargetRow:
 
 def evaluate(run: BenchRun) -> list[TargetRow]:
     rows = []
+    fewest_calls = _fewest_calls_reason(run)
     for target in TARGETS:
         for case in run.cases:
             if not target.applies(case.facts):
@@ -295,9 +296,8 @@ def evaluate(run: BenchRun) -> list[TargetRow]:
             raw_alone = None if met else _raw_alone(case, target)
             if raw_alone is not None:
                 words += f"; the raw sequence alone: {raw_alone:.2f}x"
-                reason = _fewest_calls_reason(run)
-                if reason:
-                    words += f", with the fewest driver calls the geometry allows: {reason}"
+                if fewest_calls:
+                    words += f", with the fewest driver calls the geometry allows: {fewest_calls}"
             rows.append(TargetRow(target, case, low, middle, met, words, raw_alone))
     return rows
 
@@ -505,10 +505,11 @@ def _issue10_table(run: BenchRun, rows: list[TargetRow], scaling: list[ScalingRo
         lines.append(f"| {words} | " + " | ".join(cells) + " |")
     lines.append("")
     if any(row.raw_alone is not None for row in rows):
+        fewest_calls = _fewest_calls_reason(run)
         lines.append("- *raw alone*: where extkv misses a bound, the raw sequence's own ratio to the same baseline, "
                      "where it misses the bound too: the driver's calls alone cost that much."
-                     + (f" The raw sequence makes the fewest calls the geometry allows: {_fewest_calls_reason(run)}."
-                        if _fewest_calls_reason(run) else ""))
+                     + (f" The raw sequence makes the fewest calls the geometry allows: {fewest_calls}."
+                        if fewest_calls else ""))
     for row in scaling:
         sizes = (
             f"{_case_words(row.near)} -> {_case_words(row.far)}" if row.near is not None and row.far is not None else ""
