@@ -33,7 +33,7 @@ With `zero_new`, exactly the new logical bytes are zeroed on the current
 stream, interleaved with mapping: each run carries the new bytes below its
 end not zeroed yet, so the device zeroes one run while the CPU maps the
 next. The new byte ranges and the runs are both in address order, so one
-merge walk plans them (`_ZeroCursor`): one driver memset per new range per
+merge walk plans them (`_runs_with_zeroing`): one driver memset per new range per
 run it crosses, no tensor built per range. The whole operation runs in one
 driver `batch()` (one CUDA context push, one stream lookup).
 
@@ -205,7 +205,10 @@ class _Mapping:
 
     def gaps(self, first: int, end: int) -> list[tuple[int, int]]:
         """Unmapped runs (first granule, count) inside [first, end)."""
-        chunks, count, index = self._chunks, self.count, self._first_ending_after(first)
+        chunks, count = self._chunks, self.count
+        if not count or chunks[count - 1].first_granule + chunks[count - 1].num_granules <= first:
+            return [(first, end - first)]  # growth past everything mapped, the common case
+        index = self._first_ending_after(first)
         runs, at = [], first
         while index < count and chunks[index].first_granule < end:
             mapped = chunks[index]
@@ -218,34 +221,34 @@ class _Mapping:
         return runs
 
 
-class _ZeroCursor:
-    """Hands out byte ranges (absolute, in address order, disjoint) window by
-    window as the memory under them gets mapped; each range is visited once
-    over all windows, so planning a commit's zeroing costs O(ranges + runs)."""
-
-    def __init__(self, ranges: list[tuple[int, int]]):
-        self._ranges = ranges
-        self._next = 0
-        self._done_to = 0
-
-    def take_below(self, end: int) -> list[tuple[int, int]]:
-        """`(address, size)` of whatever part of the ranges lies below `end`
-        and was not taken yet."""
-        ranges, index, done_to, taken = self._ranges, self._next, self._done_to, []
-        while index < len(ranges):
+def _runs_with_zeroing(
+    runs: list[tuple[int, int]], ranges: Sequence[tuple[int, int]], base: int, granule: int
+) -> tuple[list[tuple[int, int, list[tuple[int, int]]]], list[tuple[int, int]]]:
+    """The plan of a commit: each run (first granule, count) as `(address,
+    bytes, what to zero once it is mapped)`, where what to zero is the part
+    of the byte ranges `ranges` (absolute, disjoint, in address order) below
+    the run's end not given to an earlier run; and what is left of `ranges`
+    after the last run (in granules mapped before the commit). One merge
+    walk: each range is visited once over all runs, O(ranges + runs)."""
+    plan, index, done_to, count = [], 0, 0, len(ranges)
+    for first, granules in runs:
+        address, size = base + first * granule, granules * granule
+        end, zero = address + size, []
+        while index < count:
             low, high = ranges[index]
             if low < done_to:
                 low = done_to
             if low >= end:
                 break
             top = high if high < end else end
-            taken.append((low, top - low))
+            zero.append((low, top - low))
             done_to = top
             if top < high:
                 break
             index += 1
-        self._next, self._done_to = index, done_to
-        return taken
+        plan.append((address, size, zero))
+    rest = [(max(low, done_to), high - max(low, done_to)) for low, high in ranges[index:count]]
+    return plan, rest
 
 
 def _operation(method):
@@ -428,22 +431,11 @@ class ExtensibleTensor:
         """
         zero_new = validate.flag("zero_new", zero_new)
         sizes = self._validated_sizes(sizes, grow_only=True)
-        base = self.base
-        # The bytes that become committed, absolute and in address order.
-        growing = [
-            (base + offset + old, base + offset + new)
-            for offset, old, new in zip(self.segment_offsets, self._sizes, sizes)
-            if new > old
-        ]
-        runs = self._unmapped_runs(growing)
+        growing, spans = self._new_ranges(sizes)
+        runs = self._unmapped_runs(spans)
         # Each run's new bytes are zeroed as soon as it is mapped, so the
         # device zeroes one run while the CPU maps the next.
-        zeroing = _ZeroCursor(growing) if zero_new else None
-        granule = self._driver.granularity
-        plan = []
-        for first, count in runs:
-            address = base + first * granule
-            plan.append((address, count * granule, zeroing.take_below(address + count * granule) if zeroing else ()))
+        plan, zero_in_mapped = _runs_with_zeroing(runs, growing if zero_new else (), self.base, self._driver.granularity)
         created: list[Chunk] = []
         with self._driver.batch():
             try:
@@ -457,10 +449,8 @@ class ExtensibleTensor:
                             MappedChunk(chunk, plan[i][0], runs[i][0], runs[i][1]) for i, chunk in enumerate(created)
                         ]
                     )
-            if zeroing:
-                # New bytes in granules mapped before this call.
-                for address, size in zeroing.take_below(base + self.reserved_bytes):
-                    self._driver.zero(address, size)
+            for address, size in zero_in_mapped:
+                self._driver.zero(address, size)
         self._sizes = sizes
 
     def _map_new_chunks(self, plan: list, created: list[Chunk]) -> None:
@@ -488,10 +478,10 @@ class ExtensibleTensor:
         # The common case in one pass, no message built: a commit checks
         # every segment, and naming each one would cost more than the check.
         floors = self._sizes if grow_only else self._no_sizes
-        if all(
-            type(size) is int and floor <= size <= capacity
-            for size, floor, capacity in zip(sizes, floors, self.segment_capacities)
-        ):
+        for size, floor, capacity in zip(sizes, floors, self.segment_capacities):
+            if type(size) is not int or not floor <= size <= capacity:
+                break
+        else:
             return sizes
         checked = []
         for i, (size, capacity) in enumerate(zip(sizes, self.segment_capacities)):
@@ -514,20 +504,33 @@ class ExtensibleTensor:
             return offset // granule, offset // granule
         return offset // granule, -(-(offset + size) // granule)
 
-    def _unmapped_runs(self, growing: list[tuple[int, int]]) -> list[tuple[int, int]]:
-        """Maximal runs (first granule, count) of unmapped granules under the
-        byte ranges `growing` (absolute, in address order), cut by `_cut`."""
-        # Neighbouring segments may share a granule or touch: merge as we go.
+    def _new_ranges(self, sizes: list[int]) -> tuple[list[tuple[int, int]], list[tuple[int, int]]]:
+        """What growing to `sizes` adds, in address order: the new bytes of
+        each growing segment (absolute), and the granule spans [first, end)
+        they need, merged where neighbouring segments share a granule or touch."""
         base, granule = self.base, self._driver.granularity
-        needed: list[list[int]] = []
-        for low, high in growing:
-            first, end = (low - base) // granule, -(-(high - base) // granule)
-            if needed and first <= needed[-1][1]:
-                needed[-1][1] = max(needed[-1][1], end)
-            else:
-                needed.append([first, end])
-        gaps, cut = self._mapping.gaps, self._cut
-        return [piece for first, end in needed for run in gaps(first, end) for piece in cut(*run)]
+        growing, spans = [], []
+        for offset, old, new in zip(self.segment_offsets, self._sizes, sizes):
+            if new > old:
+                growing.append((base + offset + old, base + offset + new))
+                first, end = (offset + old) // granule, -(-(offset + new) // granule)
+                if spans and first <= spans[-1][1]:
+                    if end > spans[-1][1]:
+                        spans[-1] = (spans[-1][0], end)
+                else:
+                    spans.append((first, end))
+        return growing, spans
+
+    def _unmapped_runs(self, spans: list[tuple[int, int]]) -> list[tuple[int, int]]:
+        """Maximal runs (first granule, count) of unmapped granules inside
+        the granule `spans` (in address order), cut by `_cut`."""
+        gaps, runs = self._mapping.gaps, []
+        for first, end in spans:
+            runs += gaps(first, end)
+        if not self._aligned_segment_starts:  # one segment, or none starts on a granule: nothing to cut at
+            return runs
+        cut = self._cut
+        return [piece for run in runs for piece in cut(*run)]
 
     def _cut(self, first: int, count: int) -> list[tuple[int, int]]:
         """Run [first, first+count) cut at aligned segment starts into pieces

@@ -110,6 +110,18 @@ class _ThreadState(threading.local):
     stream = None
 
 
+def _push_context(driver: "CudaDriver") -> None:
+    result = driver._cu.cuCtxPushCurrent(driver._context)
+    result[0] == 0 or _check("cuCtxPushCurrent", result)
+    driver._thread.pushed = True
+
+
+def _pop_context(driver: "CudaDriver") -> None:
+    driver._thread.pushed = False
+    result = driver._cu.cuCtxPopCurrent()
+    result[0] == 0 or _check("cuCtxPopCurrent", result)
+
+
 # Context managers below are classes, not generators: a commit opens one per
 # call, and a generator-based one costs several times as much to enter.
 class _ContextPushed:
@@ -121,21 +133,18 @@ class _ContextPushed:
         self._driver = driver
 
     def __enter__(self) -> None:
-        result = self._driver._cu.cuCtxPushCurrent(self._driver._context)
-        result[0] == 0 or _check("cuCtxPushCurrent", result)
-        self._driver._thread.pushed = True
+        _push_context(self._driver)
 
     def __exit__(self, *exc_info) -> None:
-        self._driver._thread.pushed = False
-        result = self._driver._cu.cuCtxPopCurrent()
-        result[0] == 0 or _check("cuCtxPopCurrent", result)
+        _pop_context(self._driver)
 
 
 class _Batch:
-    """The context pushed and the current stream looked up once, for every
-    call inside (see `Driver.batch`); re-entrant per thread."""
+    """The context pushed (unless this thread has it pushed already) and the
+    current stream looked up once, for every call inside (see
+    `Driver.batch`); re-entrant per thread."""
 
-    __slots__ = ("_driver", "_active", "_outer_stream")
+    __slots__ = ("_driver", "_pushed", "_outer_stream")
 
     def __init__(self, driver: "CudaDriver"):
         self._driver = driver
@@ -143,8 +152,9 @@ class _Batch:
     def __enter__(self) -> None:
         driver = self._driver
         thread = driver._thread
-        self._active = driver._active()
-        self._active.__enter__()
+        self._pushed = not thread.pushed
+        if self._pushed:
+            _push_context(driver)
         self._outer_stream = thread.stream
         if self._outer_stream is None:
             try:
@@ -152,12 +162,14 @@ class _Batch:
                 # every call that takes it, and a commit makes one per run.
                 thread.stream = driver._cu.CUstream(driver._current_stream(driver.device.index))
             except BaseException:
-                self._active.__exit__(None, None, None)
+                if self._pushed:
+                    _pop_context(driver)
                 raise
 
     def __exit__(self, *exc_info) -> None:
         self._driver._thread.stream = self._outer_stream
-        self._active.__exit__(*exc_info)
+        if self._pushed:
+            _pop_context(self._driver)
 
 
 class CudaDriver(Driver):
@@ -230,10 +242,14 @@ class CudaDriver(Driver):
         # thousand steps, each a few microseconds of Python that runs cold
         # after the driver's own work. Here every step is one bindings call,
         # its result checked inline.
+        stream = self._thread.stream
+        if stream is None:  # outside a batch: in one
+            with self.batch():
+                return self._map_new_chunks(runs, created, give_back)
         cu = self._cu
         create, map_, grant, memset = cu.cuMemCreate, cu.cuMemMap, cu.cuMemSetAccess, cu.cuMemsetD8Async
-        prop, writable, stream, kind = self._prop, self._access[True], self._stream(), self.kind
-        with self._active(), Transaction() as undo:
+        prop, writable, kind = self._prop, self._access[True], self.kind
+        with Transaction() as undo:
             for address, size, zero in runs:
                 result = create(size, prop, 0)
                 result[0] == 0 or _check("cuMemCreate", result, size=size)
