@@ -203,21 +203,33 @@ class _Mapping:
             index += 1
         return found
 
-    def gaps(self, first: int, end: int) -> list[tuple[int, int]]:
-        """Unmapped runs (first granule, count) inside [first, end)."""
-        chunks, count = self._chunks, self.count
-        if not count or chunks[count - 1].first_granule + chunks[count - 1].num_granules <= first:
-            return [(first, end - first)]  # growth past everything mapped, the common case
-        index = self._first_ending_after(first)
-        runs, at = [], first
-        while index < count and chunks[index].first_granule < end:
-            mapped = chunks[index]
-            if mapped.first_granule > at:
-                runs.append((at, mapped.first_granule - at))
-            at = max(at, mapped.end_granule)
-            index += 1
-        if at < end:
-            runs.append((at, end - at))
+    def gaps(self, spans: Sequence[tuple[int, int]]) -> list[tuple[int, int]]:
+        """Unmapped runs (first granule, count) inside the granule spans
+        [first, end) of `spans` (disjoint, in address order), in address
+        order. One bisect per span, then only the chunks inside it."""
+        chunks, starts, count, bisect_right, runs = self._chunks, self._starts, self.count, bisect.bisect_right, []
+        mapped_to = chunks[count - 1].first_granule + chunks[count - 1].num_granules if count else 0
+        for first, end in spans:
+            if first >= mapped_to:  # past everything mapped: growth at the end, the common case
+                runs.append((first, end - first))
+                continue
+            # From the last chunk starting at or before `first`: it may cover it.
+            index, at = max(bisect_right(starts, first, 0, count) - 1, 0), first
+            while index < count:
+                mapped = chunks[index]
+                mapped_first = mapped.first_granule
+                if mapped_first >= end:
+                    break
+                if mapped_first > at:
+                    runs.append((at, mapped_first - at))
+                mapped_end = mapped_first + mapped.num_granules
+                if mapped_end > at:
+                    at = mapped_end
+                    if at >= end:
+                        break
+                index += 1
+            if at < end:
+                runs.append((at, end - at))
         return runs
 
 
@@ -247,7 +259,9 @@ def _runs_with_zeroing(
                 break
             index += 1
         plan.append((address, size, zero))
-    rest = [(max(low, done_to), high - max(low, done_to)) for low, high in ranges[index:count]]
+    rest = [(low, high - low) for low, high in ranges[index:count]]
+    if rest and done_to > rest[0][0]:  # the first range left was partly given to the last run
+        rest[0] = (done_to, ranges[index][1] - done_to)
     return plan, rest
 
 
@@ -449,8 +463,8 @@ class ExtensibleTensor:
                             MappedChunk(chunk, plan[i][0], runs[i][0], runs[i][1]) for i, chunk in enumerate(created)
                         ]
                     )
-            for address, size in zero_in_mapped:
-                self._driver.zero(address, size)
+            if zero_in_mapped:
+                self._driver.zero_ranges(zero_in_mapped)
         self._sizes = sizes
 
     def _map_new_chunks(self, plan: list, created: list[Chunk]) -> None:
@@ -509,24 +523,27 @@ class ExtensibleTensor:
         each growing segment (absolute), and the granule spans [first, end)
         they need, merged where neighbouring segments share a granule or touch."""
         base, granule = self.base, self._driver.granularity
-        growing, spans = [], []
+        growing, spans, span_first, span_end = [], [], 0, -1
         for offset, old, new in zip(self.segment_offsets, self._sizes, sizes):
             if new > old:
-                growing.append((base + offset + old, base + offset + new))
-                first, end = (offset + old) // granule, -(-(offset + new) // granule)
-                if spans and first <= spans[-1][1]:
-                    if end > spans[-1][1]:
-                        spans[-1] = (spans[-1][0], end)
+                low, high = offset + old, offset + new
+                growing.append((base + low, base + high))
+                first, end = low // granule, -(-high // granule)
+                if first <= span_end:
+                    if end > span_end:
+                        span_end = end
                 else:
-                    spans.append((first, end))
+                    if span_end >= 0:
+                        spans.append((span_first, span_end))
+                    span_first, span_end = first, end
+        if span_end >= 0:
+            spans.append((span_first, span_end))
         return growing, spans
 
     def _unmapped_runs(self, spans: list[tuple[int, int]]) -> list[tuple[int, int]]:
         """Maximal runs (first granule, count) of unmapped granules inside
         the granule `spans` (in address order), cut by `_cut`."""
-        gaps, runs = self._mapping.gaps, []
-        for first, end in spans:
-            runs += gaps(first, end)
+        runs = self._mapping.gaps(spans)
         if not self._aligned_segment_starts:  # one segment, or none starts on a granule: nothing to cut at
             return runs
         cut = self._cut

@@ -157,6 +157,12 @@ class Driver(abc.ABC):
         order with the device's current stream."""
         self._zero(address, size)
 
+    def zero_ranges(self, ranges: Iterable[tuple[int, int]]) -> None:
+        """`zero(address, size)` for each `(address, size)` of `ranges`, in
+        order (a commit of many segments zeroes one range per segment)."""
+        for address, size in ranges:
+            self.zero(address, size)
+
     def copy(self, destination: int, source: int, size: int) -> None:
         """Copy `size` bytes between two mapped ranges that do not overlap, in
         order with the device's current stream."""
