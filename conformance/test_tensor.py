@@ -810,8 +810,10 @@ def test_mapped_chunk_at_names_the_chunk_holding_an_address(build, granule):
 
 
 def test_driver_zero_and_copy_touch_exactly_their_range(device, driver, granule):
-    """Driver.zero and Driver.copy, which a commit and a defragmentation use
-    in place of tensor views: each writes its range and nothing beside it."""
+    """Driver.zero, Driver.zero_ranges and Driver.copy, which a commit and a
+    defragmentation use in place of tensor views: each writes its ranges and
+    nothing beside them (zero_ranges both outside and inside a batch: on
+    CUDA its own loop of bindings calls)."""
     size = 2 * granule
     address = driver.reserve(size)
     chunk = driver.create(size)
@@ -823,11 +825,17 @@ def test_driver_zero_and_copy_touch_exactly_their_range(device, driver, granule)
             view.fill_(0xA5)
             driver.zero(address + 100, granule)
             driver.copy(address + granule + 200, address + 50, 100)  # 50 poison bytes, then 50 zeros
+            driver.zero_ranges([(address + granule + 1000, 10), (address + granule + 2000, 1)])
+            with driver.batch():
+                driver.zero_ranges([(address + size - 3, 3)])
             driver.synchronize()
             expected = torch.full((size,), 0xA5, dtype=torch.uint8)
             expected[100 : 100 + granule] = 0
             expected[granule + 200 : granule + 250] = 0xA5
             expected[granule + 250 : granule + 300] = 0
+            expected[granule + 1000 : granule + 1010] = 0
+            expected[granule + 2000] = 0
+            expected[size - 3 :] = 0
             check_all_equal(view, expected.to(device), "bytes after zero and copy")
         finally:
             driver.unmap(address, size)

@@ -17,7 +17,10 @@ driver it wraps, so counts stay with the real driver.
 `zero` and `copy` work on mapped memory in order with the device's current
 stream (a kernel launch on CUDA, a memset/memmove on the host) without
 building a tensor per range: a commit zeroes one range per new run, and a
-tensor view per range cost more than the memset it wraps. `batch()` holds
+tensor view per range cost more than the memset it wraps. `zero_ranges`
+zeroes many ranges in one call: a driver may loop over them itself rather
+than through `zero` (a commit of many segments zeroes one range each), and a
+wrapper still sees each range as a `zero` step. `batch()` holds
 whatever per-call setup a driver needs (CUDA: its context pushed, the current
 stream looked up) across the many calls of one operation.
 
