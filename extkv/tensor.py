@@ -33,9 +33,11 @@ With `zero_new`, exactly the new logical bytes are zeroed on the current
 stream, interleaved with mapping: each run carries the new bytes below its
 end not zeroed yet, so the device zeroes one run while the CPU maps the
 next. The new byte ranges and the runs are both in address order, so one
-merge walk plans them (`_runs_with_zeroing`): one driver memset per new range per
-run it crosses, no tensor built per range. The whole operation runs in one
-driver `batch()` (one CUDA context push, one stream lookup).
+merge walk plans them (`_runs_with_zeroing`): one driver memset per new
+range per run it crosses, no tensor built per range; new bytes in granules
+mapped before go to the driver in one `zero_ranges` call. The whole
+operation runs in one driver `batch()` (one CUDA context push, one stream
+lookup).
 
 `defragment_segments_` moves segments onto a single chunk each at the same
 addresses and keeps every byte: each segment's chunks are copied into a new
