@@ -231,7 +231,8 @@ class _StepClock:
     (`cpu_seconds`); with `evict`, calls it at the end of every step, inside
     the step's time."""
 
-    cpu_seconds: float
+    #: A class default: the first step's `+=` gives each clock its own.
+    cpu_seconds: float = 0.0
     evict: Callable[[], None] | None = None
 
     def _timed(self, step: Callable, *args):
@@ -259,10 +260,6 @@ class DriverClock(_StepClock, WrappingDriver):
     which must not grow with the bytes committed (the driver's does). Like
     every wrapper it maps a commit's runs step by step (so each step can be
     timed), not in the inner driver's own loop, if it has one."""
-
-    def __init__(self, inner: vmm.Driver):
-        super().__init__(inner)
-        self.cpu_seconds = 0.0
 
     def _reserve(self, size):
         return self._timed(self.inner._reserve, size)
@@ -310,7 +307,6 @@ class PrimitivesClock(_StepClock, baselines.Primitives):
         self.inner = inner
         self.device = inner.device
         self.granularity = inner.granularity
-        self.cpu_seconds = 0.0
 
     def active(self):
         return self._timed_context(self.inner.active())
