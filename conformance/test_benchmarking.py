@@ -290,18 +290,75 @@ def test_own_cpu_comes_from_a_clocked_round_in_recycled_commits_only(device, op,
         assert store.driver_cpu_seconds() is None, f"an unclocked {name} store must not claim to count driver time"
 
 
-@pytest.mark.parametrize("geometry, counted", [("blhnc1", True), ("lbhnc32", False)])
-def test_own_cpu_with_evicted_caches_comes_from_a_third_round_in_one_segment_commits(device, geometry, counted):
-    """Flatness in bytes is read over one-segment commits; there a third,
-    clocked round evicts the CPU caches inside every driver step."""
-    names = ("extkv", "raw", "memset")
-    case = Case("commit", geometry, 4, 4, names)
-    results = interleave(case, names, device, rounds=2, case_seconds=60.0, costly_rounds=2)
-    for name in ("extkv", "raw"):
-        evicted = results[name].own_cpu_evicted
-        assert len(evicted) == (2 if counted else 0), (name, evicted)
-        assert all(0 <= seconds for seconds in evicted), (name, evicted)
-    assert results["memset"].own_cpu_evicted == []
+def one_segment_commit(blocks: int) -> Case:
+    return Case("commit", "blhnc1", blocks, blocks, ("extkv", "raw", "memset"))
+
+
+def test_a_case_alone_gives_no_readings_with_evicted_caches(device):
+    """Flatness in bytes is a ratio between two sizes: its evicted readings
+    come from both sizes measured together, never from one case's rounds."""
+    case = one_segment_commit(4)
+    results = interleave(case, case.contenders, device, rounds=2, case_seconds=60.0, costly_rounds=2)
+    for name in case.contenders:
+        assert results[name].status == "measured" and results[name].own_cpu_evicted == [], results[name]
+
+
+def test_readings_with_evicted_caches_interleave_both_sizes_in_equal_numbers(device):
+    """Round r runs every (size, contender) pair once, in row r of the
+    Williams design over the pairs, so each size meets the machine the
+    other left as often as the other way round."""
+    small, large = one_segment_commit(2), one_segment_commit(8)
+    order: list[tuple[str, str]] = []
+    readings = benchmarking.interleave_evicted(
+        (small, large), ("extkv", "raw"), device, rounds=4, case_seconds=600.0, order_log=order
+    )
+    pairs = [(case.id, name) for case in (small, large) for name in ("extkv", "raw")]
+    assert order == [pair for r in range(4) for pair in round_order(pairs, r)], order
+    for pair in pairs:
+        assert isinstance(readings[pair], list) and len(readings[pair]) == 4, (pair, readings[pair])
+        assert all(seconds > 0 for seconds in readings[pair]), (pair, readings[pair])
+
+
+class _FailingClockedStore(benchmarking.ClockedRawStore):
+    def grow(self, blocks: int) -> None:
+        raise RuntimeError("planted failure")
+
+
+def test_a_pair_that_fails_with_evicted_caches_keeps_its_error_and_leaves_the_rotation(monkeypatch):
+    monkeypatch.setitem(CONTENDERS, "broken_baseline", Contender("broken_baseline", "baseline", _FailingClockedStore))
+    small, large = one_segment_commit(2), one_segment_commit(4)
+    order: list[tuple[str, str]] = []
+    readings = benchmarking.interleave_evicted(
+        (small, large), ("raw", "broken_baseline"), torch.device("cpu"), rounds=2, case_seconds=600.0, order_log=order
+    )
+    for case in (small, large):
+        error = readings[(case.id, "broken_baseline")]
+        assert isinstance(error, RuntimeError) and "planted failure" in str(error), error
+        assert len(readings[(case.id, "raw")]) == 2, readings
+    assert order.count((small.id, "broken_baseline")) == 1, order
+
+
+def test_the_engine_reads_both_ends_of_the_byte_series_in_one_interleaved_pass(tmp_path, monkeypatch):
+    passes: list[tuple[str, ...]] = []
+    real_pass = benchmarking.interleave_evicted
+
+    def counted_pass(cases, *args, **kwargs):
+        passes.append(tuple(case.id for case in cases))
+        return real_pass(cases, *args, **kwargs)
+
+    monkeypatch.setattr(benchmarking, "interleave_evicted", counted_pass)
+    profile = PROFILES["quick"]
+    engine = benchmarking.Engine(profile, "cpu", tmp_path, rounds=2, warm=False, log=lambda line: None)
+    ends = [case for case in engine.cases if profile.is_bytes_flatness_end(case)]
+    assert sorted(case.bytes for case in ends) == [min(profile.byte_series), max(profile.byte_series)], ends
+    for case in ends:
+        results = engine.measure(case)
+        counts = {name: len(results[name].own_cpu_evicted) for name in ("extkv", "raw", "memset")}
+        assert counts["memset"] == 0 and counts["extkv"] == counts["raw"] >= 1, (case.id, counts)
+    assert passes == [tuple(case.id for case in ends)], passes
+    between = next(case for case in engine.cases
+                   if case.op == "commit" and case.geometry == "lbhnc32" and case.state == "recycled")
+    assert all(m.own_cpu_evicted == [] for m in engine.measure(between).values())
 
 
 def test_a_step_clock_counts_its_eviction_as_driver_time_not_extkv_time(device):

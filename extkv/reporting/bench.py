@@ -21,10 +21,10 @@ to; `SCALING_TARGETS` the scaling readings of issue 10 (host CPU time per
 commit flat in bytes, linear in segments), each also read as Python work in
 bytecode instructions: exact where CPU time also measures the caches a large
 driver call evicted. Flatness in bytes is also read in CPU time from rounds
-whose every driver step ends by evicting the caches, at every size alike.
-A verdict uses the ratio of
-minima; the median is shown beside it. A target is met or missed by how
-much, or not measured, saying why.
+whose every driver step ends by evicting the caches, the two sizes
+interleaved round by round. A verdict uses the ratio of minima; the median
+is shown beside it. A target is met or missed by how much, or not
+measured, saying why.
 
 Plots (PNG, written into the run directory): time against bytes (one
 segment) and against segments (fixed total), per operation, extkv against
@@ -141,7 +141,8 @@ SCALING_TARGETS: list[ScalingTarget] = [
                   "(one segment, smallest vs largest size; issue 10: within 10%)", "bytes", 1.10),
     ScalingTarget("cpu-flat-in-bytes-evicted", "extkv's host CPU time per commit outside driver calls flat in the "
                   "granule count, with the CPU caches evicted inside every driver step, so the Python after each "
-                  "step starts from the same cold caches at every size (the same cases and bound)", "bytes", 1.10,
+                  "step starts from the same cold caches at both sizes, and the two sizes measured interleaved "
+                  "round by round (the same cases and bound)", "bytes", 1.10,
                   reading="own_cpu_evicted"),
     ScalingTarget("cpu-linear-in-segments", "extkv's host CPU time per commit outside driver calls linear in segments "
                   "(1,024 vs 256 segments, same bytes; issue 10: at most 4.5x)", "segments", 4.5, near="lhbnc256",
@@ -172,7 +173,8 @@ class Entry:
     pivot: dict | None = None
     #: extkv: CPU seconds of each round outside driver calls (else empty).
     own_cpu: list[float] = field(default_factory=list)
-    #: The same with the caches evicted inside every driver step (one segment).
+    #: The same with the caches evicted inside every driver step (the two
+    #: ends of the byte series, measured interleaved).
     own_cpu_evicted: list[float] = field(default_factory=list)
     #: Where own CPU is read: bytecode instructions of the operation (else None).
     python_instructions: int | None = None

@@ -628,18 +628,21 @@ class Profile:
     headline_rounds: int = 0
     headline_case_seconds: float = 0.0
 
+    def is_bytes_flatness_end(self, case: Case) -> bool:
+        """Whether `case` is one of the two one-segment recycled commits
+        (the smallest and largest size) flatness in bytes compares."""
+        return (case.op == "commit" and case.state == "recycled" and case.geometry == "blhnc1"
+                and case.bytes in (min(self.byte_series), max(self.byte_series)))
+
     def is_headline_reading(self, case: Case) -> bool:
         """The recycled cases issue 10 is closed on: commit, growth in 8
         steps, recommit and preserving defragment at the headline size on
         the headline geometries, and the two one-segment commits its
         flatness in bytes compares (the smallest and largest size)."""
-        if case.state != "recycled":
-            return False
-        if case.op == "commit" and case.geometry == "blhnc1" and case.bytes in (
-            min(self.byte_series), max(self.byte_series)
-        ):
+        if self.is_bytes_flatness_end(case):
             return True
-        return (case.op in ("commit", "grow8", "recommit", "defrag_preserve")
+        return (case.state == "recycled"
+                and case.op in ("commit", "grow8", "recommit", "defrag_preserve")
                 and case.geometry in self.headline_geometries
                 and case.blocks == self.headline_bytes // GEOMETRIES[case.geometry].bytes_per_block)
 
@@ -665,8 +668,7 @@ PROFILES: dict[str, Profile] = {
             # A 32-segment growth's rounds vary 1.5-3x with the state the
             # driver's last release left (the same on both sides), and a
             # verdict takes each side's least round: over 9 rounds, two runs
-            # of one code read 0.91x and 1.28x against the raw sequence. The
-            # 64 GiB commit, slow with its cache-evicting round, got 4.
+            # of one code read 0.91x and 1.28x against the raw sequence.
             headline_rounds=21,
             headline_case_seconds=20.0,
         ),
@@ -778,9 +780,9 @@ class Measurement:
     #: outside driver calls (extkv's own bookkeeping; the driver's own CPU
     #: time grows with bytes).
     own_cpu: list[float] = field(default_factory=list)
-    #: The same, from a round whose every driver step ends by evicting the
-    #: CPU caches (`CacheEvictor`): one-segment recycled commits only, where
-    #: the report reads flatness in bytes.
+    #: The same, from rounds whose every driver step ends by evicting the
+    #: CPU caches (`CacheEvictor`): at the two ends of the byte series only,
+    #: measured together (`interleave_evicted`).
     own_cpu_evicted: list[float] = field(default_factory=list)
     #: Where `own_cpu` is read: the bytecode instructions Python executes in
     #: the operation, counted in one extra round (exact, so one tells it;
@@ -859,15 +861,6 @@ def counts_own_cpu(case: Case, contender: Contender) -> bool:
     system call), which would weigh on the timed round that the ratios
     against the raw sequence come from."""
     return contender.store in (ExtkvStore, baselines.RawStore) and case.op == "commit" and case.state == "recycled"
-
-
-def counts_own_cpu_evicted(case: Case, contender: Contender) -> bool:
-    """Whether a third round reads the CPU time outside driver calls with
-    the caches evicted inside every driver step: in the one-segment cases
-    of `counts_own_cpu`, the series flatness in bytes is read over. (An
-    eviction writes twice the last-level cache, 600 MiB on the H200's host:
-    a 256-segment commit's thousand steps would take a minute a round.)"""
-    return counts_own_cpu(case, contender) and case.segments == 1
 
 
 @contextlib.contextmanager
@@ -989,15 +982,10 @@ def interleave(
                 times = time_round(case, CONTENDERS[name], device)
                 if counts_own_cpu(case, CONTENDERS[name]):
                     times = times[:2] + time_round(case, CONTENDERS[name], device, clocked=True)[2:]
-                evicted = None
-                if counts_own_cpu_evicted(case, CONTENDERS[name]):
-                    evicted = time_round(case, CONTENDERS[name], device, clocked=True, evict_caches=True)[2]
             except Exception as error:
                 results[name].stop(*_failure(CONTENDERS[name], error))
                 continue
             results[name].add(times)
-            if evicted is not None:
-                results[name].own_cpu_evicted.append(evicted)
         if time.perf_counter() - started > case_seconds:
             break
     for name in names:
@@ -1007,6 +995,52 @@ def interleave(
             except Exception as error:
                 results[name].stop(*_failure(CONTENDERS[name], error))
     return results
+
+
+#: Whose own CPU time flatness in bytes compares.
+FLATNESS_CONTENDERS = ("extkv", "raw")
+
+
+def interleave_evicted(
+    cases: Sequence[Case],
+    names: Sequence[str],
+    device: torch.device,
+    *,
+    rounds: int,
+    case_seconds: float,
+    order_log: list[tuple[str, str]] | None = None,
+) -> dict[tuple[str, str], list[float] | BaseException]:
+    """Own CPU seconds of each of `names` in each of `cases`, from clocked
+    rounds whose every driver step ends by evicting the CPU caches; round r
+    runs every (case, name) pair once, in row r of the Williams design over
+    the pairs. Flatness in bytes is a ratio between two cases: measured
+    case by case, minutes apart, each size met another state of the
+    machine (on the H200's host, the raw sequence's fixed calls read 0.94x
+    to 1.43x from the smaller size to the larger over four runs), and the
+    minima came from unequal numbers of rounds. Interleaved, both sizes meet the same machine, in
+    equal numbers, as the contenders of a case do. Stops after `rounds`,
+    or once `case_seconds` are used; a pair that raises keeps the error in
+    place of its readings and leaves the rotation. `order_log` receives
+    each (case id, name) as it runs."""
+    pairs = [(case, name) for case in cases for name in names]
+    readings: dict[tuple[str, str], list[float] | BaseException] = {(case.id, name): [] for case, name in pairs}
+    started = time.perf_counter()
+    for round_index in range(rounds):
+        live = [pair for pair in pairs if isinstance(readings[(pair[0].id, pair[1])], list)]
+        if not live:
+            break
+        for case, name in round_order(live, round_index):
+            if order_log is not None:
+                order_log.append((case.id, name))
+            try:
+                own_cpu = time_round(case, CONTENDERS[name], device, clocked=True, evict_caches=True)[2]
+            except Exception as error:
+                readings[(case.id, name)] = error
+                continue
+            readings[(case.id, name)].append(own_cpu)
+        if time.perf_counter() - started > case_seconds:
+            break
+    return readings
 
 
 def warm_up(device: torch.device, names: Sequence[str], ops: Sequence[str]) -> None:
@@ -1071,6 +1105,8 @@ class Engine:
         self._by_id = {case.id: case for case in self.cases}
         self._results: dict[str, dict[str, Measurement]] = {}
         self._batches: dict[str, dict[str, dict[str, Measurement]]] = {}
+        #: `interleave_evicted` over both ends of the byte series, once run.
+        self._evicted: dict[tuple[str, str], list[float] | BaseException] | None = None
         self.clocks = [baselines.clock_note(self.device)]
         supported, how = baselines.primitives_for(self.device).probe_partial_map()
         #: Whether the driver maps part of a chunk: where not, the raw
@@ -1118,6 +1154,8 @@ class Engine:
             for name in case.contenders:
                 if name not in results:
                     results[name] = self._peer(case, name)
+            if self.profile.is_bytes_flatness_end(case):
+                self._add_evicted_readings(case, results)
         self._results[case.id] = results
         self.log(
             f"bench [{position}/{len(self.cases)}] {case.id}: "
@@ -1126,6 +1164,25 @@ class Engine:
             f"{self.elapsed():.0f} s of {self.budget_seconds:.0f} s)"
         )
         return results
+
+    def _add_evicted_readings(self, case: Case, results: dict[str, Measurement]) -> None:
+        """Give `case`, an end of the byte series, its own CPU readings with
+        the caches evicted, from one `interleave_evicted` over both ends
+        run at the first of them the run reaches."""
+        if self._evicted is None:
+            ends = [end for end in self.cases if self.profile.is_bytes_flatness_end(end)]
+            rounds, case_seconds = self.rounds_for(case)
+            self._evicted = interleave_evicted(ends, FLATNESS_CONTENDERS, self.device, rounds=rounds,
+                                               case_seconds=case_seconds)
+        for name in FLATNESS_CONTENDERS:
+            measurement = results.get(name)
+            if measurement is None or measurement.status != "measured":
+                continue
+            readings = self._evicted[(case.id, name)]
+            if isinstance(readings, BaseException):
+                measurement.stop(*_failure(CONTENDERS[name], readings))
+            else:
+                measurement.own_cpu_evicted = list(readings)
 
     def rounds_for(self, case: Case) -> tuple[int, float]:
         """Rounds and seconds `case` may take in this process."""
@@ -1251,11 +1308,13 @@ class Engine:
                 "step and the driver's batch setup (CUDA: context push and pop, stream lookup) timed, so that "
                 "timing never weighs on the rounds the ratios come from; to time each step, extkv's extra round "
                 "maps a commit's runs step by step, as a wrapped driver does, not in the CUDA driver's own loop, "
-                "which does a subset of that Python: its own CPU reads high, if anything; in one-segment "
-                "commits a third round ends every driver step of the commit by writing "
-                f"{2 * largest_cpu_cache_bytes() // MiB} MiB "
+                "which does a subset of that Python: its own CPU reads high, if anything; at the two ends of "
+                "the one-segment series (the smallest and largest size), further clocked rounds end every "
+                f"driver step of the commit by writing {2 * largest_cpu_cache_bytes() // MiB} MiB "
                 "(twice the CPU's largest cache, inside the step's time), so the Python after each step runs "
-                "from equally cold caches at every size; clocked rounds run pinned to the CPU they start on"
+                "from equally cold caches at both sizes, and run both sizes of extkv and of the raw sequence "
+                "interleaved round by round, so both sizes meet the same machine in equal numbers; clocked "
+                "rounds run pinned to the CPU they start on"
             ),
             "contenders": {name: {"role": c.role, "what": c.describe(), "process": c.process} for name, c in CONTENDERS.items()},
             "geometries": {name: g.what for name, g in GEOMETRIES.items()},
