@@ -29,6 +29,11 @@ as the device works. Rounds stop at the profile's count, or once a case has
 used its seconds (after two rounds, or after one that alone took that long).
 A run has a budget of seconds: a case that would start after it is reported
 as not run, with that reason, so a run never overstays its machine.
+Flatness in bytes divides a reading of one case by one of another, so its
+readings with the CPU caches evicted come from one pass over both cases
+(`interleave_evicted`): the smallest and largest one-segment commit, extkv
+and the raw sequence, interleaved round by round like the contenders of a
+case.
 
 Memory a round uses has been released by the round before: those cases are
 *recycled*. *Fresh* cases (the headline first commits) run in a new process
