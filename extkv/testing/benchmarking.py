@@ -75,7 +75,7 @@ import tempfile
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Callable, Iterator, Sequence
+from typing import Callable, Iterator, Sequence, TypeVar
 
 import torch
 
@@ -941,7 +941,11 @@ def _failure(contender: Contender, error: BaseException) -> tuple[str, str]:
     return "failed", words
 
 
-def round_order(names: Sequence[str], round_index: int) -> list[str]:
+#: What `round_order` and `in_rounds` rotate: contender names, (case, name) pairs.
+T = TypeVar("T")
+
+
+def round_order(names: Sequence[T], round_index: int) -> list[T]:
     """Row `round_index` of a Williams design over `names`: the first row is
     0, 1, n-1, 2, n-2, ...; row r adds r to each position (mod n); for an
     odd n, rows n..2n-1 are those rows reversed."""
@@ -957,6 +961,20 @@ def round_order(names: Sequence[str], round_index: int) -> list[str]:
     if n % 2 and (round_index // n) % 2:
         row.reverse()
     return [names[position] for position in row]
+
+
+def in_rounds(items: Sequence[T], live: Callable[[T], bool], *, rounds: int, case_seconds: float) -> Iterator[T]:
+    """`items` round by round, round r giving each item still `live` once,
+    in row r of `round_order`; stops after `rounds`, once no item is live,
+    or at the end of the first round that ends past `case_seconds`."""
+    started = time.perf_counter()
+    for round_index in range(rounds):
+        current = [item for item in items if live(item)]
+        if not current:
+            return
+        yield from round_order(current, round_index)
+        if time.perf_counter() - started > case_seconds:
+            return
 
 
 def interleave(
@@ -980,29 +998,24 @@ def interleave(
         reason = _not_runnable(CONTENDERS[name], device)
         if reason:
             results[name].stop("not run", reason)
-    started = time.perf_counter()
-    for round_index in range(rounds):
-        live = [
-            name
-            for name in names
-            if results[name].status == "measured"
-            and len(results[name].wall) < (costly_rounds if CONTENDERS[name].costly else rounds)
-        ]
-        if not live:
-            break
-        for name in round_order(live, round_index):
-            if order_log is not None:
-                order_log.append(name)
-            try:
-                times = time_round(case, CONTENDERS[name], device)
-                if counts_own_cpu(case, CONTENDERS[name]):
-                    times = times[:2] + time_round(case, CONTENDERS[name], device, clocked=True)[2:]
-            except Exception as error:
-                results[name].stop(*_failure(CONTENDERS[name], error))
-                continue
-            results[name].add(times)
-        if time.perf_counter() - started > case_seconds:
-            break
+
+    def live(name: str) -> bool:
+        measured = results[name]
+        return measured.status == "measured" and len(measured.wall) < (
+            costly_rounds if CONTENDERS[name].costly else rounds
+        )
+
+    for name in in_rounds(names, live, rounds=rounds, case_seconds=case_seconds):
+        if order_log is not None:
+            order_log.append(name)
+        try:
+            times = time_round(case, CONTENDERS[name], device)
+            if counts_own_cpu(case, CONTENDERS[name]):
+                times = times[:2] + time_round(case, CONTENDERS[name], device, clocked=True)[2:]
+        except Exception as error:
+            results[name].stop(*_failure(CONTENDERS[name], error))
+            continue
+        results[name].add(times)
     for name in names:
         if results[name].status == "measured" and counts_own_cpu(case, CONTENDERS[name]):
             try:
@@ -1032,29 +1045,26 @@ def interleave_evicted(
     case by case, minutes apart, each size met another state of the
     machine (on the H200's host, the raw sequence's fixed calls read 0.94x
     to 1.43x from the smaller size to the larger over four runs), and the
-    minima came from unequal numbers of rounds. Interleaved, both sizes meet the same machine, in
-    equal numbers, as the contenders of a case do. Stops after `rounds`,
-    or once `case_seconds` are used; a pair that raises keeps the error in
+    minima came from unequal numbers of rounds. Interleaved, both sizes
+    meet the same machine, in equal numbers, as the contenders of a case
+    do. Stops as `in_rounds` does; a pair that raises keeps the error in
     place of its readings and leaves the rotation. `order_log` receives
     each (case id, name) as it runs."""
     pairs = [(case, name) for case in cases for name in names]
     readings: dict[tuple[str, str], list[float] | BaseException] = {(case.id, name): [] for case, name in pairs}
-    started = time.perf_counter()
-    for round_index in range(rounds):
-        live = [pair for pair in pairs if isinstance(readings[(pair[0].id, pair[1])], list)]
-        if not live:
-            break
-        for case, name in round_order(live, round_index):
-            if order_log is not None:
-                order_log.append((case.id, name))
-            try:
-                own_cpu = time_round(case, CONTENDERS[name], device, clocked=True, evict_caches=True)[2]
-            except Exception as error:
-                readings[(case.id, name)] = error
-                continue
-            readings[(case.id, name)].append(own_cpu)
-        if time.perf_counter() - started > case_seconds:
-            break
+
+    def live(pair: tuple[Case, str]) -> bool:
+        return isinstance(readings[(pair[0].id, pair[1])], list)
+
+    for case, name in in_rounds(pairs, live, rounds=rounds, case_seconds=case_seconds):
+        if order_log is not None:
+            order_log.append((case.id, name))
+        try:
+            own_cpu = time_round(case, CONTENDERS[name], device, clocked=True, evict_caches=True)[2]
+        except Exception as error:
+            readings[(case.id, name)] = error
+            continue
+        readings[(case.id, name)].append(own_cpu)
     return readings
 
 
