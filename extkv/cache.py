@@ -208,6 +208,13 @@ class ExtensibleKVCache:
         before anything changes.
         """
         num_blocks = min(_block_count(num_blocks), self.capacity_blocks)
+        if defragment is False and shrink is False and preserve_contents is False:
+            # The call an engine makes on every step, without the flag checks
+            # and plans below: on a small commit they would cost more Python
+            # than the driver work.
+            if num_blocks > self.num_committed_blocks:
+                self._grow_to(num_blocks)
+            return
         defragment = validate.flag("defragment", defragment)
         shrink = validate.flag("shrink", shrink)
         preserve_contents = validate.flag("preserve_contents", preserve_contents)
@@ -218,17 +225,25 @@ class ExtensibleKVCache:
                 "preserve_contents=True contradicts shrink=True: a shrink remaps a smaller prefix and "
                 "discards contents; shrink and defragment in two commits if that is what you want"
             )
-        sizes = self._sizes_for(num_blocks)
-        fragmented = defragment and not all(self.buffer.segments_backed_by_one_chunk(sizes))
+        fragmented = defragment and not all(self.buffer.segments_backed_by_one_chunk(self._sizes_for(num_blocks)))
         shrinking = shrink and num_blocks < self.num_committed_blocks
         if shrinking or (fragmented and not preserve_contents):
             self.buffer.release_physical()
             self.num_committed_blocks = 0
         if num_blocks > self.num_committed_blocks:
-            self.buffer.resize_segments_(sizes, zero_new=True)
-            self.num_committed_blocks = num_blocks
+            self._grow_to(num_blocks)
         if fragmented and preserve_contents:
             self.buffer.defragment_segments_()
+        if shrinking or fragmented:
+            logger.debug("KV cache at %s after commit(%d).", self, num_blocks)
+
+    def _grow_to(self, num_blocks: int) -> None:
+        """Back `num_blocks` blocks (more than are committed, at most the
+        capacity), the new ones zeroed."""
+        # Sizes built from a clamped block count are ints within capacity
+        # by construction: the tensor's own argument checks are skipped.
+        self.buffer._grow(self._sizes_for(num_blocks), zero_new=True)
+        self.num_committed_blocks = num_blocks
         logger.debug("KV cache at %s after commit(%d).", self, num_blocks)
 
     def _sizes_for(self, num_blocks: int) -> list[int]:
@@ -244,7 +259,7 @@ class ExtensibleKVCache:
         """Map fresh zeroed pages for the blocks committed before release.
         The committed count is kept throughout, so a recommit that fails
         half way is completed by calling it again."""
-        self.buffer.resize_segments_(self._sizes_for(self.num_committed_blocks), zero_new=True)
+        self.buffer._grow(self._sizes_for(self.num_committed_blocks), zero_new=True)
 
     # -- sizes ------------------------------------------------------------------
     @property

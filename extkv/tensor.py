@@ -445,8 +445,16 @@ class ExtensibleTensor:
         segment starts past `pipelined_chunk_bytes`). With `zero_new`, zeroes
         exactly the bytes that become committed.
         """
-        zero_new = validate.flag("zero_new", zero_new)
-        sizes = self._validated_sizes(sizes, grow_only=True)
+        self._grow(self._validated_sizes(sizes, grow_only=True), validate.flag("zero_new", zero_new))
+
+    def _grow(self, sizes: list[int], zero_new: bool) -> None:
+        """`resize_segments_` past its argument checks, for a caller in this
+        package that holds `lock` and built `sizes` itself: a list of ints,
+        one per segment, each at most its segment's capacity (the KV cache's
+        commit, where the checks would cost more than a small commit's
+        driver work). A size below the committed one still raises."""
+        if self._state is not _State.LIVE:
+            self._require("resize_segments_")
         growing, spans = self._new_ranges(sizes)
         runs = self._unmapped_runs(spans)
         # Each run's new bytes are zeroed as soon as it is mapped, so the
@@ -527,6 +535,8 @@ class ExtensibleTensor:
         base, granule = self.base, self._driver.granularity
         growing, spans, span_first, span_end = [], [], 0, -1
         for offset, old, new in zip(self.segment_offsets, self._sizes, sizes):
+            if new < old:
+                self._validated_sizes(sizes, grow_only=True)  # raises, naming the segment
             if new > old:
                 low, high = offset + old, offset + new
                 growing.append((base + low, base + high))
