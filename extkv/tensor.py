@@ -35,9 +35,10 @@ end not zeroed yet, so the device zeroes one run while the CPU maps the
 next. The new byte ranges and the runs are both in address order, so one
 merge walk plans them (`_runs_with_zeroing`): one driver memset per new
 range per run it crosses, no tensor built per range; new bytes in granules
-mapped before go to the driver in one `zero_ranges` call. The whole
-operation runs in one driver `batch()` (one CUDA context push, one stream
-lookup).
+mapped before are zeroed once every run stands. The whole commit is one
+driver call (`Driver.map_new_chunks`: one CUDA context push, one stream
+lookup): on a small commit, each Python call between two driver calls runs
+on CPU caches the driver's work left cold, and costs as much as a step.
 
 `defragment_segments_` moves segments onto a single chunk each at the same
 addresses and keeps every byte: each segment's chunks are copied into a new
@@ -461,10 +462,9 @@ class ExtensibleTensor:
         # device zeroes one run while the CPU maps the next.
         plan, zero_in_mapped = _runs_with_zeroing(runs, growing if zero_new else (), self.base, self._driver.granularity)
         created: list[Chunk] = []
-        with self._driver.batch():
+        if plan or zero_in_mapped:
             try:
-                if plan:
-                    self._map_new_chunks(plan, created)
+                self._map_new_chunks(plan, zero_in_mapped, created)
             finally:
                 # Runs mapped before a failure stay mapped: record them.
                 if created:
@@ -473,14 +473,12 @@ class ExtensibleTensor:
                             MappedChunk(chunk, plan[i][0], runs[i][0], runs[i][1]) for i, chunk in enumerate(created)
                         ]
                     )
-            if zero_in_mapped:
-                self._driver.zero_ranges(zero_in_mapped)
         self._sizes = sizes
 
-    def _map_new_chunks(self, plan: list, created: list[Chunk]) -> None:
+    def _map_new_chunks(self, plan: list, zero_after: list[tuple[int, int]], created: list[Chunk]) -> None:
         driver, give_back = self._driver, self._unreleased.release
         try:
-            driver.map_new_chunks(plan, created, give_back)
+            driver.map_new_chunks(plan, created, give_back, zero_after)
         except OutOfMemoryError as error:
             # Memory torch's caching allocator holds but does not use may be
             # exactly what the failed run needs: return it and try once more
@@ -488,7 +486,7 @@ class ExtensibleTensor:
             if not driver.reclaim_cache():
                 raise
             try:
-                driver.map_new_chunks(plan[len(created):], created, give_back)
+                driver.map_new_chunks(plan[len(created):], created, give_back, zero_after)
             except OutOfMemoryError as retry_error:
                 raise retry_error from error
 
@@ -588,7 +586,7 @@ class ExtensibleTensor:
         """A new chunk mapped writable at `address` (the commit path, for one
         run), the undo of each step registered with `transaction`."""
         created: list[Chunk] = []
-        self._map_new_chunks([(address, size, ())], created)
+        self._map_new_chunks([(address, size, ())], [], created)
         (chunk,) = created
         transaction.push(self._unreleased.release, chunk)
         transaction.push(self._driver.unmap, address, size)

@@ -182,10 +182,14 @@ class Driver(abc.ABC):
         runs: Sequence[tuple[int, int, Sequence[tuple[int, int]]]],
         created: list[Chunk],
         give_back: Callable[[Chunk], object],
+        zero_after: Sequence[tuple[int, int]] = (),
     ) -> None:
         """For each `(address, size, zero)` of `runs`, in order: create a chunk
         of `size` bytes, map it at `address`, make it writable, then zero the
         `(address, size)` ranges of `zero` (mapped and writable by then).
+        Once every run stands, zero the ranges of `zero_after` (mapped before
+        the call). One call does a whole commit: a driver keeps its per-call
+        setup across it, as in `batch()`.
 
         Each chunk is appended to `created` once its run is mapped and
         writable, so after a failure `created` holds exactly the runs that
@@ -193,9 +197,11 @@ class Driver(abc.ABC):
         propagates, its chunk handed to `give_back` (which releases it, or
         keeps it for a later retry).
         """
+        granule, largest = self.granularity, self.max_reservation_bytes
         for _, size, _ in runs:
-            self._check_granular("map_new_chunks", size)
-        self._map_new_chunks(runs, created, give_back)
+            if type(size) is not int or not 0 < size <= largest or size % granule:
+                self._check_granular("map_new_chunks", size)
+        self._map_new_chunks(runs, created, give_back, zero_after)
 
     # -- everything else -----------------------------------------------------
     @abc.abstractmethod
@@ -264,7 +270,9 @@ class Driver(abc.ABC):
     def _copy(self, destination: int, source: int, size: int) -> None: ...
 
     @abc.abstractmethod
-    def _map_new_chunks(self, runs, created: list[Chunk], give_back: Callable[[Chunk], object]) -> None:
+    def _map_new_chunks(
+        self, runs, created: list[Chunk], give_back: Callable[[Chunk], object], zero_after: Sequence[tuple[int, int]]
+    ) -> None:
         """Step by step (`transaction.map_new_chunks_step_by_step`), or in one
         loop where the driver's steps cost less that way."""
 

@@ -236,37 +236,50 @@ class CudaDriver(Driver):
             return result[1] if len(result) == 2 else None
         return _check(name, result, size=size, address=address)
 
-    def _map_new_chunks(self, runs, created: list[Chunk], give_back: Callable[[Chunk], object]) -> None:
+    def _map_new_chunks(self, runs, created: list[Chunk], give_back: Callable[[Chunk], object], zero_after) -> None:
         # The step-by-step sequence (`map_new_chunks_step_by_step`) goes
         # through three layers per step; a commit of 256 segments makes over a
-        # thousand steps, each a few microseconds of Python that runs cold
-        # after the driver's own work. Here every step is one bindings call,
-        # its result checked inline.
-        stream = self._thread.stream
-        if stream is None:  # outside a batch: in one
-            with self.batch():
-                return self._map_new_chunks(runs, created, give_back)
-        cu = self._cu
-        create, map_, grant, memset = cu.cuMemCreate, cu.cuMemMap, cu.cuMemSetAccess, cu.cuMemsetD8Async
-        prop, writable, kind = self._prop, self._access[True], self.kind
-        with Transaction() as undo:
-            for address, size, zero in runs:
-                result = create(size, prop, 0)
-                result[0] == 0 or _check("cuMemCreate", result, size=size)
-                chunk = Chunk(int(result[1]), size)
-                count_live_chunks(kind, 1)
-                undo.push(give_back, chunk)
-                # The handle as an int: the bindings take it faster than their own type.
-                result = map_(address, size, 0, chunk.handle, 0)
-                result[0] == 0 or _check("cuMemMap", result, size=size, address=address)
-                undo.push(self.unmap, address, size)
-                result = grant(address, size, writable, 1)
-                result[0] == 0 or _check("cuMemSetAccess", result, size=size, address=address)
-                created.append(chunk)
-                undo.settle()
-                for low, count in zero:
-                    result = memset(low, 0, count, stream)
-                    result[0] == 0 or _check("cuMemsetD8Async", result, size=count, address=low)
+        # thousand steps, and on a small commit every Python call between two
+        # driver calls runs on caches the driver's work left cold. Here every
+        # step is one bindings call, its result checked inline, and the
+        # context and stream of a batch are set up inline for this call.
+        thread = self._thread
+        pushed_here = not thread.pushed
+        if pushed_here:
+            _push_context(self)
+        try:
+            cu = self._cu
+            stream = thread.stream
+            if stream is None:
+                # As the bindings' own type: an int would be converted on
+                # every call that takes it.
+                stream = cu.CUstream(self._current_stream(self.device.index))
+            create, map_, grant, memset = cu.cuMemCreate, cu.cuMemMap, cu.cuMemSetAccess, cu.cuMemsetD8Async
+            prop, writable, kind = self._prop, self._access[True], self.kind
+            with Transaction() as undo:
+                for address, size, zero in runs:
+                    result = create(size, prop, 0)
+                    result[0] == 0 or _check("cuMemCreate", result, size=size)
+                    chunk = Chunk(int(result[1]), size)
+                    count_live_chunks(kind, 1)
+                    undo.push(give_back, chunk)
+                    # The handle as an int: the bindings take it faster than their own type.
+                    result = map_(address, size, 0, chunk.handle, 0)
+                    result[0] == 0 or _check("cuMemMap", result, size=size, address=address)
+                    undo.push(self.unmap, address, size)
+                    result = grant(address, size, writable, 1)
+                    result[0] == 0 or _check("cuMemSetAccess", result, size=size, address=address)
+                    created.append(chunk)
+                    undo.settle()
+                    for low, count in zero:
+                        result = memset(low, 0, count, stream)
+                        result[0] == 0 or _check("cuMemsetD8Async", result, size=count, address=low)
+            for low, count in zero_after:
+                result = memset(low, 0, count, stream)
+                result[0] == 0 or _check("cuMemsetD8Async", result, size=count, address=low)
+        finally:
+            if pushed_here:
+                _pop_context(self)
 
     def _zero(self, address: int, size: int) -> None:
         self._call("cuMemsetD8Async", self._cu.cuMemsetD8Async, address, 0, size, self._stream(), size=size, address=address)

@@ -371,10 +371,10 @@ class HostDriver(Driver):
     def _copy(self, destination: int, source: int, size: int) -> None:
         ctypes.memmove(destination, source, size)
 
-    def _map_new_chunks(self, runs, created, give_back) -> None:
+    def _map_new_chunks(self, runs, created, give_back, zero_after) -> None:
         # A memfd's steps are system calls that cost far more than the
         # Python around them: the generic sequence is as fast.
-        map_new_chunks_step_by_step(self, runs, created, give_back)
+        map_new_chunks_step_by_step(self, runs, created, give_back, zero_after)
 
     def synchronize(self) -> None:
         """CPU tensor operations are synchronous: nothing is in flight."""

@@ -102,18 +102,21 @@ def map_new_chunks_step_by_step(
     runs: Sequence[tuple[int, int, Sequence[tuple[int, int]]]],
     created: list[Chunk],
     give_back: Callable[[Chunk], object],
+    zero_after: Sequence[tuple[int, int]],
 ) -> None:
     """`Driver.map_new_chunks` through the driver's public steps, one by one,
     so that a wrapper's own steps (an injected fault, a poisoned chunk) take
     part and the live counts are kept by the steps themselves."""
-    with Transaction() as undo:
-        for address, size, zero in runs:
-            chunk = driver.create(size)
-            undo.push(give_back, chunk)
-            driver.map(address, chunk)
-            undo.push(driver.unmap, address, size)
-            driver.set_access(address, size)
-            created.append(chunk)
-            undo.settle()
-            for low, count in zero:
-                driver.zero(low, count)
+    with driver.batch():
+        with Transaction() as undo:
+            for address, size, zero in runs:
+                chunk = driver.create(size)
+                undo.push(give_back, chunk)
+                driver.map(address, chunk)
+                undo.push(driver.unmap, address, size)
+                driver.set_access(address, size)
+                created.append(chunk)
+                undo.settle()
+                for low, count in zero:
+                    driver.zero(low, count)
+        driver.zero_ranges(zero_after)

@@ -65,11 +65,11 @@ class WrappingDriver(Driver):
     def _copy(self, destination: int, source: int, size: int) -> None:
         self.inner._copy(destination, source, size)
 
-    def _map_new_chunks(self, runs, created, give_back) -> None:
+    def _map_new_chunks(self, runs, created, give_back, zero_after) -> None:
         # Through this wrapper's own steps, never the inner driver's loop:
         # a wrapper changes steps, and a loop inside the inner driver would
         # bypass them.
-        map_new_chunks_step_by_step(self, runs, created, give_back)
+        map_new_chunks_step_by_step(self, runs, created, give_back, zero_after)
 
     def batch(self):
         return self.inner.batch()
