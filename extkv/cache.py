@@ -207,7 +207,9 @@ class ExtensibleKVCache:
         and keeps every byte. Flags must be bools; contradictory ones raise
         before anything changes.
         """
-        num_blocks = min(_block_count(num_blocks), self.capacity_blocks)
+        if type(num_blocks) is not int or num_blocks < 0:
+            num_blocks = _block_count(num_blocks)  # raises, or an int from an index-like value
+        num_blocks = min(num_blocks, self.capacity_blocks)
         if defragment is False and shrink is False and preserve_contents is False:
             # The call an engine makes on every step, without the flag checks
             # and plans below: on a small commit they would cost more Python
