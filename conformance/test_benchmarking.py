@@ -442,7 +442,8 @@ def test_the_partial_map_probe_answers_from_the_driver(device):
 
 
 def test_headline_readings_take_the_profiles_headline_rounds_unless_rounds_are_given(tmp_path):
-    """The headline 8-step growths take more rounds again: their least round moves with the rounds drawn."""
+    """The headline 8-step growths take more rounds again, and so does every
+    case of at most 1 GiB: their least round moves with the rounds drawn."""
     profile = PROFILES["gpu"]
     headline = [case for case in catalogue(profile) if profile.is_headline_reading(case)]
     assert sorted((case.op, case.geometry, case.bytes) for case in headline) == sorted(
@@ -451,14 +452,21 @@ def test_headline_readings_take_the_profiles_headline_rounds_unless_rounds_are_g
         + [("commit", "blhnc1", 64 * MiB), ("commit", "blhnc1", 64 << 30)]
     )
     assert all(case.state == "recycled" for case in headline), headline
-    other = next(case for case in catalogue(profile) if case.op == "commit" and case.bytes == 1 << 30)
+    other = next(case for case in catalogue(profile) if case.op == "commit" and case.bytes == 4 << 30)
+    small = [case for case in catalogue(profile) if case.bytes <= 1 << 30]
+    assert {(case.op, case.bytes) for case in small} == {
+        (op, size) for op in ("commit", "grow8", "release") for size in (64 * MiB, 256 * MiB, 1 << 30)
+    }
     engine = benchmarking.Engine(profile, "cpu", tmp_path, warm=False, log=lambda line: None)
     growth = [case for case in headline if case.op == "grow8"]
     assert engine.rounds_for(headline[0]) == (profile.headline_rounds, profile.headline_case_seconds) == (21, 20.0)
     assert {engine.rounds_for(case) for case in growth} == {(61, 45.0)}, growth
     assert engine.rounds_for(other) == (profile.rounds, profile.case_seconds)
+    # The smallest commit is a headline reading too: its seconds, the small cases' rounds.
+    assert {engine.rounds_for(case) for case in small} == {(61, profile.case_seconds), (61, 20.0)}
+    assert engine.rounds_for(next(case for case in small if profile.is_headline_reading(case))) == (61, 20.0)
     given = benchmarking.Engine(profile, "cpu", tmp_path, rounds=3, warm=False, log=lambda line: None)
-    assert given.rounds_for(headline[0]) == given.rounds_for(growth[0]) == given.rounds_for(other) == (3, profile.case_seconds)
+    assert {given.rounds_for(case) for case in [headline[0], growth[0], other, *small]} == {(3, profile.case_seconds)}
 
 
 def test_costly_peers_stop_at_their_round_cap():

@@ -438,6 +438,8 @@ def _facts_lines(run: BenchRun) -> list[str]:
               f"{f['growth_headline_case_seconds']:g} s" if f.get("growth_headline_rounds") else "")
            + ", their least round being what a verdict reads"
            if f.get("headline_rounds") else "")
+        + (f"; cases of at most {size_label(f['small_case_bytes'])} >= {f['small_case_rounds']} rounds, "
+           "within their seconds" if f.get("small_case_rounds") else "")
         + "); "
         f"measuring took {f['elapsed_seconds']:.0f} s of a "
         f"{f['budget_seconds']:.0f} s budget.",
