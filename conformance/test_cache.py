@@ -355,6 +355,7 @@ def test_invalid_calls_raise_and_change_nothing(cache):
         (lambda: cache.commit(-1), r"num_blocks must be an int >= 0 \(a block count\), got -1"),
         (lambda: cache.commit(2.5), r"num_blocks must be an int >= 0 \(a block count\), got 2.5"),
         (lambda: cache.commit(30, preserve_contents=True), "only applies with defragment"),
+        (lambda: cache.commit(30, shrink="yes"), r"shrink must be a bool \(True or False\), got 'yes'"),
         (lambda: cache.physical_bytes_for(-3), "num_blocks must be an int >= 0"),
         (lambda: cache.blocks_within(1.5), "num_bytes must be an int"),
         (lambda: cache.set_torch_memory_limit(-5), "torch memory limit must be an int >= 0"),
@@ -362,6 +363,19 @@ def test_invalid_calls_raise_and_change_nothing(cache):
         with pytest.raises(ValueError, match=message):
             call()
         check_unchanged(cache, before)
+
+
+@pytest.mark.invariant(6)
+def test_a_commit_never_shrinks_a_buffer_grown_behind_the_caches_back(cache):
+    """A plain commit skips the buffer's argument checks (its sizes are
+    valid by construction), not the buffer's grow-only rule."""
+    cache.commit(2)
+    cache.buffer.resize_segments_([4 * stride for stride in cache.segment_strides])
+    fill_segments(cache, seed=5)
+    before = snapshot(cache)
+    with pytest.raises(ValueError, match=r"sizes\[0\] = \d+ would shrink segment 0"):
+        cache.commit(3)
+    check_unchanged(cache, before)
 
 
 def _cuda_fractions() -> list[float] | None:

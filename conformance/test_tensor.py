@@ -463,8 +463,9 @@ def test_the_instruction_count_holds_no_finalizer_a_collection_would_run():
 
 def test_map_new_chunks_maps_each_run_then_zeroes_exactly_its_ranges(driver, granule, device):
     """The one-call commit path of the bare driver (on CUDA its own loop, not
-    the step-by-step one wrappers take): zeroing is checked on a chunk mapped
-    before and poisoned, so a range it missed or overran reads as poison."""
+    the step-by-step one wrappers take), with ranges zeroed after the runs in
+    memory mapped before: zeroing is checked on a chunk mapped before and
+    poisoned, so a range it missed or overran reads as poison."""
     address = driver.reserve(3 * granule)
     earlier = driver.create(granule)
     created: list = []
@@ -472,15 +473,16 @@ def test_map_new_chunks_maps_each_run_then_zeroes_exactly_its_ranges(driver, gra
         driver.map(address, earlier)
         driver.set_access(address, granule)
         driver.view(address, granule).fill_(0xA5)
-        zero = [(address + 100, 300), (address + granule - 8, 8), (address + granule + 5, 7)]
+        zero = [(address + granule - 8, 8), (address + granule + 5, 7)]
         runs = [(address + granule, granule, zero), (address + 2 * granule, granule, ())]
-        driver.map_new_chunks(runs, created, driver.release)
+        driver.map_new_chunks(runs, created, driver.release, zero_after=[(address + 100, 300), (address + 1000, 24)])
         driver.synchronize()
         assert [chunk.size for chunk in created] == [granule, granule]
         backing = driver.chunks_at([address, address + granule, address + 2 * granule])
         assert None not in backing and len(set(backing)) == 3
         expected = torch.full((granule,), 0xA5, dtype=torch.uint8, device=device)
         expected[100:400] = 0
+        expected[1000:1024] = 0
         expected[granule - 8 :] = 0
         assert int((driver.view(address, granule) != expected).sum()) == 0
         new = driver.view(address + granule, 2 * granule)
