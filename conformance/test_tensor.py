@@ -814,8 +814,7 @@ def test_mapped_chunk_at_names_the_chunk_holding_an_address(build, granule):
 def test_driver_zero_and_copy_touch_exactly_their_range(device, driver, granule):
     """Driver.zero, Driver.zero_ranges and Driver.copy, which a commit and a
     defragmentation use in place of tensor views: each writes its ranges and
-    nothing beside them (zero_ranges both outside and inside a batch: on
-    CUDA its own loop of bindings calls)."""
+    nothing beside them (zero_ranges both outside and inside a batch)."""
     size = 2 * granule
     address = driver.reserve(size)
     chunk = driver.create(size)

@@ -18,9 +18,8 @@ driver it wraps, so counts stay with the real driver.
 stream (a kernel launch on CUDA, a memset/memmove on the host) without
 building a tensor per range: a commit zeroes one range per new run, and a
 tensor view per range cost more than the memset it wraps. `zero_ranges`
-zeroes many ranges in one call: a driver may loop over them itself rather
-than through `zero` (a commit of many segments zeroes one range each), and a
-wrapper still sees each range as a `zero` step. `batch()` holds
+zeroes many ranges in one call, each as a `zero` step (what a wrapper sees
+of the ranges a commit zeroes in memory mapped before). `batch()` holds
 whatever per-call setup a driver needs (CUDA: its context pushed, the current
 stream looked up) across the many calls of one operation.
 

@@ -10,9 +10,11 @@ context torch's runtime uses, so addresses are valid for torch kernels.
 `zero` and `copy` are `cuMemsetD8Async` and `cuMemcpyDtoDAsync` on torch's
 current stream. `batch()` pushes the context once for many calls (a commit
 of 256 segments makes over a thousand) and looks the stream up once; the
-push is per thread, since a CUDA context is current per thread. A commit's
-runs (`map_new_chunks`) go through one loop here, each step one bindings
-call, rather than through the public steps one by one as wrappers take them.
+push is per thread, since a CUDA context is current per thread. A commit
+(`map_new_chunks`: its runs, then its new bytes in memory mapped before) is
+one loop here, the context pushed and the stream looked up once, each step
+one bindings call, rather than the public steps one by one as wrappers take
+them.
 A failing CUresult becomes a `DriverError` naming the call, the code, the size
 and the address.
 
@@ -283,18 +285,6 @@ class CudaDriver(Driver):
 
     def _zero(self, address: int, size: int) -> None:
         self._call("cuMemsetD8Async", self._cu.cuMemsetD8Async, address, 0, size, self._stream(), size=size, address=address)
-
-    def zero_ranges(self, ranges) -> None:
-        # One loop of bindings calls: through `zero`, each range would take
-        # four Python calls, and a commit of many segments zeroes hundreds.
-        stream = self._thread.stream
-        if stream is None:  # outside a batch: in one
-            with self.batch():
-                return self.zero_ranges(ranges)
-        memset = self._cu.cuMemsetD8Async
-        for address, size in ranges:
-            result = memset(address, 0, size, stream)
-            result[0] == 0 or _check("cuMemsetD8Async", result, size=size, address=address)
 
     def _copy(self, destination: int, source: int, size: int) -> None:
         self._call(
