@@ -450,6 +450,7 @@ def test_headline_readings_take_the_profiles_headline_rounds_unless_rounds_are_g
         [(op, geometry, profile.headline_bytes) for op in ("commit", "grow8", "recommit", "defrag_preserve")
          for geometry in ("blhnc1", "lbhnc32", "lhbnc256")]
         + [("commit", "blhnc1", 64 * MiB), ("commit", "blhnc1", 64 << 30)]
+        + [("commit", "lhbnc1024", profile.headline_bytes)]
     )
     assert all(case.state == "recycled" for case in headline), headline
     other = next(case for case in catalogue(profile) if case.op == "commit" and case.bytes == 4 << 30)

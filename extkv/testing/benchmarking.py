@@ -650,14 +650,20 @@ class Profile:
     def is_headline_reading(self, case: Case) -> bool:
         """The recycled cases issue 10 is closed on: commit, growth in 8
         steps, recommit and preserving defragment at the headline size on
-        the headline geometries, and the two one-segment commits its
-        flatness in bytes compares (the smallest and largest size)."""
+        the headline geometries, the two one-segment commits its flatness in
+        bytes compares (the smallest and largest size), and the commits of
+        the segment series at the headline size, which its linearity in
+        segments divides by a headline commit: both ends of a scaling ratio
+        take the same rounds."""
         if self.is_bytes_flatness_end(case):
             return True
+        at_headline_size = case.blocks == self.headline_bytes // GEOMETRIES[case.geometry].bytes_per_block
+        if case.op == "commit" and case.geometry in self.segment_series:
+            return case.state == "recycled" and at_headline_size
         return (case.state == "recycled"
                 and case.op in ("commit", "grow8", "recommit", "defrag_preserve")
                 and case.geometry in self.headline_geometries
-                and case.blocks == self.headline_bytes // GEOMETRIES[case.geometry].bytes_per_block)
+                and at_headline_size)
 
 
 PROFILES: dict[str, Profile] = {
