@@ -433,7 +433,8 @@ def _facts_lines(run: BenchRun) -> list[str]:
         f"Rounds per case <= {f['rounds']} (a case stops adding rounds once it has used {f['case_seconds']:g} s, "
         f"after two, or after one that alone took that long; one handle per granule <= {f['costly_rounds']}"
         + (f"; the cases issue 10 is read on (its headline cases, the smallest and largest one-segment "
-           f"commit, and the commits of the segment series at the headline size) <= {f['headline_rounds']} rounds within {f['headline_case_seconds']:g} s"
+           f"commit, and the commits of the segment series at the headline size) <= {f['headline_rounds']} rounds "
+           f"within {f['headline_case_seconds']:g} s"
            + (f", the 8-step growths among them <= {f['growth_headline_rounds']} rounds within "
               f"{f['growth_headline_case_seconds']:g} s" if f.get("growth_headline_rounds") else "")
            + ", their least round being what a verdict reads"
