@@ -604,6 +604,13 @@ FLOORS = {
 
 
 # -- profiles -------------------------------------------------------------------------------
+#: What `Profile.is_headline_reading` selects, in the words the report uses.
+HEADLINE_READINGS = (
+    "its headline cases, the smallest and largest one-segment commit, "
+    "and the commits of the segment series at the headline size"
+)
+
+
 @dataclass(frozen=True)
 class Profile:
     """Sizes, rounds and time of one kind of run."""
@@ -1350,6 +1357,7 @@ class Engine:
             "headline_case_seconds": self.profile.headline_case_seconds,
             "growth_headline_rounds": 0 if self.rounds_given else self.profile.growth_headline_rounds,
             "growth_headline_case_seconds": self.profile.growth_headline_case_seconds,
+            "headline_readings": HEADLINE_READINGS,
             "small_case_rounds": 0 if self.rounds_given else self.profile.small_case_rounds,
             "small_case_bytes": self.profile.small_case_bytes,
             "costly_rounds": self.profile.costly_rounds,
