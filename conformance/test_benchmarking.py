@@ -691,18 +691,24 @@ def test_engine_measures_fresh_cases_in_a_new_process_and_records_every_case(tmp
     assert all(r["status"] == "not run" and "not reached" in r["reason"] for r in unreached.values()), unreached
 
 
-def test_the_rounds_line_names_the_headline_readings_its_run_recorded():
+def test_the_rounds_line_names_the_headline_readings_its_run_recorded(tmp_path):
     """A report rendered again later describes the run as it was: which
     cases took the headline rounds comes from the run's facts, and a run
     that recorded none is described by what the engine did before."""
-    from extkv.reporting.bench import _facts_lines
+    from extkv.reporting.bench import bench_section
 
     facts = {
         "profile": "gpu", "profile_what": "w", "device": "cuda:0", "device_description": {}, "host": "h", "torch": "t",
-        "rounds": 9, "case_seconds": 8.0, "costly_rounds": 2, "headline_rounds": 21, "headline_case_seconds": 20.0,
-        "elapsed_seconds": 1.0, "budget_seconds": 2.0, "clocks": ["c"], "cpu_time": "thread_time",
+        "granularity": 2 * MiB, "rounds": 9, "case_seconds": 8.0, "costly_rounds": 2, "headline_rounds": 21,
+        "headline_case_seconds": 20.0, "elapsed_seconds": 1.0, "budget_seconds": 2.0, "clocks": ["c"],
+        "cpu_time": "thread_time", "cases": [],
     }
-    recorded = _facts_lines(BenchRun({**facts, "headline_readings": benchmarking.HEADLINE_READINGS}, []))[1]
-    assert f"({benchmarking.HEADLINE_READINGS}) <= 21 rounds within 20 s" in recorded, recorded
-    earlier = _facts_lines(BenchRun(facts, []))[1]
-    assert "(its headline cases, and the smallest and largest one-segment commit) <= 21 rounds" in earlier, earlier
+
+    def rendered(run_facts: dict) -> str:
+        (tmp_path / benchmarking.CASES_FILE).write_text(json.dumps(run_facts))
+        return bench_section(tmp_path)
+
+    recorded = rendered({**facts, "headline_readings": benchmarking.HEADLINE_READINGS})
+    assert f"({benchmarking.HEADLINE_READINGS}) <= 21 rounds within 20 s" in recorded
+    earlier = rendered(facts)
+    assert "(its headline cases, and the smallest and largest one-segment commit) <= 21 rounds" in earlier
