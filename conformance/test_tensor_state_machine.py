@@ -13,7 +13,7 @@ import pytest
 import torch
 from hypothesis.stateful import run_state_machine_as_test
 
-from extkv.testing.stateful import CACHE_MACHINE_CASES, cache_machine, tensor_machine
+from extkv.testing.stateful import CACHE_MACHINE_CASES, TENSOR_MACHINE_SEGMENTS, cache_machine, tensor_machine
 from extkv.vmm import HostDriver, PoisoningDriver, driver_for
 
 POISON = 0xA5
@@ -26,8 +26,9 @@ def poisoned_driver(device: torch.device) -> PoisoningDriver:
 
 
 @pytest.mark.invariant(1, 4, 5)
-def test_tensor_state_machine(device, usage):
-    run_state_machine_as_test(tensor_machine(poisoned_driver(device), usage, fresh_byte=POISON))
+@pytest.mark.parametrize("segments", TENSOR_MACHINE_SEGMENTS)
+def test_tensor_state_machine(device, usage, segments):
+    run_state_machine_as_test(tensor_machine(poisoned_driver(device), usage, fresh_byte=POISON, segments=segments))
 
 
 @pytest.mark.invariant(1, 3, 4, 5)

@@ -190,6 +190,23 @@ class _Mapping:
                 starts = list(map(_FIRST_GRANULE, chunks))
         return _Mapping(chunks, starts, granules)
 
+    @property
+    def end_granule(self) -> int:
+        """The granule after the highest mapped one (0 when nothing is)."""
+        if not self.count:
+            return 0
+        last = self._chunks[self.count - 1]
+        return last.first_granule + last.num_granules
+
+    def appended(self, mapped: MappedChunk) -> "_Mapping":
+        """`changed(added=[mapped])` for a chunk past every mapped one."""
+        chunks, starts = self._chunks, self._starts
+        if len(chunks) != self.count:  # a newer mapping appended already: never share
+            chunks, starts = chunks[: self.count], starts[: self.count]
+        chunks.append(mapped)
+        starts.append(mapped.first_granule)
+        return _Mapping(chunks, starts, self.granules + mapped.num_granules)
+
     def _first_ending_after(self, first: int) -> int:
         """Index of the first chunk that maps granule `first` or a later one."""
         index = bisect.bisect_right(self._starts, first, 0, self.count) - 1
@@ -211,7 +228,7 @@ class _Mapping:
         [first, end) of `spans` (disjoint, in address order), in address
         order. One bisect per span, then only the chunks inside it."""
         chunks, starts, count, bisect_right, runs = self._chunks, self._starts, self.count, bisect.bisect_right, []
-        mapped_to = chunks[count - 1].first_granule + chunks[count - 1].num_granules if count else 0
+        mapped_to = self.end_granule
         for first, end in spans:
             if first >= mapped_to:  # past everything mapped: growth at the end, the common case
                 runs.append((first, end - first))
@@ -456,6 +473,8 @@ class ExtensibleTensor:
         driver work). A size below the committed one still raises."""
         if self._state is not _State.LIVE:
             self._require("resize_segments_")
+        if len(sizes) == 1:
+            return self._grow_one_segment(sizes[0], zero_new)
         growing, spans = self._new_ranges(sizes)
         runs = self._unmapped_runs(spans)
         # Each run's new bytes are zeroed as soon as it is mapped, so the
@@ -474,6 +493,37 @@ class ExtensibleTensor:
                         ]
                     )
         self._sizes = sizes
+
+    def _grow_one_segment(self, new: int, zero_new: bool) -> None:
+        """`_grow` of a one-segment tensor, planned and recorded in place: the
+        general path's lists and merge walks cost a few microseconds more,
+        which is the whole margin a one-shot commit of tens of MiB has over
+        its driver calls. One segment's chunks map exactly the granules its
+        committed prefix touches, without a gap (a commit maps at most one
+        run, never cut, and maps it whole or not at all), so the one run to
+        map starts where the mapping ends."""
+        old = self._sizes[0]
+        if new <= old:
+            if new < old:
+                self._validated_sizes([new], grow_only=True)  # raises, naming the segment
+            return
+        granule, mapping = self._driver.granularity, self._mapping
+        start, end = mapping.end_granule, -(-new // granule)
+        low = self.base + self.segment_offsets[0] + old
+        zero = [(low, new - old)] if zero_new else []
+        if start < end:
+            address = self.base + start * granule
+            plan, zero_after = [(address, (end - start) * granule, zero)], ()
+        else:
+            plan, zero_after = (), zero
+        created: list[Chunk] = []
+        try:
+            if plan or zero_after:
+                self._map_new_chunks(plan, zero_after, created)
+        finally:
+            if created:
+                self._mapping = mapping.appended(MappedChunk(created[0], address, start, end - start))
+        self._sizes = [new]
 
     def _map_new_chunks(self, plan: list, zero_after: list[tuple[int, int]], created: list[Chunk]) -> None:
         driver, give_back = self._driver, self._unreleased.release

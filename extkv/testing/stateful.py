@@ -149,14 +149,19 @@ class TensorModel:
         self.memory = {}
 
 
-def tensor_machine(driver: Driver, probe: UsageProbe, fresh_byte: int | None = None):
-    """A state machine over one ExtensibleTensor of three segments on `driver`.
-    `fresh_byte`: what every new chunk of `driver` holds (a PoisoningDriver's
-    pattern), or None if unknown."""
+#: Segment capacities of the tensor machine, in granules. Three segments:
+#: segment 1 starts mid-granule, so granules are shared and growth starts
+#: inside mapped granules. One segment (ExtensibleTensor plans its growth on
+#: a path of its own) that ends mid-granule.
+TENSOR_MACHINE_SEGMENTS = {"three-segments": (5 / 2, 3 / 2, 3), "one-segment": (7 / 2,)}
+
+
+def tensor_machine(driver: Driver, probe: UsageProbe, fresh_byte: int | None = None, segments: str = "three-segments"):
+    """A state machine over one ExtensibleTensor on `driver`, its segments
+    one of `TENSOR_MACHINE_SEGMENTS`. `fresh_byte`: what every new chunk of
+    `driver` holds (a PoisoningDriver's pattern), or None if unknown."""
     granule = driver.granularity
-    # Segment 1 starts mid-granule, so granules are shared and growth starts
-    # inside mapped granules.
-    capacities = [granule * 5 // 2, granule * 3 // 2, 3 * granule]
+    capacities = [int(granule * granules) for granules in TENSOR_MACHINE_SEGMENTS[segments]]
 
     class ExtensibleTensorMachine(RuleBasedStateMachine):
         def __init__(self):
