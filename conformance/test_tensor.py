@@ -734,6 +734,25 @@ class _StepLog(FaultInjectingDriver):
         self.log.append("unmap")
         super()._unmap(address, size)
 
+    def _release(self, chunk):
+        self.log.append("release")
+        super()._release(chunk)
+
+
+def test_release_gives_each_chunk_back_as_soon_as_it_is_unmapped(build, device, granule):
+    """The raw driver sequence's order: what a release leaves in the driver
+    outlasts the allocations after it, so benchmark contenders must leave
+    the same state (and memory goes back sooner than after every unmap)."""
+    logged = _StepLog(driver_for(device))
+    t = build.tensor(6 * granule, device=logged, segment_capacities=[3 * granule] * 2)
+    for size in (granule, 2 * granule, 3 * granule):
+        t.resize_segments_([size, size])
+    chunks = t.num_physical_chunks
+    assert chunks > 1, chunks
+    logged.log.clear()
+    t.release_physical()
+    assert logged.log == ["synchronize"] + ["unmap", "release"] * chunks, logged.log
+
 
 @pytest.mark.invariant(3)
 def test_a_failure_after_a_copy_was_queued_waits_for_it_before_unmapping(build, device, granule):

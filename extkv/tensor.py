@@ -53,8 +53,8 @@ chunks a batch replaced are released while the next batch's copies run
 and the transient extra memory is at most two batches, not the whole tensor.
 A segment that shares a chunk with its neighbour moves together with it.
 
-`release_physical` synchronizes the device, then unmaps and releases every
-chunk; addresses stay reserved, so views and captured CUDA graphs keep valid
+`release_physical` synchronizes the device, then unmaps every chunk and
+releases it at once; addresses stay reserved, so views and captured CUDA graphs keep valid
 pointers that read again once memory is recommitted.
 
 Cleanup that cannot be undone (releasing chunks a defragmentation replaced,
@@ -802,16 +802,21 @@ class ExtensibleTensor:
         # Kernels still queued may touch these pages; unmapping under them is
         # an illegal-address fault.
         self._driver.synchronize()
+        # Each chunk is released as soon as it is unmapped, as the raw
+        # sequence does, rather than after every unmap: the driver state a
+        # release leaves outlasts the allocations after it (on the H200, the
+        # raw sequence's 8-step growth of 64 GiB read 17.5 ms at best when
+        # the release two rounds before was its own, 19.9 ms when it was
+        # extkv's unmap-all-then-release), and the memory goes back sooner.
         unmapped: list[MappedChunk] = []
         with self._driver.batch():
             try:
                 for mapped in self._mapping.chunks:
                     self._driver.unmap(mapped.address, mapped.chunk.size)
                     unmapped.append(mapped)
+                    self._unreleased.release(mapped.chunk)  # kept for a retry if the driver refuses
             finally:
                 self._publish(removed=unmapped)
-                self._unreleased.keep(mapped.chunk for mapped in unmapped)
-            self._unreleased.retry()
 
     def _unmap_scratch(self) -> None:
         while self._scratch_mappings:
