@@ -27,7 +27,10 @@ tensor plans every run and hands the plan to the driver in one call
 (`Driver.map_new_chunks`), which undoes the steps of the run a failure hits
 and reports the runs finished before it. Those stay mapped, recorded and
 accessible, and the committed sizes stay as they were, so the tensor is
-consistent and a retry maps only what is still missing.
+consistent and a retry maps only what is still missing. A one-segment
+tensor needs no planner: its mapped granules are always one gapless prefix
+covering its committed bytes, so a growth maps at most one run, from where
+the mapping ends.
 
 With `zero_new`, exactly the new logical bytes are zeroed on the current
 stream, interleaved with mapping: each run carries the new bytes below its
@@ -53,9 +56,9 @@ chunks a batch replaced are released while the next batch's copies run
 and the transient extra memory is at most two batches, not the whole tensor.
 A segment that shares a chunk with its neighbour moves together with it.
 
-`release_physical` synchronizes the device, then unmaps every chunk and
-releases it at once; addresses stay reserved, so views and captured CUDA graphs keep valid
-pointers that read again once memory is recommitted.
+`release_physical` synchronizes the device, then unmaps each chunk and
+releases it at once; addresses stay reserved, so views and captured CUDA
+graphs keep valid pointers that read again once memory is recommitted.
 
 Cleanup that cannot be undone (releasing chunks a defragmentation replaced,
 unmapping and freeing its scratch reservation) is recorded before it is tried.
@@ -498,10 +501,10 @@ class ExtensibleTensor:
         """`_grow` of a one-segment tensor, planned and recorded in place: the
         general path's lists and merge walks cost a few microseconds more,
         which is the whole margin a one-shot commit of tens of MiB has over
-        its driver calls. One segment's chunks map exactly the granules its
-        committed prefix touches, without a gap (a commit maps at most one
-        run, never cut, and maps it whole or not at all), so the one run to
-        map starts where the mapping ends."""
+        its driver calls. One segment's mapped granules are one gapless
+        prefix covering its committed bytes (a growth maps at most one run,
+        never cut, whole or not at all), so the one run to map starts where
+        the mapping ends."""
         old = self._sizes[0]
         if new <= old:
             if new < old:
