@@ -528,7 +528,7 @@ class ExtensibleTensor:
                 self._mapping = mapping.appended(MappedChunk(created[0], address, start, end - start))
         self._sizes = [new]
 
-    def _map_new_chunks(self, plan: list, zero_after: list[tuple[int, int]], created: list[Chunk]) -> None:
+    def _map_new_chunks(self, plan: Sequence, zero_after: Sequence[tuple[int, int]], created: list[Chunk]) -> None:
         driver, give_back = self._driver, self._unreleased.release
         try:
             driver.map_new_chunks(plan, created, give_back, zero_after)
