@@ -31,7 +31,9 @@ import torch
 
 from extkv import vmm
 from extkv.cache import ExtensibleKVCache
-from extkv.reporting.bench import TARGETS, BenchRun, CaseResult, Entry, ScalingTarget, Target, evaluate, evaluate_scaling, ratio
+from extkv.reporting.bench import (
+    TARGETS, BenchRun, CaseResult, Entry, ScalingTarget, Target, carryover, evaluate, evaluate_scaling, ratio,
+)
 from extkv.testing import benchmarking
 from extkv.testing.benchmarking import CONTENDERS, GEOMETRIES, PROFILES, Case, Contender, catalogue, interleave, round_order
 from extkv.testing.checks import check_all_equal
@@ -628,6 +630,44 @@ def test_a_missed_target_says_what_the_raw_sequence_alone_costs(raw_time, suppor
     assert raw_row.raw_alone is None, "against the raw sequence itself there is no raw-alone reading"
 
 
+def test_rounds_are_read_by_whose_round_ran_before_them():
+    order = ["extkv", "raw", "memset", "raw", "memset", "extkv", "memset", "extkv", "raw", "extkv"]
+    # extkv's last round failed: it is in the order, with no time.
+    case = result("grow8", {"extkv": entry("extkv", [1.0, 2.0, 3.0]), "raw": entry("raw", [4.0, 5.0, 6.0]),
+                            "memset": entry("memset", [7.0, 8.0, 9.0])}, order=order)
+    assert carryover(case, 1) == {
+        "raw": {"extkv": [4.0, 6.0], "memset": [5.0]},
+        "memset": {"raw": [7.0, 8.0], "extkv": [9.0]},
+        "extkv": {"memset": [2.0, 3.0]},
+    }
+    assert carryover(case, 2)["raw"] == {"raw": [5.0], "memset": [6.0]}
+    assert carryover(result("grow8", {"extkv": entry("extkv", [1.0])}), 1) == {}, "a run that recorded no order"
+
+
+def test_a_missed_commit_raw_target_is_shown_by_what_ran_before(tmp_path):
+    from extkv.reporting.bench import bench_section
+
+    order = ["extkv", "raw", "raw", "extkv"]
+    walls = {"extkv": [0.002, 0.003], "raw": [0.001, 0.004]}
+    case_facts = {"case": "grow8-blhnc1-1GiB-recycled", "op": "grow8", "op_what": "growth", "pivot": "memset",
+                  "contenders": ["extkv", "raw"], "geometry": "blhnc1", "geometry_what": "g", "segments": 1,
+                  "blocks": 8, "capacity_blocks": 8, "bytes": 1 << 30, "smallest_segment_bytes": 1 << 30,
+                  "commits": 8, "replays": 0, "state": "recycled", "order": order,
+                  "results": {name: {"status": "measured", "reason": ""} for name in walls}}
+    facts = {"profile": "gpu", "profile_what": "w", "device": "cuda:0", "device_description": {}, "host": "h",
+             "torch": "t", "granularity": 2 * MiB, "rounds": 9, "case_seconds": 8.0, "costly_rounds": 2,
+             "elapsed_seconds": 1.0, "budget_seconds": 2.0, "clocks": ["c"], "cpu_time": "thread_time",
+             "cases": [case_facts]}
+    (tmp_path / benchmarking.CASES_FILE).write_text(json.dumps(facts))
+    benchmarks = [{"extra_info": {"case": case_facts["case"], "contender": name, "process": "main", "cpu": wall},
+                   "stats": {"data": wall}} for name, wall in walls.items()]
+    (tmp_path / benchmarking.BENCH_JSON).write_text(json.dumps({"benchmarks": benchmarks}))
+    section = bench_section(tmp_path)
+    assert "### What ran before the commit-raw targets missed" in section, section
+    assert "| extkv | 1 | - | 3 ms (1) |" in section and "| raw | 1 | 1 ms (1) | 4 ms (1) |" in section, section
+    assert "| raw | 2 | 4 ms (1) | - |" in section, section
+
+
 def test_a_scaling_reading_the_run_did_not_count_says_so():
     run = BenchRun({}, [result("commit", {"extkv": entry("extkv", [1.0])}, geometry=g, bytes=b, case=f"{g}-{b}")
                         for g, b in (("blhnc1", 64 * MiB), ("blhnc1", 64 << 30))])
@@ -687,6 +727,11 @@ def test_engine_measures_fresh_cases_in_a_new_process_and_records_every_case(tmp
     assert [case["case"] for case in written["cases"]] == [case.id for case in engine.cases]
     by_id = {case["case"]: case for case in written["cases"]}
     assert by_id[recycled.id]["results"]["extkv"]["wall"] == engine.results(recycled)["extkv"].wall
+    order = by_id[recycled.id]["order"]
+    for name, measured in engine.results(recycled).items():
+        if CONTENDERS[name].process == "main":
+            assert order.count(name) == len(measured.wall), (name, order)
+    assert by_id[fresh.id]["order"] == [], "a fresh case's rounds run in processes of their own"
     unreached = by_id[engine.cases[-1].id]["results"]
     assert all(r["status"] == "not run" and "not reached" in r["reason"] for r in unreached.values()), unreached
 

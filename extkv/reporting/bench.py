@@ -532,6 +532,45 @@ def _issue10_table(run: BenchRun, rows: list[TargetRow], scaling: list[ScalingRo
     return lines
 
 
+def carryover(case: CaseResult, lag: int) -> dict[str, dict[str, list[float]]]:
+    """Wall times of each contender's rounds in `case` by whose round ran
+    `lag` rounds before it, from the order the run recorded (none before
+    session 10): contender -> predecessor -> seconds. A round whose
+    predecessor belongs to the case before is left out."""
+    by: dict[str, dict[str, list[float]]] = {}
+    seen: dict[str, int] = {}
+    order = case.facts.get("order") or []
+    for position, name in enumerate(order):
+        index = seen[name] = seen.get(name, -1) + 1
+        entry = case.entries.get(name)
+        if position >= lag and entry is not None and index < len(entry.wall):
+            by.setdefault(name, {}).setdefault(order[position - lag], []).append(entry.wall[index])
+    return by
+
+
+def _carryover_lines(rows: list[TargetRow], granularity: int) -> list[str]:
+    """For each commit-raw target missed, extkv's and the raw sequence's
+    least round by whose round ran one and two before it."""
+    missed = [row for row in rows if row.target.key == "commit-raw" and row.met is False and row.case.facts.get("order")]
+    if not missed:
+        return []
+    names = list(dict.fromkeys(name for row in missed for name in row.case.facts["order"]))
+    lines = ["### What ran before the commit-raw targets missed", "",
+             "A release leaves driver state behind that outlasts the allocations after it, so a round's time depends "
+             "on whose rounds ran before it (each gave its memory back at its end). Least wall time of the rounds "
+             "whose predecessor one (lag 1) or two (lag 2) rounds before was each contender, and how many rounds.", "",
+             "| case | contender | lag | " + " | ".join(f"after {name}" for name in names) + " |",
+             "|---|---|---|" + "---|" * len(names)]
+    for row in missed:
+        for lag in (1, 2):
+            by = carryover(row.case, lag)
+            for name in ("extkv", "raw"):
+                cells = [f"{_seconds(min(by[name][before]))} ({len(by[name][before])})"
+                         if before in by.get(name, {}) else "-" for before in names]
+                lines.append(f"| {_case_words(row.case, granularity)} | {name} | {lag} | " + " | ".join(cells) + " |")
+    return lines + [""]
+
+
 def _segments(run: BenchRun, geometry: str) -> int:
     return next(c.facts["segments"] for c in run.cases if c.facts["geometry"] == geometry)
 
@@ -647,7 +686,8 @@ def bench_section(run_dir: Path) -> str | None:
     lines = ["## Benchmarks", "", *_facts_lines(run), "",
              "### Issue 10 at a glance (headline size, ratio of minima)", "", *_issue10_table(run, rows, scaling), "",
              f"### Targets ({met} met, {missed} missed, {len(rows) - met - missed} not measured)", "",
-             *_targets_table(rows, run.facts["granularity"]), ""]
+             *_targets_table(rows, run.facts["granularity"]), "",
+             *_carryover_lines(rows, run.facts["granularity"])]
     paths, why_not = plot(run, run_dir)
     lines += ["### Scaling", ""]
     lines += [f"![{path.stem}]({path.name})" for path in paths] or [why_not]

@@ -57,7 +57,9 @@ through `playback_clock`, which `extkv bench` passes as
 contender) whose `stats.data` are the interleaved wall times, with the case,
 the CPU times and any pivot in `extra_info`. `record` checks that the timer
 really was the playback clock. The engine also writes `bench_cases.json`:
-the run's facts and every case, measured or not, with the reasons.
+the run's facts and every case, measured or not, with the reasons, and
+the order its rounds ran in (a release leaves driver state behind that
+outlasts the next allocations, so a round is read beside its predecessors).
 """
 
 from __future__ import annotations
@@ -1158,6 +1160,10 @@ class Engine:
         self.cases = catalogue(profile)
         self._by_id = {case.id: case for case in self.cases}
         self._results: dict[str, dict[str, Measurement]] = {}
+        #: Case id -> the contenders of this process in the order their
+        #: rounds ran: a release leaves driver state behind that outlasts
+        #: the next allocations, so the report reads rounds by predecessor.
+        self._orders: dict[str, list[str]] = {}
         self._batches: dict[str, dict[str, dict[str, Measurement]]] = {}
         #: `interleave_evicted` over both ends of the byte series, once run.
         self._evicted: dict[tuple[str, str], list[float] | BaseException] | None = None
@@ -1197,6 +1203,7 @@ class Engine:
         else:
             here = [name for name in case.contenders if CONTENDERS[name].process == "main"]
             rounds, case_seconds = self.rounds_for(case)
+            self._orders[case.id] = []
             results = interleave(
                 case,
                 here,
@@ -1204,6 +1211,7 @@ class Engine:
                 rounds=rounds,
                 case_seconds=case_seconds,
                 costly_rounds=self.profile.costly_rounds,
+                order_log=self._orders[case.id],
             )
             for name in case.contenders:
                 if name not in results:
@@ -1345,7 +1353,11 @@ class Engine:
                 results = {name: Measurement(name, CONTENDERS[name].process) for name in case.contenders}
                 for measurement in results.values():
                     measurement.stop("not run", "not reached (deselected, or the run stopped before it)")
-            cases.append({**case.facts(), "results": {name: asdict(m) for name, m in results.items()}})
+            cases.append({
+                **case.facts(),
+                "order": self._orders.get(case.id, []),
+                "results": {name: asdict(m) for name, m in results.items()},
+            })
         facts = {
             "profile": self.profile.name,
             "profile_what": self.profile.what,
