@@ -261,6 +261,22 @@ def test_round_orders_give_each_contender_every_other_as_predecessor_equally_oft
     assert set(neighbours.values()) == {1 if n % 2 == 0 else 2}, neighbours
 
 
+@pytest.mark.parametrize("n", [2, 3, 4, 5, 6])
+def test_the_subject_and_its_yardstick_meet_the_same_predecessors_one_and_two_rounds_back(n):
+    """Over two passes of the design the first two names see each other's
+    predecessors equally often (the other one for itself), but for the
+    rounds where the passes meet; without the trade the gap grows with
+    every pass."""
+    names = [f"contender{i}" for i in range(n)]
+    passes = n if n % 2 == 0 else 2 * n
+    stream = [name for r in range(2 * passes) for name in round_order(names, r)]
+    mirrored = {names[0]: names[1], names[1]: names[0]}
+    for lag in (1, 2):
+        before = Counter(zip(stream[lag:], stream))
+        gap = sum(abs(before[(names[0], p)] - before[(names[1], mirrored.get(p, p))]) for p in names)
+        assert gap <= lag, (lag, before)
+
+
 def test_contenders_interleave_in_round_order(device):
     order: list[str] = []
     names = ("extkv", "raw", "memset")
