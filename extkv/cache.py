@@ -212,10 +212,15 @@ class ExtensibleKVCache:
         num_blocks = min(num_blocks, self.capacity_blocks)
         if defragment is False and shrink is False and preserve_contents is False:
             # The call an engine makes on every step, without the flag checks
-            # and plans below: on a small commit they would cost more Python
-            # than the driver work.
+            # and plans below, and without a log line (the runner logs
+            # growth): on a small commit each Python call between two driver
+            # calls runs on CPU caches the driver's work left cold, and a
+            # few of them cost as much as a driver step.
             if num_blocks > self.num_committed_blocks:
-                self._grow_to(num_blocks)
+                # Sizes built from a clamped block count are ints within
+                # capacity by construction: the tensor's checks are skipped.
+                self.buffer._grow(self._sizes_for(num_blocks), True)
+                self.num_committed_blocks = num_blocks
             return
         defragment = validate.flag("defragment", defragment)
         shrink = validate.flag("shrink", shrink)
@@ -232,24 +237,14 @@ class ExtensibleKVCache:
         if shrinking or (fragmented and not preserve_contents):
             self.buffer.release_physical()
             self.num_committed_blocks = 0
-        if num_blocks > self.num_committed_blocks:
-            self._grow_to(num_blocks)
+        self.commit(num_blocks)  # the growth left is a plain commit
         if fragmented and preserve_contents:
             self.buffer.defragment_segments_()
         if shrinking or fragmented:
             logger.debug("KV cache at %s after commit(%d).", self, num_blocks)
 
-    def _grow_to(self, num_blocks: int) -> None:
-        """Back `num_blocks` blocks (more than are committed, at most the
-        capacity), the new ones zeroed."""
-        # Sizes built from a clamped block count are ints within capacity
-        # by construction: the tensor's own argument checks are skipped.
-        self.buffer._grow(self._sizes_for(num_blocks), zero_new=True)
-        self.num_committed_blocks = num_blocks
-        logger.debug("KV cache at %s after commit(%d).", self, num_blocks)
-
     def _sizes_for(self, num_blocks: int) -> list[int]:
-        return [num_blocks * stride for stride in self.segment_strides]
+        return list(map(num_blocks.__mul__, self.segment_strides))
 
     @_operation
     def release_physical(self) -> None:

@@ -158,13 +158,15 @@ class _Mapping:
     one never sees what was appended after it. Every other change builds new
     lists with C-level copies and sorts only."""
 
-    __slots__ = ("_chunks", "_starts", "count", "granules")
+    __slots__ = ("_chunks", "_starts", "count", "granules", "end_granule")
 
     def __init__(self, chunks: list[MappedChunk] | None = None, starts: list[int] | None = None, granules: int = 0):
         self._chunks = [] if chunks is None else chunks
         self._starts = [] if starts is None else starts  # first granule of each chunk, for bisect
-        self.count = len(self._chunks)
+        self.count = count = len(self._chunks)
         self.granules = granules
+        #: The granule after the highest mapped one (0 when nothing is).
+        self.end_granule = self._chunks[count - 1].first_granule + self._chunks[count - 1].num_granules if count else 0
 
     @property
     def chunks(self) -> list[MappedChunk]:
@@ -192,14 +194,6 @@ class _Mapping:
                 chunks = sorted(chunks + list(added), key=_FIRST_GRANULE)
                 starts = list(map(_FIRST_GRANULE, chunks))
         return _Mapping(chunks, starts, granules)
-
-    @property
-    def end_granule(self) -> int:
-        """The granule after the highest mapped one (0 when nothing is)."""
-        if not self.count:
-            return 0
-        last = self._chunks[self.count - 1]
-        return last.first_granule + last.num_granules
 
     def appended(self, mapped: MappedChunk) -> "_Mapping":
         """`changed(added=[mapped])` for a chunk past every mapped one."""
