@@ -671,6 +671,10 @@ class Profile:
         segment series at the headline size, which its linearity in segments
         divides by a headline commit: both ends of a scaling ratio take the
         same rounds."""
+        # The byte series' sizes between 1 GiB and the headline took the
+        # plain rounds until session 10, where two runs of one code read the
+        # 4 GiB growth at 1.20x and 0.99x of raw over 9 rounds: its rounds
+        # fall in three driver states, 1.2, 1.4 and 6-8 ms.
         if (case.state == "recycled" and case.geometry == "blhnc1" and case.op in ("commit", "grow8")
                 and case.bytes in self.byte_series):
             return True
@@ -713,10 +717,6 @@ PROFILES: dict[str, Profile] = {
             # segments); over all 61, 0.955x for both (H200, session 8).
             growth_headline_rounds=61,
             growth_headline_case_seconds=45.0,
-            # The byte series' commits and growths between 1 GiB and the
-            # headline size took 9 rounds until session 10, where two runs of
-            # one code read the 4 GiB growth at 1.20x and 0.99x of raw: its
-            # rounds fall in three driver states, 1.2, 1.4 and 6-8 ms.
             # A round of a case this small costs milliseconds, and its least
             # of 9 still moved with the rounds drawn: the raw sequence's
             # 64 MiB commit read 120 us in one run and 140 us in the next,
