@@ -70,6 +70,25 @@ def test_contents_kept_and_new_bytes_zero(build, granule, device):
 
 
 @pytest.mark.invariant(1)
+def test_many_small_growths_of_many_segments_keep_bookkeeping_and_bytes(build, granule, device):
+    """Once a tensor holds many chunks, a commit's new chunks are spliced in
+    among them rather than sorted in: the bookkeeping stays in address
+    order and equal to what the driver maps, and every byte written stays."""
+    segments, steps = 4, 20
+    t = build.tensor(segments * steps * granule, segment_capacities=[steps * granule] * segments)
+    for step in range(1, steps + 1):
+        t.resize_segments_([step * granule] * segments, zero_new=True)
+        for i in range(segments):
+            t.segment_view(i)[(step - 1) * granule :].fill_(16 * i + step)
+    starts = [mapped.first_granule for mapped in t.mapped_chunks]
+    assert len(starts) == segments * steps and starts == sorted(starts), starts
+    check_readback_matches_bookkeeping(t)
+    for i in range(segments):
+        expected = (torch.arange(1, steps + 1, dtype=torch.uint8) + 16 * i).repeat_interleave(granule)
+        check_all_equal(t.segment_view(i), expected.to(device), f"segment {i} after {steps} growths")
+
+
+@pytest.mark.invariant(1)
 def test_zero_new_zeroes_exactly_the_new_bytes(build, granule, device):
     """Bytes already mapped but beyond the committed size are not the caller's;
     a resize with zero_new must zero them when they become committed, and must

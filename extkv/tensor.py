@@ -147,6 +147,32 @@ _FIRST_GRANULE = operator.attrgetter("first_granule")
 _NUM_GRANULES = operator.attrgetter("num_granules")
 
 
+#: A change adding k chunks among more than this many times k mapped ones
+#: splices them in (`_spliced`) rather than sorting: a sort calls its key on
+#: every chunk mapped, and a cache grown in many small commits of many
+#: segments maps thousands (on the host, 256 chunks into 16,128: 0.82 ms
+#: sorted, 0.29 ms spliced; into 256: 0.07 ms sorted, 0.14 ms spliced).
+_SPLICE_FROM = 8
+
+
+def _spliced(chunks: list[MappedChunk], starts: list[int], added: Sequence[MappedChunk]) -> tuple[list, list]:
+    """`chunks` (with their `starts`) and `added`, both in address order,
+    merged: each added chunk lands where a bisect of `starts` puts it, and
+    the runs of mapped chunks between are copied as slices, without a
+    Python call per mapped chunk."""
+    merged, merged_starts, done, count = [], [], 0, len(chunks)
+    for mapped in added:
+        at = bisect.bisect_right(starts, mapped.first_granule, done, count)
+        merged += chunks[done:at]
+        merged.append(mapped)
+        merged_starts += starts[done:at]
+        merged_starts.append(mapped.first_granule)
+        done = at
+    merged += chunks[done:]
+    merged_starts += starts[done:]
+    return merged, merged_starts
+
+
 class _Mapping:
     """Mapped chunks in address order. A change builds a new `_Mapping`, so
     a reader holding one sees a whole state.
@@ -156,7 +182,7 @@ class _Mapping:
     of one block into a cache of thousands of chunks must not copy them
     all): each mapping reads only its own first `count` entries, so an older
     one never sees what was appended after it. Every other change builds new
-    lists with C-level copies and sorts only."""
+    lists with C-level copies, and sorts or splices only."""
 
     __slots__ = ("_chunks", "_starts", "count", "granules", "end_granule")
 
@@ -189,6 +215,8 @@ class _Mapping:
             if not chunks or chunks[-1].first_granule < added[0].first_granule:
                 chunks.extend(added)
                 starts.extend(map(_FIRST_GRANULE, added))
+            elif len(chunks) > _SPLICE_FROM * len(added):
+                chunks, starts = _spliced(chunks, starts, added)
             else:
                 # Two sorted runs: Timsort merges them in linear time.
                 chunks = sorted(chunks + list(added), key=_FIRST_GRANULE)
