@@ -629,10 +629,21 @@ class ExtensibleTensor:
         """Maximal runs (first granule, count) of unmapped granules inside
         the granule `spans` (in address order), cut by `_cut`."""
         runs = self._mapping.gaps(spans)
-        if not self._aligned_segment_starts:  # one segment, or none starts on a granule: nothing to cut at
+        starts = self._aligned_segment_starts
+        if not starts:  # one segment, or none starts on a granule: nothing to cut at
             return runs
-        cut = self._cut
-        return [piece for run in runs for piece in cut(*run)]
+        # Runs and starts are both in address order: one walk finds the few
+        # runs that hold a segment start (a commit of every segment makes a
+        # run per segment, each inside its own segment).
+        pieces, at, last = [], 0, len(starts)
+        for first, count in runs:
+            while at < last and starts[at] <= first:
+                at += 1
+            if at < last and starts[at] < first + count:
+                pieces += self._cut(first, count)
+            else:
+                pieces.append((first, count))
+        return pieces
 
     def _cut(self, first: int, count: int) -> list[tuple[int, int]]:
         """Run [first, first+count) cut at aligned segment starts into pieces
