@@ -70,11 +70,15 @@ def test_contents_kept_and_new_bytes_zero(build, granule, device):
 
 
 @pytest.mark.invariant(1)
-def test_many_small_growths_of_many_segments_keep_bookkeeping_and_bytes(build, granule, device):
+def test_many_small_growths_and_defragments_keep_bookkeeping_and_bytes(build, granule, device, usage):
     """Once a tensor holds many chunks, a commit's new chunks are spliced in
-    among them rather than sorted in: the bookkeeping stays in address
-    order and equal to what the driver maps, and every byte written stays."""
-    segments, steps = 4, 20
+    among them, and a defragmented segment's chunks cut out, by bisection
+    rather than a pass over every chunk: the bookkeeping stays in address
+    order and equal to what the driver maps after every step, and every
+    byte written stays."""
+    segments, steps = 12, 10
+    baseline, kind = usage.read_outside_torch(), driver_for(device).kind
+    chunks_before = live_chunks[kind]
     t = build.tensor(segments * steps * granule, segment_capacities=[steps * granule] * segments)
     for step in range(1, steps + 1):
         t.resize_segments_([step * granule] * segments, zero_new=True)
@@ -84,8 +88,15 @@ def test_many_small_growths_of_many_segments_keep_bookkeeping_and_bytes(build, g
     assert len(starts) == segments * steps and starts == sorted(starts), starts
     check_readback_matches_bookkeeping(t)
     for i in range(segments):
+        assert t.defragment_segment_(i)
+        check_readback_matches_bookkeeping(t)
+    assert readback_one_chunk_per_segment(t, t.segment_sizes) == [True] * segments
+    check_usage_matches(usage, baseline, [t])
+    for i in range(segments):
         expected = (torch.arange(1, steps + 1, dtype=torch.uint8) + 16 * i).repeat_interleave(granule)
-        check_all_equal(t.segment_view(i), expected.to(device), f"segment {i} after {steps} growths")
+        check_all_equal(t.segment_view(i), expected.to(device), f"segment {i} after growths and a defragment")
+    t.free()
+    assert live_chunks[kind] == chunks_before, "a chunk the bookkeeping lost was never released"
 
 
 @pytest.mark.invariant(1)

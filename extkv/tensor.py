@@ -147,8 +147,9 @@ _FIRST_GRANULE = operator.attrgetter("first_granule")
 _NUM_GRANULES = operator.attrgetter("num_granules")
 
 
-#: A change adding k chunks among more than this many times k mapped ones
-#: splices them in (`_spliced`) rather than sorting: a sort calls its key on
+#: A change adding (removing) k chunks among more than this many times k
+#: mapped ones splices them in (cuts them out) by bisection, `_spliced`
+#: (`_without`), rather than sorting (filtering): those call Python code on
 #: every chunk mapped, and a cache grown in many small commits of many
 #: segments maps thousands (on the host, 256 chunks into 16,128: 0.82 ms
 #: sorted, 0.29 ms spliced; into 256: 0.07 ms sorted, 0.14 ms spliced).
@@ -171,6 +172,20 @@ def _spliced(chunks: list[MappedChunk], starts: list[int], added: Sequence[Mappe
     merged += chunks[done:]
     merged_starts += starts[done:]
     return merged, merged_starts
+
+
+def _without(chunks: list[MappedChunk], starts: list[int], removed: Sequence[MappedChunk]) -> tuple[list, list]:
+    """`chunks` (with their `starts`) less `removed`, every one of which is
+    among them: no two mapped chunks start on one granule, so a bisect finds
+    each, and the runs kept between are copied as slices."""
+    kept, kept_starts, done = [], [], 0
+    for at in sorted(bisect.bisect_left(starts, mapped.first_granule) for mapped in removed):
+        kept += chunks[done:at]
+        kept_starts += starts[done:at]
+        done = at + 1
+    kept += chunks[done:]
+    kept_starts += starts[done:]
+    return kept, kept_starts
 
 
 class _Mapping:
@@ -204,9 +219,12 @@ class _Mapping:
         if len(chunks) != self.count:  # a newer mapping appended already: never share
             chunks, starts = chunks[: self.count], starts[: self.count]
         if removed:
-            gone = set(map(id, removed))
-            chunks = [mapped for mapped in chunks if id(mapped) not in gone]
-            starts = list(map(_FIRST_GRANULE, chunks))
+            if len(chunks) > _SPLICE_FROM * len(removed):  # a defragmentation's batch among many
+                chunks, starts = _without(chunks, starts, removed)
+            else:
+                gone = set(map(id, removed))
+                chunks = [mapped for mapped in chunks if id(mapped) not in gone]
+                starts = list(map(_FIRST_GRANULE, chunks))
             granules -= sum(map(_NUM_GRANULES, removed))
         if added:
             if len(added) > 1:
