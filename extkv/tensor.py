@@ -11,7 +11,10 @@ memory and readable.
 Physical memory is tracked as runs, not granules: the mapped chunks in
 address order (`_Mapping`, bisected by first granule), so every question a
 resize, a defragmentation or a connector asks costs O(log chunks + chunks
-touched), whatever the number of granules. `resize_segments_` grows segments:
+touched), whatever the number of granules; a change that adds or removes a
+few chunks among many places each by bisection and copies the rest as
+slices, so a cache grown in many small commits runs no Python per chunk it
+already holds. `resize_segments_` grows segments:
 the granule spans the new sizes need are merged in one pass over the
 segments (a granule shared by two neighbouring segments is needed once), the
 mapped chunks are subtracted from them, and each maximal unmapped run is
