@@ -76,7 +76,7 @@ def test_many_small_growths_and_defragments_keep_bookkeeping_and_bytes(build, gr
     rather than a pass over every chunk: the bookkeeping stays in address
     order and equal to what the driver maps after every step, and every
     byte written stays."""
-    segments, steps = 12, 10
+    segments, steps = 12, 12
     baseline, kind = usage.read_outside_torch(), driver_for(device).kind
     chunks_before = live_chunks[kind]
     t = build.tensor(segments * steps * granule, segment_capacities=[steps * granule] * segments)
