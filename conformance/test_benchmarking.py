@@ -32,7 +32,8 @@ import torch
 from extkv import vmm
 from extkv.cache import ExtensibleKVCache
 from extkv.reporting.bench import (
-    TARGETS, BenchRun, CaseResult, Entry, ScalingTarget, Target, carryover, evaluate, evaluate_scaling, ratio,
+    HALVES_MIN_ROUNDS, TARGETS, BenchRun, CaseResult, Entry, ScalingTarget, Target, carryover, evaluate,
+    evaluate_scaling, halves, ratio,
 )
 from extkv.testing import benchmarking
 from extkv.testing.benchmarking import CONTENDERS, GEOMETRIES, PROFILES, Case, Contender, catalogue, interleave, round_order
@@ -644,6 +645,32 @@ def test_a_missed_target_says_what_the_raw_sequence_alone_costs(raw_time, suppor
     assert row.raw_alone == (pytest.approx(raw_time) if words else None)
     raw_row = {row.target.key: row for row in evaluate(run)}["commit-raw"]
     assert raw_row.raw_alone is None, "against the raw sequence itself there is no raw-alone reading"
+
+
+def test_a_verdict_whose_halves_disagree_says_so():
+    # Raw's one fast round (0.8) falls in the odd half: the even rounds alone meet the bound.
+    case = result("grow8", {"extkv": entry("extkv", [1.00, 1.01, 1.02, 1.00, 1.03, 1.01]),
+                            "raw": entry("raw", [1.00, 0.80, 1.00, 1.01, 1.00, 1.02])})
+    row = {row.target.key: row for row in evaluate(BenchRun({}, [case]))}["commit-raw"]
+    assert row.met is False and row.ratio_min == pytest.approx(1.25)
+    assert row.split == (pytest.approx(1.0), pytest.approx(1.25)), row.split
+    assert row.words == "missed by 19%: 1.25x; the halves disagree: even rounds 1.00x, odd rounds 1.25x"
+    assert halves(case, "extkv", "raw") == row.split
+
+
+@pytest.mark.parametrize("extkv, raw, process", [
+    ([1.2] * 6, [1.0] * 6, "main"),  # both halves miss: a difference every round repeats
+    ([1.2] * 5, [1.0] * 5, "main"),  # too few rounds to split
+    ([1.0, 1.2] * 3, [1.0] * 6, "expandable"),  # another process: compared through pivots, not split
+])
+def test_a_verdict_both_halves_agree_on_or_that_cannot_be_split_names_no_halves(extkv, raw, process):
+    case = result("grow8", {"extkv": entry("extkv", extkv), "memset": entry("memset", [1.0] * len(extkv)),
+                            "raw": entry("raw", raw, process=process, pivot=[1.0])})
+    rows = [row for row in evaluate(BenchRun({}, [case])) if row.target.key == "commit-raw"]
+    assert len(rows) == 1 and rows[0].ratio_min == pytest.approx(min(extkv) / min(raw)), rows
+    assert rows[0].split is None and "halves" not in rows[0].words, rows[0]
+    expected = None if len(extkv) < HALVES_MIN_ROUNDS or process != "main" else (1.2, 1.2)
+    assert halves(case, "extkv", "raw") == (pytest.approx(expected) if expected else None)
 
 
 def test_rounds_are_read_by_whose_round_ran_before_them():
