@@ -565,6 +565,9 @@ def test_ratios_across_processes_go_through_each_process_pivot():
     [
         (Target("t", "", frozenset(), "raw", 1.05), 1.02, True, "met: 1.02x"),
         (Target("t", "", frozenset(), "raw", 1.05), 1.42, False, "missed by 35%: 1.42x"),
+        # Two decimals would print the bound itself, met or missed.
+        (Target("t", "", frozenset(), "raw", 1.05), 1.0524, False, "missed by 0.2%: 1.052x"),
+        (Target("t", "", frozenset(), "raw", 1.05), 1.0486, True, "met: 1.049x"),
         (Target("t", "", frozenset(), "g", 1 / 20, speedup=True), 1 / 40, True, "met: 40.0x faster"),
         (Target("t", "", frozenset(), "g", 1 / 20, speedup=True), 1 / 12, False, "missed: 12.0x faster, 40% short of 20x"),
         (Target("t", "", frozenset(), "b", 1.05, two_sided=True), 0.97, True, "met: 0.970x"),

@@ -90,16 +90,28 @@ class Target:
         if self.speedup:
             faster, wanted = 1 / ratio, 1 / self.bound
             if faster >= wanted:
-                return True, f"met: {faster:.1f}x faster"
-            return False, f"missed: {faster:.1f}x faster, {(1 - faster / wanted) * 100:.0f}% short of {wanted:.0f}x"
+                return True, f"met: {self.shown(ratio)}"
+            return False, f"missed: {self.shown(ratio)}, {(1 - faster / wanted) * 100:.0f}% short of {wanted:.0f}x"
         if self.two_sided:
             off, allowed = abs(ratio - 1), self.bound - 1
             if off <= allowed:
-                return True, f"met: {ratio:.3f}x"
-            return False, f"missed: {ratio:.3f}x, {(off - allowed) * 100:.1f} points outside +-{allowed * 100:.0f}%"
+                return True, f"met: {self.shown(ratio)}"
+            return False, f"missed: {self.shown(ratio)}, {(off - allowed) * 100:.1f} points outside +-{allowed * 100:.0f}%"
+        shown = self.shown(ratio)
         if ratio <= self.bound:
-            return True, f"met: {ratio:.2f}x"
-        return False, f"missed by {(ratio / self.bound - 1) * 100:.0f}%: {ratio:.2f}x"
+            return True, f"met: {shown}"
+        over = (ratio / self.bound - 1) * 100
+        return False, f"missed by {over:.0f}%: {shown}" if over >= 1 else f"missed by {over:.1f}%: {shown}"
+
+    def shown(self, ratio: float) -> str:
+        """`ratio` as the verdict states it: "1.04x", with a third decimal
+        where two would print the bound itself (1.052x missed, 1.049x met);
+        "40.0x faster" for a speedup; "0.970x" within a two-sided bound."""
+        if self.speedup:
+            return f"{1 / ratio:.1f}x faster"
+        if self.two_sided or f"{ratio:.2f}" == f"{self.bound:.2f}":
+            return f"{ratio:.3f}x"
+        return f"{ratio:.2f}x"
 
 
 TARGETS: list[Target] = [
@@ -310,7 +322,7 @@ def evaluate(run: BenchRun) -> list[TargetRow]:
             if split is not None and target.verdict(split[0])[0] == target.verdict(split[1])[0]:
                 split = None
             if split is not None:
-                words += f"; the halves disagree: even rounds {split[0]:.2f}x, odd rounds {split[1]:.2f}x"
+                words += f"; the halves disagree: even rounds {target.shown(split[0])}, odd rounds {target.shown(split[1])}"
             rows.append(TargetRow(target, case, low, middle, met, words, raw_alone, split))
     return rows
 
@@ -546,8 +558,9 @@ def _issue10_table(run: BenchRun, rows: list[TargetRow], scaling: list[ScalingRo
                 cells.append("n/a")
                 continue
             alone = "" if found[0].raw_alone is None else f"; raw alone {_ratio(found[0].raw_alone)}"
-            split = "" if found[0].split is None else f"; halves {' / '.join(map(_ratio, found[0].split))}"
-            cells.append(f"{_ratio(found[0].ratio_min)} ({_mark(found[0].met)}{alone}{split})")
+            shown = found[0].target.shown
+            split = "" if found[0].split is None else f"; halves {' / '.join(map(shown, found[0].split))}"
+            cells.append(f"{shown(found[0].ratio_min)} ({_mark(found[0].met)}{alone}{split})")
         lines.append(f"| {words} | " + " | ".join(cells) + " |")
     lines.append("")
     if any(row.raw_alone is not None for row in rows):
