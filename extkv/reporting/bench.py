@@ -318,9 +318,7 @@ def evaluate(run: BenchRun) -> list[TargetRow]:
                 words += f"; the raw sequence alone: {raw_alone:.2f}x"
                 if fewest_calls:
                     words += f", with the fewest driver calls the geometry allows: {fewest_calls}"
-            split = halves(case, target.subject, target.baseline)
-            if split is not None and target.verdict(split[0])[0] == target.verdict(split[1])[0]:
-                split = None
+            split = _disagreeing_halves(case, target)
             if split is not None:
                 words += f"; the halves disagree: even rounds {target.shown(split[0])}, odd rounds {target.shown(split[1])}"
             rows.append(TargetRow(target, case, low, middle, met, words, raw_alone, split))
@@ -338,9 +336,9 @@ def halves(case: CaseResult, subject: str, baseline: str) -> tuple[float, float]
     process and each has `HALVES_MIN_ROUNDS` rounds (else None). Two halves
     of one run that disagree about a verdict show it rests on a round or
     two, not on a difference every round repeats. On the H200 (runs 10,
-    10b and 11), a case's two halves differed by 7-12% on average; the
-    halves of a tenth percentile by 5-36%, of the median by 29-84%: no
-    other statistic was steadier, so verdicts stay on the minima."""
+    10b and 11), a case's two halves differed by 7-12% on average; those
+    of a tenth percentile by 5-36% (less than the minima's in run 11
+    only), those of the median by 29-85%: verdicts stay on the minima."""
     first, second = case.entries.get(subject), case.entries.get(baseline)
     if first is None or second is None or first.process != second.process:
         return None
@@ -348,6 +346,14 @@ def halves(case: CaseResult, subject: str, baseline: str) -> tuple[float, float]
     if rounds < HALVES_MIN_ROUNDS:
         return None
     return tuple(min(first.wall[start:rounds:2]) / min(second.wall[start:rounds:2]) for start in (0, 1))
+
+
+def _disagreeing_halves(case: CaseResult, target: Target) -> tuple[float, float] | None:
+    """`halves` of `target` in `case` where one half meets it and the other does not."""
+    split = halves(case, target.subject, target.baseline)
+    if split is None or target.verdict(split[0])[0] == target.verdict(split[1])[0]:
+        return None
+    return split
 
 
 def _raw_alone(case: CaseResult, target: Target) -> float | None:
