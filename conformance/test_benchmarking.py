@@ -709,6 +709,8 @@ def test_a_missed_commit_raw_target_is_shown_by_what_ran_before(tmp_path):
                    "stats": {"data": wall}} for name, wall in walls.items()]
     (tmp_path / benchmarking.BENCH_JSON).write_text(json.dumps({"benchmarks": benchmarks}))
     section = bench_section(tmp_path)
+    assert "| commit-raw | grow8 blhnc1 (1 seg) 1GiB recycled | 2 ms / 2.5 ms | raw 1 ms / 2.5 ms | 2 | 2.00x |" in section, (
+        "each target row says how many rounds its minima come from")
     assert "### What ran before the commit-raw targets missed" in section, section
     assert "| extkv | 1 | - | 3 ms (1) |" in section and "| raw | 1 | 1 ms (1) | 4 ms (1) |" in section, section
     assert "| raw | 2 | 4 ms (1) | - |" in section, section

@@ -525,14 +525,17 @@ def _facts_lines(run: BenchRun) -> list[str]:
 
 
 def _targets_table(rows: list[TargetRow], granularity: int) -> list[str]:
-    lines = ["| target | case | extkv (min / median) | baseline (min / median) | ratio min | ratio median | bound | verdict |",
-             "|---|---|---|---|---|---|---|---|"]
+    lines = ["| target | case | extkv (min / median) | baseline (min / median) | rounds | ratio min | ratio median | "
+             "bound | verdict |",
+             "|---|---|---|---|---|---|---|---|---|"]
     for row in rows:
         subject, baseline = row.case.entries.get(row.target.subject), row.case.entries.get(row.target.baseline)
+        rounds = " / ".join(dict.fromkeys(str(len(entry.wall)) for entry in (subject, baseline) if entry)) or "-"
         lines.append(
             f"| {row.target.key} | {_case_words(row.case, granularity)} | {_times(subject) if subject else '-'} | "
             f"{(row.target.baseline + ' ' + _times(baseline)) if baseline else row.target.baseline + ' -'} | "
-            f"{_ratio(row.ratio_min)} | {_ratio(row.ratio_median)} | {row.target.bound_words()} | {row.words} |"
+            f"{rounds} | {_ratio(row.ratio_min)} | {_ratio(row.ratio_median)} | {row.target.bound_words()} | "
+            f"{row.words} |"
         )
     return lines
 
