@@ -401,6 +401,28 @@ def test_fault_in_release_is_retried_without_leaks(build, device, granule, usage
     check_usage_matches(usage, baseline, [t])
 
 
+@pytest.mark.invariant(1)
+@pytest.mark.parametrize("step, call", [("release", 1), ("unmap", 2)])
+def test_growth_after_a_release_failed_part_way_maps_the_gap_it_left(build, device, granule, step, call):
+    """A one-segment tensor released in address order: the failure leaves the
+    chunks above it mapped over a gap, which the next growth must map."""
+    faulty = FaultInjectingDriver(driver_for(device))
+    t = build.tensor(4 * granule, device=faulty)
+    t.resize_segments_([2 * granule])
+    t.resize_segments_([4 * granule])  # two chunks: granules 0-1 and 2-3
+    faulty.fail_in(step, call)
+    with pytest.raises(DriverError, match=f"{step} \\(injected fault"):
+        t.release_physical()
+    assert [(m.first_granule, m.num_granules) for m in t.mapped_chunks] == [(2, 2)], "the chunk above the failure stays"
+    t.resize_segments_([3 * granule])
+    check_readback_matches_bookkeeping(t)
+    committed = range(t.base, t.base + 3 * granule, granule)
+    unmapped = [address - t.base for address, chunk in zip(committed, faulty.chunks_at(committed)) if chunk is None]
+    assert unmapped == [], f"offsets of committed granules nothing is mapped behind: {unmapped}"
+    t.release_physical()  # the retry gives back the chunk the failure kept
+    assert t.physical_bytes == 0 and t.mapped_chunks == []
+
+
 def test_out_of_memory_create_reclaims_cache_and_retries_once(build, device, granule):
     faulty = FaultInjectingDriver(driver_for(device), {"create": 1}, out_of_memory=True)
     t = build.tensor(2 * granule, device=faulty)

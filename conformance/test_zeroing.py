@@ -22,7 +22,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from extkv import KVCacheLayout
+from extkv import DriverError, FaultInjectingDriver, KVCacheLayout
 from extkv.testing.checks import (
     check_all_equal,
     check_readback_matches_bookkeeping,
@@ -241,6 +241,30 @@ def test_recommit_after_release_reads_zero(cache, poisoned, usage):
     assert poisoned.poisoned_chunks > created, "recommit created no poisoned chunk"
     assert cache.physical_bytes == cache.physical_bytes_for(200)
     expect_all_zero(cache, "recommit")
+    check_usage_matches(usage, baseline, [cache.buffer])
+
+
+@pytest.mark.invariant(4)
+def test_recommit_after_a_release_that_failed_part_way_reads_zero(case, build, poisoned, usage):
+    """A sleep whose release fails part way leaves some chunks mapped; the
+    wake must map the rest and zero every committed byte."""
+    baseline = usage.read_outside_torch()
+    faulty = FaultInjectingDriver(poisoned)
+    _, layout, config = case
+    cache = build.cache(config, layout, device=faulty)
+    cache.commit(100)
+    cache.commit(300)
+    cache.commit(CAPACITY)  # several chunks per segment, so a release can fail between two
+    fill_segments(cache, seed=3)
+    faulty.fail_in("release", 2)
+    with pytest.raises(DriverError, match="injected fault"):
+        cache.release_physical()
+    assert 0 < cache.physical_bytes < cache.physical_bytes_for(CAPACITY), "the failure left nothing mapped"
+    cache.recommit()
+    assert cache.physical_bytes == cache.physical_bytes_for(CAPACITY)
+    check_readback_matches_bookkeeping(cache.buffer)
+    expect_all_zero(cache, "recommit after a release that failed part way")
+    cache.release_physical()
     check_usage_matches(usage, baseline, [cache.buffer])
 
 

@@ -31,9 +31,12 @@ tensor plans every run and hands the plan to the driver in one call
 and reports the runs finished before it. Those stay mapped, recorded and
 accessible, and the committed sizes stay as they were, so the tensor is
 consistent and a retry maps only what is still missing. A one-segment
-tensor needs no planner: its mapped granules are always one gapless prefix
-covering its committed bytes, so a growth maps at most one run, from where
-the mapping ends.
+tensor needs no planner while its mapped granules are one gapless prefix
+covering its committed bytes, as every change but one leaves them: a
+growth then maps at most one run, from where the mapping ends. The
+exception is a release that fails part way, which leaves the chunks above
+the failure mapped over a gap; until a release completes, growth goes
+through the planner, which maps the gap.
 
 With `zero_new`, exactly the new logical bytes are zeroed on the current
 stream, interleaved with mapping: each run carries the new bytes below its
@@ -519,7 +522,8 @@ class ExtensibleTensor:
         driver work). A size below the committed one still raises."""
         if self._state is not _State.LIVE:
             self._require("resize_segments_")
-        if len(sizes) == 1:
+        mapping = self._mapping
+        if len(sizes) == 1 and mapping.granules == mapping.end_granule:  # a gapless prefix: see the module's theory
             return self._grow_one_segment(sizes[0], zero_new)
         growing, spans = self._new_ranges(sizes)
         runs = self._unmapped_runs(spans)
@@ -544,10 +548,10 @@ class ExtensibleTensor:
         """`_grow` of a one-segment tensor, planned and recorded in place: the
         general path's lists and merge walks cost a few microseconds more,
         which is the whole margin a one-shot commit of tens of MiB has over
-        its driver calls. One segment's mapped granules are one gapless
-        prefix covering its committed bytes (a growth maps at most one run,
-        never cut, whole or not at all), so the one run to map starts where
-        the mapping ends."""
+        its driver calls. For a tensor whose mapped granules are one
+        gapless prefix covering its committed bytes (a growth maps at most
+        one run, never cut, whole or not at all), the one run to map starts
+        where the mapping ends."""
         old = self._sizes[0]
         if new <= old:
             if new < old:
