@@ -438,6 +438,28 @@ def test_recommit_that_fails_half_way_is_completed_by_calling_it_again(build, de
     check_usage_matches(usage, baseline, [kv_cache.buffer])
 
 
+@pytest.mark.invariant(3, 5)
+@pytest.mark.parametrize("options", [{"shrink": True}, {"defragment": True}])
+def test_a_discarding_commit_whose_release_fails_leaves_a_count_the_next_commit_meets(build, device, usage, options):
+    """Shrinking and discarding defragments release first; a release that
+    fails part way leaves nothing committed, so the next commit maps all it
+    needs rather than trusting the count from before."""
+    baseline = usage.read_outside_torch()
+    faulty = FaultInjectingDriver(driver_for(device))
+    kv_cache = build.cache_for("full", KVCacheLayout.LBHNC, device=faulty)
+    kv_cache.commit(100)
+    kv_cache.commit(700)  # two chunks per segment: fragmented, and a release can fail between them
+    faulty.fail_in("release", 2)
+    with pytest.raises(DriverError, match="injected fault"):
+        kv_cache.commit(300 if options.get("shrink") else 700, **options)
+    assert kv_cache.num_committed_blocks == 0 and kv_cache.buffer.segment_sizes == [0] * len(kv_cache.segment_strides)
+    kv_cache.commit(300)
+    assert kv_cache.buffer.segment_sizes == [300 * s for s in kv_cache.segment_strides]
+    check_readback_matches_bookkeeping(kv_cache.buffer)
+    kv_cache.release_physical()  # the retry gives back what the failure kept
+    check_usage_matches(usage, baseline, [kv_cache.buffer])
+
+
 @pytest.mark.invariant(5)
 def test_torch_cap_grows_by_what_a_shrinking_extend_frees(build, device):
     """The reference subtracts the signed growth: when the measured budget is

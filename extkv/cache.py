@@ -235,8 +235,11 @@ class ExtensibleKVCache:
         fragmented = defragment and not all(self.buffer.segments_backed_by_one_chunk(self._sizes_for(num_blocks)))
         shrinking = shrink and num_blocks < self.num_committed_blocks
         if shrinking or (fragmented and not preserve_contents):
-            self.buffer.release_physical()
+            # Before the release: it zeroes the buffer's sizes even when a
+            # driver step fails part way, and a count left above them would
+            # make the next commit of fewer blocks map nothing.
             self.num_committed_blocks = 0
+            self.buffer.release_physical()
         self.commit(num_blocks)  # the growth left is a plain commit
         if fragmented and preserve_contents:
             self.buffer.defragment_segments_()
