@@ -443,7 +443,8 @@ def test_recommit_that_fails_half_way_is_completed_by_calling_it_again(build, de
 def test_a_discarding_commit_whose_release_fails_leaves_a_count_the_next_commit_meets(build, device, usage, options):
     """Shrinking and discarding defragments release first; a release that
     fails part way leaves nothing committed, so the next commit maps all it
-    needs rather than trusting the count from before."""
+    needs rather than trusting the count from before, and a shrink then
+    gives back what the failure left mapped."""
     baseline = usage.read_outside_torch()
     faulty = FaultInjectingDriver(driver_for(device))
     kv_cache = build.cache_for("full", KVCacheLayout.LBHNC, device=faulty)
@@ -456,7 +457,10 @@ def test_a_discarding_commit_whose_release_fails_leaves_a_count_the_next_commit_
     kv_cache.commit(300)
     assert kv_cache.buffer.segment_sizes == [300 * s for s in kv_cache.segment_strides]
     check_readback_matches_bookkeeping(kv_cache.buffer)
-    kv_cache.release_physical()  # the retry gives back what the failure kept
+    assert kv_cache.physical_bytes > kv_cache.physical_bytes_for(300), "the failure left nothing mapped past 300 blocks"
+    kv_cache.commit(300, shrink=True)
+    assert kv_cache.physical_bytes == kv_cache.physical_bytes_for(300) and kv_cache.num_committed_blocks == 300
+    check_readback_matches_bookkeeping(kv_cache.buffer)
     check_usage_matches(usage, baseline, [kv_cache.buffer])
 
 

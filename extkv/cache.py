@@ -205,7 +205,9 @@ class ExtensibleKVCache:
         contents. `defragment` backs each segment with one chunk; it discards
         contents unless `preserve_contents`, which moves one segment at a time
         and keeps every byte. Flags must be bools; contradictory ones raise
-        before anything changes.
+        before anything changes. A shrink or discarding defragment whose
+        release fails part way leaves no blocks committed; calling it again
+        completes it.
         """
         if type(num_blocks) is not int or num_blocks < 0:
             num_blocks = _block_count(num_blocks)  # raises, or an int from an index-like value
@@ -233,7 +235,9 @@ class ExtensibleKVCache:
                 "discards contents; shrink and defragment in two commits if that is what you want"
             )
         fragmented = defragment and not all(self.buffer.segments_backed_by_one_chunk(self._sizes_for(num_blocks)))
-        shrinking = shrink and num_blocks < self.num_committed_blocks
+        # A shrink also releases chunks a failed release left mapped past the
+        # committed count, so that calling it again completes it.
+        shrinking = shrink and (num_blocks < self.num_committed_blocks or self._mapped_past_committed())
         if shrinking or (fragmented and not preserve_contents):
             # Before the release: it zeroes the buffer's sizes even when a
             # driver step fails part way, and a count left above them would
@@ -245,6 +249,15 @@ class ExtensibleKVCache:
             self.buffer.defragment_segments_()
         if shrinking or fragmented:
             logger.debug("KV cache at %s after commit(%d).", self, num_blocks)
+
+    def _mapped_past_committed(self) -> bool:
+        """Whether more is mapped than the committed blocks take: chunks a
+        release that failed part way left, or runs a growth that failed
+        part way mapped."""
+        needed = segment_physical_bytes(
+            self.num_committed_blocks, self.segment_strides, self.buffer.granularity, self.segment_offsets
+        )
+        return self.buffer.physical_bytes > needed
 
     def _sizes_for(self, num_blocks: int) -> list[int]:
         return list(map(num_blocks.__mul__, self.segment_strides))
