@@ -35,8 +35,8 @@ tensor needs no planner while its mapped granules are one gapless prefix
 covering its committed bytes, as every change but one leaves them: a
 growth then maps at most one run, from where the mapping ends. The
 exception is a release that fails part way, which leaves the chunks above
-the failure mapped over a gap; until a release completes, growth goes
-through the planner, which maps the gap.
+the failure mapped over a gap; while a gap remains, growth goes through
+the planner, which maps it.
 
 With `zero_new`, exactly the new logical bytes are zeroed on the current
 stream, interleaved with mapping: each run carries the new bytes below its
