@@ -439,29 +439,58 @@ def test_recommit_that_fails_half_way_is_completed_by_calling_it_again(build, de
 
 
 @pytest.mark.invariant(3, 5)
+@pytest.mark.parametrize("follow_up", ["a plain commit", "the same call"])
 @pytest.mark.parametrize("options", [{"shrink": True}, {"defragment": True}])
-def test_a_discarding_commit_whose_release_fails_leaves_a_count_the_next_commit_meets(build, device, usage, options):
+def test_a_discarding_commit_whose_release_fails_leaves_a_count_the_next_commit_meets(
+    build, device, usage, options, follow_up
+):
     """Shrinking and discarding defragments release first; a release that
     fails part way leaves nothing committed, so the next commit maps all it
-    needs rather than trusting the count from before, and a shrink then
-    gives back what the failure left mapped."""
+    needs rather than trusting the count from before, and the same call
+    again completes what failed."""
     baseline = usage.read_outside_torch()
     faulty = FaultInjectingDriver(driver_for(device))
     kv_cache = build.cache_for("full", KVCacheLayout.LBHNC, device=faulty)
     kv_cache.commit(100)
     kv_cache.commit(700)  # two chunks per segment: fragmented, and a release can fail between them
+    target = 300 if options.get("shrink") else 700
     faulty.fail_in("release", 2)
     with pytest.raises(DriverError, match="injected fault"):
-        kv_cache.commit(300 if options.get("shrink") else 700, **options)
+        kv_cache.commit(target, **options)
     assert kv_cache.num_committed_blocks == 0 and kv_cache.buffer.segment_sizes == [0] * len(kv_cache.segment_strides)
-    kv_cache.commit(300)
-    assert kv_cache.buffer.segment_sizes == [300 * s for s in kv_cache.segment_strides]
-    check_readback_matches_bookkeeping(kv_cache.buffer)
-    assert kv_cache.physical_bytes > kv_cache.physical_bytes_for(300), "the failure left nothing mapped past 300 blocks"
-    kv_cache.commit(300, shrink=True)
-    assert kv_cache.physical_bytes == kv_cache.physical_bytes_for(300) and kv_cache.num_committed_blocks == 300
+    if follow_up == "a plain commit":
+        kv_cache.commit(300)
+        assert kv_cache.buffer.segment_sizes == [300 * s for s in kv_cache.segment_strides]
+        kv_cache.release_physical()  # gives back what the failure left mapped, too
+    else:
+        kv_cache.commit(target, **options)
+        assert kv_cache.num_committed_blocks == target
+        assert kv_cache.physical_bytes == kv_cache.physical_bytes_for(target)
+        if options.get("defragment"):
+            sizes = [target * s for s in kv_cache.segment_strides]
+            assert all(readback_one_chunk_per_segment(kv_cache.buffer, sizes)), "segments on several chunks, read back"
     check_readback_matches_bookkeeping(kv_cache.buffer)
     check_usage_matches(usage, baseline, [kv_cache.buffer])
+
+
+@pytest.mark.invariant(1)
+def test_a_shrink_at_or_above_the_count_after_a_failed_growth_keeps_the_blocks(build, device):
+    """A growth that fails part way leaves runs mapped past the committed
+    blocks; a later commit with shrink=True that does not go below the count
+    is a growth, and keeps them."""
+    faulty = FaultInjectingDriver(driver_for(device))
+    kv_cache = build.cache_for("full", KVCacheLayout.LBHNC, device=faulty)
+    kv_cache.commit(150)
+    written = fill_segments(kv_cache, seed=9)
+    faulty.fail_in("create", 2)
+    with pytest.raises(DriverError, match="injected fault"):
+        kv_cache.commit(700)
+    assert kv_cache.physical_bytes > kv_cache.physical_bytes_for(150), "the failed growth left nothing mapped"
+    kv_cache.commit(273, shrink=True)
+    assert kv_cache.num_committed_blocks == 273
+    check_readback_matches_bookkeeping(kv_cache.buffer)
+    kept = [torch.equal(kv_cache.buffer.segment_view(i)[: w.numel()], w) for i, w in enumerate(written)]
+    assert all(kept), f"segments whose 150 committed blocks the growth lost: {[i for i, k in enumerate(kept) if not k]}"
 
 
 @pytest.mark.invariant(5)

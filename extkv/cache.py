@@ -235,9 +235,12 @@ class ExtensibleKVCache:
                 "discards contents; shrink and defragment in two commits if that is what you want"
             )
         fragmented = defragment and not all(self.buffer.segments_backed_by_one_chunk(self._sizes_for(num_blocks)))
-        # A shrink also releases chunks a failed release left mapped past the
-        # committed count, so that calling it again completes it.
-        shrinking = shrink and (num_blocks < self.num_committed_blocks or self._mapped_past_committed())
+        # A shrink that failed in its release left no blocks committed and
+        # some chunks mapped: calling it again releases those too. (Chunks a
+        # failed growth left mapped past committed blocks are no reason to
+        # discard the blocks.)
+        owed = self.num_committed_blocks == 0 and self.buffer.physical_bytes > 0
+        shrinking = shrink and (num_blocks < self.num_committed_blocks or owed)
         if shrinking or (fragmented and not preserve_contents):
             # Before the release: it zeroes the buffer's sizes even when a
             # driver step fails part way, and a count left above them would
@@ -249,15 +252,6 @@ class ExtensibleKVCache:
             self.buffer.defragment_segments_()
         if shrinking or fragmented:
             logger.debug("KV cache at %s after commit(%d).", self, num_blocks)
-
-    def _mapped_past_committed(self) -> bool:
-        """Whether more is mapped than the committed blocks take: chunks a
-        release that failed part way left, or runs a growth that failed
-        part way mapped."""
-        needed = segment_physical_bytes(
-            self.num_committed_blocks, self.segment_strides, self.buffer.granularity, self.segment_offsets
-        )
-        return self.buffer.physical_bytes > needed
 
     def _sizes_for(self, num_blocks: int) -> list[int]:
         return list(map(num_blocks.__mul__, self.segment_strides))
