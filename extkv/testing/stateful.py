@@ -217,15 +217,18 @@ def tensor_machine(driver: Driver, probe: UsageProbe, fresh_byte: int | None = N
         def release_failing_part_way(self, data):
             # An unmap that fails leaves it and the chunks above it mapped over
             # the gap the released ones leave, and owes no release.
-            nth = data.draw(st.integers(2, self.tensor.num_physical_chunks), label="failing unmap")
-            note(f"release_physical() with unmap call {nth} failing")
+            chunks = self.tensor.num_physical_chunks
+            nth = data.draw(st.integers(2, chunks), label="failing unmap")
+            note(f"release_physical() with unmap call {nth} of {chunks} failing")
             self.faulty.fail_in("unmap", nth)
             try:
                 self.tensor.release_physical()
             except DriverError:
                 pass
             else:
-                raise AssertionError(f"unmap call {nth} of {self.tensor.num_physical_chunks} chunks never came")
+                raise AssertionError(f"unmap call {nth} of {chunks} chunks never came")
+            # Which granules stay depends on how the tensor cut its chunks,
+            # which the model does not know: it takes them from the driver.
             read_back = read_back_granules(self.tensor)
             self.model.release(frozenset(index // 2 for index, chunk in enumerate(read_back) if chunk is not None))
 
