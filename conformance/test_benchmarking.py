@@ -239,6 +239,73 @@ def test_torch_baselines_do_the_work_they_stand_for(device):
         upfront.close()
 
 
+class RecordingPrimitives(baselines.PoisoningPrimitives):
+    """The device's own calls, with every fill and copy recorded."""
+
+    def __init__(self, device):
+        super().__init__(baselines.primitives_for(device), POISON)
+        self.fills, self.copies = [], []
+
+    def fill(self, address, size, value):
+        self.fills.append((address, size, value))
+        super().fill(address, size, value)
+
+    def copy(self, destination, source, size):
+        self.copies.append((destination, source, size))
+        super().copy(destination, source, size)
+
+
+def test_torch_baselines_zero_and_copy_with_the_calls_extkv_uses(device):
+    """The floors and peers zero exactly their new bytes with the device's
+    memset and copy with its copy, as extkv and the raw sequence do, so a
+    ratio against them measures a strategy: torch's zero_ is a fill kernel,
+    27% slower than cuMemsetD8Async on the H200."""
+    strides, capacity = STORE_GEOMETRIES["three-segments"]
+    per_block, half = sum(strides), capacity // 2
+    recorder = RecordingPrimitives(device)
+    plain = baselines.PlainStore(device, strides, capacity, primitives=recorder)
+    plain.open()
+    try:
+        plain.grow(half)
+        plain.grow(capacity)
+        base = plain.buffer.data_ptr()
+        assert recorder.fills == [(base, per_block * half, 0), (base + per_block * half, per_block * (capacity - half), 0)]
+    finally:
+        plain.close()
+    recorder.fills.clear()
+    grown = baselines.AllocCopyStore(device, strides, capacity, primitives=recorder)
+    grown.open()
+    try:
+        grown.grow(half)
+        first = [size for _, size, _ in recorder.fills]
+        grown.grow(capacity)
+        second = [size for _, size, _ in recorder.fills[len(first) :]]
+        assert first == [stride * half for stride in strides], first
+        assert second == [stride * (capacity - half) for stride in strides], second
+        base, at = grown.buffer.data_ptr(), 0
+        for stride, (address, _, value) in zip(strides, recorder.fills[len(first) :]):
+            assert (address - base, value) == (at + stride * half, 0)
+            at += stride * capacity
+    finally:
+        grown.close()
+    recorder.fills.clear()
+    upfront = baselines.UpfrontStore(device, strides, capacity, primitives=recorder)
+    upfront.open()
+    try:
+        upfront.grow(capacity)
+        assert recorder.fills == [(upfront.buffer.data_ptr(), per_block * capacity, 0)]
+    finally:
+        upfront.close()
+    copied = baselines.CopyStore(device, strides, capacity, primitives=recorder)
+    copied.open()
+    try:
+        copied.grow(half)
+        copied.defragment(preserve=True)
+        assert recorder.copies == [(copied.target.data_ptr(), copied.source.data_ptr(), per_block * half)]
+    finally:
+        copied.close()
+
+
 def test_poisoning_needs_a_non_zero_byte():
     with pytest.raises(ValueError, match="non-zero byte"):
         baselines.PoisoningPrimitives(baselines.primitives_for(torch.device("cpu")), 0)
@@ -460,6 +527,21 @@ def test_the_partial_map_probe_answers_from_the_driver(device):
         assert ("CUDA_SUCCESS" in how) == supported, how
 
 
+def test_the_partial_access_probe_answers_from_the_driver(device):
+    """On Linux, mprotect changes any page-aligned part of a mapping; the
+    H200's driver answers CUDA_ERROR_INVALID_VALUE for part of a chunk
+    mapped whole. Either way the probe leaves nothing mapped or created."""
+    primitives = baselines.primitives_for(device)
+    chunks_before = open_raw_fds() if device.type == "cpu" else None
+    supported, how = primitives.probe_partial_access()
+    assert isinstance(supported, bool) and how, (supported, how)
+    if device.type == "cpu":
+        assert supported and how.endswith("granted"), how
+        assert open_raw_fds() == chunks_before, "the probe's memfd is still open"
+    else:
+        assert ("CUDA_SUCCESS" in how) == supported, how
+
+
 def test_headline_readings_take_the_profiles_headline_rounds_unless_rounds_are_given(tmp_path):
     """The headline 8-step growths take more rounds again, and so does every
     case of at most 1 GiB: their least round moves with the rounds drawn."""
@@ -632,19 +714,33 @@ def test_flatness_with_evicted_caches_reads_the_evicted_rounds_alone():
     assert row.value is None and row.words == "not measured (the run did not count this reading)"
 
 
-@pytest.mark.parametrize("raw_time, supported, words", [
-    (1.3, False, "; the raw sequence alone: 1.30x, with the fewest driver calls the geometry allows: this driver maps "
-                 "a chunk only whole (probe answer)"),
-    (1.3, True, "; the raw sequence alone: 1.30x"),
-    (1.1, False, ""),
+WHOLE_CHUNKS = ("this driver maps a chunk only whole (probe answer), so each segment's new range in each commit takes "
+                "a create, a map and an access grant of its own")
+WHOLE_GRANTS = ("; it grants access only over a whole chunk (access answer), so the device zeroes no byte of a chunk "
+                "before all of it is created, mapped and granted")
+
+
+@pytest.mark.parametrize("raw_time, supported, access, words", [
+    (1.3, False, None, "; the raw sequence alone: 1.30x, with the fewest driver calls the geometry allows: "
+                       + WHOLE_CHUNKS),
+    (1.3, False, False, "; the raw sequence alone: 1.30x, with the fewest driver calls the geometry allows: "
+                        + WHOLE_CHUNKS + WHOLE_GRANTS),
+    (1.3, False, True, "; the raw sequence alone: 1.30x, with the fewest driver calls the geometry allows: "
+                       + WHOLE_CHUNKS),
+    (1.3, True, False, "; the raw sequence alone: 1.30x"),
+    (1.1, False, False, ""),
 ])
-def test_a_missed_target_says_what_the_raw_sequence_alone_costs(raw_time, supported, words):
+def test_a_missed_target_says_what_the_raw_sequence_alone_costs(raw_time, supported, access, words):
     case = result("grow8", {"extkv": entry("extkv", [2.0]), "raw": entry("raw", [raw_time]),
                             "memset": entry("memset", [1.0])}, segment_bytes=1 << 30)
-    run = BenchRun({"partial_map": {"supported": supported, "how": "probe answer"}}, [case])
+    facts = {"partial_map": {"supported": supported, "how": "probe answer"}}
+    if access is not None:
+        facts["partial_access"] = {"supported": access, "how": "access answer"}
+    run = BenchRun(facts, [case])
     row = {row.target.key: row for row in evaluate(run)}["commit-memset"]
     assert row.met is False and row.ratio_min == pytest.approx(2.0)
     assert row.words.startswith("missed by 74%: 2.00x" + words), row.words
+    assert ("grants access only" in row.words) == (WHOLE_GRANTS in words), row.words
     assert row.raw_alone == (pytest.approx(raw_time) if words else None)
     raw_row = {row.target.key: row for row in evaluate(run)}["commit-raw"]
     assert raw_row.raw_alone is None, "against the raw sequence itself there is no raw-alone reading"

@@ -366,21 +366,30 @@ def _raw_alone(case: CaseResult, target: Target) -> float | None:
 
 
 def _partial_map_line(facts: dict) -> list[str]:
-    probe = facts.get("partial_map")
-    if not probe:
-        return []
-    answer = {True: "yes", False: "no", None: "not probed"}[probe["supported"]]
-    return [f"Maps part of a chunk (probed at the start of the run): {answer} ({probe['how']})."]
+    lines = []
+    for key, what in (("partial_map", "Maps part of a chunk"), ("partial_access", "Grants access over part of a chunk")):
+        probe = facts.get(key)
+        if probe:
+            answer = {True: "yes", False: "no", None: "not probed"}[probe["supported"]]
+            lines.append(f"{what} (probed at the start of the run): {answer} ({probe['how']}).")
+    return lines
 
 
 def _fewest_calls_reason(run: BenchRun) -> str:
     """Why the raw sequence's calls are the fewest, where the run's probe
-    found that the driver maps a chunk only whole (else "")."""
+    found that the driver maps a chunk only whole (else ""), and why a
+    chunk's zeroing cannot start early, where it grants access only over
+    a whole chunk."""
     probe = run.facts.get("partial_map") or {}
     if probe.get("supported") is not False:
         return ""
-    return (f"this driver maps a chunk only whole ({probe['how']}), so each segment's new range in each commit "
-            f"takes a create, a map and an access grant of its own")
+    reason = (f"this driver maps a chunk only whole ({probe['how']}), so each segment's new range in each commit "
+              f"takes a create, a map and an access grant of its own")
+    access = run.facts.get("partial_access") or {}
+    if access.get("supported") is False:
+        reason += (f"; it grants access only over a whole chunk ({access['how']}), so the device zeroes no byte of "
+                   f"a chunk before all of it is created, mapped and granted")
+    return reason
 
 
 @dataclass

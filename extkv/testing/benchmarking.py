@@ -1182,10 +1182,15 @@ class Engine:
         #: `interleave_evicted` over both ends of the byte series, once run.
         self._evicted: dict[tuple[str, str], list[float] | BaseException] | None = None
         self.clocks = [baselines.clock_note(self.device)]
-        supported, how = baselines.primitives_for(self.device).probe_partial_map()
+        primitives = baselines.primitives_for(self.device)
+        supported, how = primitives.probe_partial_map()
         #: Whether the driver maps part of a chunk: where not, the raw
         #: sequence's one chunk per segment per commit is the fewest calls.
         self.partial_map = {"supported": supported, "how": how}
+        supported, how = primitives.probe_partial_access()
+        #: Whether it grants access over part of a chunk: where not, a
+        #: chunk's zeroing waits for the whole chunk's creation and grant.
+        self.partial_access = {"supported": supported, "how": how}
         self.started = time.perf_counter()
         if warm:
             self._warm_up()
@@ -1380,6 +1385,7 @@ class Engine:
             "device_description": vmm.driver_for(self.device).describe(),
             "granularity": vmm.driver_for(self.device).granularity,
             "partial_map": self.partial_map,
+            "partial_access": self.partial_access,
             "host": socket.gethostname(),
             "torch": torch.__version__,
             "clocks": self.clocks,
