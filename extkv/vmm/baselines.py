@@ -169,6 +169,22 @@ class Primitives(abc.ABC):
         chunk starts zeroing only then."""
         return None, f"{type(self).__name__} has no access grant over part of a chunk"
 
+    @contextlib.contextmanager
+    def _two_granule_chunk(self) -> Iterator[tuple[int, Any]]:
+        """A two-granule reservation and a two-granule chunk, not mapped, for
+        a probe; the chunk is released and the reservation freed after."""
+        granule = self.granularity
+        with self.active():
+            address = self.reserve(2 * granule)
+            try:
+                handle = self.create(2 * granule)
+                try:
+                    yield address, handle
+                finally:
+                    self.release(handle)
+            finally:
+                self.free(address, 2 * granule)
+
 
 def _cuda_checked(call: str, result, *, size: int | None = None, address: int | None = None):
     from cuda.bindings import driver as cu
@@ -261,36 +277,20 @@ class CudaPrimitives(Primitives):
 
     def probe_partial_map(self) -> tuple[bool | None, str]:
         cu, granule = self._cu, self.granularity
-        with self.active():
-            address = self.reserve(2 * granule)
-            try:
-                handle = self.create(2 * granule)
-                try:
-                    status = cu.cuMemMap(address, granule, granule, handle, 0)[0]
-                    if status == cu.CUresult.CUDA_SUCCESS:
-                        self.unmap(address, granule)
-                finally:
-                    self.release(handle)
-            finally:
-                self.free(address, 2 * granule)
+        with self._two_granule_chunk() as (address, handle):
+            status = cu.cuMemMap(address, granule, granule, handle, 0)[0]
+            if status == cu.CUresult.CUDA_SUCCESS:
+                self.unmap(address, granule)
         return status == cu.CUresult.CUDA_SUCCESS, f"cuMemMap of a two-granule chunk's second granule: {status.name}"
 
     def probe_partial_access(self) -> tuple[bool | None, str]:
         cu, granule = self._cu, self.granularity
-        with self.active():
-            address = self.reserve(2 * granule)
+        with self._two_granule_chunk() as (address, handle):
+            self.map(address, 2 * granule, handle)
             try:
-                handle = self.create(2 * granule)
-                try:
-                    self.map(address, 2 * granule, handle)
-                    try:
-                        status = cu.cuMemSetAccess(address + granule, granule, self._access, 1)[0]
-                    finally:
-                        self.unmap(address, 2 * granule)
-                finally:
-                    self.release(handle)
+                status = cu.cuMemSetAccess(address + granule, granule, self._access, 1)[0]
             finally:
-                self.free(address, 2 * granule)
+                self.unmap(address, 2 * granule)
         return (status == cu.CUresult.CUDA_SUCCESS,
                 f"cuMemSetAccess of the second granule of a two-granule chunk mapped whole: {status.name}")
 
@@ -391,38 +391,24 @@ class HostPrimitives(Primitives):
 
     def probe_partial_map(self) -> tuple[bool | None, str]:
         granule = self.granularity
-        address = self.reserve(2 * granule)
-        try:
-            handle = self.create(2 * granule)
+        with self._two_granule_chunk() as (address, handle):
             try:
                 self._mmap("mmap(MAP_FIXED, memfd, offset)", address, granule, _PROT_NONE, _MAP_SHARED | _MAP_FIXED,
                            handle, granule)
-                answer = "mmap of a two-granule memfd's second granule: mapped"
             except DriverError as error:
                 return False, f"mmap of a two-granule memfd's second granule: {error}"
-            finally:
-                self.release(handle)
-        finally:
-            self.free(address, 2 * granule)
-        return True, answer
+        return True, "mmap of a two-granule memfd's second granule: mapped"
 
     def probe_partial_access(self) -> tuple[bool | None, str]:
         granule = self.granularity
-        address = self.reserve(2 * granule)
-        try:
-            handle = self.create(2 * granule)
+        with self._two_granule_chunk() as (address, handle):
+            self.map(address, 2 * granule, handle)
             try:
-                self.map(address, 2 * granule, handle)
-                try:
-                    self.set_access(address + granule, granule)
-                except DriverError as error:
-                    return False, f"mprotect of the second granule of a two-granule memfd mapped whole: {error}"
-                finally:
-                    self.unmap(address, 2 * granule)
+                self.set_access(address + granule, granule)
+            except DriverError as error:
+                return False, f"mprotect of the second granule of a two-granule memfd mapped whole: {error}"
             finally:
-                self.release(handle)
-        finally:
-            self.free(address, 2 * granule)
+                self.unmap(address, 2 * granule)
         return True, "mprotect of the second granule of a two-granule memfd mapped whole: granted"
 
 
