@@ -532,12 +532,12 @@ def test_the_partial_access_probe_answers_from_the_driver(device):
     H200's driver answers CUDA_ERROR_INVALID_VALUE for part of a chunk
     mapped whole. Either way the probe leaves nothing mapped or created."""
     primitives = baselines.primitives_for(device)
-    chunks_before = open_raw_fds() if device.type == "cpu" else None
+    fds_before = open_raw_fds() if device.type == "cpu" else None
     supported, how = primitives.probe_partial_access()
     assert isinstance(supported, bool) and how, (supported, how)
     if device.type == "cpu":
         assert supported and how.endswith("granted"), how
-        assert open_raw_fds() == chunks_before, "the probe's memfd is still open"
+        assert open_raw_fds() == fds_before, "the probe's memfd is still open"
     else:
         assert ("CUDA_SUCCESS" in how) == supported, how
 
