@@ -786,11 +786,11 @@ def test_rounds_are_read_by_whose_round_ran_before_them():
     assert carryover(result("grow8", {"extkv": entry("extkv", [1.0])}), 1) == {}, "a run that recorded no order"
 
 
-def test_a_missed_commit_raw_target_is_shown_by_what_ran_before(tmp_path):
+def one_case_section(tmp_path, order, walls, **facts_extra) -> str:
+    """The bench section rendered from a run of one 1 GiB 8-step growth whose
+    contenders' rounds took `walls`, in `order`."""
     from extkv.reporting.bench import bench_section
 
-    order = ["extkv", "raw", "raw", "extkv"]
-    walls = {"extkv": [0.002, 0.003], "raw": [0.001, 0.004]}
     case_facts = {"case": "grow8-blhnc1-1GiB-recycled", "op": "grow8", "op_what": "growth", "pivot": "memset",
                   "contenders": ["extkv", "raw"], "geometry": "blhnc1", "geometry_what": "g", "segments": 1,
                   "blocks": 8, "capacity_blocks": 8, "bytes": 1 << 30, "smallest_segment_bytes": 1 << 30,
@@ -799,17 +799,34 @@ def test_a_missed_commit_raw_target_is_shown_by_what_ran_before(tmp_path):
     facts = {"profile": "gpu", "profile_what": "w", "device": "cuda:0", "device_description": {}, "host": "h",
              "torch": "t", "granularity": 2 * MiB, "rounds": 9, "case_seconds": 8.0, "costly_rounds": 2,
              "elapsed_seconds": 1.0, "budget_seconds": 2.0, "clocks": ["c"], "cpu_time": "thread_time",
-             "cases": [case_facts]}
+             "cases": [case_facts], **facts_extra}
     (tmp_path / benchmarking.CASES_FILE).write_text(json.dumps(facts))
     benchmarks = [{"extra_info": {"case": case_facts["case"], "contender": name, "process": "main", "cpu": wall},
                    "stats": {"data": wall}} for name, wall in walls.items()]
     (tmp_path / benchmarking.BENCH_JSON).write_text(json.dumps({"benchmarks": benchmarks}))
-    section = bench_section(tmp_path)
+    return bench_section(tmp_path)
+
+
+def test_a_missed_commit_raw_target_is_shown_by_what_ran_before(tmp_path):
+    section = one_case_section(tmp_path, ["extkv", "raw", "raw", "extkv"],
+                               {"extkv": [0.002, 0.003], "raw": [0.001, 0.004]})
     assert "| commit-raw | grow8 blhnc1 (1 seg) 1GiB recycled | 2 ms / 2.5 ms | raw 1 ms / 2.5 ms | 2 | 2.00x |" in section, (
         "each target row says how many rounds its minima come from")
     assert "### What ran before the commit-raw targets missed" in section, section
     assert "| extkv | 1 | - | 3 ms (1) |" in section and "| raw | 1 | 1 ms (1) | 4 ms (1) |" in section, section
     assert "| raw | 2 | 4 ms (1) | - |" in section, section
+
+
+def test_the_report_says_what_each_contender_that_ran_is_in_its_runs_words(tmp_path):
+    """A reader of an old report sees the floor it was measured against."""
+    contenders = {name: {"role": "r", "what": f"{name}, as recorded", "process": "main"}
+                  for name in ("extkv", "raw", "memset")}
+    section = one_case_section(tmp_path, ["extkv", "raw", "raw", "extkv"],
+                               {"extkv": [0.002, 0.003], "raw": [0.001, 0.004]}, contenders=contenders)
+    assert "- Contenders:\n  - *extkv*: extkv, as recorded\n  - *raw*: raw, as recorded\n" in section, section
+    assert "memset, as recorded" not in section, "memset did not run in this case"
+    older = one_case_section(tmp_path, ["extkv", "raw", "raw", "extkv"], {"extkv": [0.002, 0.003], "raw": [0.001, 0.004]})
+    assert "- Contenders:" not in older, "a run that recorded no contenders"
 
 
 def test_a_scaling_reading_the_run_did_not_count_says_so():

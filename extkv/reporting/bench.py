@@ -487,6 +487,16 @@ def _case_words(case: CaseResult, granularity: int = 0) -> str:
 _EARLIER_HEADLINE_READINGS = "its headline cases, and the smallest and largest one-segment commit"
 
 
+def _contender_lines(run: BenchRun) -> list[str]:
+    """What each contender that ran is, in the words its run recorded: a
+    floor's words say how it was measured (until session 12 the memset floor
+    was torch's zero_, a slower kernel than the memset extkv zeroes with)."""
+    described = run.facts.get("contenders") or {}
+    ran = dict.fromkeys(name for case in run.cases for name in case.facts.get("contenders", ()))
+    lines = [f"  - *{name}*: {described[name]['what']}" for name in ran if name in described]
+    return ["- Contenders:", *lines] if lines else []
+
+
 def _facts_lines(run: BenchRun) -> list[str]:
     f = run.facts
     device = f["device_description"]
@@ -513,6 +523,7 @@ def _facts_lines(run: BenchRun) -> list[str]:
         *_partial_map_line(f),
         "",
         "How it was measured:",
+        *_contender_lines(run),
         "- Contenders of a case run interleaved, one round each per round, in the orders of a Williams design, so "
         "each meets the driver state every other one leaves equally often (a plain rotation would give each the same "
         "predecessor every round); each round is setup (untimed), the operation up to a device synchronize (timed), "
