@@ -547,11 +547,14 @@ def test_headline_readings_take_the_profiles_headline_rounds_unless_rounds_are_g
     case of at most 1 GiB: their least round moves with the rounds drawn."""
     profile = PROFILES["gpu"]
     headline = [case for case in catalogue(profile) if profile.is_headline_reading(case)]
+    per_block = GEOMETRIES["mla61"].bytes_per_block
+    mla_bytes = profile.headline_bytes // per_block * per_block
     assert sorted((case.op, case.geometry, case.bytes) for case in headline) == sorted(
         {(op, geometry, profile.headline_bytes) for op in ("commit", "grow8", "recommit", "defrag_preserve")
          for geometry in ("blhnc1", "lbhnc32", "lhbnc256")}
         | {(op, "blhnc1", size) for op in ("commit", "grow8") for size in profile.byte_series}
         | {("commit", "lhbnc1024", profile.headline_bytes)}
+        | {(op, "mla61", mla_bytes) for op in ("commit", "recommit")}
     )
     assert all(case.state == "recycled" for case in headline), headline
     other = next(case for case in catalogue(profile) if case.op == "release" and case.bytes == 4 << 30)
