@@ -575,9 +575,9 @@ def test_headline_readings_take_the_profiles_headline_rounds_unless_rounds_are_g
 
 
 def test_costly_peers_stop_at_their_round_cap():
-    names = ("extkv", "per_granule")
-    results = interleave(tiny_case("commit", names), names, torch.device("cpu"), rounds=3, case_seconds=60.0, costly_rounds=1)
-    assert len(results["extkv"].wall) == 3 and len(results["per_granule"].wall) == 1
+    names = ("extkv", "per_granule", "allocate_copy")
+    results = interleave(tiny_case("grow8", names), names, torch.device("cpu"), rounds=3, case_seconds=60.0, costly_rounds=1)
+    assert [len(results[name].wall) for name in names] == [3, 1, 1]
 
 
 class _FailingStore(baselines.RawStore):
@@ -917,7 +917,10 @@ def test_the_rounds_line_names_the_headline_readings_its_run_recorded(tmp_path):
         (tmp_path / benchmarking.CASES_FILE).write_text(json.dumps(run_facts))
         return bench_section(tmp_path)
 
-    recorded = rendered({**facts, "headline_readings": benchmarking.HEADLINE_READINGS})
+    recorded = rendered({**facts, "headline_readings": benchmarking.HEADLINE_READINGS,
+                         "costly_contenders": ["per_granule", "allocate_copy"]})
     assert f"({benchmarking.HEADLINE_READINGS}) <= 21 rounds within 20 s" in recorded
+    assert "took that long; per_granule and allocate_copy <= 2;" in recorded, recorded
     earlier = rendered(facts)
     assert "(its headline cases, and the smallest and largest one-segment commit) <= 21 rounds" in earlier
+    assert "took that long; one handle per granule <= 2;" in earlier, earlier

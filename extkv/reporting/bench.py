@@ -507,7 +507,8 @@ def _facts_lines(run: BenchRun) -> list[str]:
         f"({device.get('driver', '')}, granularity {device.get('granularity', '?')}), host {f['host']}, torch {f['torch']}.",
         f"{len(run.cases)} cases; {measured} (case, contender) pairs measured, {missing} not. "
         f"Rounds per case <= {f['rounds']} (a case stops adding rounds once it has used {f['case_seconds']:g} s, "
-        f"after two, or after one that alone took that long; one handle per granule <= {f['costly_rounds']}"
+        f"after two, or after one that alone took that long; "
+        f"{' and '.join(f.get('costly_contenders', ['one handle per granule']))} <= {f['costly_rounds']}"
         + (f"; the cases issue 10 is read on ({f.get('headline_readings', _EARLIER_HEADLINE_READINGS)}) "
            f"<= {f['headline_rounds']} rounds within {f['headline_case_seconds']:g} s"
            + (f", the 8-step growths among them <= {f['growth_headline_rounds']} rounds within "
