@@ -365,7 +365,7 @@ def _raw_alone(case: CaseResult, target: Target) -> float | None:
     return alone if alone is not None and not target.verdict(alone)[0] else None
 
 
-def _partial_map_line(facts: dict) -> list[str]:
+def _driver_probe_lines(facts: dict) -> list[str]:
     lines = []
     for key, what in (("partial_map", "Maps part of a chunk"), ("partial_access", "Grants access over part of a chunk")):
         probe = facts.get(key)
@@ -521,7 +521,7 @@ def _facts_lines(run: BenchRun) -> list[str]:
         f"measuring took {f['elapsed_seconds']:.0f} s of a "
         f"{f['budget_seconds']:.0f} s budget.",
         "Clocks: " + "; at the end: ".join(dict.fromkeys(f["clocks"])) + ".",
-        *_partial_map_line(f),
+        *_driver_probe_lines(f),
         "",
         "How it was measured:",
         *_contender_lines(run),

@@ -471,8 +471,8 @@ CONTENDERS: dict[str, Contender] = {
         Contender("upfront", "peer", baselines.UpfrontStore),
         # A round of 32 GiB costs it 0.2 s in 8 steps and 3 s in 64, against
         # milliseconds for extkv (H200, session 12): uncapped, it took a
-        # third of each headline growth's seconds and left the 64-step
-        # growths 3 rounds of extkv and the raw sequence.
+        # quarter to a third of each headline growth's seconds and left the
+        # 64-step growths 3 rounds of extkv and the raw sequence.
         Contender("allocate_copy", "peer", baselines.AllocCopyStore, costly=True),
         Contender("expandable", "peer", baselines.ExpandableStore),
         Contender("tms", "peer", baselines.TmsStore),
