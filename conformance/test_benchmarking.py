@@ -16,6 +16,7 @@ Finally pytest-benchmark really records the rounds the engine measured.
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import json
 import os
@@ -191,22 +192,26 @@ def test_raw_shrink_and_recommit_map_exactly_and_read_zero(device):
         store.close()
 
 
+@contextlib.contextmanager
+def opened(store):
+    """`store` opened for the block and closed after it."""
+    store.open()
+    try:
+        yield store
+    finally:
+        store.close()
+
+
 def test_torch_baselines_do_the_work_they_stand_for(device):
     strides, capacity = STORE_GEOMETRIES["three-segments"]
     total = sum(strides) * capacity
-    plain = baselines.PlainStore(device, strides, capacity)
-    plain.open()
-    try:
+    with opened(baselines.PlainStore(device, strides, capacity)) as plain:
         plain.grow(capacity // 2)
         plain.buffer[: sum(strides) * (capacity // 2)].fill_(MARK)
         plain.grow(capacity)
         check_all_equal(plain.buffer[: sum(strides) * (capacity // 2)], MARK, "memset: bytes committed before")
         check_all_equal(plain.buffer[sum(strides) * (capacity // 2) : total], 0, "memset: new bytes")
-    finally:
-        plain.close()
-    grown = baselines.AllocCopyStore(device, strides, capacity)
-    grown.open()
-    try:
+    with opened(baselines.AllocCopyStore(device, strides, capacity)) as grown:
         grown.grow(capacity // 3)
         kept = grown.buffer.clone().fill_(MARK)
         grown.buffer.copy_(kept)
@@ -217,26 +222,16 @@ def test_torch_baselines_do_the_work_they_stand_for(device):
             check_all_equal(grown.buffer[at : at + old], MARK, f"allocate-copy: kept bytes of stride {stride}")
             check_all_equal(grown.buffer[at + old : at + new], 0, f"allocate-copy: new bytes of stride {stride}")
             at += new
-    finally:
-        grown.close()
-    copied = baselines.CopyStore(device, strides, capacity)
-    copied.open()
-    try:
+    with opened(baselines.CopyStore(device, strides, capacity)) as copied:
         copied.grow(capacity)
         copied.defragment(preserve=True)
         check_all_equal(copied.target, copied.source, "copy: target after the copy")
-    finally:
-        copied.close()
-    upfront = baselines.UpfrontStore(device, strides, capacity)
-    upfront.open()
-    try:
+    with opened(baselines.UpfrontStore(device, strides, capacity)) as upfront:
         upfront.grow(capacity)
         assert upfront.buffer.numel() == total
         check_all_equal(upfront.buffer, 0, "up-front allocation")
         with pytest.raises(baselines.Unsupported, match="cannot grow"):
             upfront.grow(capacity)
-    finally:
-        upfront.close()
 
 
 class RecordingPrimitives(baselines.PoisoningPrimitives):
@@ -263,19 +258,13 @@ def test_torch_baselines_zero_and_copy_with_the_calls_extkv_uses(device):
     strides, capacity = STORE_GEOMETRIES["three-segments"]
     per_block, half = sum(strides), capacity // 2
     recorder = RecordingPrimitives(device)
-    plain = baselines.PlainStore(device, strides, capacity, primitives=recorder)
-    plain.open()
-    try:
+    with opened(baselines.PlainStore(device, strides, capacity, primitives=recorder)) as plain:
         plain.grow(half)
         plain.grow(capacity)
         base = plain.buffer.data_ptr()
         assert recorder.fills == [(base, per_block * half, 0), (base + per_block * half, per_block * (capacity - half), 0)]
-    finally:
-        plain.close()
     recorder.fills.clear()
-    grown = baselines.AllocCopyStore(device, strides, capacity, primitives=recorder)
-    grown.open()
-    try:
+    with opened(baselines.AllocCopyStore(device, strides, capacity, primitives=recorder)) as grown:
         grown.grow(half)
         first = [size for _, size, _ in recorder.fills]
         grown.grow(capacity)
@@ -286,24 +275,14 @@ def test_torch_baselines_zero_and_copy_with_the_calls_extkv_uses(device):
         for stride, (address, _, value) in zip(strides, recorder.fills[len(first) :]):
             assert (address - base, value) == (at + stride * half, 0)
             at += stride * capacity
-    finally:
-        grown.close()
     recorder.fills.clear()
-    upfront = baselines.UpfrontStore(device, strides, capacity, primitives=recorder)
-    upfront.open()
-    try:
+    with opened(baselines.UpfrontStore(device, strides, capacity, primitives=recorder)) as upfront:
         upfront.grow(capacity)
         assert recorder.fills == [(upfront.buffer.data_ptr(), per_block * capacity, 0)]
-    finally:
-        upfront.close()
-    copied = baselines.CopyStore(device, strides, capacity, primitives=recorder)
-    copied.open()
-    try:
+    with opened(baselines.CopyStore(device, strides, capacity, primitives=recorder)) as copied:
         copied.grow(half)
         copied.defragment(preserve=True)
         assert recorder.copies == [(copied.target.data_ptr(), copied.source.data_ptr(), per_block * half)]
-    finally:
-        copied.close()
 
 
 def test_poisoning_needs_a_non_zero_byte():
