@@ -703,6 +703,75 @@ def test_fault_in_defragment_cleanup_is_finished_by_free(build, device, granule,
     check_usage_matches(usage, baseline, [])
 
 
+def mapped_runs(t: ExtensibleTensor, driver) -> int:
+    """Maximal runs of granules the driver shows backed by one chunk each."""
+    owners = driver.chunks_at(range(t.base, t.base + t.reserved_bytes, t.granularity))
+    return sum(1 for i, owner in enumerate(owners) if owner is not None and (i == 0 or owners[i - 1] != owner))
+
+
+def check_broken_until_freed(t: ExtensibleTensor, faulty, error: DriverError, usage, baseline, reservations,
+                             chunks) -> None:
+    """After an undo step failed: the error says so, every operation but free
+    is refused, and free unmaps what the driver shows mapped (not what the
+    bookkeeping says: cuMemUnmap takes only a whole range that is mapped)
+    and gives back every mapping, chunk and reservation."""
+    notes = getattr(error, "__notes__", [])
+    assert any(note.startswith("while undoing: ") for note in notes), notes
+    assert any("is now broken" in note and "only free() is allowed" in note for note in notes), notes
+    for operation in (lambda: t.resize_segments_(list(t.segment_capacities)), t.release_physical, t.full_view,
+                      lambda: t.segment_view(0), t.defragment_segments_):
+        with pytest.raises(StateError, match="not allowed on a broken ExtensibleTensor"):
+            operation()
+    runs, unmaps = mapped_runs(t, faulty), faulty.calls["unmap"]
+    t.free()
+    assert faulty.calls["unmap"] - unmaps == runs, (faulty.calls["unmap"] - unmaps, runs)
+    assert t.is_freed
+    assert _nonzero(live_reservations) == reservations and _nonzero(live_chunks) == chunks
+    check_usage_matches(usage, baseline, [])
+
+
+@pytest.mark.invariant(5)
+@pytest.mark.parametrize("swap_fault, undo_fault", [(("map", 2), ("set_access", 2)), (("set_access", 2), ("map", 3))])
+def test_a_defragment_whose_undo_fails_breaks_the_tensor_and_free_returns_everything(
+    build, device, granule, usage, swap_fault, undo_fault
+):
+    """The swap fails after the old chunks were unmapped (map #2 of the new
+    chunk, or set_access #2 of it), and the undo fails to put an old chunk
+    back: its grant of access (set_access #2: the chunk is mapped, not
+    accessible) or its map (map #3: the chunk is recorded, not mapped). The
+    tensor refuses every operation but free, which unmaps what the driver
+    shows and leaks nothing."""
+    baseline = usage.read_outside_torch()
+    reservations, chunks = _nonzero(live_reservations), _nonzero(live_chunks)
+    faulty = FaultInjectingDriver(driver_for(device))
+    t = fragmented_tensor(build, faulty, granule)
+    expected = sorted((step, faulty.calls[step] + nth) for step, nth in (swap_fault, undo_fault))
+    faulty.fail_in(*swap_fault)
+    faulty.fail_in(*undo_fault)
+    with pytest.raises(DriverError, match="injected fault") as raised:
+        t.defragment_segment_(0)
+    assert sorted(faulty.fired) == expected, faulty.fired
+    check_broken_until_freed(t, faulty, raised.value, usage, baseline, reservations, chunks)
+
+
+@pytest.mark.invariant(5)
+def test_a_growth_whose_undo_fails_breaks_the_tensor_and_free_unmaps_what_the_driver_shows(build, device, granule, usage):
+    """set_access #1 fails a growth's run, and the undo's unmap fails too: the
+    run's chunk stays mapped where the bookkeeping records nothing. free
+    reads the mapping from the driver, so it unmaps it and leaks nothing."""
+    baseline = usage.read_outside_torch()
+    reservations, chunks = _nonzero(live_reservations), _nonzero(live_chunks)
+    faulty = FaultInjectingDriver(driver_for(device))
+    t = build.tensor(4 * granule, device=faulty, segment_capacities=[2 * granule, 2 * granule])
+    faulty.fail_in("set_access", 1)
+    faulty.fail_in("unmap", 1)
+    with pytest.raises(DriverError, match="injected fault") as raised:
+        t.resize_segments_([2 * granule, 2 * granule])
+    assert faulty.fired == [("set_access", 1), ("unmap", 1)], faulty.fired
+    assert t.physical_bytes == 0 and faulty.chunk_at(t.base) is not None, "the undo left the run mapped, unrecorded"
+    check_broken_until_freed(t, faulty, raised.value, usage, baseline, reservations, chunks)
+
+
 @pytest.mark.invariant(6)
 def test_size_past_the_address_space_is_refused_before_any_call(device):
     before = _nonzero(live_reservations)

@@ -83,7 +83,14 @@ another thread releases memory reads unmapped pages, as it would from one
 thread: ordering release against use is the caller's job.
 
 Lifecycle, as data: every public operation names the states it is legal in
-(`_LEGAL_IN`); anything else raises `StateError` and changes nothing.
+(`_LEGAL_IN`); anything else raises `StateError` and changes nothing. A
+tensor is live until `free`, or broken: when a failed step's undo fails too
+(two driver failures in one operation), the driver may map what the
+bookkeeping does not record, or not map what it does, and no further step
+could be trusted. The error says so, every operation but `free` is refused,
+and `free` unmaps what the driver shows mapped in the reservation rather
+than what the bookkeeping says (cuMemUnmap takes only a whole range that is
+mapped, and a mapping nobody recorded would outlive the reservation).
 """
 
 from __future__ import annotations
@@ -100,11 +107,13 @@ import torch
 
 from . import validate
 from .errors import OutOfMemoryError, StateError
-from .vmm import Chunk, Driver, Transaction, UnreleasedChunks, driver_for
+from .vmm import Chunk, Driver, Transaction, UnreleasedChunks, driver_for, undo_failed
 
 
 class _State(enum.Enum):
     LIVE = "live"
+    #: A step's undo failed: the bookkeeping no longer says what the driver maps.
+    BROKEN = "broken"
     FREED = "freed"
 
 
@@ -116,7 +125,7 @@ _LEGAL_IN: dict[str, frozenset[_State]] = {
     "segments_backed_by_one_chunk": frozenset({_State.LIVE}),
     "defragment_segment_": frozenset({_State.LIVE}),
     "defragment_segments_": frozenset({_State.LIVE}),
-    "free": frozenset({_State.LIVE, _State.FREED}),
+    "free": frozenset({_State.LIVE, _State.BROKEN, _State.FREED}),
 }
 
 
@@ -470,6 +479,12 @@ class ExtensibleTensor:
         return found[0] if found else None
 
     @property
+    def is_broken(self) -> bool:
+        """Whether a failed step's undo failed too (see the module's theory):
+        only `free` is legal."""
+        return self._state is _State.BROKEN
+
+    @property
     def is_freed(self) -> bool:
         return self._state is _State.FREED
 
@@ -578,17 +593,33 @@ class ExtensibleTensor:
     def _map_new_chunks(self, plan: Sequence, zero_after: Sequence[tuple[int, int]], created: list[Chunk]) -> None:
         driver, give_back = self._driver, self._unreleased.release
         try:
-            driver.map_new_chunks(plan, created, give_back, zero_after)
-        except OutOfMemoryError as error:
-            # Memory torch's caching allocator holds but does not use may be
-            # exactly what the failed run needs: return it and try once more
-            # from that run.
-            if not driver.reclaim_cache():
-                raise
             try:
-                driver.map_new_chunks(plan[len(created):], created, give_back, zero_after)
-            except OutOfMemoryError as retry_error:
-                raise retry_error from error
+                driver.map_new_chunks(plan, created, give_back, zero_after)
+            except OutOfMemoryError as error:
+                # Memory torch's caching allocator holds but does not use may be
+                # exactly what the failed run needs: return it and try once more
+                # from that run.
+                if undo_failed(error) or not driver.reclaim_cache():
+                    raise
+                try:
+                    driver.map_new_chunks(plan[len(created):], created, give_back, zero_after)
+                except OutOfMemoryError as retry_error:
+                    raise retry_error from error
+        except BaseException as error:
+            self._break_if_undo_failed(error)
+            raise
+
+    def _break_if_undo_failed(self, error: BaseException) -> None:
+        """After an undo step failed, the driver may map what the bookkeeping
+        does not record (an unmap that failed) or not map what it records (a
+        remap that failed): the tensor is broken, and only `free` is legal."""
+        if undo_failed(error):
+            self._state = _State.BROKEN
+            if hasattr(error, "add_note"):  # Python >= 3.11
+                error.add_note(
+                    f"{self!r} is now broken: an undo step failed, so its bookkeeping no longer matches the "
+                    f"driver; only free() is allowed, and it unmaps what the driver shows mapped"
+                )
 
     def _validated_sizes(self, sizes: Sequence[int], *, grow_only: bool) -> list[int]:
         try:
@@ -787,7 +818,8 @@ class ExtensibleTensor:
             try:
                 for batch in batches:
                     self._move_batch(batch, scratch)
-            except BaseException:
+            except BaseException as error:
+                self._break_if_undo_failed(error)
                 # A failed cleanup step is not retried at once (it stays
                 # recorded for release_physical or free). What the batch
                 # before replaced is owed a release, and an idle scratch
@@ -908,9 +940,45 @@ class ExtensibleTensor:
         not be used afterwards."""
         if self._state is _State.FREED:
             return
-        self.release_physical()
+        if self._state is _State.BROKEN:
+            self._release_what_the_driver_maps()
+        else:
+            self.release_physical()
         self._driver.free_reservation(self.base, self.reserved_bytes)
         self._state = _State.FREED
+
+    def _release_what_the_driver_maps(self) -> None:
+        """`free`'s release for a broken tensor, whose bookkeeping cannot be
+        trusted: every mapping the driver shows in the reservation is
+        unmapped, one run per chunk, then every chunk the tensor holds is
+        released. A step that fails is raised after the rest were tried;
+        what is left stays recorded for the next `free`."""
+        driver, granule = self._driver, self.granularity
+        addresses = range(self.base, self.base + self.reserved_bytes, granule)
+        owners = driver.chunks_at(addresses)
+        failure: Exception | None = None
+        # Kernels still queued may touch these pages (see release_physical).
+        driver.synchronize()
+        with driver.batch():
+            start = 0
+            for index in range(1, len(owners) + 1):
+                if index < len(owners) and owners[index] == owners[start]:
+                    continue
+                if owners[start] is not None:
+                    try:
+                        driver.unmap(addresses[start], (index - start) * granule)
+                    except Exception as error:
+                        failure = failure or error
+                start = index
+        held = self._mapping.chunks
+        self._unreleased.keep(mapped.chunk for mapped in held)
+        self._publish(removed=held)
+        try:
+            self._finish_cleanup()
+        except Exception as error:
+            failure = failure or error
+        if failure is not None:
+            raise failure
 
     def __enter__(self) -> "ExtensibleTensor":
         return self
@@ -921,7 +989,7 @@ class ExtensibleTensor:
     def __del__(self) -> None:
         # Freeing here could unmap memory under views that outlive this object,
         # so a forgotten free() is reported, not fixed.
-        if getattr(self, "_state", _State.FREED) is _State.LIVE:
+        if getattr(self, "_state", _State.FREED) is not _State.FREED:
             try:
                 warnings.warn(f"{self!r} was never freed; call free()", ResourceWarning, stacklevel=2)
             except Exception:

@@ -16,7 +16,7 @@ from .base import Chunk, Driver, live_chunks, live_reservations
 from .faults import FAULTABLE_STEPS, FaultInjectingDriver
 from .host import DEFAULT_HOST_GRANULARITY, MEMFD_NAME, HostDriver
 from .poison import PoisoningDriver
-from .transaction import Transaction, UnreleasedChunks
+from .transaction import Transaction, UnreleasedChunks, undo_failed
 
 
 
@@ -96,4 +96,5 @@ __all__ = [
     "driver_for",
     "live_chunks",
     "live_reservations",
+    "undo_failed",
 ]

@@ -12,7 +12,10 @@ chunks per call: a closure per step costs more than the bookkeeping it
 protects. Every undo step is attempted even if an earlier one
 fails, because each releases something different; their failures are added to
 the original error as notes (Python >= 3.11) rather than replacing it, since
-the step that failed first is what the caller needs to see.
+the step that failed first is what the caller needs to see. They are also
+kept on it as `undo_failures` (`undo_failed` asks): after a failed undo the
+driver no longer holds what the caller's bookkeeping says, which only the
+caller can act on.
 
 Some of what a failed sequence holds cannot always be handed back at once,
 and a leak is worse than a late release. `UnreleasedChunks` is the one place
@@ -58,12 +61,22 @@ class Transaction:
     def __exit__(self, error_type, error, traceback) -> None:
         if error is None:
             return
+        failures = []
         for undo, args in reversed(self._undo_steps):
             try:
                 undo(*args)
             except Exception as undo_error:
+                failures.append(undo_error)
                 if hasattr(error, "add_note"):  # Python >= 3.11
                     error.add_note(f"while undoing: {undo_error}")
+        if failures:
+            # Accumulated: a transaction inside another one may have failed to undo too.
+            error.undo_failures = [*getattr(error, "undo_failures", ()), *failures]
+
+
+def undo_failed(error: BaseException) -> bool:
+    """Whether a `Transaction` failed to undo a step while `error` propagated."""
+    return bool(getattr(error, "undo_failures", None))
 
 
 class UnreleasedChunks:
