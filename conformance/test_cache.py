@@ -10,7 +10,7 @@ import torch
 from hypothesis import given
 from hypothesis import strategies as st
 
-from extkv import KV_CACHE_NON_TORCH_RESERVE_BYTES, DriverError, FaultInjectingDriver, measure_kv_cache_blocks
+from extkv import KV_CACHE_NON_TORCH_RESERVE_BYTES, DriverError, FaultInjectingDriver, StateError, measure_kv_cache_blocks
 from extkv.cache import ExtensibleKVCache
 from extkv.layout import (
     KVCacheConfig,
@@ -436,6 +436,32 @@ def test_recommit_that_fails_half_way_is_completed_by_calling_it_again(build, de
     assert kv_cache.physical_bytes == kv_cache.physical_bytes_for(100)
     check_readback_matches_bookkeeping(kv_cache.buffer)
     check_usage_matches(usage, baseline, [kv_cache.buffer])
+
+
+@pytest.mark.invariant(5)
+def test_a_commit_whose_undo_fails_leaves_a_cache_that_only_frees_and_frees_everything(build, device, usage):
+    """A run's access grant fails, and so does the unmap that would undo it:
+    the run stays mapped where nothing records it. Every call but free is
+    then refused before it changes anything, and free leaves nothing
+    behind."""
+    baseline = usage.read_outside_torch()
+    faulty = FaultInjectingDriver(driver_for(device))
+    kv_cache = build.cache_for("full", KVCacheLayout.LBHNC, device=faulty)
+    kv_cache.commit(100)
+    faulty.fail_in("set_access", 1)
+    faulty.fail_in("unmap", 1)
+    with pytest.raises(DriverError, match="injected fault") as raised:
+        kv_cache.commit(700)
+    assert any("is now broken" in note for note in raised.value.__notes__), raised.value.__notes__
+    count = kv_cache.num_committed_blocks
+    for operation in (lambda: kv_cache.commit(700), kv_cache.release_physical, lambda: kv_cache.commit(50, shrink=True),
+                      kv_cache.recommit, kv_cache.committed_views):
+        with pytest.raises(StateError, match=r"is not allowed on a broken cache"):
+            operation()
+    assert kv_cache.num_committed_blocks == count == 100, "a refused call changed the count"
+    kv_cache.free()
+    assert kv_cache.is_freed
+    check_usage_matches(usage, baseline, [])
 
 
 @pytest.mark.invariant(3, 5)

@@ -27,8 +27,11 @@ The committed count only grows, except on request:
 
 Lifecycle, as data: `_LEGAL_IN` names the states each public operation is
 legal in; on a freed cache every operation raises `StateError` naming it, and
-nothing changes. Every state-changing operation holds the buffer's lock (the
-one `ExtensibleTensor` lock of the reservation), so threads take turns.
+nothing changes. A cache whose buffer broke (a failed step's undo failed
+too: see extkv.tensor) is broken: every operation but `free` raises before
+it changes anything, and `free` gives back what the driver shows. Every
+state-changing operation holds the buffer's lock (the one `ExtensibleTensor`
+lock of the reservation), so threads take turns.
 
 The memory arithmetic lives in `extkv.sizing`; this module only applies it to
 live readings of free memory.
@@ -74,6 +77,8 @@ GiB = float(1 << 30)
 
 class _State(enum.Enum):
     LIVE = "live"
+    #: Its buffer is broken: only `free` is legal.
+    BROKEN = "broken"
     FREED = "freed"
 
 
@@ -103,6 +108,8 @@ def _operation(method):
     @functools.wraps(method)
     def locked(self, *args, **kwargs):
         with self.buffer.lock:
+            if self._state is _State.LIVE and self.buffer.is_broken:
+                self._state = _State.BROKEN
             if self._state not in legal_in:
                 raise StateError(f"ExtensibleKVCache.{name}() is not allowed on a {self._state.value} cache")
             return method(self, *args, **kwargs)
