@@ -448,11 +448,13 @@ def test_a_commit_whose_undo_fails_leaves_a_cache_that_only_frees_and_frees_ever
     faulty = FaultInjectingDriver(driver_for(device))
     kv_cache = build.cache_for("full", KVCacheLayout.LBHNC, device=faulty)
     kv_cache.commit(100)
+    kv_cache.set_torch_memory_limit(1 << 40)  # as sizing does after warm-up; free lifts it
     faulty.fail_in("set_access", 1)
     faulty.fail_in("unmap", 1)
     with pytest.raises(DriverError, match="injected fault") as raised:
         kv_cache.commit(700)
     assert any("is now broken" in note for note in raised.value.__notes__), raised.value.__notes__
+    assert kv_cache.is_broken
     count = kv_cache.num_committed_blocks
     for operation in (lambda: kv_cache.commit(700), kv_cache.release_physical, lambda: kv_cache.commit(50, shrink=True),
                       kv_cache.recommit, kv_cache.committed_views):
@@ -460,7 +462,7 @@ def test_a_commit_whose_undo_fails_leaves_a_cache_that_only_frees_and_frees_ever
             operation()
     assert kv_cache.num_committed_blocks == count == 100, "a refused call changed the count"
     kv_cache.free()
-    assert kv_cache.is_freed
+    assert kv_cache.is_freed and kv_cache.torch_memory_limit is None
     check_usage_matches(usage, baseline, [])
 
 

@@ -292,6 +292,31 @@ def test_stale_registration_is_refused_until_restored(device, build, connector):
             receiver.setblocking(False)
 
 
+@pytest.mark.invariant(8)
+def test_a_broken_cache_is_not_exported(device, build, connector):
+    """A growth whose access grant and undo unmap both fail breaks the cache:
+    its chunks are no longer known to back its segments, so nothing of it
+    is sent, and the registration says why."""
+    faulty = FaultInjectingDriver(driver_for(device))
+    kv_cache = build.cache_for("padded", KVCacheLayout.LBHNC, device=faulty)
+    kv_cache.commit(300, defragment=True)
+    connector.register_kv_caches(kv_cache)
+    faulty.fail_in("set_access", 1)
+    faulty.fail_in("unmap", 1)
+    with pytest.raises(DriverError, match="injected fault"):
+        kv_cache.commit(600)
+    assert kv_cache.is_broken
+    sender, receiver = socket.socketpair()
+    with sender, receiver:
+        receiver.setblocking(False)
+        fds = fd_count()
+        with pytest.raises(StaleRegistrationError, match="is broken"):
+            connector.export_to(sender)
+        assert fd_count() == fds
+        with pytest.raises(BlockingIOError):
+            receiver.recv(1)  # nothing was sent
+
+
 @pytest.mark.invariant(5, 8)
 def test_in_process_import_shares_the_physical_memory(device, build, usage):
     baseline = usage.read_outside_torch()

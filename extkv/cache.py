@@ -385,6 +385,11 @@ class ExtensibleKVCache:
         instead of taking memory the cache or others need."""
         if num_bytes is not None:
             num_bytes = validate.integer("torch memory limit", num_bytes, what="bytes, or None to lift it")
+        self._apply_torch_memory_limit(num_bytes)
+
+    def _apply_torch_memory_limit(self, num_bytes: int | None) -> None:
+        """`set_torch_memory_limit` past its checks: `free` lifts the cap in
+        every state it is legal in, a broken cache's included."""
         self.torch_memory_limit = num_bytes
         _, total = self.buffer.driver.memory_info()
         if not torch_memory.set_cap(self.buffer.device, num_bytes, total):
@@ -399,10 +404,15 @@ class ExtensibleKVCache:
         if self._state is _State.FREED:
             return
         if self.torch_memory_limit is not None:
-            self.set_torch_memory_limit(None)
+            self._apply_torch_memory_limit(None)
         self.buffer.free()
         self.num_committed_blocks = 0
         self._state = _State.FREED
+
+    @property
+    def is_broken(self) -> bool:
+        """Whether its buffer is broken (see extkv.tensor): only `free` is legal."""
+        return self.buffer.is_broken
 
     @property
     def is_freed(self) -> bool:

@@ -259,6 +259,11 @@ class SegmentExportConnector:
         """Refuse a registration whose chunks no longer back the segments."""
         if buffer.is_freed:
             raise StaleRegistrationError("the registered KV cache was freed; register a live cache")
+        if buffer.is_broken:
+            raise StaleRegistrationError(
+                "the registered KV cache is broken (a failed step's undo failed: its chunks are no longer known to "
+                "back its segments); free it and register a new cache"
+            )
         live = {id(mapped) for mapped in buffer.mapped_chunks}
         gone = [r.index for r in self._registrations if r.mapped_chunk is not None and id(r.mapped_chunk) not in live]
         sizes = buffer.segment_sizes

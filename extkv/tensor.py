@@ -613,7 +613,7 @@ class ExtensibleTensor:
         """After an undo step failed, the driver may map what the bookkeeping
         does not record (an unmap that failed) or not map what it records (a
         remap that failed): the tensor is broken, and only `free` is legal."""
-        if undo_failed(error):
+        if undo_failed(error) and self._state is not _State.BROKEN:
             self._state = _State.BROKEN
             if hasattr(error, "add_note"):  # Python >= 3.11
                 error.add_note(
@@ -823,12 +823,14 @@ class ExtensibleTensor:
                 # A failed cleanup step is not retried at once (it stays
                 # recorded for release_physical or free). What the batch
                 # before replaced is owed a release, and an idle scratch
-                # reservation holds no memory: both can go now.
+                # reservation holds no memory: both can go now. A broken
+                # tensor's scratch may hold a mapping nothing records: it
+                # stays for free, which reads what the driver maps there.
                 try:
                     self._unreleased.retry()
                 except Exception:
                     pass  # still recorded
-                if not self._scratch_mappings:
+                if not self._scratch_mappings and self._state is not _State.BROKEN:
                     try:
                         self._free_scratch()
                     except Exception:
@@ -949,27 +951,32 @@ class ExtensibleTensor:
 
     def _release_what_the_driver_maps(self) -> None:
         """`free`'s release for a broken tensor, whose bookkeeping cannot be
-        trusted: every mapping the driver shows in the reservation is
-        unmapped, one run per chunk, then every chunk the tensor holds is
-        released. A step that fails is raised after the rest were tried;
-        what is left stays recorded for the next `free`."""
+        trusted: every mapping the driver shows in the reservation and in
+        any scratch reservation a defragment left is unmapped, one run per
+        chunk, then every chunk the tensor holds is released. A step that
+        fails is raised after the rest were tried; what is left stays
+        recorded for the next `free`."""
         driver, granule = self._driver, self.granularity
-        addresses = range(self.base, self.base + self.reserved_bytes, granule)
-        owners = driver.chunks_at(addresses)
         failure: Exception | None = None
         # Kernels still queued may touch these pages (see release_physical).
         driver.synchronize()
         with driver.batch():
-            start = 0
-            for index in range(1, len(owners) + 1):
-                if index < len(owners) and owners[index] == owners[start]:
-                    continue
-                if owners[start] is not None:
-                    try:
-                        driver.unmap(addresses[start], (index - start) * granule)
-                    except Exception as error:
-                        failure = failure or error
-                start = index
+            for base, size in [(self.base, self.reserved_bytes), *self._scratch]:
+                addresses = range(base, base + size, granule)
+                owners = driver.chunks_at(addresses)
+                start = 0
+                for index in range(1, len(owners) + 1):
+                    if index < len(owners) and owners[index] == owners[start]:
+                        continue
+                    if owners[start] is not None:
+                        try:
+                            driver.unmap(addresses[start], (index - start) * granule)
+                        except Exception as error:
+                            failure = failure or error
+                    start = index
+        # What the driver shows is what is mapped: a mapping whose unmap just
+        # failed is read again by the next free, recorded or not.
+        self._scratch_mappings.clear()
         held = self._mapping.chunks
         self._unreleased.keep(mapped.chunk for mapped in held)
         self._publish(removed=held)
