@@ -77,7 +77,7 @@ GiB = float(1 << 30)
 
 class _State(enum.Enum):
     LIVE = "live"
-    #: Its buffer is broken: only `free` is legal.
+    #: Read from the buffer (`is_broken`), never stored: only `free` is legal.
     BROKEN = "broken"
     FREED = "freed"
 
@@ -108,10 +108,11 @@ def _operation(method):
     @functools.wraps(method)
     def locked(self, *args, **kwargs):
         with self.buffer.lock:
-            if self._state is _State.LIVE and self.buffer.is_broken:
-                self._state = _State.BROKEN
-            if self._state not in legal_in:
-                raise StateError(f"ExtensibleKVCache.{name}() is not allowed on a {self._state.value} cache")
+            state = self._state
+            if state is _State.LIVE and self.buffer.is_broken:
+                state = _State.BROKEN  # the buffer's, not a state of the cache's own
+            if state not in legal_in:
+                raise StateError(f"ExtensibleKVCache.{name}() is not allowed on a {state.value} cache")
             return method(self, *args, **kwargs)
 
     return locked
