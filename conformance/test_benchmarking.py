@@ -559,6 +559,28 @@ def test_costly_peers_stop_at_their_round_cap():
     assert [len(results[name].wall) for name in names] == [3, 1, 1]
 
 
+def test_a_costly_peers_rounds_use_none_of_its_cases_seconds():
+    """Where a peer's round takes longer than a case's seconds, charging it
+    would leave the others one round; uncharged, they get the rounds their
+    own time allows. Times come from a clock the test advances."""
+    takes = {"extkv": 1.0, "raw": 1.0, "allocate_copy": 50.0}
+    caps = {"extkv": 9, "raw": 9, "allocate_copy": 2}
+
+    def run(charged) -> Counter:
+        now, ran = [0.0], Counter()
+        rounds = benchmarking.in_rounds(
+            list(takes), lambda name: ran[name] < caps[name], rounds=9, case_seconds=8.0, charged=charged,
+            clock=lambda: now[0],
+        )
+        for name in rounds:
+            ran[name] += 1
+            now[0] += takes[name]
+        return ran
+
+    assert run(lambda name: True) == {"extkv": 1, "raw": 1, "allocate_copy": 1}
+    assert run(lambda name: name != "allocate_copy") == {"extkv": 5, "raw": 5, "allocate_copy": 2}
+
+
 class _FailingStore(baselines.RawStore):
     def grow(self, blocks: int) -> None:
         raise RuntimeError("planted failure")
@@ -729,14 +751,30 @@ def test_a_missed_target_says_what_the_raw_sequence_alone_costs(raw_time, suppor
 
 
 def test_a_verdict_whose_halves_disagree_says_so():
-    # Raw's one fast round (0.8) falls in the odd half: the even rounds alone meet the bound.
+    # Raw's fast rounds (0.8) fall in the odd half, one in each of the earlier
+    # and later halves: the even rounds alone meet the bound.
     case = result("grow8", {"extkv": entry("extkv", [1.00, 1.01, 1.02, 1.00, 1.03, 1.01]),
-                            "raw": entry("raw", [1.00, 0.80, 1.00, 1.01, 1.00, 1.02])})
+                            "raw": entry("raw", [1.00, 0.80, 1.00, 0.80, 1.00, 1.02])})
     row = {row.target.key: row for row in evaluate(BenchRun({}, [case]))}["commit-raw"]
     assert row.met is False and row.ratio_min == pytest.approx(1.25)
     assert row.split == (pytest.approx(1.0), pytest.approx(1.25)), row.split
     assert row.words == "missed by 19%: 1.25x; the halves disagree: even rounds 1.00x, odd rounds 1.25x"
     assert halves(case, "extkv", "raw") == row.split
+
+
+def test_a_verdict_resting_on_rounds_in_a_row_says_so(tmp_path):
+    # Raw's two fast rounds come in a row, one in each of the even and odd
+    # halves, which both miss; the later half of the rounds alone meets the bound.
+    walls = {"extkv": [1.00, 1.01, 1.02, 1.00, 1.03, 1.01], "raw": [1.00, 0.80, 0.80, 1.01, 1.00, 1.02]}
+    case = result("grow8", {name: entry(name, wall) for name, wall in walls.items()})
+    row = {row.target.key: row for row in evaluate(BenchRun({}, [case]))}["commit-raw"]
+    assert row.met is False and row.split is None, row
+    assert row.split_in_time == (pytest.approx(1.25), pytest.approx(1.0)), row.split_in_time
+    assert row.words == "missed by 19%: 1.25x; the earlier and later rounds disagree: rounds 1-3 1.25x, rounds 4-6 1.00x"
+    assert halves(case, "extkv", "raw", in_time=True) == row.split_in_time
+    section = one_case_section(tmp_path, ["extkv", "raw"] * 6, walls)
+    assert "| 1.25x (MISSED; earlier / later 1.25x / 1.00x) |" in section, section
+    assert "- *earlier / later*: " in section and "- *halves*" not in section, section
 
 
 @pytest.mark.parametrize("extkv, raw, process", [
@@ -749,7 +787,7 @@ def test_a_verdict_both_halves_agree_on_or_that_cannot_be_split_names_no_halves(
                             "raw": entry("raw", raw, process=process, pivot=[1.0])})
     rows = [row for row in evaluate(BenchRun({}, [case])) if row.target.key == "commit-raw"]
     assert len(rows) == 1 and rows[0].ratio_min == pytest.approx(min(extkv) / min(raw)), rows
-    assert rows[0].split is None and "halves" not in rows[0].words, rows[0]
+    assert rows[0].split is None and rows[0].split_in_time is None and "disagree" not in rows[0].words, rows[0]
     expected = None if len(extkv) < HALVES_MIN_ROUNDS or process != "main" else (1.2, 1.2)
     assert halves(case, "extkv", "raw") == (pytest.approx(expected) if expected else None)
 
@@ -897,9 +935,9 @@ def test_the_rounds_line_names_the_headline_readings_its_run_recorded(tmp_path):
         return bench_section(tmp_path)
 
     recorded = rendered({**facts, "headline_readings": benchmarking.HEADLINE_READINGS,
-                         "costly_contenders": ["per_granule", "allocate_copy"]})
+                         "costly_contenders": ["per_granule", "allocate_copy"], "costly_rounds_uncharged": True})
     assert f"({benchmarking.HEADLINE_READINGS}) <= 21 rounds within 20 s" in recorded
-    assert "took that long; per_granule and allocate_copy <= 2;" in recorded, recorded
+    assert "using none of them; per_granule and allocate_copy <= 2;" in recorded, recorded
     earlier = rendered(facts)
     assert "(its headline cases, and the smallest and largest one-segment commit) <= 21 rounds" in earlier
     assert "took that long; one handle per granule <= 2;" in earlier, earlier

@@ -26,8 +26,9 @@ interleaved round by round. A verdict uses the ratio of minima; the median
 is shown beside it. A target is met or missed by how much, or not
 measured, saying why. A minimum can rest on one lucky round, so each
 verdict is also read on the even-numbered and the odd-numbered rounds
-alone (`halves`); where the two halves of one run disagree, the verdict
-says so, naming both readings.
+alone, and on the earlier and the later half of the rounds (`halves`);
+where two halves of one run disagree, the verdict says so, naming both
+readings.
 
 Plots (PNG, written into the run directory): time against bytes (one
 segment) and against segments (fixed total), per operation, extkv against
@@ -296,6 +297,8 @@ class TargetRow:
     #: The ratio of minima over the even and over the odd rounds, where
     #: their verdicts disagree (else None): see `halves`.
     split: tuple[float, float] | None = None
+    #: The same over the earlier and the later half of the rounds.
+    split_in_time: tuple[float, float] | None = None
 
 
 def evaluate(run: BenchRun) -> list[TargetRow]:
@@ -321,7 +324,13 @@ def evaluate(run: BenchRun) -> list[TargetRow]:
             split = _disagreeing_halves(case, target)
             if split is not None:
                 words += f"; the halves disagree: even rounds {target.shown(split[0])}, odd rounds {target.shown(split[1])}"
-            rows.append(TargetRow(target, case, low, middle, met, words, raw_alone, split))
+            split_in_time = _disagreeing_halves(case, target, in_time=True)
+            if split_in_time is not None:
+                earlier, later = _halves_in_time(case, target.subject, target.baseline)
+                words += (f"; the earlier and later rounds disagree: rounds {earlier.start + 1}-{earlier.stop} "
+                          f"{target.shown(split_in_time[0])}, rounds {later.start + 1}-{later.stop} "
+                          f"{target.shown(split_in_time[1])}")
+            rows.append(TargetRow(target, case, low, middle, met, words, raw_alone, split, split_in_time))
     return rows
 
 
@@ -329,28 +338,39 @@ def evaluate(run: BenchRun) -> list[TargetRow]:
 HALVES_MIN_ROUNDS = 6
 
 
-def halves(case: CaseResult, subject: str, baseline: str) -> tuple[float, float] | None:
+def halves(case: CaseResult, subject: str, baseline: str, *, in_time: bool = False) -> tuple[float, float] | None:
     """subject's time over baseline's, ratio of minima, over the
     even-numbered rounds and over the odd-numbered ones (round i of each
-    contender ran in the same pass of the design), where both ran in one
+    contender ran in the same pass of the design), or `in_time` over the
+    earlier and the later half of the rounds, where both ran in one
     process and each has `HALVES_MIN_ROUNDS` rounds (else None). Two halves
     of one run that disagree about a verdict show it rests on a round or
     two, not on a difference every round repeats. On the H200 (runs 10,
     10b and 11), a case's two halves differed by 7-12% on average; those
     of a tenth percentile by 5-36% (less than the minima's in run 11
-    only), those of the median by 29-85%: verdicts stay on the minima."""
+    only), those of the median by 29-85%: verdicts stay on the minima.
+    Lucky rounds can come in a row, which the even and odd halves share
+    between them: in run 13 the raw sequence's two fastest 32-segment
+    commits (8.66 ms, its others 9.4 ms or more) were its second and third,
+    when the memset floor too ran 7.55 ms against 8.3 ms in later rounds."""
     first, second = case.entries.get(subject), case.entries.get(baseline)
     if first is None or second is None or first.process != second.process:
         return None
     rounds = min(len(first.wall), len(second.wall))
     if rounds < HALVES_MIN_ROUNDS:
         return None
-    return tuple(min(first.wall[start:rounds:2]) / min(second.wall[start:rounds:2]) for start in (0, 1))
+    parts = _halves_in_time(case, subject, baseline) if in_time else (slice(0, rounds, 2), slice(1, rounds, 2))
+    return tuple(min(first.wall[part]) / min(second.wall[part]) for part in parts)
 
 
-def _disagreeing_halves(case: CaseResult, target: Target) -> tuple[float, float] | None:
+def _halves_in_time(case: CaseResult, subject: str, baseline: str) -> tuple[slice, slice]:
+    rounds = min(len(case.entries[subject].wall), len(case.entries[baseline].wall))
+    return slice(0, rounds // 2), slice(rounds // 2, rounds)
+
+
+def _disagreeing_halves(case: CaseResult, target: Target, *, in_time: bool = False) -> tuple[float, float] | None:
     """`halves` of `target` in `case` where one half meets it and the other does not."""
-    split = halves(case, target.subject, target.baseline)
+    split = halves(case, target.subject, target.baseline, in_time=in_time)
     if split is None or target.verdict(split[0])[0] == target.verdict(split[1])[0]:
         return None
     return split
@@ -507,8 +527,9 @@ def _facts_lines(run: BenchRun) -> list[str]:
         f"({device.get('driver', '')}, granularity {device.get('granularity', '?')}), host {f['host']}, torch {f['torch']}.",
         f"{len(run.cases)} cases; {measured} (case, contender) pairs measured, {missing} not. "
         f"Rounds per case <= {f['rounds']} (a case stops adding rounds once it has used {f['case_seconds']:g} s, "
-        f"after two, or after one that alone took that long; "
-        f"{' and '.join(f.get('costly_contenders', ['one handle per granule']))} <= {f['costly_rounds']}"
+        + ("at the end of that round, the rounds of its costly peers using none of them; "
+           if f.get("costly_rounds_uncharged") else "after two, or after one that alone took that long; ")
+        + f"{' and '.join(f.get('costly_contenders', ['one handle per granule']))} <= {f['costly_rounds']}"
         + (f"; the cases issue 10 is read on ({f.get('headline_readings', _EARLIER_HEADLINE_READINGS)}) "
            f"<= {f['headline_rounds']} rounds within {f['headline_case_seconds']:g} s"
            + (f", the 8-step growths among them <= {f['growth_headline_rounds']} rounds within "
@@ -590,6 +611,8 @@ def _issue10_table(run: BenchRun, rows: list[TargetRow], scaling: list[ScalingRo
             alone = "" if found[0].raw_alone is None else f"; raw alone {_ratio(found[0].raw_alone)}"
             shown = found[0].target.shown
             split = "" if found[0].split is None else f"; halves {' / '.join(map(shown, found[0].split))}"
+            if found[0].split_in_time is not None:
+                split += f"; earlier / later {' / '.join(map(shown, found[0].split_in_time))}"
             cells.append(f"{shown(found[0].ratio_min)} ({_mark(found[0].met)}{alone}{split})")
         lines.append(f"| {words} | " + " | ".join(cells) + " |")
     lines.append("")
@@ -602,6 +625,10 @@ def _issue10_table(run: BenchRun, rows: list[TargetRow], scaling: list[ScalingRo
     if any(row.split is not None for row in rows):
         lines.append("- *halves*: the same ratio over the even-numbered and over the odd-numbered rounds alone, where "
                      "one half meets the bound and the other does not: the verdict rests on a round or two.")
+    if any(row.split_in_time is not None for row in rows):
+        lines.append("- *earlier / later*: the same ratio over the first and over the second half of the rounds alone, "
+                     "where one half meets the bound and the other does not: the verdict rests on a stretch of rounds "
+                     "in a row, which met a state of the machine the other half did not.")
     for row in scaling:
         sizes = (
             f"{_case_words(row.near)} -> {_case_words(row.far)}" if row.near is not None and row.far is not None else ""

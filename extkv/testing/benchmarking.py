@@ -31,8 +31,9 @@ starts from, ...), the timed operation ended by a device synchronize,
 untimed teardown that gives everything back. Wall time (`perf_counter`) runs
 to the end of the synchronize; host CPU time (`thread_time` of the calling
 thread) stops before it, since a GPU synchronize spins the CPU for as long
-as the device works. Rounds stop at the profile's count, or once a case has
-used its seconds (after two rounds, or after one that alone took that long).
+as the device works. Rounds stop at the profile's count, or at the end of
+the round in which a case has used its seconds; a costly peer's rounds (capped
+at a count of their own) use none of them.
 A run has a budget of seconds: a case that would start after it is reported
 as not run, with that reason, so a run never overstays its machine.
 Flatness in bytes divides a reading of one case by one of another, so its
@@ -1021,17 +1022,33 @@ def round_order(names: Sequence[T], round_index: int) -> list[T]:
     return [names[position] for position in row]
 
 
-def in_rounds(items: Sequence[T], live: Callable[[T], bool], *, rounds: int, case_seconds: float) -> Iterator[T]:
+def in_rounds(
+    items: Sequence[T],
+    live: Callable[[T], bool],
+    *,
+    rounds: int,
+    case_seconds: float,
+    charged: Callable[[T], bool] = lambda item: True,
+    clock: Callable[[], float] = time.perf_counter,
+) -> Iterator[T]:
     """`items` round by round, round r giving each item still `live` once,
     in row r of `round_order`; stops after `rounds`, once no item is live,
-    or at the end of the first round that ends past `case_seconds`."""
-    started = time.perf_counter()
+    or at the end of the first round after which the items `charged` for
+    their time have used more than `case_seconds`. A costly peer is not
+    charged: it has a round cap of its own, and two of its rounds (about
+    6 s in a 64-step growth on the H200) would otherwise leave the others
+    of its case two to five rounds where they would get nine."""
+    used = 0.0
     for round_index in range(rounds):
         current = [item for item in items if live(item)]
         if not current:
             return
-        yield from round_order(current, round_index)
-        if time.perf_counter() - started > case_seconds:
+        for item in round_order(current, round_index):
+            began = clock()
+            yield item
+            if charged(item):
+                used += clock() - began
+        if used > case_seconds:
             return
 
 
@@ -1047,10 +1064,10 @@ def interleave(
     order_log: list[str] | None = None,
 ) -> dict[str, Measurement]:
     """Measure `names` in `case`, round r running each once in the order
-    `round_order` gives; stop after `rounds`, or once `case_seconds` are
-    used: after two rounds, or after one that alone took longer than that (a
-    slow case's second round would cost more than it tells). `order_log` receives each
-    contender as it runs."""
+    `round_order` gives; stop after `rounds`, or at the end of the round in
+    which the contenders other than the costly ones have used `case_seconds`
+    (a slow case's next round would cost more than it tells). `order_log`
+    receives each contender as it runs."""
     results = {name: Measurement(name, process) for name in names}
     for name in names:
         reason = _not_runnable(CONTENDERS[name], device)
@@ -1063,7 +1080,10 @@ def interleave(
             costly_rounds if CONTENDERS[name].costly else rounds
         )
 
-    for name in in_rounds(names, live, rounds=rounds, case_seconds=case_seconds):
+    def charged(name: str) -> bool:
+        return not CONTENDERS[name].costly
+
+    for name in in_rounds(names, live, rounds=rounds, case_seconds=case_seconds, charged=charged):
         if order_log is not None:
             order_log.append(name)
         try:
@@ -1413,6 +1433,7 @@ class Engine:
             "small_case_bytes": self.profile.small_case_bytes,
             "costly_rounds": self.profile.costly_rounds,
             "costly_contenders": [name for name, contender in CONTENDERS.items() if contender.costly],
+            "costly_rounds_uncharged": True,
             "budget_seconds": self.budget_seconds,
             "elapsed_seconds": self.elapsed(),
             "cpu_time": (
