@@ -45,7 +45,7 @@ LAYERS: list[set[str]] = [
     {"extkv.testing.benchmarking"},
     {"extkv.testing.stress"},
     {"extkv.reporting.machine", "extkv.reporting.rundir", "extkv.reporting.plots", "extkv.reporting.summary"},
-    {"extkv.reporting.bench"},
+    {"extkv.reporting.bench", "extkv.reporting.pool"},
     {"extkv.reporting.stress"},
     {"extkv.reporting"},
     {"extkv.reporting.check_run"},

@@ -10,6 +10,8 @@
   writes a report.
 - `extkv report DIR`: render a run directory's report again from its raw
   results (JSON, JUnit XML).
+- `extkv pool OUT_DIR RUN_DIR RUN_DIR ...`: one bench report over the rounds
+  of several runs of one code on one machine (extkv.reporting.pool).
 - `extkv peer --peer SOCKET_PATH [--timeout S]`: the receiving side of a
   `SegmentExportConnector`, as a process of its own (extkv.peer): import the
   exported segments, reply with the sha256 of each segment's committed bytes,
@@ -27,6 +29,7 @@ import torch
 from . import vmm
 from .peer import DEFAULT_PEER_TIMEOUT_S, run_peer
 from .reporting import bench_run, check_run, render_report, stress_run
+from .reporting.pool import pool
 
 #: Subcommands that run pytest: whatever they do not know goes to pytest.
 _PYTEST_COMMANDS = {
@@ -49,6 +52,17 @@ def _report(args, _pytest_args) -> int:
     return 0
 
 
+def _pool(args, _pytest_args) -> int:
+    try:
+        pool(args.run_dirs, Path(args.out_dir))
+    except ValueError as error:
+        print(f"extkv pool: {error}", file=sys.stderr)
+        return 2
+    summary = render_report(Path(args.out_dir))
+    print(f"extkv pool: wrote {summary}")
+    return 0
+
+
 def _peer(args, _pytest_args) -> int:
     run_peer(args.peer, args.timeout)
     return 0
@@ -65,6 +79,10 @@ def main(argv: list[str] | None = None) -> int:
     report = commands.add_parser("report", help="render a run directory's summary.md and plots again from its raw results")
     report.add_argument("run_dir", metavar="DIR", help="a run directory, e.g. reports/2026-11-30-myhost-h200")
     report.set_defaults(run=_report)
+    pooled = commands.add_parser("pool", help="one bench report over the rounds of several runs of one code on one machine")
+    pooled.add_argument("out_dir", metavar="OUT_DIR", help="where the pooled run goes (not one of the runs)")
+    pooled.add_argument("run_dirs", metavar="RUN_DIR", nargs="+", help="bench run directories, two or more")
+    pooled.set_defaults(run=_pool)
     peer = commands.add_parser(
         "peer",
         help="import the segments a SegmentExportConnector exports, reply with their sha256 digests, clean up",

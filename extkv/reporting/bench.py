@@ -291,8 +291,8 @@ class TargetRow:
     ratio_median: float | None
     met: bool | None
     words: str
-    #: Where extkv misses: the raw sequence's own ratio to the same
-    #: baseline, if that misses the bound too (else None).
+    #: Where extkv misses a bound against another baseline than the raw
+    #: sequence: the raw sequence's own ratio to that baseline (else None).
     raw_alone: float | None = None
     #: The ratio of minima over the even and over the odd rounds, where
     #: their verdicts disagree (else None): see `halves`.
@@ -317,7 +317,9 @@ def evaluate(run: BenchRun) -> list[TargetRow]:
                 continue
             met, words = target.verdict(low)
             raw_alone = None if met else _raw_alone(case, target)
-            if raw_alone is not None:
+            if raw_alone is not None and target.verdict(raw_alone)[0]:
+                words += f"; the raw sequence alone: {target.shown(raw_alone)}, which meets it"
+            elif raw_alone is not None:
                 words += f"; the raw sequence alone: {raw_alone:.2f}x"
                 if fewest_calls:
                     words += f", with the fewest driver calls the geometry allows: {fewest_calls}"
@@ -377,12 +379,23 @@ def _disagreeing_halves(case: CaseResult, target: Target, *, in_time: bool = Fal
 
 
 def _raw_alone(case: CaseResult, target: Target) -> float | None:
-    """The raw sequence's ratio of minima to `target`'s baseline in `case`,
-    where it misses the bound as well: the driver's calls alone cost that."""
+    """The raw sequence's ratio of minima to `target`'s baseline in `case`:
+    what the driver's calls alone cost against it."""
     if target.subject != "extkv" or target.baseline == "raw" or target.speedup or target.two_sided:
         return None
-    alone = ratio(case, "raw", target.baseline, "min")
-    return alone if alone is not None and not target.verdict(alone)[0] else None
+    return ratio(case, "raw", target.baseline, "min")
+
+
+def _pooled_lines(facts: dict) -> list[str]:
+    runs = facts.get("pooled_from")
+    if not runs:
+        return []
+    named = ", ".join(f"{run['run']} ({run['elapsed_seconds']:.0f} s)" for run in runs)
+    return [f"Pooled (extkv.reporting.pool): the rounds of {len(runs)} runs of this code, profile and machine, case by "
+            f"case, each run's rounds in the order they ran: {named}. The round limits above are per run"
+            + (f", as the first run recorded them (the runs' facts differ in {', '.join(facts['pooled_differences'])})"
+               if facts.get("pooled_differences") else "")
+            + "; the earlier and later halves of a case's rounds mostly set one run against the other."]
 
 
 def _driver_probe_lines(facts: dict) -> list[str]:
@@ -541,6 +554,7 @@ def _facts_lines(run: BenchRun) -> list[str]:
         + "); "
         f"measuring took {f['elapsed_seconds']:.0f} s of a "
         f"{f['budget_seconds']:.0f} s budget.",
+        *_pooled_lines(f),
         "Clocks: " + "; at the end: ".join(dict.fromkeys(f["clocks"])) + ".",
         *_driver_probe_lines(f),
         "",
@@ -608,8 +622,8 @@ def _issue10_table(run: BenchRun, rows: list[TargetRow], scaling: list[ScalingRo
             if not found or found[0].ratio_min is None:
                 cells.append("n/a")
                 continue
-            alone = "" if found[0].raw_alone is None else f"; raw alone {_ratio(found[0].raw_alone)}"
             shown = found[0].target.shown
+            alone = "" if found[0].raw_alone is None else f"; raw alone {shown(found[0].raw_alone)}"
             split = "" if found[0].split is None else f"; halves {' / '.join(map(shown, found[0].split))}"
             if found[0].split_in_time is not None:
                 split += f"; earlier / later {' / '.join(map(shown, found[0].split_in_time))}"
@@ -618,8 +632,9 @@ def _issue10_table(run: BenchRun, rows: list[TargetRow], scaling: list[ScalingRo
     lines.append("")
     if any(row.raw_alone is not None for row in rows):
         fewest_calls = _fewest_calls_reason(run)
-        lines.append("- *raw alone*: where extkv misses a bound, the raw sequence's own ratio to the same baseline, "
-                     "where it misses the bound too: the driver's calls alone cost that much."
+        lines.append("- *raw alone*: where extkv misses a bound, the raw sequence's own ratio to the same baseline: "
+                     "what the driver's calls alone cost. Where that misses the bound too, the calls the driver "
+                     "requires miss it whoever makes them."
                      + (f" The raw sequence makes the fewest calls the geometry allows: {fewest_calls}."
                         if fewest_calls else ""))
     if any(row.split is not None for row in rows):

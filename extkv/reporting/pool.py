@@ -1,0 +1,141 @@
+"""Bench runs pooled: the rounds of several runs of one code on one machine, read as one run.
+
+Theory of operation
+-------------------
+A verdict reads each side's least round. One run fits 21-61 rounds of a
+headline case into a machine's ten minutes, and on the H200 a miss of a few
+percent can rest on one lucky round or on a stretch of them (the report's
+halves say so); two runs of one code then flag different readings. Runs of
+the same code, profile and machine are the same experiment repeated, so
+`pool` joins their rounds case by case, each run's rounds in the order they
+ran, the runs in the order given: every round is still interleaved with its
+case's other contenders as its run ran it, the even and odd halves keep their
+meaning, and the earlier and later halves now mostly set run against run.
+
+A pooled directory holds what a run's does (`bench_cases.json`,
+`bench.json`, `machine.json`), so `extkv report` renders it like any run;
+its facts name the runs pooled. Runs that differ in what they measured on
+(profile, device and driver, torch, host) or in the code measured (the
+Python work of a measured operation, counted in bytecode instructions)
+are refused, the difference named.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import statistics
+from pathlib import Path
+from typing import Sequence
+
+from ..testing.benchmarking import BENCH_JSON, CASES_FILE
+from .machine import MACHINE_FILE
+
+#: Facts that must be equal in every run pooled.
+SAME_IN_EVERY_RUN = ("profile", "device", "device_description", "granularity", "torch", "host", "headline_bytes")
+#: Facts of each run that the pooled run sums or joins.
+_JOINED_FACTS = {"cases", "elapsed_seconds", "budget_seconds", "clocks"}
+#: Per-round lists in a benchmark's extra info, joined like its rounds.
+_ROUND_LISTS = ("cpu", "own_cpu", "own_cpu_evicted")
+
+
+def pool(run_dirs: Sequence[Path], out_dir: Path) -> Path:
+    """Write into `out_dir` one run made of the rounds of `run_dirs` (two
+    or more bench runs), and return `out_dir`; ValueError naming what keeps
+    them apart."""
+    run_dirs = [Path(run_dir) for run_dir in run_dirs]
+    if len(run_dirs) < 2:
+        raise ValueError(f"pooling needs two or more run directories, got {len(run_dirs)}")
+    out_dir = Path(out_dir)
+    if out_dir.resolve() in {run_dir.resolve() for run_dir in run_dirs}:
+        raise ValueError(f"{out_dir}: the pooled directory must not be one of the runs pooled")
+    runs = [_read(run_dir) for run_dir in run_dirs]
+    first_facts = runs[0][0]
+    for run_dir, (facts, _) in zip(run_dirs[1:], runs[1:]):
+        for key in SAME_IN_EVERY_RUN:
+            if facts.get(key) != first_facts.get(key):
+                raise ValueError(
+                    f"{run_dir} ran on another {key} than {run_dirs[0]}: {facts.get(key)!r}, not {first_facts.get(key)!r}"
+                )
+    facts = _pooled_facts(run_dirs, runs)
+    benchmarks = _pooled_benchmarks(run_dirs, [benchmarks for _, benchmarks in runs])
+    out_dir.mkdir(parents=True, exist_ok=True)
+    (out_dir / CASES_FILE).write_text(json.dumps(facts, indent=1))
+    (out_dir / BENCH_JSON).write_text(json.dumps({"benchmarks": benchmarks}, indent=1))
+    if (run_dirs[0] / MACHINE_FILE).is_file():
+        shutil.copyfile(run_dirs[0] / MACHINE_FILE, out_dir / MACHINE_FILE)
+    return out_dir
+
+
+def _read(run_dir: Path) -> tuple[dict, list[dict]]:
+    missing = [name for name in (CASES_FILE, BENCH_JSON) if not (run_dir / name).is_file()]
+    if missing:
+        raise ValueError(f"{run_dir}: not a bench run with results ({' and '.join(missing)} missing)")
+    facts = json.loads((run_dir / CASES_FILE).read_text())
+    benchmarks = [b for b in json.loads((run_dir / BENCH_JSON).read_text()).get("benchmarks", [])
+                  if "case" in b.get("extra_info", {})]
+    return facts, benchmarks
+
+
+def _pooled_facts(run_dirs: list[Path], runs: list[tuple[dict, list[dict]]]) -> dict:
+    facts = {key: value for key, value in runs[0][0].items() if key != "cases"}
+    facts["elapsed_seconds"] = sum(run_facts["elapsed_seconds"] for run_facts, _ in runs)
+    facts["budget_seconds"] = sum(run_facts["budget_seconds"] for run_facts, _ in runs)
+    facts["clocks"] = [clock for run_facts, _ in runs for clock in run_facts["clocks"]]
+    facts["pooled_differences"] = sorted(
+        key for key in set().union(*(run_facts.keys() for run_facts, _ in runs)) - _JOINED_FACTS
+        if any(run_facts.get(key) != runs[0][0].get(key) for run_facts, _ in runs)
+    )
+    facts["pooled_from"] = [
+        {"run": run_dir.name, "elapsed_seconds": run_facts["elapsed_seconds"], "cases": len(run_facts["cases"])}
+        for run_dir, (run_facts, _) in zip(run_dirs, runs)
+    ]
+    cases: dict[str, dict] = {}
+    for run_facts, _ in runs:
+        for case in run_facts["cases"]:
+            pooled = cases.get(case["case"])
+            if pooled is None:
+                cases[case["case"]] = json.loads(json.dumps(case))
+                continue
+            pooled["order"] = pooled.get("order", []) + case.get("order", [])
+            for name, outcome in case["results"].items():
+                if pooled["results"].get(name, {}).get("status") != "measured":
+                    pooled["results"][name] = outcome
+    facts["cases"] = list(cases.values())
+    return facts
+
+
+def _pooled_benchmarks(run_dirs: list[Path], runs: list[list[dict]]) -> list[dict]:
+    pooled: dict[tuple[str, str], dict] = {}
+    for run_dir, benchmarks in zip(run_dirs, runs):
+        for benchmark in benchmarks:
+            info = benchmark["extra_info"]
+            key = (info["case"], info["contender"])
+            if key not in pooled:
+                pooled[key] = {"name": benchmark["name"], "extra_info": json.loads(json.dumps(info)),
+                               "stats": {"data": list(benchmark["stats"]["data"])}, "runs": [run_dir.name]}
+                continue
+            joined = pooled[key]
+            _check_same_work(joined, info, run_dir)
+            joined["stats"]["data"] += benchmark["stats"]["data"]
+            joined["runs"].append(run_dir.name)
+            for name in _ROUND_LISTS:
+                joined["extra_info"][name] = list(joined["extra_info"].get(name) or []) + list(info.get(name) or [])
+            if info.get("pivot") and joined["extra_info"].get("pivot"):
+                for name in ("wall", "cpu"):
+                    joined["extra_info"]["pivot"][name] += info["pivot"][name]
+    for joined in pooled.values():
+        data = joined["stats"]["data"]
+        joined["stats"].update(rounds=len(data), min=min(data), max=max(data), mean=statistics.fmean(data),
+                               median=statistics.median(data))
+    return list(pooled.values())
+
+
+def _check_same_work(joined: dict, info: dict, run_dir: Path) -> None:
+    """Refuse rounds of different code: the operation's bytecode count is exact, so any change to what it runs shows."""
+    before, now = joined["extra_info"].get("python_instructions"), info.get("python_instructions")
+    if before is not None and now is not None and before != now:
+        raise ValueError(
+            f"{run_dir} measured other code: {info['contender']} in {info['case']} ran {now:,} bytecode instructions "
+            f"there and {before:,} in {joined['runs'][0]}"
+        )
