@@ -49,8 +49,9 @@ all of them meet never-used memory. What a release leaves behind shows in
 the next creates: on the H200 (session 13, every driver call timed), one
 32 GiB cuMemCreate took 0.23 ms in the fast rounds, 7-11 ms when the round
 before had slept 0.4 s after its release, and 10-150 ms in the slow rounds
-that double a recycled case's median, for extkv, the raw sequence and the
-up-front allocation alike (the memset floor allocates in its untimed setup).
+that double a recycled case's median, for extkv and the raw sequence alike;
+the up-front allocation (through torch, not timed call by call) has the same
+slow rounds, the memset floor none (it allocates in its untimed setup).
 
 Peers that need a process of their own (torch's expandable segments, which
 is chosen when a process starts; torch_memory_saver, whose allocator hook
