@@ -22,6 +22,7 @@ are refused, the difference named.
 
 from __future__ import annotations
 
+import copy
 import json
 import shutil
 import statistics
@@ -95,7 +96,7 @@ def _pooled_facts(run_dirs: list[Path], runs: list[tuple[dict, list[dict]]]) -> 
         for case in run_facts["cases"]:
             pooled = cases.get(case["case"])
             if pooled is None:
-                cases[case["case"]] = json.loads(json.dumps(case))
+                cases[case["case"]] = copy.deepcopy(case)
                 continue
             pooled["order"] = pooled.get("order", []) + case.get("order", [])
             for name, outcome in case["results"].items():
@@ -112,7 +113,7 @@ def _pooled_benchmarks(run_dirs: list[Path], runs: list[list[dict]]) -> list[dic
             info = benchmark["extra_info"]
             key = (info["case"], info["contender"])
             if key not in pooled:
-                pooled[key] = {"name": benchmark["name"], "extra_info": json.loads(json.dumps(info)),
+                pooled[key] = {"name": benchmark["name"], "extra_info": copy.deepcopy(info),
                                "stats": {"data": list(benchmark["stats"]["data"])}, "runs": [run_dir.name]}
                 continue
             joined = pooled[key]
