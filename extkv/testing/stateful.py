@@ -75,6 +75,7 @@ from .checks import (
     check_unchanged,
     check_usage_matches,
     read_back_granules,
+    read_back_granules_and_one_chunk_per_segment,
     readback_one_chunk_per_segment,
     snapshot,
 )
@@ -796,9 +797,12 @@ class ModelledCache:
         check_cache_committed(cache, model)
         if model.mapped:
             check_cache_blocks(cache, model, 0, model.committed, "committed blocks", on_host=self.compare_on_host)
-        read_back = read_back_granules(cache.buffer)
+        # The granules' read-back and the one-chunk probes in one read.
+        read_back, one_chunk = read_back_granules_and_one_chunk_per_segment(
+            cache.buffer, model.sizes(model.one_chunk_blocks) if model.mapped else []
+        )
         check_cache_physical_bytes(cache, model, read_back)
-        check_cache_one_chunk_per_segment(cache, model)
+        check_cache_one_chunk_per_segment(cache, model, one_chunk)
         check_readback_matches_bookkeeping(cache.buffer, read_back)
         if self.usage_checks:
             check_usage_matches(self.probe, self.baseline, [cache.buffer])
@@ -973,8 +977,11 @@ def check_cache_physical_bytes(kv_cache: ExtensibleKVCache, model: CacheModel, r
         assert booked == expected, f"physical_bytes_for({model.committed}) = {booked}, model {expected}"
 
 
-def check_cache_one_chunk_per_segment(kv_cache: ExtensibleKVCache, model: CacheModel) -> None:
+def check_cache_one_chunk_per_segment(kv_cache: ExtensibleKVCache, model: CacheModel, one: list[bool] | None = None) -> None:
+    """`one`: `readback_one_chunk_per_segment` of the model's one-chunk
+    prefix, read back just before, to spare a second read."""
     if not model.mapped or model.one_chunk_blocks == 0:
         return
-    one = readback_one_chunk_per_segment(kv_cache.buffer, model.sizes(model.one_chunk_blocks))
+    if one is None:
+        one = readback_one_chunk_per_segment(kv_cache.buffer, model.sizes(model.one_chunk_blocks))
     assert all(one), f"after the last defragment, shrink or fresh commit of {model.one_chunk_blocks} blocks: one chunk per segment, read back: {one}"
