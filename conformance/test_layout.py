@@ -835,11 +835,14 @@ def test_granule_block_alignment_is_the_smallest(strides, granule):
         f"{alignment} blocks end off a {granule}-byte granule for strides "
         f"{[s for s in strides if (alignment * s) % granule]}"
     )
-    # No smaller positive count works (brute force; alignment <= granule).
-    smaller = next(
-        (m for m in range(1, alignment) if all((m * s) % granule == 0 for s in strides)),
-        None,
-    )
+    # No smaller positive count works (brute force over every count below
+    # it, alignment <= granule; in one tensor, since a Python loop over up to
+    # 64 Ki counts per example took seconds; products stay below 2**32).
+    counts = torch.arange(1, alignment, dtype=torch.int64)
+    aligned = torch.ones_like(counts, dtype=torch.bool)
+    for s in strides:
+        aligned &= (counts * s) % granule == 0
+    smaller = int(counts[aligned][0]) if bool(aligned.any()) else None
     assert smaller is None, f"{smaller} blocks already align, fewer than {alignment}"
 
 
