@@ -25,6 +25,10 @@ stream looked up) across the many calls of one operation.
 
 `chunk_at(address)` reads back, from the driver or kernel, which chunk backs an
 address; it never consults bookkeeping, so tests can check bookkeeping with it.
+`access_at(address)` reads back, the same way, what access a mapping grants
+(`READ_WRITE`, `READ_ONLY`, `NO_ACCESS`, None where nothing is mapped), so
+that a read-only mapping is proven read-only rather than assumed. A driver
+without such a read-back raises `NotImplementedError` there.
 
 Chunks cross process boundaries as POSIX file descriptors: `export_fd` gives
 a new descriptor the caller owns, `import_fd` turns a descriptor another
@@ -49,6 +53,12 @@ from .. import validate
 _live_lock = threading.Lock()
 live_reservations: collections.Counter[str] = collections.Counter()
 live_chunks: collections.Counter[str] = collections.Counter()
+
+
+#: What `Driver.access_at` reads back for a mapped address.
+READ_WRITE = "read-write"
+READ_ONLY = "read-only"
+NO_ACCESS = "no access"
 
 
 def count_live_chunks(kind: str, change: int) -> None:
@@ -225,6 +235,21 @@ class Driver(abc.ABC):
     def chunks_at(self, addresses: Iterable[int]) -> list[Hashable | None]:
         """`chunk_at` for many addresses; equal results mean the same chunk."""
         return [self.chunk_at(address) for address in addresses]
+
+    def access_at(self, address: int) -> str | None:
+        """Access the mapping at `address` grants this process's device,
+        read back from the driver or kernel: `READ_WRITE`, `READ_ONLY` or
+        `NO_ACCESS`; None where nothing is mapped."""
+        return self.accesses_at([address])[0]
+
+    def accesses_at(self, addresses: Iterable[int]) -> list[str | None]:
+        """`access_at` for many addresses."""
+        return [self._access_at(address) for address in addresses]
+
+    def _access_at(self, address: int) -> str | None:
+        # Not abstract: a driver (or a wrapper) that cannot read access back
+        # says so when asked, and nothing else about it changes.
+        raise NotImplementedError(f"{type(self).__name__} does not read back the access of its mappings")
 
     @abc.abstractmethod
     def view(self, address: int, size: int) -> torch.Tensor:

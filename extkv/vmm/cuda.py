@@ -27,7 +27,10 @@ like any other. Unlike a host memfd, such a descriptor carries no access
 mode: whoever imports it chooses its own access (`cuMemSetAccess`), so the
 exporter cannot make an export read-only. `chunk_at` asks the driver which
 allocation backs an address (`cuMemRetainAllocationHandle`) and drops the
-extra reference it took.
+extra reference it took. `access_at` first asks the same (nothing mapped
+reads None), then `cuMemGetAccess` for this device at that address, whose
+flags name the access granted: so an importer's read-only mapping is read
+back from the driver, not taken on trust.
 """
 
 from __future__ import annotations
@@ -40,7 +43,7 @@ from typing import Callable, Hashable
 import torch
 
 from ..errors import DriverError, OutOfMemoryError
-from .base import Chunk, Driver, count_live_chunks, format_granularity
+from .base import NO_ACCESS, READ_ONLY, READ_WRITE, Chunk, Driver, count_live_chunks, format_granularity
 from .transaction import Transaction
 from . import torch_memory
 from .dlpack import uint8_view
@@ -205,6 +208,16 @@ class CudaDriver(Driver):
         read_only.location.id = index
         read_only.flags = cu.CUmemAccess_flags.CU_MEM_ACCESS_FLAGS_PROT_READ
         self._access = {True: [access], False: [read_only]}
+        # Where cuMemGetAccess reads the access back: this device, as granted.
+        self._location = cu.CUmemLocation()
+        self._location.type = cu.CUmemLocationType.CU_MEM_LOCATION_TYPE_DEVICE
+        self._location.id = index
+        flags = cu.CUmemAccess_flags
+        self._access_names = {
+            int(flags.CU_MEM_ACCESS_FLAGS_PROT_READWRITE): READ_WRITE,
+            int(flags.CU_MEM_ACCESS_FLAGS_PROT_READ): READ_ONLY,
+            int(flags.CU_MEM_ACCESS_FLAGS_PROT_NONE): NO_ACCESS,
+        }
         self.granularity = _granularity(self._prop)
         self._current_stream = _raw_stream_lookup()
         self._thread = _ThreadState()
@@ -340,6 +353,20 @@ class CudaDriver(Driver):
             identity = int(handle)
             _check("cuMemRelease (retained handle)", cu.cuMemRelease(handle), address=address)
         return identity
+
+    def _access_at(self, address: int) -> str | None:
+        cu = self._cu
+        with self._active():
+            # cuMemGetAccess is documented for mapped addresses only: ask
+            # first whether anything is mapped, so that an unmapped address
+            # reads None, as in chunk_at, rather than as an error.
+            status, handle = cu.cuMemRetainAllocationHandle(address)
+            if status != cu.CUresult.CUDA_SUCCESS:
+                return None
+            _check("cuMemRelease (retained handle)", cu.cuMemRelease(handle), address=address)
+            flags = int(_check("cuMemGetAccess", cu.cuMemGetAccess(self._location, address), address=address))
+        # Flags outside the three a mapping can have fail every comparison.
+        return self._access_names.get(flags, f"unknown access flags {flags:#x}")
 
     def view(self, address: int, size: int) -> torch.Tensor:
         return uint8_view(address, size, self.device)

@@ -33,7 +33,8 @@ virtual memory, so every invariant that needs no GPU is proven for real.
   `munmap` would punch a hole in the reservation that another mmap could take.
 - release: `close(memfd)`; the kernel frees the pages once nothing maps them.
 - read-back: `/proc/self/maps` names the file (device, inode) and offset that
-  back each address.
+  back each address, and the access each mapping grants (its `rw` columns);
+  an address whose mapping is no file is in a reservation, not mapped.
 - export: a new *read-only* open file description of the chunk
   (`open("/proc/self/fd/N", O_RDONLY)`). Through it a peer can map the pages
   for reading only: `mmap(PROT_WRITE, MAP_SHARED)`, `write`, `ftruncate` and
@@ -66,7 +67,7 @@ from typing import Hashable, Iterable, Iterator, Sequence
 import torch
 
 from ..errors import DriverError, OutOfMemoryError
-from .base import Chunk, Driver, format_granularity
+from .base import NO_ACCESS, READ_ONLY, READ_WRITE, Chunk, Driver, format_granularity
 from .dlpack import uint8_view
 from .transaction import map_new_chunks_step_by_step
 
@@ -399,6 +400,18 @@ class HostDriver(Driver):
             result.append(next((ident for start, end, ident in regions if start <= address < end), None))
         return result
 
+    def _access_at(self, address: int) -> str | None:
+        return self.accesses_at([address])[0]
+
+    def accesses_at(self, addresses: Iterable[int]) -> list[str | None]:
+        """`access_at` for many addresses with one read of /proc/self/maps."""
+        regions = [(start, end, permissions) for start, end, inode, permissions in _maps_with_permissions() if inode]
+        result = []
+        for address in addresses:
+            permissions = next((p for start, end, p in regions if start <= address < end), None)
+            result.append(None if permissions is None else _access_of(permissions))
+        return result
+
     def view(self, address: int, size: int) -> torch.Tensor:
         return uint8_view(address, size, self.device)
 
@@ -418,6 +431,22 @@ def _maps() -> Iterator[tuple[int, int, tuple[int, int, int]]]:
             start, end = (int(part, 16) for part in fields[0].split("-"))
             major, minor = (int(part, 16) for part in fields[3].split(":"))
             yield start, end, (major, minor, int(fields[4]))
+
+
+def _maps_with_permissions() -> Iterator[tuple[int, int, int, str]]:
+    """(start, end, inode, permissions such as "rw-s") of each VMA of this process."""
+    with open("/proc/self/maps") as maps:
+        for line in maps:
+            fields = line.split()
+            start, end = (int(part, 16) for part in fields[0].split("-"))
+            yield start, end, int(fields[4]), fields[1]
+
+
+def _access_of(permissions: str) -> str:
+    # x86-64 and aarch64 have no write-only pages: PROT_WRITE reads too.
+    if permissions[1] == "w":
+        return READ_WRITE
+    return READ_ONLY if permissions[0] == "r" else NO_ACCESS
 
 
 def _describe_fd(fd: int) -> str:
