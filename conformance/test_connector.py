@@ -50,9 +50,10 @@ from extkv.layout import (
     granule_block_alignment,
 )
 from extkv.peer import import_segments
-from extkv.testing.checks import check_usage_matches, maps_permissions
+from extkv.testing.checks import check_mapped_read_only, check_usage_matches, maps_permissions
 from extkv.testing.configs import CAPACITY, GRANULE, fill_segments
 from extkv.vmm import FaultInjectingDriver, driver_for, live_chunks, live_reservations
+from extkv.vmm.base import READ_WRITE
 from extkv.wire import PROTOCOL, receive_message, send_message
 
 #: Generous: the peer imports torch (and creates a CUDA context) before it connects.
@@ -360,6 +361,25 @@ def test_exports_are_read_only_by_default(build, connector):
             kv_cache.buffer.segment_view(2)[:3].fill_(0)
             assert torch.all(imported.views[2][:3] == 0)
             assert imported.digests() == digests_here(kv_cache)
+
+
+@pytest.mark.invariant(8)
+def test_an_import_told_read_only_is_mapped_read_only(device, build, connector):
+    """Read back from the kernel or the driver (`Driver.accesses_at`), not
+    taken from the header: every granule of a read-only import is mapped
+    read-only, on each device, while the exporter's own mapping stays
+    read-write."""
+    kv_cache = build.cache_for("padded", KVCacheLayout.LBHNC)
+    kv_cache.commit(300, defragment=True)
+    connector.register_kv_caches(kv_cache)
+    sender, receiver = socket.socketpair()
+    with sender, receiver:
+        connector.export_to(sender)
+        with import_segments(receiver) as imported:
+            assert imported.writable is False
+            check_mapped_read_only(imported.driver, imported.views)
+            own = [kv_cache.buffer.segment_view(i).data_ptr() for i in range(len(imported.views))]
+            assert kv_cache.buffer.driver.accesses_at(own) == [READ_WRITE] * len(own)
 
 
 # What a peer tries on every chunk descriptor it received; each entry is "ok"
