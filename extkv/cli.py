@@ -1,6 +1,10 @@
 """The `extkv` command.
 
-- `extkv info`: the devices extkv would use and their drivers.
+- `extkv --version`: extkv's version as installed (importlib.metadata), and
+  the git commit when extkv is imported from a checkout.
+- `extkv info`: the devices extkv would use and their drivers, and which
+  cuda-bindings it imports: its major must match the driver's CUDA major
+  (bindings 13 need a CUDA 13 driver; `extkv[cuda12]` takes bindings 12).
 - `extkv check [pytest args]`: the conformance suite on every GPU found (one
   pytest-xdist worker per GPU, then the multi-GPU tests in a step of their
   own), or on the host driver when there is none; writes a report.
@@ -16,12 +20,18 @@
   `SegmentExportConnector`, as a process of its own (extkv.peer): import the
   exported segments, reply with the sha256 of each segment's committed bytes,
   clean up. Also `python -m extkv peer ...`.
+
+Each subcommand's --help says what it does; check, bench and stress hand the
+arguments they do not know to pytest, and their --help says so with an
+example.
 """
 
 from __future__ import annotations
 
 import argparse
+import subprocess
 import sys
+from importlib import metadata
 from pathlib import Path
 
 import torch
@@ -30,16 +40,134 @@ from . import vmm
 from .peer import DEFAULT_PEER_TIMEOUT_S, run_peer
 from .reporting import bench_run, check_run, render_report, stress_run
 from .reporting.pool import pool
+from .reporting.rundir import checkout_root
 
 #: Subcommands that run pytest: whatever they do not know goes to pytest.
+#: Each: its module, what it does, and an example of pytest arguments.
 _PYTEST_COMMANDS = {
-    "check": (check_run, "run the conformance suite on the GPUs found, else on the host, and write a report"),
-    "bench": (bench_run, "run the benchmarks and write a report"),
-    "stress": (stress_run, "run the nightly stress suite for a bounded time and write a report"),
+    "check": (
+        check_run,
+        "run the conformance suite on the GPUs found, else on the host, and write a report",
+        "extkv check -x -k sizing",
+    ),
+    "bench": (bench_run, "run the benchmarks and write a report", "extkv bench --quick -k commit"),
+    "stress": (
+        stress_run,
+        "run the nightly stress suite for a bounded time and write a report",
+        "extkv stress --minutes 1 -k walk",
+    ),
 }
 
 
+def version_text() -> str:
+    """`extkv 0.1.0`, with the commit (and whether the work tree differs from
+    it) when extkv is imported from a git checkout: a report or a bug names
+    the code that ran, not only the release."""
+    try:
+        text = f"extkv {metadata.version('extkv')}"
+    except metadata.PackageNotFoundError:
+        text = "extkv (not installed: no version recorded)"  # `python -m extkv` from a bare source tree
+    root = checkout_root()
+    if root is None or not (root / ".git").exists():
+        return text
+    try:
+        commit = subprocess.run(
+            ["git", "-C", str(root), "rev-parse", "--short=12", "HEAD"], capture_output=True, text=True, timeout=10
+        )
+        changes = subprocess.run(
+            ["git", "-C", str(root), "status", "--porcelain", "--untracked-files=no"],
+            capture_output=True,
+            text=True,
+            timeout=10,
+        )
+    except (OSError, subprocess.TimeoutExpired):
+        return f"{text} (checkout {root}; git not runnable)"
+    if commit.returncode != 0:
+        return f"{text} (checkout {root}; no commit readable)"
+    dirty = ", uncommitted changes" if changes.returncode == 0 and changes.stdout.strip() else ""
+    return f"{text} (checkout {root}, commit {commit.stdout.strip()}{dirty})"
+
+
+class _Version(argparse.Action):
+    """--version, worked out only when asked: it runs git."""
+
+    def __init__(self, option_strings, dest, **kwargs):
+        super().__init__(
+            option_strings, dest, nargs=0, help="print extkv's version (and commit, from a checkout) and exit"
+        )
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        print(version_text())
+        parser.exit()
+
+
+def _distribution_version(name: str) -> str | None:
+    try:
+        return metadata.version(name)
+    except metadata.PackageNotFoundError:
+        return None
+
+
+def _driver_cuda_version() -> tuple[str, int] | None:
+    """(`13.0 (NVIDIA driver 580.95.05)`, 13) from NVML, which needs no
+    cuda-bindings (so a mismatch can be named before any bindings call
+    fails); None where there is no NVIDIA driver or no GPU."""
+    try:
+        import pynvml
+
+        pynvml.nvmlInit()
+        try:
+            if pynvml.nvmlDeviceGetCount() == 0:
+                return None
+            cuda = pynvml.nvmlSystemGetCudaDriverVersion()
+            driver = pynvml.nvmlSystemGetDriverVersion()
+        finally:
+            pynvml.nvmlShutdown()
+    except Exception:  # NVML missing or refusing: no GPU extkv could use
+        return None
+    driver = driver.decode() if isinstance(driver, bytes) else driver
+    return f"{cuda // 1000}.{cuda % 1000 // 10} (NVIDIA driver {driver})", cuda // 1000
+
+
+def bindings_lines() -> list[str]:
+    """Which cuda-bindings extkv imports and, where a GPU is present, whether
+    its major matches the driver's CUDA major. Bindings of a newer major than
+    the driver's fail at their first call (13.x needs a CUDA 13 driver);
+    older ones run on a newer driver."""
+    version = _distribution_version("cuda-bindings")
+    try:
+        from cuda.bindings import driver as _  # noqa: F401
+        importable = ""
+    except ImportError as error:
+        importable = f", not importable ({error})"
+    if version is None:
+        lines = [f"cuda-bindings: not installed{importable}: extkv runs on the host driver only"]
+        major = None
+    else:
+        major = int(version.split(".")[0])
+        lines = [f"cuda-bindings: {version} (major {major}){importable}"]
+    found = _driver_cuda_version()
+    if found is None:
+        lines.append("GPU driver: none found (NVML), so no GPU: the host driver only")
+        return lines
+    cuda, driver_major = found
+    # The extras that pin the bindings' major (pyproject.toml); past them, the pin itself.
+    pin = f"extkv[cuda{driver_major}]" if driver_major in (12, 13) else f"cuda-bindings {driver_major}.x"
+    if major is None:
+        verdict = f"needs bindings: install {pin}"
+    elif major == driver_major:
+        verdict = "matches the bindings' major"
+    elif major > driver_major:
+        verdict = f"does not match: bindings {major} need a CUDA {major} driver; install {pin}"
+    else:
+        verdict = f"does not match (bindings {major} run on it; {pin} matches)"
+    lines.append(f"GPU driver: CUDA {cuda}: major {driver_major} {verdict}")
+    return lines
+
+
 def _info(args, _pytest_args) -> int:
+    for line in bindings_lines():
+        print(line)
     gpus = torch.cuda.device_count() if vmm.cuda_usable() else 0
     for facts in [vmm.driver_for("cpu").describe()] + [vmm.driver_for(f"cuda:{i}").describe() for i in range(gpus)]:
         print(f"{facts['device']}: {facts['driver']}, granularity {facts['granularity']}")
@@ -69,23 +197,38 @@ def _peer(args, _pytest_args) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="extkv", description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(
+        prog="extkv",
+        description="extkv: a growable KV-cache allocation on virtual memory (CUDA VMM, or Linux memfd on the host), "
+        "and the suites that prove it.",
+    )
+    parser.add_argument("--version", action=_Version)
     commands = parser.add_subparsers(dest="command", required=True)
-    commands.add_parser("info", help="show the devices and drivers extkv would use").set_defaults(run=_info)
-    for name, (module, text) in _PYTEST_COMMANDS.items():
-        command = commands.add_parser(name, help=text + "; other arguments go to pytest")
+
+    def add(name: str, text: str, **kwargs) -> argparse.ArgumentParser:
+        # The text twice: in the list of `extkv --help` and atop `extkv NAME --help`.
+        return commands.add_parser(name, help=text, description=text[0].upper() + text[1:] + ".", **kwargs)
+
+    add(
+        "info", "show the devices and drivers extkv would use, and whether cuda-bindings matches the GPU driver"
+    ).set_defaults(run=_info)
+    for name, (module, text, example) in _PYTEST_COMMANDS.items():
+        command = add(
+            name,
+            text + "; other arguments go to pytest",
+            epilog=f"Arguments `extkv {name}` does not know go to pytest, e.g. `{example}`.",
+        )
         module.add_arguments(command)
         command.set_defaults(run=module.run)
-    report = commands.add_parser("report", help="render a run directory's summary.md and plots again from its raw results")
+    report = add("report", "render a run directory's summary.md and plots again from its raw results")
     report.add_argument("run_dir", metavar="DIR", help="a run directory, e.g. reports/2026-11-30-myhost-h200")
     report.set_defaults(run=_report)
-    pooled = commands.add_parser("pool", help="one bench report over the rounds of several runs of one code on one machine")
+    pooled = add("pool", "write one bench report over the rounds of several runs of one code on one machine")
     pooled.add_argument("out_dir", metavar="OUT_DIR", help="where the pooled run goes (not one of the runs)")
     pooled.add_argument("run_dirs", metavar="RUN_DIR", nargs="+", help="bench run directories, two or more")
     pooled.set_defaults(run=_pool)
-    peer = commands.add_parser(
-        "peer",
-        help="import the segments a SegmentExportConnector exports, reply with their sha256 digests, clean up",
+    peer = add(
+        "peer", "import the segments a SegmentExportConnector exports, reply with their sha256 digests, clean up"
     )
     peer.add_argument("--peer", metavar="SOCKET_PATH", required=True, help="Unix socket the exporter listens on")
     peer.add_argument(
