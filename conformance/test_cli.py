@@ -1,4 +1,4 @@
-"""The `extkv` command as a new user meets it.
+"""The `extkv` command as a new user meets it, and the distribution it ships in.
 
 Theory of operation
 -------------------
@@ -10,6 +10,11 @@ extkv imports). Help and version run in this process through
 `extkv.cli.main`, as the console script calls it. `info` runs in a process of
 its own with no GPU visible: it is the host's report, and on a GPU machine
 creating CUDA drivers here would leave contexts behind in this process.
+
+From a checkout, the packaging a user installs: pyproject.toml declares the
+license as an SPDX expression with its file, numpy (torch warns at every
+import without it), the cuda12 / cuda13 extras that pin cuda-bindings to the
+driver's major, and py.typed as package data.
 """
 
 from __future__ import annotations
@@ -104,3 +109,51 @@ def test_info_on_the_host_names_the_driver_and_cuda_bindings():
     verdicts = r"(matches|does not match|needs bindings)"
     assert re.search(rf"GPU driver: (none found|CUDA \d+\.\d+ .*: major \d+ {verdicts})", gpu_line), gpu_line
 
+
+# -- the distribution ------------------------------------------------------------
+def _pyproject() -> dict:
+    path = ROOT / "pyproject.toml"
+    if not path.is_file():
+        pytest.skip("an installed extkv has no pyproject.toml to read: checked from a checkout")
+    tomllib = pytest.importorskip("tomllib")
+    return tomllib.loads(path.read_text())
+
+
+def _requirement(requirements: list[str], name: str) -> str | None:
+    return next((r for r in requirements if re.match(rf"{re.escape(name)}\s*([<>=!~;\[]|$)", r)), None)
+
+
+def test_license_is_an_spdx_expression_with_its_file():
+    pyproject = _pyproject()
+    project = pyproject["project"]
+    assert project["license"] == "Apache-2.0", project["license"]
+    assert "LICENSE" in project["license-files"]
+    text = (ROOT / "LICENSE").read_text()
+    assert "Apache License" in text and "Version 2.0, January 2004" in text and "END OF TERMS AND CONDITIONS" in text
+    # setuptools reads an SPDX string and license-files from 77 on.
+    setuptools = _requirement(pyproject["build-system"]["requires"], "setuptools")
+    assert setuptools is not None and re.search(r">=\s*(7[7-9]|[89]\d|\d{3,})", setuptools), setuptools
+
+
+def test_dependencies_include_numpy_and_cuda_bindings_of_any_major():
+    dependencies = _pyproject()["project"]["dependencies"]
+    assert _requirement(dependencies, "numpy"), f"numpy missing: torch warns at every import without it: {dependencies}"
+    bindings = _requirement(dependencies, "cuda-bindings")
+    # Bindings installed to match a machine's driver, 12 or 13, satisfy it.
+    assert bindings is not None and "<" not in bindings, bindings
+
+
+@pytest.mark.parametrize(("extra", "pin"), [("cuda12", "cuda-bindings>=12.6,<13"), ("cuda13", "cuda-bindings>=13,<14")])
+def test_cuda_extras_pin_the_bindings_major(extra, pin):
+    extras = _pyproject()["project"]["optional-dependencies"]
+    assert pin in extras.get(extra, []), f"extra {extra} is {extras.get(extra)}, expected {pin}"
+
+
+def test_py_typed_ships_as_package_data():
+    package_data = _pyproject()["tool"]["setuptools"].get("package-data", {})
+    assert "py.typed" in package_data.get("extkv", []), package_data
+    assert (ROOT / "extkv" / "py.typed").is_file()
+
+
+def test_version_attribute_matches_pyproject():
+    assert extkv.__version__ == _pyproject()["project"]["version"]
