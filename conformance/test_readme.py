@@ -1,0 +1,69 @@
+"""README.md's code, run as written.
+
+Theory of operation
+-------------------
+A new user's first minutes are the README's first screen: two commands, then
+a library example. The example is checked here against the code, so it
+cannot drift from it: every ```python block of README.md runs, in a fresh
+interpreter of its own (the block is a script: it imports what it uses), from
+an empty directory, with no GPU visible, so it runs on the host driver as it
+does on a machine without one, and takes no memory from the GPU tests beside
+it. A block that raises, asserts or exits nonzero fails its test, with its
+output.
+
+From an installed package (no README beside extkv) there is nothing to run.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+import extkv
+
+ROOT = Path(extkv.__file__).resolve().parent.parent
+README = ROOT / "README.md"
+#: Seconds one block may take: the example imports torch and commits 192 MiB.
+BLOCK_TIMEOUT_S = 300
+
+
+def fenced_blocks(text: str, language: str) -> list[tuple[int, str]]:
+    """(first line number, code) of every ```language block of `text`."""
+    return [
+        (text.count("\n", 0, found.start()) + 2, found.group(1))
+        for found in re.finditer(rf"^```{language}[ \t]*\n(.*?)^```[ \t]*$", text, re.S | re.M)
+    ]
+
+
+def _readme_text() -> str:
+    if not README.is_file():
+        pytest.skip(f"no README.md beside the extkv package in {ROOT} (an installed extkv): checked from a checkout")
+    return README.read_text()
+
+
+_PYTHON_BLOCKS = fenced_blocks(README.read_text(), "python") if README.is_file() else []
+
+
+def test_readme_has_a_python_example():
+    assert fenced_blocks(_readme_text(), "python"), f"{README} has no ```python block: the library example is gone"
+
+
+@pytest.mark.parametrize(("line", "code"), _PYTHON_BLOCKS, ids=[f"README.md:{line}" for line, _ in _PYTHON_BLOCKS])
+def test_python_block_runs(line, code, tmp_path):
+    script = tmp_path / f"readme_line_{line}.py"
+    script.write_text(code)
+    # No GPU: the block picks the host driver, as on a machine without one.
+    env = {**os.environ, "CUDA_VISIBLE_DEVICES": ""}
+    result = subprocess.run(
+        [sys.executable, str(script)], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=BLOCK_TIMEOUT_S
+    )
+    assert result.returncode == 0, (
+        f"README.md's python block at line {line} exited {result.returncode}:\n"
+        f"--- stdout\n{result.stdout}\n--- stderr\n{result.stderr}"
+    )
+
