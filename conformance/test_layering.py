@@ -39,6 +39,7 @@ LAYERS: list[set[str]] = [
     {"extkv.testing", "extkv.testing.gpus", "extkv.testing.readings", "extkv.testing.configs", "extkv.testing.checks",
      "extkv.testing.work"},
     {"extkv.testing.stateful"},
+    {"extkv.testing.planted"},
     # One line per owner, so that work on checks, benchmarks and stress runs
     # can add modules without touching each other's line.
     {"extkv.testing.harness", "extkv.testing.timeline"},

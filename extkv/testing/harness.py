@@ -85,6 +85,7 @@ MARKERS = {
     "stress": "long randomized run; only with --stress",
     "per_gpu": "runs again in extkv check's all-GPUs step, so that every GPU gets one (under xdist each test runs on one worker's GPU)",
     "invariant(n, ...)": "proves DESIGN.md's invariant(s) n (1-8); counted in the terminal summary",
+    "planted_defect(name)": "plants a defect in a broken implementation; the check under test must flag it",
 }
 
 #: DESIGN.md's invariants, by number, in a few words each.

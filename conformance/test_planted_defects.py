@@ -1,0 +1,392 @@
+"""The self-test of the checks: every planted defect must be flagged.
+
+Each defect of extkv.testing.planted breaks one promise; each test here runs
+the check that guards that promise over the broken implementation and passes
+only when the check raises (or reports) the failure, in numbers. Beside each,
+a sanity test runs the same check over the real, unbroken implementation and
+demands that it passes: a check that flags everything proves nothing either.
+
+The harness's per-test leak check (`no_leaks`) is proven by running a tiny
+test file under pytest inside the test (`pytester`, in this process, with
+`-p extkv.testing.harness`) over a staged leaking driver, and reading the run's
+outcome; what the defect kept is released for real afterwards, so this
+file's own leak check still sees nothing left.
+
+Every defect test carries `@pytest.mark.planted_defect(name)` (the
+sanity tests carry none: they run with the suite's other tests), and each
+runs on the host driver and on each CUDA device (`device`): every defect is
+made of the driver protocol's own steps.
+"""
+
+from __future__ import annotations
+
+import json
+import socket
+
+import pytest
+import torch
+
+from extkv.connector import SegmentExportConnector
+from extkv.layout import KVCacheLayout
+from extkv.peer import import_segments
+from extkv.tensor import ExtensibleTensor
+from extkv.testing import planted
+from extkv.testing.checks import (
+    check_all_equal,
+    check_mapped_read_only,
+    check_readback_matches_bookkeeping,
+    check_unchanged,
+    check_usage_matches,
+    readback_one_chunk_per_segment,
+    snapshot,
+)
+from extkv.testing.configs import fill_segments
+from extkv.testing.stateful import LeakFound, ModelledCache, SeededChoices
+from extkv.testing.stress import StressTally, walk
+from extkv.vmm import PoisoningDriver, driver_for
+from extkv.vmm.base import NO_ACCESS, READ_ONLY, READ_WRITE
+
+pytest_plugins = ["pytester"]
+
+SEED = 20261201
+#: Steps of the stress walk that must meet the planted leak: its seed frees
+#: a cache holding chunks well within them.
+WALK_STEPS = 40
+WALK_WEIGHTS = {"commit_grow": 1.0, "free_and_recreate": 1.0}
+
+
+def make(name: str, real):
+    return planted.DEFECTS[name].make(real)
+
+
+# -- zeroing ----------------------------------------------------------------------------
+def commit_and_recommit(tensor: ExtensibleTensor, size: int, check) -> None:
+    """Commit `size` new bytes, check them, release, commit again, check."""
+    tensor.resize_segments_([size], zero_new=True)
+    check(tensor.segment_view(0))
+    tensor.release_physical()
+    tensor.resize_segments_([size], zero_new=True)
+    check(tensor.segment_view(0))
+
+
+@pytest.mark.planted_defect("zeroing-skipped")
+def test_unzeroed_new_and_recommitted_bytes_are_flagged(device, build):
+    broken = make("zeroing-skipped", driver_for(device))
+    g = broken.granularity
+    tensor = build.tensor(4 * g, device=broken)
+    flagged = []
+
+    def check(view):
+        with pytest.raises(AssertionError, match=rf"^new bytes: {g + 100} of {g + 100} bytes are not 0x00$"):
+            check_all_equal(view, 0, "new bytes")
+        flagged.append(view.numel())
+
+    commit_and_recommit(tensor, g + 100, check)
+    assert flagged == [g + 100, g + 100]
+    assert broken.inner.poisoned_chunks == 2  # the first commit's chunk, then the recommit's
+
+
+def test_zeroing_check_passes_over_poisoned_memory(device, build):
+    poisoned = PoisoningDriver(driver_for(device))
+    tensor = build.tensor(4 * poisoned.granularity, device=poisoned)
+    commit_and_recommit(tensor, poisoned.granularity + 100, lambda view: check_all_equal(view, 0, "new bytes"))
+    assert poisoned.poisoned_chunks == 2
+
+
+# -- mappings ---------------------------------------------------------------------------
+def two_one_granule_commits(tensor: ExtensibleTensor) -> None:
+    g = tensor.granularity
+    tensor.resize_segments_([g, 0])
+    tensor.resize_segments_([g, g])
+    assert tensor.num_physical_chunks == 2
+
+
+@pytest.mark.planted_defect("granule-mapped-twice")
+def test_a_granule_mapped_twice_is_flagged_by_the_read_back(device, build):
+    broken = make("granule-mapped-twice", driver_for(device))
+    g = broken.granularity
+    tensor = build.tensor(2 * g, device=broken, segment_capacities=[g, g])
+    two_one_granule_commits(tensor)
+    with pytest.raises(AssertionError, match=r"^granule 1: driver chunk .* backs both bookkept chunk #0 and #1$"):
+        check_readback_matches_bookkeeping(tensor)
+
+
+@pytest.mark.planted_defect("chunk-split-behind-bookkeeping")
+def test_one_bookkept_chunk_over_two_driver_chunks_is_flagged(device, build):
+    broken = make("chunk-split-behind-bookkeeping", driver_for(device))
+    g = broken.granularity
+    tensor = build.tensor(4 * g, device=broken)
+    tensor.resize_segments_([3 * g])
+    assert tensor.segments_backed_by_one_chunk([3 * g]) == [True]  # what the bookkeeping says
+    assert readback_one_chunk_per_segment(tensor, [3 * g]) == [False]
+    with pytest.raises(AssertionError, match=r"^one bookkept chunk is backed by several driver chunks"):
+        check_readback_matches_bookkeeping(tensor)
+
+
+def test_mapping_checks_pass_on_the_real_driver(device, build):
+    real = driver_for(device)
+    g = real.granularity
+    tensor = build.tensor(2 * g, device=real, segment_capacities=[g, g])
+    two_one_granule_commits(tensor)
+    check_readback_matches_bookkeeping(tensor)
+    one = build.tensor(4 * g, device=real)
+    one.resize_segments_([3 * g])
+    assert readback_one_chunk_per_segment(one, [3 * g]) == [True]
+    check_readback_matches_bookkeeping(one)
+
+
+# -- leaks: the named checks and the stress tally ------------------------------------------
+@pytest.mark.planted_defect("chunk-kept-uncounted")
+def test_a_chunk_kept_after_free_is_flagged_by_the_usage_witness(device, usage):
+    broken = make("chunk-kept-uncounted", driver_for(device))
+    g = broken.granularity
+    baseline = usage.read_outside_torch()
+    tensor = ExtensibleTensor(2 * g, device=broken)
+    try:
+        tensor.resize_segments_([g])
+        check_usage_matches(usage, baseline, [tensor])  # nothing is wrong yet
+    finally:
+        tensor.free()
+    try:
+        with pytest.raises(AssertionError, match=rf" reports {g} bytes above baseline, tensors map 0$"):
+            check_usage_matches(usage, baseline, [tensor])
+    finally:
+        broken.give_back()
+    check_usage_matches(usage, baseline, [])
+
+
+def walk_until_freed(driver, usage, tally: StressTally) -> ModelledCache:
+    driven = ModelledCache(
+        driver, usage, "full", KVCacheLayout.LBHNC, operations=tally.operations, checks=tally.checks
+    )
+    try:
+        walk(driven, SeededChoices(SEED), tally, steps=WALK_STEPS, full_check_every=WALK_STEPS + 1, weights=WALK_WEIGHTS)
+    finally:
+        driven.free()
+    return driven
+
+
+@pytest.mark.planted_defect("chunk-kept-uncounted")
+def test_a_leak_in_a_stress_walk_reaches_the_pooled_tally(device, usage):
+    broken = make("chunk-kept-uncounted", driver_for(device))
+    tally = StressTally()
+    try:
+        with pytest.raises(LeakFound, match=r" bytes above the baseline after free\(\)"):
+            walk_until_freed(broken, usage, tally)
+        assert broken.kept, "the walk freed no cache that held chunks"
+    finally:
+        broken.give_back()
+    assert len(tally.leaks) == 1 and len(tally.failures) == 1
+    assert "LeakFound" in tally.failures[0]["error"] and f"seed {SEED}" in tally.failures[0]["reproduction"]
+    # As the nightly run pools its tests' tallies: through JSON, then added up.
+    pooled = StressTally()
+    pooled.add(StressTally.from_json(json.loads(json.dumps(tally.to_json()))))
+    pooled.add(StressTally())
+    assert pooled.leaks == tally.leaks and pooled.to_json()["leaks"] == tally.leaks
+
+
+def test_a_stress_walk_on_the_real_driver_tallies_no_leak(device, usage):
+    tally = StressTally()
+    walk_until_freed(driver_for(device), usage, tally)
+    assert tally.leaks == [] and tally.failures == []
+    assert tally.operations["free"] > 0 and tally.operations["commit (grow)"] > 0, dict(tally.operations)
+    assert tally.checks["nothing left after free: live counts, usage probe"] == tally.operations["free"]
+
+
+# -- leaks: the harness's per-test check, run inside pytest ----------------------------------
+LEAKING_TEST = """
+from extkv.tensor import ExtensibleTensor
+from extkv.testing import planted
+
+
+def test_commit_and_free(device):
+    driver = planted.staged_driver()
+    tensor = ExtensibleTensor(2 * driver.granularity, device=driver)
+    tensor.resize_segments_([driver.granularity + 1], zero_new=True)
+    tensor.free()
+"""
+
+
+def run_under_harness(pytester, driver):
+    """Run LEAKING_TEST under the harness, in this process, with `driver`
+    staged, on the `device` parameter that is `driver`'s device; release
+    whatever a planted defect kept afterwards."""
+    pytester.makepyfile(test_leaking=LEAKING_TEST)
+    case = "host" if driver.kind == "host" else str(driver.device)
+    try:
+        with planted.staged(driver):
+            result = pytester.runpytest_inprocess("-p", "extkv.testing.harness", "-p", "no:cacheprovider", "-k", case)
+    finally:
+        if isinstance(driver, planted.PlantedDriver):
+            driver.give_back()
+    return result
+
+
+def planted_param(name: str, *values):
+    return pytest.param(name, *values, id=name, marks=pytest.mark.planted_defect(name))
+
+
+@pytest.mark.parametrize(
+    "name, pattern",
+    [
+        planted_param("chunk-kept-after-free", "*test leaked: live chunks {*} -> {*}*"),
+        planted_param("reservation-kept-after-free", "*test leaked: live reservations {*} -> {*}*"),
+        planted_param("chunk-kept-uncounted", "*test leaked: *on DEVICE: * -> * bytes*"),
+    ],
+)
+def test_the_harness_flags_a_test_that_leaks(device, pytester, name, pattern):
+    result = run_under_harness(pytester, make(name, driver_for(device)))
+    result.assert_outcomes(passed=1, errors=1)
+    result.stdout.fnmatch_lines([pattern.replace("DEVICE", str(device))])
+
+
+def test_the_harness_passes_a_test_that_leaks_nothing(device, pytester):
+    result = run_under_harness(pytester, driver_for(device))
+    result.assert_outcomes(passed=1)
+    result.stdout.no_fnmatch_line("*test leaked*")
+
+
+# -- usage as bookkept ---------------------------------------------------------------------
+@pytest.mark.parametrize(
+    "name, misstated", [planted_param("usage-over-reported", 1), planted_param("usage-under-reported", -1)]
+)
+def test_misreported_usage_is_flagged_by_the_witness(device, usage, name, misstated):
+    real = driver_for(device)
+    g = real.granularity
+    baseline = usage.read_outside_torch()
+    tensor = make(name, real)(4 * g)
+    try:
+        tensor.resize_segments_([2 * g + 1])
+        assert tensor.physical_bytes == (3 + misstated) * g
+        with pytest.raises(AssertionError, match=rf" reports {3 * g} bytes above baseline, tensors map {(3 + misstated) * g}$"):
+            check_usage_matches(usage, baseline, [tensor])
+    finally:
+        tensor.free()
+
+
+def test_usage_witness_agrees_with_the_real_tensor(device, usage, build):
+    baseline = usage.read_outside_torch()
+    tensor = build.tensor(4 * driver_for(device).granularity)
+    tensor.resize_segments_([2 * tensor.granularity + 1])
+    assert tensor.physical_bytes == 3 * tensor.granularity
+    check_usage_matches(usage, baseline, [tensor])
+
+
+# -- "nothing changed" ------------------------------------------------------------------------
+def export_checked(build, driver, *, check) -> None:
+    """Export a filled cache on `driver` to an in-process peer, between a
+    snapshot and `check(kv_cache, before)`."""
+    kv_cache = build.cache_for("padded", KVCacheLayout.LBHNC, device=driver)
+    kv_cache.commit(300, defragment=True)  # one chunk per segment, each starting it
+    fill_segments(kv_cache, seed=11)
+    connector = SegmentExportConnector()
+    try:
+        connector.register_kv_caches(kv_cache)
+        before = snapshot(kv_cache)
+        sender, receiver = socket.socketpair()
+        with sender, receiver:
+            connector.export_to(sender)
+            import_segments(receiver).close()
+        check(kv_cache, before)
+    finally:
+        connector.close()
+
+
+@pytest.mark.planted_defect("byte-changed-by-export")
+def test_an_export_that_changes_a_byte_is_flagged_by_check_unchanged(device, build):
+    def flagged(kv_cache, before):
+        segments = len(kv_cache.segment_strides)
+        with pytest.raises(AssertionError, match=r"^expected no change, but: segment 0: 1 of \d+ committed bytes changed") as raised:
+            check_unchanged(kv_cache, before)
+        assert str(raised.value).count(" of ") == segments  # one byte in each segment's chunk, nothing else
+
+    export_checked(build, make("byte-changed-by-export", driver_for(device)), check=flagged)
+
+
+def test_check_unchanged_passes_around_a_real_export(device, build):
+    export_checked(build, driver_for(device), check=check_unchanged)
+
+
+# -- read-only imports ------------------------------------------------------------------------
+def import_read_only(build, exporter, importer, *, check) -> None:
+    """A cache on `exporter`, exported read-only (the default) to an
+    in-process peer importing with `importer`; `check(imported, kv_cache)`."""
+    kv_cache = build.cache_for("padded", KVCacheLayout.LBHNC, device=exporter)
+    kv_cache.commit(300, defragment=True)
+    connector = SegmentExportConnector()
+    try:
+        connector.register_kv_caches(kv_cache)
+        sender, receiver = socket.socketpair()
+        with sender, receiver:
+            connector.export_to(sender)
+            with import_segments(receiver, driver=importer) as imported:
+                assert imported.writable is False  # told read-only
+                check(imported, kv_cache)
+    finally:
+        connector.close()
+
+
+@pytest.mark.planted_defect("read-only-ignored")
+def test_an_import_mapped_read_write_is_flagged(device, build):
+    def flagged(imported, kv_cache):
+        probes = [imported.views[0].data_ptr(), imported.views[-1].data_ptr() + imported.views[-1].numel() - 1]
+        assert imported.driver.accesses_at(probes) == [READ_WRITE, READ_WRITE]
+        with pytest.raises(AssertionError, match=r"^(\d+) of \1 probed addresses are not mapped read-only; first: view 0 at offset 0 reads back 'read-write'$"):
+            check_mapped_read_only(imported.driver, imported.views)
+
+    broken = make("read-only-ignored", driver_for(device))
+    import_read_only(build, broken, broken, check=flagged)
+
+
+def test_read_only_check_passes_on_a_real_import_and_the_read_back_tells_modes_apart(device, build):
+    real = driver_for(device)
+
+    def passes(imported, kv_cache):
+        check_mapped_read_only(imported.driver, imported.views)
+        own = kv_cache.buffer.segment_view(0).data_ptr()
+        assert real.accesses_at([own, imported.views[0].data_ptr()]) == [READ_WRITE, READ_ONLY]
+        with pytest.raises(AssertionError, match=r"^(\d+) of \1 probed addresses are not mapped read-only"):
+            check_mapped_read_only(real, [kv_cache.buffer.segment_view(0)])  # the exporter's own, writable
+
+    import_read_only(build, real, real, check=passes)
+
+
+def test_access_read_back_follows_each_step(device):
+    real = driver_for(device)
+    g = real.granularity
+    address = real.reserve(2 * g)
+    try:
+        assert real.accesses_at([address, address + g]) == [None, None]
+        chunk = real.create(g)
+        try:
+            real.map(address, chunk)
+            try:
+                real.set_access(address, g, writable=False)
+                assert real.accesses_at([address, address + g - 1, address + g]) == [READ_ONLY, READ_ONLY, None]
+                real.set_access(address, g)
+                assert real.access_at(address + g - 1) == READ_WRITE
+            finally:
+                real.unmap(address, g)
+            assert real.access_at(address) is None
+        finally:
+            real.release(chunk)
+    finally:
+        real.free_reservation(address, 2 * g)
+    assert NO_ACCESS not in (READ_ONLY, READ_WRITE)
+
+
+# -- the zoo is covered -------------------------------------------------------------------------
+def test_every_planted_defect_is_planted_by_a_test():
+    """Each defect of `planted.DEFECTS` has a test here, and each test's
+    marker names a known defect."""
+    named: set[str] = set()
+    for value in list(globals().values()):
+        for mark in getattr(value, "pytestmark", []):
+            if mark.name == "planted_defect":
+                named.add(mark.args[0])
+            if mark.name == "parametrize":
+                named.update(m.args[0] for param in mark.args[1] for m in getattr(param, "marks", ()) if m.name == "planted_defect")
+    assert named <= set(planted.DEFECTS), sorted(named - set(planted.DEFECTS))
+    assert set(planted.DEFECTS) <= named, sorted(set(planted.DEFECTS) - named)
+    for defect in planted.DEFECTS.values():
+        assert defect.breaks and defect.caught_by, defect.name

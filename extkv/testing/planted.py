@@ -1,0 +1,357 @@
+"""Broken implementations, planted on purpose: the self-test of the checks.
+
+Theory of operation
+-------------------
+A certificate is only as good as the checks behind it, and a check that can
+never fail proves nothing. This module is a zoo of deliberately broken
+implementations, each breaking one promise extkv makes, so that a test can
+run the check that guards that promise over it and demand that the check
+flags it (conformance/test_planted_defects.py); the same check over the
+real, unbroken implementation must pass, or catching proves nothing.
+
+Real parts only: every broken driver is a `WrappingDriver` around a real
+driver (host or CUDA), which does all the real work; it changes one step and
+leaves the rest alone, so what a check sees is real memory, real mappings
+and the kernel's or the driver's own read-back. A broken tensor is an
+`ExtensibleTensor` over a real driver that misstates one number. Nothing
+here knows the device kind: each defect is made of the driver protocol's
+own steps, so it runs on the host driver and on each CUDA device alike.
+
+Each defect is data, in `DEFECTS`: a name, what it breaks, the checks that
+must flag it, and how to make it around a real driver. A defect that keeps
+memory past a free (a leak) also remembers what it kept, and `give_back()`
+releases it for real, so a test that proves a leak is seen leaves none.
+
+Wrappers that read back access (`accesses_at`) forward it to the driver they
+wrap: the read-back is the kernel's or the driver's, never a wrapper's.
+
+To stage a broken driver for a test file run inside pytest (the harness's
+per-test leak check, run through pytester in this process), `staged(driver)`
+holds it where `staged_driver()` finds it for the length of the run.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass
+from typing import Callable, Iterable, Iterator
+
+from ..tensor import ExtensibleTensor
+from ..vmm import Driver, PoisoningDriver
+from ..vmm.base import Chunk
+from ..vmm.wrapping import WrappingDriver
+
+
+class PlantedDriver(WrappingDriver):
+    """A `WrappingDriver` that forwards the access read-back too, and keeps
+    nothing by default (`give_back` has nothing to do)."""
+
+    def accesses_at(self, addresses: Iterable[int]) -> list[str | None]:
+        return self.inner.accesses_at(addresses)
+
+    def _access_at(self, address: int) -> str | None:
+        return self.inner.access_at(address)
+
+    def give_back(self) -> None:
+        """Release for real whatever this defect kept past its free."""
+
+
+# -- zeroing ----------------------------------------------------------------------
+class SkipsZeroing(PlantedDriver):
+    """Zeroes nothing: every `zero` step (the new bytes of a commit, those of
+    a recommit) returns at once. Wrap it around a `PoisoningDriver`, so that
+    what is not zeroed reads as the poison, not as the kernel's fresh zeros."""
+
+    def _zero(self, address: int, size: int) -> None:
+        pass
+
+
+# -- mappings ------------------------------------------------------------------------
+class MapsEarlierChunkAgain(PlantedDriver):
+    """Maps the first chunk it mapped once more wherever a later chunk of the
+    same size belongs: one physical granule then backs two addresses, and
+    the later chunk is never mapped at all."""
+
+    def __init__(self, inner: Driver):
+        super().__init__(inner)
+        self._first: Chunk | None = None
+
+    def _map(self, address: int, chunk: Chunk) -> None:
+        if self._first is None:
+            self._first = chunk
+        elif chunk.size == self._first.size and chunk.handle != self._first.handle:
+            chunk = self._first
+        self.inner._map(address, chunk)
+
+    def _release(self, chunk: Chunk) -> None:
+        # A released handle's number may be reused by the next create.
+        if self._first is not None and chunk.handle == self._first.handle:
+            self._first = None
+        self.inner._release(chunk)
+
+
+class SplitsChunks(PlantedDriver):
+    """Backs every chunk of two granules or more by two driver chunks (its
+    first granule, and the rest), mapped side by side, while the caller holds
+    one `Chunk`: the bookkeeping says one chunk where the driver has two."""
+
+    def __init__(self, inner: Driver):
+        super().__init__(inner)
+        self._pieces: dict[int, list[Chunk]] = {}  # handle given out -> the driver's chunks
+        self._mapped: dict[int, int] = {}  # address -> handle given out
+
+    def _create(self, size: int) -> Chunk:
+        if size < 2 * self.granularity:
+            return self.inner._create(size)
+        head = self.inner._create(self.granularity)
+        try:
+            tail = self.inner._create(size - self.granularity)
+        except BaseException:
+            self.inner._release(head)
+            raise
+        self._pieces[head.handle] = [head, tail]
+        return Chunk(head.handle, size)
+
+    def _map(self, address: int, chunk: Chunk) -> None:
+        offset = 0
+        for piece in self._pieces.get(chunk.handle, [chunk]):
+            self.inner._map(address + offset, piece)
+            offset += piece.size
+        self._mapped[address] = chunk.handle
+
+    def _unmap(self, address: int, size: int) -> None:
+        handle = self._mapped.pop(address, None)
+        pieces = self._pieces.get(handle) if handle is not None else None
+        if pieces is None:
+            self.inner._unmap(address, size)
+            return
+        # One unmap per mapping the driver made, as cuMemUnmap wants.
+        offset = 0
+        for piece in pieces:
+            self.inner._unmap(address + offset, piece.size)
+            offset += piece.size
+
+    def _release(self, chunk: Chunk) -> None:
+        for piece in self._pieces.pop(chunk.handle, [chunk]):
+            self.inner._release(piece)
+
+
+# -- leaks ---------------------------------------------------------------------------
+class KeepsChunksCounted(PlantedDriver):
+    """`release` does nothing: the chunk stays alive, and so does its count
+    in the driver's live chunks."""
+
+    def __init__(self, inner: Driver):
+        super().__init__(inner)
+        self.kept: list[Chunk] = []
+
+    def release(self, chunk: Chunk) -> None:
+        self.kept.append(chunk)
+
+    def give_back(self) -> None:
+        while self.kept:
+            # Through the public step: it lowers the live count this
+            # wrapper's create raised.
+            self.inner.release(self.kept.pop())
+
+
+class KeepsChunksUncounted(PlantedDriver):
+    """The release step does nothing, while the public `release` still counts
+    the chunk as gone: only what is measured from outside (memfd pages,
+    NVML, open descriptors) still sees it."""
+
+    def __init__(self, inner: Driver):
+        super().__init__(inner)
+        self.kept: list[Chunk] = []
+
+    def _release(self, chunk: Chunk) -> None:
+        self.kept.append(chunk)
+
+    def give_back(self) -> None:
+        while self.kept:
+            # The step alone: the count went down when this wrapper "released" it.
+            self.inner._release(self.kept.pop())
+
+
+class KeepsReservations(PlantedDriver):
+    """`free_reservation` does nothing: the address space stays reserved,
+    and counted in the driver's live reservations."""
+
+    def __init__(self, inner: Driver):
+        super().__init__(inner)
+        self.kept: list[tuple[int, int]] = []
+
+    def free_reservation(self, address: int, size: int) -> None:
+        self.kept.append((address, size))
+
+    def give_back(self) -> None:
+        while self.kept:
+            self.inner.free_reservation(*self.kept.pop())
+
+
+# -- contents --------------------------------------------------------------------------
+class ScribblesOnExport(PlantedDriver):
+    """Exporting a chunk changes its first byte (adds 1 to it, through the
+    chunk's own mapping): an export, which must change nothing in the
+    exporter, changes committed bytes."""
+
+    def __init__(self, inner: Driver):
+        super().__init__(inner)
+        self._mapped_at: dict[int, int] = {}  # handle -> address of its latest mapping
+
+    def _map(self, address: int, chunk: Chunk) -> None:
+        self.inner._map(address, chunk)
+        self._mapped_at[chunk.handle] = address
+
+    def _unmap(self, address: int, size: int) -> None:
+        self.inner._unmap(address, size)
+        for handle in [h for h, mapped in self._mapped_at.items() if mapped == address]:
+            del self._mapped_at[handle]
+
+    def _export_fd(self, chunk: Chunk, writable: bool) -> int:
+        address = self._mapped_at.get(chunk.handle)
+        if address is not None:
+            self.inner.view(address, 1).add_(1)
+            self.inner.synchronize()
+        return self.inner._export_fd(chunk, writable)
+
+
+# -- access ----------------------------------------------------------------------------
+class IgnoresReadOnly(PlantedDriver):
+    """Ignores every read-only request: exports are writable descriptors and
+    every mapping is granted read-write. Both halves, since on the host the
+    kernel refuses write access over a read-only descriptor: as the exporter
+    and the importer of one connection, it maps an import told to be
+    read-only read-write, on any device."""
+
+    def _export_fd(self, chunk: Chunk, writable: bool) -> int:
+        return self.inner._export_fd(chunk, True)
+
+    def _set_access(self, address: int, size: int, writable: bool) -> None:
+        self.inner._set_access(address, size, True)
+
+
+# -- bookkeeping of usage -------------------------------------------------------------
+class OverReportingTensor(ExtensibleTensor):
+    """Says it maps one granule more than it does."""
+
+    @property
+    def physical_bytes(self) -> int:
+        return ExtensibleTensor.physical_bytes.fget(self) + self.granularity
+
+
+class UnderReportingTensor(ExtensibleTensor):
+    """Says it maps one granule less than it does."""
+
+    @property
+    def physical_bytes(self) -> int:
+        return ExtensibleTensor.physical_bytes.fget(self) - self.granularity
+
+
+# -- the zoo, as data ------------------------------------------------------------------
+@dataclass(frozen=True)
+class Defect:
+    """One planted defect: `make(real)` builds it around the real driver
+    `real` (a driver, or for a tensor defect a callable of the tensor's size)."""
+
+    name: str
+    breaks: str
+    #: The checks that must flag it, by the names they have in extkv.
+    caught_by: tuple[str, ...]
+    make: Callable[[Driver], object]
+
+
+def _tensor_over(cls: type[ExtensibleTensor]) -> Callable[[Driver], Callable[[int], ExtensibleTensor]]:
+    return lambda real: lambda size: cls(size, device=real)
+
+
+DEFECTS: dict[str, Defect] = {
+    defect.name: defect
+    for defect in (
+        Defect(
+            "zeroing-skipped",
+            "new and recommitted bytes read zero (invariants 1 and 4)",
+            ("checks.check_all_equal over the new bytes, on poisoned memory",),
+            lambda real: SkipsZeroing(PoisoningDriver(real)),
+        ),
+        Defect(
+            "granule-mapped-twice",
+            "each bookkept chunk is one driver chunk of its own (invariant 3)",
+            ("checks.check_readback_matches_bookkeeping",),
+            MapsEarlierChunkAgain,
+        ),
+        Defect(
+            "chunk-split-behind-bookkeeping",
+            "one chunk per segment, as read back from the driver (invariant 3)",
+            ("checks.readback_one_chunk_per_segment", "checks.check_readback_matches_bookkeeping"),
+            SplitsChunks,
+        ),
+        Defect(
+            "chunk-kept-after-free",
+            "free returns every chunk (invariant 5)",
+            ("harness no_leaks: live chunks",),
+            KeepsChunksCounted,
+        ),
+        Defect(
+            "chunk-kept-uncounted",
+            "free returns every byte of physical memory (invariant 5)",
+            (
+                "checks.check_usage_matches after free",
+                "harness no_leaks: usage witness (and open memfds on the host)",
+                "stress.StressTally: a walk's leak in tally.leaks, through JSON and pooling",
+            ),
+            KeepsChunksUncounted,
+        ),
+        Defect(
+            "reservation-kept-after-free",
+            "free returns the reservation (invariant 5)",
+            ("harness no_leaks: live reservations",),
+            KeepsReservations,
+        ),
+        Defect(
+            "usage-over-reported",
+            "physical_bytes equals the usage measured outside (invariant 5)",
+            ("checks.check_usage_matches",),
+            _tensor_over(OverReportingTensor),
+        ),
+        Defect(
+            "usage-under-reported",
+            "physical_bytes equals the usage measured outside (invariant 5)",
+            ("checks.check_usage_matches",),
+            _tensor_over(UnderReportingTensor),
+        ),
+        Defect(
+            "byte-changed-by-export",
+            "an export changes nothing in the exporter (invariant 8)",
+            ("checks.check_unchanged",),
+            ScribblesOnExport,
+        ),
+        Defect(
+            "read-only-ignored",
+            "an import told to be read-only is mapped read-only (invariant 8)",
+            ("checks.check_mapped_read_only",),
+            IgnoresReadOnly,
+        ),
+    )
+}
+
+
+# -- staging a driver for a pytest run inside a test ---------------------------------------
+_staged: list[Driver] = []
+
+
+@contextlib.contextmanager
+def staged(driver: Driver) -> Iterator[Driver]:
+    """Hold `driver` where `staged_driver()` finds it, for the block's length."""
+    _staged.append(driver)
+    try:
+        yield driver
+    finally:
+        _staged.remove(driver)
+
+
+def staged_driver() -> Driver:
+    """The driver of the innermost `staged` block."""
+    if not _staged:
+        raise LookupError("no driver is staged: run inside `with planted.staged(driver):`")
+    return _staged[-1]
