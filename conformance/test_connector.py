@@ -1,6 +1,7 @@
 """KV connector conformance: every committed segment of an ExtensibleKVCache,
-exported to another process (`python -m extkv peer --peer`), reads there
-byte for byte as it does here, on the host driver and each CUDA device.
+exported to another process (`python -m extkv peer --peer`, or the same
+code in a process forked from one that imported it once), reads there byte
+for byte as it does here, on the host driver and each CUDA device.
 
 The peer answers with the sha256 of each segment's committed bytes; the test
 compares them with digests computed here. Patterns differ per segment, so a
@@ -20,8 +21,11 @@ from __future__ import annotations
 import ctypes
 import errno
 import hashlib
+import json
 import mmap
 import os
+import select
+import signal
 import socket
 import stat
 import struct
@@ -99,39 +103,184 @@ def peer_env() -> dict[str, str]:
     return env
 
 
-def run_peer_with(send) -> tuple[dict, int, str]:
-    """Start a peer process, let `send(sock)` talk to it, and return its
-    reply, exit status and stderr. Every wait is bounded: a hang fails."""
-    with listen_privately() as listener:
-        listener.socket.settimeout(PEER_TIMEOUT_S)
-        peer = subprocess.Popen(
-            [sys.executable, "-m", "extkv", "peer", "--peer", listener.path, "--timeout", str(PEER_TIMEOUT_S)],
+#: A process that imports the peer's code once (extkv.cli, and with it
+#: torch), then forks one child per request line and runs in it what `python
+#: -m extkv peer ...` runs: `extkv.cli.main(argv)`, an uncaught exception
+#: printed to stderr and exit status 1, as the interpreter does. Each peer is
+#: still a process of its own, with its own pid, address space and (on CUDA)
+#: context: nothing here touches CUDA before the fork. A fresh interpreter
+#: spends about 2 s of CPU importing torch before it connects (1.9-2.2 s,
+#: `time python -m extkv peer --help` on the 2-core CI host); a fork takes
+#: milliseconds. Replies, one JSON line each: {"pid": N} after the fork,
+#: {"returncode": N} once the child is reaped (negative: killed by a signal,
+#: as Popen says).
+ZYGOTE = r"""
+import json, os, sys, traceback
+import torch
+import extkv.cli
+
+# A CUDA context does not survive a fork: the children create their own.
+assert not torch.cuda.is_initialized(), "importing extkv.cli initialized CUDA"
+while True:
+    line = sys.stdin.readline()
+    if not line:
+        break
+    request = json.loads(line)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    pid = os.fork()
+    if pid == 0:
+        code = 1
+        try:
+            os.dup2(os.open(os.devnull, os.O_RDWR), 0)
+            os.dup2(0, 1)
+            os.dup2(os.open(request["stderr"], os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600), 2)
+            code = extkv.cli.main(request["argv"])
+        except SystemExit as exit:
+            code = exit.code if isinstance(exit.code, int) else (0 if exit.code is None else 1)
+            if not isinstance(exit.code, (int, type(None))):
+                print(exit.code, file=sys.stderr)
+        except BaseException:
+            traceback.print_exc()
+        finally:
+            sys.stdout.flush()
+            sys.stderr.flush()
+            os._exit(code)
+    sys.stdout.write(json.dumps({"pid": pid}) + "\n")
+    sys.stdout.flush()
+    _, status = os.waitpid(pid, 0)
+    sys.stdout.write(json.dumps({"returncode": os.waitstatus_to_exitcode(status)}) + "\n")
+    sys.stdout.flush()
+"""
+
+
+class PeerZygote:
+    """The `ZYGOTE` process, started once per module: `start(argv)` forks a
+    peer from it (one at a time)."""
+
+    def __init__(self, directory: Path):
+        self.directory = directory
+        self.started = 0
+        self.pending = b""
+        self.process = subprocess.Popen(
+            [sys.executable, "-c", ZYGOTE], env=peer_env(), stdin=subprocess.PIPE, stdout=subprocess.PIPE
+        )
+
+    def reply(self, key: str) -> int:
+        """The zygote's next reply line, which must carry `key`; every wait is bounded."""
+        fd = self.process.stdout.fileno()
+        while b"\n" not in self.pending:
+            ready, _, _ = select.select([fd], [], [], PEER_TIMEOUT_S)
+            if not ready:
+                raise AssertionError(f"the peer zygote sent nothing within {PEER_TIMEOUT_S} s")
+            data = os.read(fd, 4096)
+            if not data:
+                raise AssertionError(f"the peer zygote exited with status {self.process.wait(PEER_TIMEOUT_S)}")
+            self.pending += data
+        line, self.pending = self.pending.split(b"\n", 1)
+        return json.loads(line)[key]
+
+    def start(self, argv: list[str]) -> "ForkedPeer":
+        self.started += 1
+        stderr = self.directory / f"peer-{self.started}.stderr"
+        self.process.stdin.write((json.dumps({"argv": argv, "stderr": str(stderr)}) + "\n").encode())
+        self.process.stdin.flush()
+        return ForkedPeer(self, self.reply("pid"), stderr)
+
+    def close(self) -> None:
+        self.process.stdin.close()
+        try:
+            self.process.wait(PEER_TIMEOUT_S)
+        finally:
+            if self.process.poll() is None:
+                self.process.kill()
+                self.process.wait(PEER_TIMEOUT_S)
+            self.process.stdout.close()
+
+
+class ForkedPeer:
+    """A peer forked by a `PeerZygote`."""
+
+    def __init__(self, zygote: PeerZygote, pid: int, stderr: Path):
+        self.zygote, self.pid, self.stderr = zygote, pid, stderr
+        self.returncode: int | None = None
+
+    def wait(self) -> tuple[int, str]:
+        """Exit status and stderr, once the peer exits."""
+        if self.returncode is None:
+            self.returncode = self.zygote.reply("returncode")
+        stderr = self.stderr.read_text()
+        self.stderr.unlink()
+        return self.returncode, stderr
+
+    def kill(self) -> None:
+        if self.returncode is None:
+            # Not reaped yet: the zygote reaps it only after this, and says so.
+            os.kill(self.pid, signal.SIGKILL)
+
+
+class CommandLinePeer:
+    """`python -m extkv peer ...` in a fresh interpreter: the command itself."""
+
+    def __init__(self, argv: list[str]):
+        self.process = subprocess.Popen(
+            [sys.executable, "-m", "extkv", *argv],
             env=peer_env(),
             stdout=subprocess.PIPE,
             stderr=subprocess.PIPE,
             text=True,
         )
+        self.returncode: int | None = None
+
+    def wait(self) -> tuple[int, str]:
+        _, stderr = self.process.communicate(timeout=PEER_TIMEOUT_S)
+        self.returncode = self.process.returncode
+        return self.returncode, stderr
+
+    def kill(self) -> None:
+        if self.process.poll() is None:
+            self.process.kill()
+
+
+@pytest.fixture(scope="module")
+def peers(tmp_path_factory):
+    """A `PeerZygote` for this module's peers. Started before any test that
+    counts descriptors uses it: its pipes are open throughout."""
+    zygote = PeerZygote(tmp_path_factory.mktemp("peers"))
+    yield zygote
+    zygote.close()
+
+
+def run_peer_with(send, peers: PeerZygote | None) -> tuple[dict, int, str]:
+    """Start a peer process (forked from `peers`, or with None the
+    `python -m extkv peer` command in a fresh interpreter), let `send(sock)`
+    talk to it, and return its reply, exit status and stderr. Every wait is
+    bounded: a hang fails."""
+    with listen_privately() as listener:
+        listener.socket.settimeout(PEER_TIMEOUT_S)
+        argv = ["peer", "--peer", listener.path, "--timeout", str(PEER_TIMEOUT_S)]
+        peer = CommandLinePeer(argv) if peers is None else peers.start(argv)
         try:
             try:
                 connection = listener.accept()
             except socket.timeout:
                 peer.kill()
-                _, stderr = peer.communicate(timeout=PEER_TIMEOUT_S)
+                _, stderr = peer.wait()
                 raise AssertionError(f"peer never connected within {PEER_TIMEOUT_S} s:\n{stderr}") from None
             with connection:
                 connection.settimeout(PEER_TIMEOUT_S)
                 send(connection)
                 reply = receive_message(connection)
-            _, stderr = peer.communicate(timeout=PEER_TIMEOUT_S)
+            returncode, stderr = peer.wait()
         finally:
-            if peer.poll() is None:
+            if peer.returncode is None:
                 peer.kill()
-                peer.communicate(timeout=PEER_TIMEOUT_S)
-    return reply, peer.returncode, stderr
+                peer.wait()
+    return reply, returncode, stderr
 
 
-def peer_digests(connector: SegmentExportConnector) -> list[str]:
-    reply, returncode, stderr = run_peer_with(connector.export_to)
+def peer_digests(connector: SegmentExportConnector, peers: PeerZygote | None) -> list[str]:
+    reply, returncode, stderr = run_peer_with(connector.export_to, peers)
     assert returncode == 0 and "digests" in reply, f"peer failed (exit {returncode}): {reply}\n{stderr}"
     return reply["digests"]
 
@@ -154,7 +303,7 @@ def test_segment_export_connector_is_a_kv_connector():
 
 @pytest.mark.invariant(5, 8)
 @pytest.mark.parametrize("name, kind, layout, blocks, segments, chunks, inside", CASES, ids=[c[0] for c in CASES])
-def test_peer_reads_every_segment(device, build, connector, usage, name, kind, layout, blocks, segments, chunks, inside):
+def test_peer_reads_every_segment(device, build, connector, peers, usage, name, kind, layout, blocks, segments, chunks, inside):
     baseline = usage.read_outside_torch()
     kv_cache = build.cache_for(kind, layout)
     kv_cache.commit(blocks, defragment=True)
@@ -173,7 +322,7 @@ def test_peer_reads_every_segment(device, build, connector, usage, name, kind, l
 
     expected = digests_here(kv_cache)
     assert len(set(expected)) == len(expected)  # distinct: a swapped segment shows
-    assert peer_digests(connector) == expected
+    assert peer_digests(connector, peers) == expected
     check_usage_matches(usage, baseline, [kv_cache.buffer])
 
 
@@ -190,7 +339,8 @@ def test_peer_reads_live_memory_and_one_wrong_byte_shows(device, build, connecto
     kv_cache.buffer.segment_view(1)[:1].add_(1)
     after = digests_here(kv_cache)
     assert [b == a for b, a in zip(before, after)] == [True, False, False]
-    assert peer_digests(connector) == after
+    # The command itself, in a fresh interpreter; the other peers are forked.
+    assert peer_digests(connector, None) == after
 
 
 def fragment(kv_cache: ExtensibleKVCache) -> int:
@@ -221,7 +371,7 @@ def test_fragmented_cache_is_refused_and_nothing_changes(device, build, connecto
 
 
 @pytest.mark.invariant(1, 4, 5, 8)
-def test_restore_after_release_and_recommit_reads_new_bytes(device, build, connector, usage):
+def test_restore_after_release_and_recommit_reads_new_bytes(device, build, connector, peers, usage):
     baseline = usage.read_outside_torch()
     kv_cache = build.cache_for("padded", KVCacheLayout.LBHNC)
     n = 300
@@ -254,7 +404,7 @@ def test_restore_after_release_and_recommit_reads_new_bytes(device, build, conne
     view.copy_((torch.arange(view.numel(), device=view.device) % 13 + 1).to(torch.uint8))
     expected = digests_here(kv_cache)
     assert expected[0] == zeros[0] and expected[1] != zeros[1]
-    assert peer_digests(connector) == expected
+    assert peer_digests(connector, peers) == expected
     check_usage_matches(usage, baseline, [kv_cache.buffer])
 
 
@@ -635,7 +785,8 @@ def test_driver_export_and_import_check_their_arguments(device):
 
 @pytest.mark.invariant(6)
 def test_peer_refuses_a_bad_header_and_says_why():
-    reply, returncode, stderr = run_peer_with(lambda sock: send_message(sock, {"protocol": "extkv-segments/1"}))
+    # The command itself, in a fresh interpreter: its exit status on a failure.
+    reply, returncode, stderr = run_peer_with(lambda sock: send_message(sock, {"protocol": "extkv-segments/1"}), None)
     assert returncode == 1, stderr
     assert reply == {
         "error": "ValueError: peer speaks protocol 'extkv-segments/1'; expected 'extkv-segments/2'"
@@ -742,7 +893,7 @@ def test_import_refuses_a_descriptor_that_is_not_a_sealed_memfd(kind):
     assert live_counts() == counts and fd_count() == fds
 
 
-def test_peer_error_reply_names_no_address():
+def test_peer_error_reply_names_no_address(peers):
     """The peer's mmap of a write-only descriptor fails with a DriverError
     that names the address; the reply says what failed, not where."""
     driver = driver_for("cpu")
@@ -754,7 +905,7 @@ def test_peer_error_reply_names_no_address():
             send_message(sock, host_header([GRANULE], [(0, 0, GRANULE)]))
             socket.send_fds(sock, [b"F"], [write_only])
 
-        reply, returncode, stderr = run_peer_with(send)
+        reply, returncode, stderr = run_peer_with(send, peers)
     finally:
         os.close(write_only)
         driver.release(chunk)
@@ -794,7 +945,7 @@ def test_import_refuses_what_is_not_a_unix_socket_or_a_driver():
 
 @pytest.mark.invariant(8)
 @pytest.mark.parametrize("refusal", ["another uid", "another pid"])
-def test_export_refuses_a_peer_it_does_not_allow_and_sends_nothing(build, refusal):
+def test_export_refuses_a_peer_it_does_not_allow_and_sends_nothing(build, peers, refusal):
     kv_cache = build.cache_for("full", KVCacheLayout.LBHNC, device=HOST)
     kv_cache.commit(37, defragment=True)
     if refusal == "another uid":
@@ -821,7 +972,7 @@ def test_export_refuses_a_peer_it_does_not_allow_and_sends_nothing(build, refusa
         assert fd_count() == fds
         sock.shutdown(socket.SHUT_WR)  # the peer reads end of file, and may still answer
 
-    reply, returncode, stderr = run_peer_with(send)
+    reply, returncode, stderr = run_peer_with(send, peers)
     assert returncode == 1
     assert reply == {"error": "ConnectionError: connection closed after 0 of 8 bytes"}, stderr
     assert connector.is_registered
@@ -891,7 +1042,7 @@ def test_listen_privately_binds_where_only_this_uid_can_reach():
 
 
 @pytest.mark.invariant(8)
-def test_runner_with_a_registering_connector_defragments_and_exports(device):
+def test_runner_with_a_registering_connector_defragments_and_exports(device, peers):
     """A runner whose connector registers memory extends with a defragmenting
     commit, so registration succeeds; the peer reads what the model wrote,
     and after sleep/wake the restored registration exports the fresh pages."""
@@ -916,11 +1067,11 @@ def test_runner_with_a_registering_connector_defragments_and_exports(device):
             positions = torch.full((batch,), position, device=runner.device)
             tokens = runner.decode(tokens, positions, tables, positions + 1).argmax(-1)
         assert any(int(kv_cache.buffer.segment_view(i).count_nonzero()) for i in range(len(kv_cache.segment_strides)))
-        assert peer_digests(connector) == digests_here(kv_cache)
+        assert peer_digests(connector, peers) == digests_here(kv_cache)
         runner.sleep()
         runner.wake()
         assert connector.is_registered
-        assert peer_digests(connector) == digests_here(kv_cache)
+        assert peer_digests(connector, peers) == digests_here(kv_cache)
     finally:
         connector.close()
         runner.free()
