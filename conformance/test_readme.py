@@ -3,13 +3,16 @@
 Theory of operation
 -------------------
 A new user's first minutes are the README's first screen: two commands, then
-a library example. The example is checked here against the code, so it
-cannot drift from it: every ```python block of README.md runs, in a fresh
-interpreter of its own (the block is a script: it imports what it uses), from
-an empty directory, with no GPU visible, so it runs on the host driver as it
-does on a machine without one, and takes no memory from the GPU tests beside
-it. A block that raises, asserts or exits nonzero fails its test, with its
-output.
+a library example. Both are checked here against the code, so they cannot
+drift from it:
+
+- every ```python block of README.md runs, in a fresh interpreter of its own
+  (the block is a script: it imports what it uses), from an empty directory,
+  with no GPU visible, so it runs on the host driver as it does on a machine
+  without one, and takes no memory from the GPU tests beside it. A block that
+  raises, asserts or exits nonzero fails its test, with its output;
+- the commands of its first ```bash block are the ones CI runs: .ci/run
+  installs what the README installs and runs the README's test command.
 
 From an installed package (no README beside extkv) there is nothing to run.
 """
@@ -28,6 +31,7 @@ import extkv
 
 ROOT = Path(extkv.__file__).resolve().parent.parent
 README = ROOT / "README.md"
+CI = ROOT / ".ci" / "run"
 #: Seconds one block may take: the example imports torch and commits 192 MiB.
 BLOCK_TIMEOUT_S = 300
 
@@ -67,3 +71,34 @@ def test_python_block_runs(line, code, tmp_path):
         f"--- stdout\n{result.stdout}\n--- stderr\n{result.stderr}"
     )
 
+
+def _readme_commands() -> list[str]:
+    bash = fenced_blocks(_readme_text(), "bash")
+    assert bash, "README.md has no ```bash block: the fresh-machine commands are gone"
+    return [line.split("#")[0].strip() for line in bash[0][1].splitlines() if line.split("#")[0].strip()]
+
+
+def test_readme_commands_install_the_report_extra_and_run_the_suite():
+    commands = _readme_commands()
+    assert len(commands) == 2, f"README.md's first screen gives two commands (check, tests), found {commands}"
+    check, tests = commands
+    assert check.endswith("extkv check"), check
+    assert tests.endswith("python3 -m pytest -q"), tests
+    for command in commands:
+        # matplotlib (the report extra) draws the report's plots.
+        assert re.search(r"\.\[[^\]]*\breport\b", command), f"{command!r} does not install the report extra"
+        assert re.search(r"\.\[[^\]]*\btest\b", command), f"{command!r} does not install the test extra"
+
+
+def test_ci_runs_the_readme_commands():
+    if not CI.is_file():
+        pytest.skip(f"no .ci/run in {ROOT} (an installed extkv): checked from a checkout")
+    ci = CI.read_text()
+    _, tests = _readme_commands()
+    install, _, run = tests.partition(" && ")
+    what = re.search(r"-e\s+\S+", install).group(0)  # -e '.[test,report]'
+    installs = [line for line in ci.splitlines() if "pip install" in line and not line.lstrip().startswith("#")]
+    assert any(f" {what}" in line for line in installs), (
+        f".ci/run does not install {what} as README.md does; its installs: {installs}"
+    )
+    assert re.search(rf"^{re.escape(run)}$", ci, re.M), f".ci/run does not run README.md's test command {run!r}"
