@@ -99,20 +99,15 @@ def junit_outcome(testcase) -> str:
 
 
 def junit_counts(run_dir: Path) -> dict[str, dict[str, Counter]]:
-    """{row: {device: Counter(outcome)}} from the JUnit XML files alone: a
-    later step's testcase replaces an earlier skip of the same name, and
-    stands beside an earlier run of it."""
+    """{row: {device: Counter(outcome)}} from the JUnit XML files alone:
+    every step's testcases count, a test two steps ran once in each."""
     testcases = {}
     for step in ("check", "check-multi-gpu"):
         for testcase in ElementTree.parse(run_dir / f"{step}-junit.xml").iter("testcase"):
             properties = {p.get("name"): p.get("value") for p in testcase.iter("property")}
             invariants = ast.literal_eval(properties.get(INVARIANTS_PROPERTY, "[]"))
             found = (invariants, properties[DEVICE_PROPERTY], junit_outcome(testcase))
-            key = (testcase.get("classname"), testcase.get("name"))
-            if key not in testcases or testcases[key][2] == "skipped":
-                testcases[key] = found
-            elif found[2] != "skipped":
-                testcases[key + (step,)] = found
+            testcases[(step, testcase.get("classname"), testcase.get("name"))] = found
     rows: dict[str, dict[str, Counter]] = {}
     for invariants, device, outcome in testcases.values():
         for row in [str(n) for n in invariants] + [ALL_TESTS_ROW]:
@@ -179,6 +174,8 @@ def test_check_json_matches_its_own_totals(rendered):
     outcomes = Counter(record["outcome"] for record in document["tests"].values())
     assert document["totals"] == {kind: outcomes[kind] for kind in document["totals"]}
     assert document["machine"]["host"] and document["invariants"] == {str(n): w for n, w in INVARIANTS.items()}
+    assert document["devices"][HOST_LABEL] == "host"
+    assert document["selection"]["keyword"] == "timeline or rejects", "the run's -k is recorded: it narrows the run"
 
 
 def test_render_names_the_file_it_cannot_read(tmp_path):

@@ -280,6 +280,7 @@ def test_weight_update_that_cannot_fit_fails_before_changing_anything(device, ru
 
 
 @pytest.mark.gpu
+@pytest.mark.exclusive  # fills the GPU until a layer cannot be staged
 def test_weight_update_on_a_full_gpu_borrows_the_cache(runners):
     """The real thing: fill the GPU until the model's next layer cannot be
     staged, then update every weight with the KV cache lent."""

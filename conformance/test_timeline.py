@@ -3,9 +3,8 @@ device (extkv.testing.timeline) goes through allocate, stepwise growth,
 shrink, both defragments, sleep, wake and free, while physical memory is
 read outside extkv in the background and at every operation's start and end.
 At every one of those marks the outside reading equals `physical_bytes`.
-With --extkv-report-dir the timeline is left for the report's plot; marked
-per_gpu, so `extkv check` draws one for every GPU, not only for the GPU of
-the xdist worker that took the test."""
+With --extkv-report-dir the timeline is left for the report's plot; `extkv
+check` runs every GPU test on every GPU, so it draws one per device."""
 
 from __future__ import annotations
 
@@ -16,7 +15,6 @@ from extkv.testing.timeline import LIFECYCLE, Timeline, run_timeline
 
 
 @pytest.mark.invariant(5)
-@pytest.mark.per_gpu
 def test_usage_outside_equals_physical_bytes_at_every_mark(device, usage, request, report_dir):
     label = dict(request.node.user_properties)[DEVICE_PROPERTY]
     timeline = run_timeline(device, usage, label)

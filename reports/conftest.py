@@ -17,7 +17,12 @@ from pathlib import Path
 import pytest
 
 from extkv import vmm
+from extkv.testing import harness
 from extkv.testing.benchmarking import PROFILES, Engine, catalogue
+
+
+def pytest_configure(config):
+    harness.activate(config)
 
 
 def pytest_addoption(parser):

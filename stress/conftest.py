@@ -44,6 +44,7 @@ import pytest
 import torch
 
 from extkv import vmm
+from extkv.testing import harness
 from extkv.testing.harness import DEVICE_PROPERTY
 from extkv.testing.stress import MemoryTimeline, StressTally
 
@@ -81,6 +82,7 @@ def pytest_addoption(parser):
 
 
 def pytest_configure(config):
+    harness.activate(config)
     config.addinivalue_line("markers", "stress_weight(w): the test's share of the run's time bound, relative to others")
     deadline = config.getoption("--stress-deadline")
     config.stash[_DEADLINE] = deadline if deadline is not None else time.time() + 60 * config.getoption("--stress-minutes")

@@ -19,7 +19,7 @@ Two phases, each announced by a progress line and timed:
    unless the summary holds the bench section: CI's proof that a report
    renders, not a claim about speed.
 
-The run directory is `reports/<date>-<host>-<gpus>/` (extkv.reporting.rundir)
+The run directory is a new `reports/runs/<date>-<host>-<gpus>/` (extkv.reporting.rundir)
 unless `--report-dir` names one. `--rounds N` caps the rounds of every case.
 Other arguments go to pytest (`extkv bench -k commit`). Device settings
 (clocks) are never changed: the report says they were not pinned.
@@ -38,7 +38,10 @@ from ..testing.benchmarking import BENCH_JSON, PLAYBACK_TIMER
 from . import render_report
 from .check_run import add_report_dir_argument, installed_suite_options
 from .machine import machine_facts, write_machine_facts
-from .rundir import checkout_root, run_directory, suite_directory
+
+#: Files of an earlier bench that --overwrite removes from --report-dir.
+BENCH_FILES = ("bench*.json", "bench*.png", "bench.log", "summary.md")
+from .rundir import RunDirectoryInUse, checkout_root, prepare_run_directory, suite_directory
 
 #: The heading bench_section writes; --quick checks the summary has it.
 BENCH_HEADING = "## Benchmarks"
@@ -82,8 +85,11 @@ def run(args: argparse.Namespace, pytest_args: list[str]) -> int:
     gpu = vmm.cuda_usable()
     device = "cuda:0" if gpu else "cpu"
     profile = "quick" if args.quick else "gpu" if gpu else "host"
-    run_dir = (args.report_dir or run_directory(facts)).resolve()
-    run_dir.mkdir(parents=True, exist_ok=True)
+    try:
+        run_dir = prepare_run_directory(args.report_dir, facts, args.overwrite, BENCH_FILES)
+    except RunDirectoryInUse as error:
+        print(f"extkv bench: {error}", file=sys.stderr)
+        return 2
     write_machine_facts(run_dir)
     where = f"cuda:0 ({facts['gpus'][0]['label']})" if gpu else f"the host driver ({facts['no_gpu_reason']})"
     print(f"extkv bench: profile {profile} on {where}; results in {run_dir}", flush=True)

@@ -1,27 +1,39 @@
-"""`extkv check`: the conformance suite on every GPU found, else on the host
-driver, and its report.
+"""`extkv check`: certify this machine: the conformance suite on the host
+driver and on every GPU, with its report and a verdict.
 
 Theory of operation
 -------------------
-Three phases, each announced by a progress line and timed:
+The run is a plan of phases; each phase starts its steps at once, one
+pytest subprocess per step, and waits for all of them. A step's output goes
+to `<run>/<step>.log`, its results to `<step>.json` (the harness's record)
+and `<step>-junit.xml`; while steps run, a line every PROGRESS_EVERY_S says
+how far each is, read from the progress file the harness keeps.
 
-1. The suite, in a pytest subprocess: one xdist worker per GPU when there
-   are several (the harness pins each worker's GPU before CUDA starts), with
-   `--junitxml=<run>/check-junit.xml` (pytest's own) and
-   `--extkv-report-dir=<run>` (the harness's `check.json`, which also carries
-   what JUnit XML cannot: the machine facts).
-2. Only with 2+ GPUs, in one process without -n that sees every GPU: the
-   multi_gpu-marked tests (NCCL rank agreement), which xdist workers skip
-   because each sees one GPU, and the per_gpu-marked ones (the memory
-   timeline), which phase 1 ran on one GPU only; into
-   `check-multi-gpu-junit.xml` and `check-multi-gpu.json`, which the report
-   merges with phase 1's.
-3. The report: `render_report(<run>)` writes `summary.md` and the plots.
+1. Planted defects (`check-planted`): conformance/test_planted_defects.py,
+   whose tests pass only when a check flags a deliberately broken
+   implementation. It runs first, since a certificate is only as good as
+   the checks behind it.
+2. The tests that share a device, every device at once: the host driver's
+   (`check-host`: every test without a GPU, run once) and each GPU's
+   (`check-gpu<id>`: CUDA_VISIBLE_DEVICES narrowed to that GPU, every GPU
+   test), each with several xdist workers. NVML's per-process readings and
+   a process's own memfds do not see other processes, so workers on one
+   device do not disturb each other's accounting. On a machine without a
+   GPU the one step keeps every test, so the GPU tests show as skipped and why.
+3. The tests marked `exclusive` (they fill a device or read what the whole
+   device has free), one at a time per device, the devices at once.
+4. With two GPUs or more, the multi-GPU tests (NCCL rank agreement) in one
+   process that sees every GPU (`check-multi-gpu`).
+5. The report (`render_report`) and the verdict (extkv.reporting.verdict).
 
-The run directory is `reports/<date>-<host>-<gpus>/` (extkv.reporting.rundir)
-unless `--report-dir` names one. Arguments `extkv check` does not know go to
-pytest in both test phases (`extkv check -x -k sizing`). The exit status is
-nonzero when any phase failed.
+Every step runs under xdist, at least one worker, so a test that kills its
+process (a SIGSEGV in the code under test) is a failed test with its name,
+and its worker is replaced, rather than a lost run. The run directory is a
+new one under `reports/runs/` (extkv.reporting.rundir) unless `--report-dir`
+names one. Arguments `extkv check` does not know go to pytest in every step
+(`extkv check -k sizing`); a run they narrow certifies nothing. The exit
+status is 0 only for a CERTIFIED run. `check-run.json` records the plan,
+the paths each step was given, the phases' and the run's wall time.
 
 From a checkout the suite is `conformance/` and pytest reads the checkout's
 pyproject.toml. From an installed package the suite is the installed
@@ -34,33 +46,45 @@ place of the checkout's ini options.
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import subprocess
 import sys
 import time
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from . import render_report
 from .machine import machine_facts
-from .rundir import checkout_root, run_directory, suite_directory
+from .rundir import RunDirectoryInUse, checkout_root, prepare_run_directory, suite_directory
+from .summary import RUN_FILE, load_check, slowest_tests
+from .verdict import run_verdict
 
 #: What the checkout's [tool.pytest.ini_options] gives, on the command line
 #: for an installed package (the harness arrives through -p there).
 INSTALLED_OPTIONS = ["-ra", "--strict-markers", "-o", "timeout=600"]
-#: Tests of phase 2, the step in one process that sees every GPU.
-ALL_GPUS_MARKERS = "multi_gpu or per_gpu"
-#: pytest's exit status when no test was selected.
-NO_TESTS_SELECTED = 5
+#: The planted-defect tests, in the suite.
+PLANTED_FILE = "test_planted_defects.py"
+#: Seconds between progress lines.
+PROGRESS_EVERY_S = 15.0
+#: xdist workers of one GPU's step at most: beyond this its tests' own
+#: subprocesses and the CUDA contexts' start-up outweigh what runs at once.
+MOST_GPU_WORKERS = 8
+#: Files of an earlier check that --overwrite removes from --report-dir.
+CHECK_FILES = ("check*.json", "check*.xml", "check*.log", "check*.progress", "timeline-*", "summary.md")
 
 
 def add_report_dir_argument(parser: argparse.ArgumentParser) -> None:
-    """`--report-dir DIR`, which check, bench and stress share."""
+    """`--report-dir DIR` and `--overwrite`, which check, bench and stress share."""
     parser.add_argument(
         "--report-dir",
         metavar="DIR",
         type=Path,
         default=None,
-        help="write the results and the report here instead of reports/<date>-<host>-<gpus>/",
+        help="write the results and the report here (new or empty) instead of a new reports/runs/<date>-<host>-<gpus>/",
+    )
+    parser.add_argument(
+        "--overwrite", action="store_true", help="let --report-dir hold files, replacing this kind of run's results there"
     )
 
 
@@ -75,72 +99,163 @@ def installed_suite_options(suite: Path) -> list[str]:
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """Options of `extkv check`; other arguments go to pytest."""
     add_report_dir_argument(parser)
+    parser.add_argument("--host-workers", type=int, default=None, metavar="N", help="xdist workers of the host driver's step")
+    parser.add_argument("--gpu-workers", type=int, default=None, metavar="N", help="xdist workers of each GPU's step")
 
 
-def pytest_command(suite: Path, run_dir: Path, step: str, options: list[str]) -> list[str]:
-    """The pytest command of one test phase, whose results go to `run_dir` as `<step>.json` and `<step>-junit.xml`."""
-    command = [sys.executable, "-m", "pytest", str(suite), "-q"]
+@dataclass
+class Step:
+    name: str                        # its results file's stem: check-host, check-gpu0, ...
+    what: str                        # for progress lines: `host`, `GPU 0 (NVIDIA H200)`
+    targets: list[str]               # the paths it is given
+    options: list[str]               # the harness's selection and xdist
+    env: dict[str, str] = field(default_factory=dict)
+
+
+@dataclass
+class Phase:
+    name: str
+    steps: list[Step]
+
+
+def workers(cores: int, gpus: int, host: int | None, gpu: int | None) -> tuple[int, int]:
+    """(host workers, workers per GPU): without a GPU every core on the host
+    driver; with GPUs a quarter of the cores on the host driver and the rest
+    shared among the GPUs, at most MOST_GPU_WORKERS each."""
+    if gpus == 0:
+        return max(1, host or cores), 0
+    host_workers = host or max(1, cores // 4)
+    return host_workers, gpu or max(1, min(MOST_GPU_WORKERS, (cores - host_workers) // gpus))
+
+
+def plan(suite: Path, facts: dict, host_workers: int, gpu_workers: int) -> list[Phase]:
+    gpus = facts["gpus"]
+    host_device = "host" if gpus else "all"
+    whole = [str(suite)]
+    phases = []
+    if (suite / PLANTED_FILE).is_file():
+        phases.append(Phase("planted defects", [
+            Step("check-planted", "planted defects", [str(suite / PLANTED_FILE)], ["--extkv-part=planted", "-n", "1"]),
+        ]))
+    shared = [Step("check-host", "host", whole, [f"--extkv-device={host_device}", "--extkv-part=shared",
+                                                 "-n", str(host_workers), "--dist=worksteal"])]
+    exclusive = [Step("check-host-exclusive", "host", whole, [f"--extkv-device={host_device}", "--extkv-part=exclusive", "-n", "1"])]
+    for gpu in gpus:
+        env = {"CUDA_VISIBLE_DEVICES": gpu["id"]}
+        shared.append(Step(f"check-gpu{gpu['id']}", gpu["label"], whole,
+                           ["--extkv-device=gpu", "--extkv-part=shared", "-n", str(gpu_workers), "--dist=worksteal"], env))
+        exclusive.append(Step(f"check-gpu{gpu['id']}-exclusive", gpu["label"], whole,
+                              ["--extkv-device=gpu", "--extkv-part=exclusive", "-n", "1"], env))
+    phases.append(Phase("tests that share a device, every device at once", shared))
+    phases.append(Phase("tests that need their device alone, one at a time", exclusive))
+    if len(gpus) >= 2:
+        phases.append(Phase(f"multi-GPU tests in one process that sees all {len(gpus)} GPUs", [
+            Step("check-multi-gpu", f"{len(gpus)} GPUs", whole, ["--extkv-device=multi-gpu", "-n", "1"]),
+        ]))
+    return phases
+
+
+def pytest_command(suite: Path, run_dir: Path, step: Step, pytest_args: list[str]) -> list[str]:
+    """The pytest command of one step, whose results go to `run_dir`."""
+    command = [sys.executable, "-m", "pytest", *step.targets, "-q", "-p", "no:cacheprovider"]
     command += installed_suite_options(suite)
     command += [
-        f"--junitxml={run_dir / f'{step}-junit.xml'}",
+        f"--junitxml={run_dir / f'{step.name}-junit.xml'}",
         f"--extkv-report-dir={run_dir}",
-        f"--extkv-report-step={step}",
+        f"--extkv-report-step={step.name}",
+        f"--extkv-progress={run_dir / f'{step.name}.progress'}",
+        *step.options,
     ]
-    return command + options
+    return command + pytest_args
 
 
-def _phase(number: int, total: int, what: str, command: list[str] | None = None) -> float:
-    print(f"extkv check [{number}/{total}] {what}", flush=True)
-    if command is not None:
-        print("$ " + " ".join(command), flush=True)
-    return time.monotonic()
+def _progress(run_dir: Path, step: Step) -> str:
+    try:
+        done, total, failed = (run_dir / f"{step.name}.progress").read_text().split()
+    except (OSError, ValueError):
+        return f"{step.what}: starting"
+    return f"{step.what}: {done}/{total}" + (f" ({failed} FAILED)" if failed != "0" else "")
 
 
-def _finished(number: int, total: int, started: float, status: int, failed: bool) -> None:
-    verdict = f"FAILED (exit status {status})" if failed else "done"
-    print(f"extkv check [{number}/{total}] {verdict} in {time.monotonic() - started:.0f} s", flush=True)
+def run_phase(number: int, total: int, phase: Phase, suite: Path, run_dir: Path, pytest_args: list[str]) -> dict:
+    """Start every step of `phase`, print progress until all end; returns the phase's record."""
+    print(f"extkv check [{number}/{total}] {phase.name}", flush=True)
+    started = time.monotonic()
+    running = []
+    for step in phase.steps:
+        command = pytest_command(suite, run_dir, step, pytest_args)
+        print(f"  {step.name}: " + " ".join(command[3:]) + f"  > {step.name}.log", flush=True)
+        log = open(run_dir / f"{step.name}.log", "w")
+        process = subprocess.Popen(command, cwd=checkout_root() or Path.cwd(), env={**os.environ, **step.env},
+                                   stdout=log, stderr=subprocess.STDOUT)
+        running.append((step, process, log))
+    statuses: dict[str, int] = {}
+    said = time.monotonic()
+    while len(statuses) < len(running):
+        time.sleep(0.5)
+        for step, process, log in running:
+            if step.name not in statuses and process.poll() is not None:
+                log.close()
+                statuses[step.name] = process.returncode
+                print(f"  {step.name} ended (exit status {process.returncode}) after {time.monotonic() - started:.0f} s", flush=True)
+        if time.monotonic() - said >= PROGRESS_EVERY_S and len(statuses) < len(running):
+            said = time.monotonic()
+            print(f"  {time.monotonic() - started:.0f} s: " + "; ".join(_progress(run_dir, step) for step, _, _ in running), flush=True)
+    wall = time.monotonic() - started
+    print(f"extkv check [{number}/{total}] done in {wall:.0f} s", flush=True)
+    return {"name": phase.name, "steps": [step.name for step in phase.steps], "statuses": statuses, "wall_s": round(wall, 1)}
 
 
 def run(args: argparse.Namespace, pytest_args: list[str]) -> int:
+    started = time.monotonic()
     facts = machine_facts()
-    gpus = len(facts["gpus"])
-    run_dir = (args.report_dir or run_directory(facts)).resolve()
-    run_dir.mkdir(parents=True, exist_ok=True)
+    try:
+        run_dir = prepare_run_directory(args.report_dir, facts, args.overwrite, CHECK_FILES)
+    except RunDirectoryInUse as error:
+        print(f"extkv check: {error}", file=sys.stderr)
+        return 2
     suite = suite_directory("conformance")
-    phases = 3 if gpus >= 2 else 2
-    failed_phases = []
-    where = f"{gpus} GPU(s) and the host driver" if gpus else f"the host driver only ({facts['no_gpu_reason']})"
+    cores = len(os.sched_getaffinity(0))
+    host_workers, gpu_workers = workers(cores, len(facts["gpus"]), args.host_workers, args.gpu_workers)
+    phases = plan(suite, facts, host_workers, gpu_workers)
+    gpus = ", ".join(gpu["label"] for gpu in facts["gpus"])
+    where = f"the host driver ({host_workers} workers) and {gpus} ({gpu_workers} workers each)" if gpus else (
+        f"the host driver only, {host_workers} workers ({facts['no_gpu_reason']})")
     print(f"extkv check: {suite} on {where}; results in {run_dir}", flush=True)
+    record = {
+        "steps": [step.name for phase in phases for step in phase.steps],
+        "targets": {step.name: step.targets for phase in phases for step in phase.steps},
+        "arguments": pytest_args,
+        "phases": [],
+        "wall_s": 0.0,
+    }
+    total = len(phases) + 1
+    for number, phase in enumerate(phases, 1):
+        record["phases"].append(run_phase(number, total, phase, suite, run_dir, pytest_args))
+    record["wall_s"] = round(time.monotonic() - started, 1)
+    (run_dir / RUN_FILE).write_text(json.dumps(record, indent=1) + "\n")
 
-    command = pytest_command(suite, run_dir, "check", ["-n", str(gpus)] if gpus > 1 else [])
-    started = _phase(1, phases, "conformance suite" + (f", one xdist worker per GPU ({gpus})" if gpus > 1 else ""), command + pytest_args)
-    status = subprocess.call(command + pytest_args, cwd=checkout_root() or Path.cwd())
-    if status != 0:
-        failed_phases.append("conformance suite")
-    _finished(1, phases, started, status, status != 0)
-
-    if gpus >= 2:
-        command = pytest_command(suite, run_dir, "check-multi-gpu", ["-m", ALL_GPUS_MARKERS])
-        started = _phase(2, phases, f"multi-GPU and per-GPU tests in one process that sees all {gpus} GPUs", command + pytest_args)
-        status = subprocess.call(command + pytest_args, cwd=checkout_root() or Path.cwd())
-        # Extra arguments (-k ...) may leave none of them selected: nothing failed.
-        failed = status not in (0, NO_TESTS_SELECTED)
-        if failed:
-            failed_phases.append("multi-GPU tests")
-        _finished(2, phases, started, status, failed)
-
-    started = _phase(phases, phases, "report")
+    print(f"extkv check [{total}/{total}] report", flush=True)
     try:
         summary = render_report(run_dir)
+        check = load_check(run_dir)
     except (OSError, ValueError) as error:
         print(f"extkv check: the report could not be rendered: {error}", flush=True)
-        failed_phases.append("report")
-        _finished(phases, phases, started, 1, True)
-    else:
-        _finished(phases, phases, started, 0, False)
-        print(f"extkv check: report {summary}", flush=True)
-    if failed_phases:
-        print(f"extkv check: FAILED: {', '.join(failed_phases)}", flush=True)
+        print("extkv check: NOT CERTIFIED: no report", flush=True)
         return 1
-    print("extkv check: passed", flush=True)
-    return 0
+    if check is None:
+        print(f"extkv check: NOT CERTIFIED: no step left results in {run_dir} (see its *.log)", flush=True)
+        return 1
+    print("extkv check: slowest tests:", flush=True)
+    for seconds, key, device in slowest_tests(check["tests"]):
+        print(f"  {seconds:6.1f} s  {key}  [{device}]", flush=True)
+    failures = [(key, r) for key, r in check["tests"].items() if r["outcome"] in ("failed", "error")]
+    for key, record_ in failures:
+        print(f"  FAILED {key} [{record_['device']}]: {record_['message']}", flush=True)
+    print(f"extkv check: report {summary}", flush=True)
+    for image in sorted(run_dir.glob("*.png")):
+        print(f"extkv check: plot {image}", flush=True)
+    lines = run_verdict(check, record)
+    for line in lines:
+        print(f"extkv check: {line}", flush=True)
+    return 0 if lines[-1].startswith("CERTIFIED") else 1

@@ -2,14 +2,12 @@
 
 Theory of operation
 -------------------
-The harness gathers the facts (`extkv.testing.harness.machine_facts`): its
-report header prints them and the results file of every run records them, so
-a report names the devices, driver, versions and VMM granularity that the
-tests really ran on. This module reads the same facts in the process that
-starts a run (the run directory is named after its GPUs) and renders them as
-the report's machine section. The harness is imported only when facts are
-wanted: it needs pytest and hypothesis (the `test` extra), which rendering a
-report again (`extkv report DIR`) does not.
+extkv.testing.facts gathers the facts: the harness's report header prints
+them and the results file of every run records them, so a report names the
+devices, driver, versions and VMM granularity that the tests really ran on,
+and the extkv build that ran them. This module reads the same facts in the
+process that starts a run (the run directory is named after its GPUs) and
+renders them as the report's machine section.
 """
 
 from __future__ import annotations
@@ -17,12 +15,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-def machine_facts() -> dict:
-    """Host name, versions, the host driver and each GPU this process sees
-    (the harness's facts, cached per process)."""
-    from ..testing.harness import machine_facts as harness_machine_facts
-
-    return harness_machine_facts()
+from ..testing.facts import machine_facts
 
 
 def machine_section(facts: dict, worker_gpus: dict[str, str] | None = None) -> str:
@@ -31,8 +24,9 @@ def machine_section(facts: dict, worker_gpus: dict[str, str] | None = None) -> s
         "## Machine",
         "",
         f"- host: `{facts['host']}`",
-        f"- python {facts['python']}, torch {facts['torch']}, cuda-bindings {facts['cuda-bindings']}, "
-        f"nvidia-ml-py {facts['nvidia-ml-py']}",
+        f"- extkv {facts['extkv']}" + (f" at commit {facts['extkv_commit']}" if facts['extkv_commit'] else ""),
+        f"- python {facts['python']}, torch {facts['torch']} (CUDA {facts['torch_cuda']}), "
+        f"cuda-bindings {facts['cuda-bindings']}, nvidia-ml-py {facts['nvidia-ml-py']}",
         f"- host driver: {facts['host_driver']}, granularity {facts['host_granularity']}",
     ]
     if facts["gpus"]:
@@ -48,7 +42,7 @@ def machine_section(facts: dict, worker_gpus: dict[str, str] | None = None) -> s
     else:
         lines.append(f"- no CUDA device: {facts['no_gpu_reason']}")
     if worker_gpus:
-        lines += ["", "One GPU per xdist worker: " + ", ".join(f"{w} -> {label}" for w, label in worker_gpus.items())]
+        lines += ["", "xdist workers per GPU: " + "; ".join(f"{step}: {pins}" for step, pins in worker_gpus.items())]
     return "\n".join(lines) + "\n"
 
 

@@ -2,11 +2,15 @@
 
 Theory of operation
 -------------------
-One directory per machine and day: `reports/<YYYY-MM-DD>-<host>-<gpus>/`
-(`h200`, `2xh200`, or `host` without a GPU), so a second run on the same
-machine the same day adds to, or replaces files in, the same directory. The
-root is the checkout's `reports/` when extkv runs from a source checkout
-(an editable install), else `./reports` under the current directory.
+Every run gets a directory of its own, `reports/runs/<YYYY-MM-DD>-<host>-<gpus>/`
+(`h200`, `2xh200`, or `host` without a GPU), with `-2`, `-3`, ... added
+while that name holds files, so a run never mixes its results with another
+run's nor replaces them. `reports/runs/` is git-ignored: the curated
+reference runs are the directories committed under `reports/` itself. The
+root is the checkout's `reports/runs/` when extkv runs from a source
+checkout (an editable install), else `./reports/runs` under the current
+directory. A directory the user names (`--report-dir`) must be empty or
+new, unless `--overwrite` says to replace its results.
 
 The suites ship in the distribution as packages of their own (pyproject maps
 `extkv_conformance` to `conformance/` and `extkv_benchmarks` to the
@@ -19,6 +23,7 @@ from __future__ import annotations
 import datetime
 import importlib.util
 import re
+import shutil
 from collections import Counter
 from pathlib import Path
 
@@ -53,15 +58,53 @@ def checkout_root() -> Path | None:
 
 
 def reports_root() -> Path:
+    """Where new runs go: git-ignored `reports/runs/`."""
     root = checkout_root()
-    return (root if root is not None else Path.cwd()) / "reports"
+    return (root if root is not None else Path.cwd()) / "reports" / "runs"
 
 
 def run_directory(facts: dict, day: datetime.date | None = None, root: Path | None = None) -> Path:
-    """`<root>/<YYYY-MM-DD>-<host>-<gpus>` for the machine of `facts` (not created)."""
+    """`<root>/<YYYY-MM-DD>-<host>-<gpus>` for the machine of `facts`, with
+    `-2`, `-3`, ... while that directory holds files (not created)."""
     day = day or datetime.date.today()
     host = slug(facts["host"].split(".")[0]) or "unknown-host"
-    return (root if root is not None else reports_root()) / f"{day.isoformat()}-{host}-{gpu_slug(facts)}"
+    base = (root if root is not None else reports_root()) / f"{day.isoformat()}-{host}-{gpu_slug(facts)}"
+    candidate, number = base, 1
+    while candidate.is_dir() and any(candidate.iterdir()):
+        number += 1
+        candidate = base.with_name(f"{base.name}-{number}")
+    return candidate
+
+
+class RunDirectoryInUse(ValueError):
+    """A directory the user named holds files, and nobody said to replace them."""
+
+
+def prepare_run_directory(chosen: Path | None, facts: dict, overwrite: bool, own_files: tuple[str, ...]) -> Path:
+    """The run's directory, created: `chosen` (--report-dir) if given, which
+    must be empty unless `overwrite`, when this run's own earlier files there
+    (`own_files`: glob patterns) are removed first; else a new `run_directory`."""
+    if chosen is None:
+        directory = run_directory(facts).resolve()
+    else:
+        directory = Path(chosen).resolve()
+        if directory.exists() and not directory.is_dir():
+            raise RunDirectoryInUse(f"--report-dir {chosen}: not a directory")
+        held = sorted(path.name for path in directory.iterdir()) if directory.is_dir() else []
+        if held and not overwrite:
+            shown = ", ".join(held[:5]) + (f" and {len(held) - 5} more" if len(held) > 5 else "")
+            raise RunDirectoryInUse(
+                f"--report-dir {chosen} is not empty (it holds {shown}): pass --overwrite to replace this "
+                "run's files there, or name an empty or new directory"
+            )
+        for pattern in own_files if held else ():
+            for path in directory.glob(pattern):
+                if path.is_dir():
+                    shutil.rmtree(path)
+                else:
+                    path.unlink()
+    directory.mkdir(parents=True, exist_ok=True)
+    return directory
 
 
 def suite_directory(suite: str) -> Path:

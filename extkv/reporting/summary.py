@@ -2,20 +2,21 @@
 
 Theory of operation
 -------------------
-`extkv check` leaves one results file per step in the run directory (the
-harness writes them): `check.json` (the suite, on the host driver and one
-GPU per xdist worker) and, on a machine of several GPUs, `check-multi-gpu.json`
-(the multi-GPU tests, and the per-GPU ones again, in one process that sees
-every GPU). `load_check` merges them: a later step's record of a test
-replaces an earlier skip of it (the multi-GPU tests skip under xdist) and
-otherwise stands beside it, keyed `<nodeid> (<step>)`: the timeline test
-ran on one GPU in the first step and on every GPU in the second.
+`extkv check` runs the suite in steps, each a pytest run that leaves one
+results file `check*.json` in the run directory (the harness writes them):
+the planted defects, the tests that share a device (the host driver's and
+each GPU's at once), those that need a device alone, and on a machine of
+several GPUs the multi-GPU tests. `check-run.json` (extkv.reporting.check_run)
+names the steps in order, the paths each was given and the wall time.
+`load_check` merges the steps' tests, keyed by nodeid; a nodeid that ran in
+two steps (every GPU's step runs every GPU test) is kept once per step, the
+later ones as `<nodeid> (<step>)`.
 
-`check_section` renders the merged results: per invariant of DESIGN.md, the
-tests run and passed on each device (a test's device is the label the
-harness gave it: `host`, `GPU 1 (NVIDIA H200)`, `GPUs 0, 1 (...)`); the
-failures by nodeid; the skips grouped by reason; the multi-GPU step's
-result; and the memory timeline of each device, with its plot.
+`check_section` renders the merged results: the verdict lines
+(extkv.reporting.verdict), which invariants each device kind can prove,
+per invariant the tests run and passed on each device, the failures, the
+skips grouped by reason, test time per file, the multi-GPU step and the
+memory timeline of each device, with its plot.
 """
 
 from __future__ import annotations
@@ -25,16 +26,22 @@ import shlex
 from collections import Counter
 from pathlib import Path
 
+from ..testing.invariants import DEVICE_KINDS, INVARIANTS
 from ..testing.timeline import Timeline
+from .verdict import planted_counts, run_verdict
 
-#: The harness's results format (extkv.testing.harness.RECORD_FORMAT; the
+#: The harness's results format (extkv.testing.record.RECORD_FORMAT; the
 #: harness needs pytest, which rendering a report does not, so it is not
 #: imported here).
-CHECK_FORMAT = "extkv-check/1"
-#: The harness's device label of the host driver (extkv.testing.harness.HOST_LABEL).
+CHECK_FORMAT = "extkv-check/2"
+#: The harness's device label of the host driver (extkv.testing.record.HOST_LABEL).
 HOST_LABEL = "host"
-#: Results files of `extkv check`'s steps, in the order they run.
-CHECK_STEPS = ("check", "check-multi-gpu")
+#: What `extkv check` writes about the run as a whole.
+RUN_FILE = "check-run.json"
+#: Results files of check steps.
+STEP_GLOB = "check*.json"
+#: The step of the multi-GPU tests.
+MULTI_GPU_STEP = "check-multi-gpu"
 #: The row of the per-device table that counts every test, with or without invariants.
 ALL_TESTS_ROW = "all tests"
 
@@ -48,36 +55,62 @@ def load_results(path: Path) -> dict:
     if not isinstance(document, dict) or document.get("format") != CHECK_FORMAT:
         found = document.get("format") if isinstance(document, dict) else type(document).__name__
         raise ValueError(f"{path}: not an extkv check results file (format {found!r}, expected {CHECK_FORMAT!r})")
-    for key in ("machine", "invariants", "totals", "tests", "exit_status"):
+    for key in ("machine", "invariants", "totals", "tests", "exit_status", "devices", "selection"):
         if key not in document:
             raise ValueError(f"{path}: results file without {key!r}")
     return document
 
 
+def load_run(run_dir: Path) -> dict | None:
+    """check-run.json of `run_dir`, or None where `extkv check` did not write one."""
+    path = Path(run_dir) / RUN_FILE
+    if not path.is_file():
+        return None
+    try:
+        run = json.loads(path.read_text())
+    except json.JSONDecodeError as error:
+        raise ValueError(f"{path}: not JSON ({error})") from None
+    for key in ("steps", "targets", "wall_s"):
+        if key not in run:
+            raise ValueError(f"{path}: no {key!r}")
+    return run
+
+
 def load_check(run_dir: Path) -> dict | None:
     """The merged results of every check step in `run_dir`; None when it has none.
 
-    Returns {"steps": {step: document}, "tests": {nodeid: record}, "machine": facts,
-    "worker_gpus": {worker: label}, "invariants": {"1": "fixed addresses, ...", ...}}.
+    Returns {"steps": {step: document}, "tests": {key: record}, "machine": facts,
+    "devices": {label: kind}, "worker_gpus": {worker: label}, "invariants": {"1": words, ...},
+    "run": check-run.json or None}.
     """
-    steps = {step: load_results(run_dir / f"{step}.json") for step in CHECK_STEPS if (run_dir / f"{step}.json").is_file()}
+    run_dir = Path(run_dir)
+    run = load_run(run_dir)
+    paths = {path.stem: path for path in run_dir.glob(STEP_GLOB) if path.name != RUN_FILE}
+    order = [step for step in (run["steps"] if run else []) if step in paths] + sorted(set(paths) - set(run["steps"] if run else []))
+    steps = {step: load_results(paths[step]) for step in order}
     if not steps:
         return None
     tests: dict[str, dict] = {}
     for step, document in steps.items():
         for nodeid, record in document["tests"].items():
-            earlier = tests.get(nodeid)
-            if earlier is None or earlier["outcome"] == "skipped":
-                tests[nodeid] = record
-            elif record["outcome"] != "skipped":
-                tests[f"{nodeid} ({step})"] = record
+            key = nodeid if nodeid not in tests else f"{nodeid} ({step})"
+            tests[key] = {**record, "step": step}
     first = next(iter(steps.values()))
+    devices: dict[str, str] = {}
+    workers: dict[str, str] = {}
+    for step, document in steps.items():
+        devices.update(document["devices"])
+        pins = Counter(document["worker_gpus"].values())
+        if pins:
+            workers[step] = ", ".join(f"{count} on {label}" for label, count in pins.items())
     return {
         "steps": steps,
         "tests": tests,
         "machine": first["machine"],
-        "worker_gpus": first.get("worker_gpus", {}),
+        "devices": devices,
+        "worker_gpus": workers,
         "invariants": first["invariants"],
+        "run": run,
     }
 
 
@@ -133,13 +166,13 @@ def _totals_line(step: str, document: dict) -> str:
 
 
 def _multi_gpu_line(check: dict) -> str:
-    document = check["steps"].get("check-multi-gpu")
+    document = check["steps"].get(MULTI_GPU_STEP)
     gpus = len(check["machine"]["gpus"])
     if document is None:
         if gpus < 2:
             return f"not run: this machine has {gpus} GPU(s); the multi-GPU tests need 2"
-        return "not run (no check-multi-gpu.json in this directory)"
-    ran = {nodeid: record for nodeid, record in document["tests"].items()}
+        return f"not run (no {MULTI_GPU_STEP}.json in this directory)"
+    ran = document["tests"]
     outcomes = Counter(record["outcome"] for record in ran.values())
     devices = sorted({record["device"] for record in ran.values()})
     verdict = "FAILED" if outcomes["failed"] or outcomes["error"] else "passed" if outcomes["passed"] else "nothing ran"
@@ -147,6 +180,48 @@ def _multi_gpu_line(check: dict) -> str:
         f"{verdict}: {outcomes['passed']} passed, {outcomes['failed'] + outcomes['error']} failed, "
         f"{outcomes['skipped']} skipped, of {len(ran)} tests on {', '.join(devices) or 'no device'}"
     )
+
+
+def _capability_table() -> list[str]:
+    """Which invariants each kind of device can prove at all, and why not."""
+    kinds = list(DEVICE_KINDS.values())
+    lines = ["| provable by | " + " | ".join(kind.name for kind in kinds) + " |", "|---|" + "---|" * len(kinds)]
+    for number, invariant in INVARIANTS.items():
+        cells = [f"no: {kind.cannot[number]}" if number in kind.cannot else "yes" for kind in kinds]
+        lines.append(f"| {number}. {invariant.words} | " + " | ".join(cells) + " |")
+    return lines
+
+
+def _file_times(tests: dict[str, dict]) -> list[str]:
+    """Test seconds per test file, largest first, with the slowest test of each."""
+    seconds: Counter = Counter()
+    counts: Counter = Counter()
+    slowest: dict[str, tuple[float, str]] = {}
+    for key, record in tests.items():
+        path = key.split("::")[0]
+        seconds[path] += record["duration_s"]
+        counts[path] += 1
+        if record["duration_s"] > slowest.get(path, (-1.0, ""))[0]:
+            slowest[path] = (record["duration_s"], key)
+    lines = ["| file | tests | seconds | slowest test (s) |", "|---|---|---|---|"]
+    for path, total in seconds.most_common():
+        worst, key = slowest[path]
+        lines.append(f"| `{path}` | {counts[path]} | {total:.1f} | `{key.split('::', 1)[-1]}` ({worst:.1f}) |")
+    return lines
+
+
+def slowest_tests(tests: dict[str, dict], count: int = 10) -> list[tuple[float, str, str]]:
+    """(seconds, key, device) of the `count` slowest tests."""
+    ranked = sorted(tests.items(), key=lambda item: -item[1]["duration_s"])[:count]
+    return [(record["duration_s"], key, record["device"]) for key, record in ranked]
+
+
+def _step_wall_lines(run: dict | None) -> list[str]:
+    if run is None:
+        return []
+    lines = [f"- wall time of the whole check: {run['wall_s']:.0f} s"]
+    lines += [f"- phase {phase['name']}: {phase['wall_s']:.0f} s" for phase in run.get("phases", [])]
+    return lines
 
 
 def _timeline_lines(timeline: Timeline, image: str | None) -> list[str]:
@@ -175,29 +250,43 @@ def check_section(check: dict, timelines: list[tuple[Timeline, str | None]], plo
     """Markdown for the merged `check` (load_check) and each device's timeline
     with its image name (None: not drawn; `plots_skipped` says why)."""
     tests = check["tests"]
-    lines = ["## Check", ""]
+    lines = ["## Check", "", "### Verdict", "", "```"] + run_verdict(check, check["run"]) + ["```", ""]
+    caught, planted = planted_counts(check)
+    if planted:
+        missed = [key for key, r in tests.items() if r.get("planted_defect") and r["outcome"] in ("failed", "error")]
+        lines += [
+            f"The checks caught {caught} of {planted} planted defects (conformance/test_planted_defects.py: "
+            "each plants a defect in a broken implementation and passes only when the check under test flags it)"
+            + (": missed " + ", ".join(f"`{key}`" for key in missed) if missed else "."),
+            "",
+        ]
     lines += [_totals_line(step, document) for step, document in check["steps"].items()]
+    lines += _step_wall_lines(check["run"])
+    lines += ["", "### What each kind of device can prove", ""] + _capability_table()
     lines += ["", "### Invariants per device", ""]
     lines += [
-        "Each cell: tests passed / tests run on that device (skipped ones beside). Under xdist each test runs "
-        "once, on the GPU of the worker that took it.",
+        "Each cell: tests passed / tests run on that device (skipped ones beside). Every GPU runs every GPU "
+        "test; the host driver's tests run once.",
         "",
     ]
     lines += _invariant_table(tests, check["invariants"])
     lines += ["", "### Multi-GPU step", "", _multi_gpu_line(check), ""]
-    failures = {nodeid: record for nodeid, record in tests.items() if record["outcome"] in ("failed", "error")}
+    failures = {key: record for key, record in tests.items() if record["outcome"] in ("failed", "error")}
     lines += ["### Failures", ""]
     lines += [
-        f"- `{nodeid}` ({record['device']}, {record['outcome']}): {record['message']}" for nodeid, record in failures.items()
+        f"- `{key}` ({record['device']}, {record['outcome']}): {record['message']}" for key, record in failures.items()
     ] or ["none"]
     for step, document in check["steps"].items():
-        lines += [f"- collection error in `{step}`: `{e['nodeid']}`: {e['message']}" for e in document.get("collection_errors", [])]
+        lines += [f"- collection error in `{step}`: `{e['nodeid']}`: {e['message']}" for e in document["collection_errors"]]
     reasons = Counter(record["skip_reason"] for record in tests.values() if record["outcome"] == "skipped")
     lines += ["", "### Skips", ""]
     if reasons:
         lines += ["| tests | reason |", "|---|---|"] + [f"| {count} | {reason} |" for reason, count in reasons.most_common()]
     else:
         lines.append("none")
+    lines += ["", "### Test time per file", "", "Seconds summed over the file's tests on every device; "
+              "steps and workers run at once, so the wall time above is less.", ""]
+    lines += _file_times(tests)
     lines.append("")
     if plots_skipped is not None:
         lines += [f"Plots skipped: {plots_skipped}.", ""]

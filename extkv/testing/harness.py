@@ -1,118 +1,96 @@
-"""The extkv harness, as a pytest plugin (`-p extkv.testing.harness`; the
-checkout's root conftest.py loads it with `pytest_plugins`).
+"""The extkv harness, as a pytest plugin.
 
 Theory of operation
 -------------------
-- One GPU per xdist worker, chosen before anything initializes CUDA: pinning
-  is the first thing this module does, and pytest imports a plugin before it
-  imports any test module.
+The plugin is installed as a `pytest11` entry point named after this module
+(so `-p extkv.testing.harness` and a checkout's `pytest_plugins` find it
+already loaded), and stays inert until a run asks for it: importing it pins
+no GPU, sets no torch threads and loads no Hypothesis profile, and an
+inactive harness adds no fixtures' parameters, skips or leak checks to
+anybody's tests. `activate(config)` switches it on, once per process:
+extkv's suites do so from their conftest (conformance/, stress/, the
+benchmarks), and so does any of the harness's own options on the command
+line or `-p extkv.testing.harness`. Activation happens in pytest_configure,
+before collection, so nothing has initialized CUDA yet when it pins.
+
+- One GPU per xdist worker: worker gwN gets GPU N modulo the count
+  (extkv.testing.gpus), by narrowing CUDA_VISIBLE_DEVICES.
 - The `device` fixture: the host driver and every CUDA device this process
   sees (ids `host`, `cuda:0`, ...). Where there is no GPU a `cuda:0` case is
   still collected, so the report shows it skipped and why.
 - Capability markers (gpu, cuda_graphs, multi_gpu(n), stress) become skips
-  with reasons in one hook, `pytest_collection_modifyitems`. `per_gpu` marks
-  a test that `extkv check` runs again in its all-GPUs step.
+  with reasons in one hook, `pytest_collection_modifyitems`; the same hook
+  selects the part of the suite a run asks for (`--extkv-device`,
+  `--extkv-part`: how `extkv check` runs every device at once and the tests
+  that need a device alone apart).
 - After every test: no reservation, chunk or memfd left behind, and physical
   usage measured outside extkv back where it started.
 - Hypothesis profiles: `ci` (derandomized, the default), `dev`, `nightly`;
   choose with --hypothesis-profile or EXTKV_HYPOTHESIS_PROFILE.
-- `@pytest.mark.invariant(n, ...)` names which of DESIGN.md's invariants
-  (1-8) a test proves. Numbers are checked at collection; the invariants ride
-  on each report's `user_properties`, so the terminal summary can count, also
-  under xdist, how many tests of each invariant ran and passed: a reader sees
-  which invariants a run proved and which it did not touch.
-- The `build` fixture makes ExtensibleTensors and ExtensibleKVCaches and frees
-  them after the test, even when it fails, before the leak check runs.
-- Each test also carries, from collection on, the device it runs on as a
-  label that names the physical GPU (`GPU 1 (NVIDIA H200)`: in an xdist
-  worker `cuda:0` is the worker's pinned GPU) or `host`, and the xdist worker.
-- `--extkv-report-dir DIR`: the controlling process (under xdist it receives
-  every worker's reports, user_properties included) writes `DIR/<step>.json`
-  at the end of the session (`--extkv-report-step`, default `check`): per
-  test its outcome, invariants, device, worker, duration and skip reason or
-  failure message; the totals; and the machine facts the report header
-  prints (`machine_facts`, which extkv.reporting.machine uses too).
+- `@pytest.mark.invariant(n, ...)` names which invariants (1-8, the table
+  in extkv.testing.invariants, stated in docs/INVARIANTS.md) a test proves;
+  numbers are checked at collection. Each test carries its invariants, the
+  device it runs on as a label that names the physical GPU (`GPU 1 (NVIDIA
+  H200)`: in an xdist worker `cuda:0` is the worker's pinned GPU) or `host`,
+  its xdist worker and any planted defect on its report's user_properties,
+  which extkv.testing.record folds into the run's results.
+- The `build` fixture makes ExtensibleTensors and ExtensibleKVCaches and
+  frees them after the test, even when it fails, before the leak check runs.
 """
 
 from __future__ import annotations
 
+import os
+from pathlib import Path
+
+import pytest
+import torch
+
+from .. import vmm
+from ..cache import ExtensibleKVCache
+from ..layout import KVCacheConfig, KVCacheLayout
+from ..tensor import ExtensibleTensor
+from ..usage import UsageProbe, open_chunk_fds
+from .checks import warm_up_kernels
+from .configs import CAPACITY, CASE_IDS, CASES, config_for
+from .facts import cuda_device_count, gpu_label, machine_facts, no_cuda_reason
 from .gpus import gpu_for_worker, pin_this_worker, visible_gpu_ids
-
-# Must precede any CUDA initialization in this process.
-_PINNED_GPU = pin_this_worker()
-
-import datetime  # noqa: E402
-import functools  # noqa: E402
-import json  # noqa: E402
-import os  # noqa: E402
-import socket  # noqa: E402
-import sys  # noqa: E402
-from importlib import metadata  # noqa: E402
-from pathlib import Path  # noqa: E402
-
-import pytest  # noqa: E402
-import torch  # noqa: E402
-from hypothesis import HealthCheck, settings  # noqa: E402
-
-from .. import vmm  # noqa: E402
-from ..cache import ExtensibleKVCache  # noqa: E402
-from ..tensor import ExtensibleTensor  # noqa: E402
-from ..layout import KVCacheConfig, KVCacheLayout  # noqa: E402
-from .checks import warm_up_kernels  # noqa: E402
-from .configs import CAPACITY, CASE_IDS, CASES, config_for  # noqa: E402
-from ..usage import UsageProbe, open_chunk_fds  # noqa: E402
-
-# The suites' CPU tensors are a few MiB: one thread copies or compares them
-# in about a millisecond, while OpenMP threads on a busy machine, or under
-# xdist (one process per core already), wait for each other for longer than
-# the work takes (10 ms instead of 0.1 ms per op was measured on 2 loaded
-# cores). EXTKV_TORCH_THREADS overrides.
-torch.set_num_threads(int(os.environ.get("EXTKV_TORCH_THREADS", "1")))
-
-settings.register_profile(
-    "ci", derandomize=True, max_examples=40, stateful_step_count=20, deadline=None, suppress_health_check=[HealthCheck.too_slow]
+from .invariants import INVARIANTS as INVARIANT_TABLE
+from .record import (
+    DEVICE_PROPERTY,
+    HOST_LABEL,
+    INVARIANTS_PROPERTY,
+    PLANTED_PROPERTY,
+    RECORD_FORMAT,
+    WORKER_PROPERTY,
+    RunRecord,
 )
-settings.register_profile("dev", max_examples=100, deadline=None)
-settings.register_profile(
-    "nightly", max_examples=2000, stateful_step_count=100, deadline=None, suppress_health_check=[HealthCheck.too_slow]
-)
-settings.load_profile(os.environ.get("EXTKV_HYPOTHESIS_PROFILE", "ci"))
 
 MARKERS = {
     "gpu": "needs a CUDA GPU driven through cuda-python",
     "cuda_graphs": "captures and replays CUDA graphs",
     "multi_gpu(n)": "needs n GPUs visible to this process",
     "stress": "long randomized run; only with --stress",
-    "per_gpu": "runs again in extkv check's all-GPUs step, so that every GPU gets one (under xdist each test runs on one worker's GPU)",
-    "invariant(n, ...)": "proves DESIGN.md's invariant(s) n (1-8); counted in the terminal summary",
+    "exclusive": "needs its device alone (fills it, or reads what the whole device has free): "
+    "extkv check runs these one at a time, after the others",
     "planted_defect(name)": "plants a defect in a broken implementation; the check under test must flag it",
+    "invariant(n, ...)": "proves invariant(s) n (1-8, docs/INVARIANTS.md); counted per device",
 }
-
-#: DESIGN.md's invariants, by number, in a few words each.
-INVARIANTS = {
-    1: "fixed addresses, contents survive growth",
-    2: "CUDA graph replay after growth",
-    3: "shrink/defragment: one chunk per segment, exact footprint",
-    4: "sleep/recommit returns memory, reads zero",
-    5: "accounting: usage measured outside equals physical_bytes",
-    6: "bad input raises and changes nothing",
-    7: "concurrency",
-    8: "exports cannot harm the exporter",
-}
-#: Names of the user_properties every test report carries (also written
-#: into JUnit XML as testcase properties).
-INVARIANTS_PROPERTY = "extkv_invariants"
-DEVICE_PROPERTY = "extkv_device"
-WORKER_PROPERTY = "extkv_worker"
-#: Label of everything that runs on the host driver or needs no device.
-HOST_LABEL = "host"
-#: Format tag of the `<step>.json` files this harness writes.
-RECORD_FORMAT = "extkv-check/1"
+#: The invariants by number, in a few words each.
+INVARIANTS = {number: invariant.words for number, invariant in INVARIANT_TABLE.items()}
+#: `--extkv-device`: which tests a run keeps, by where they run.
+DEVICE_CHOICES = ("all", "host", "gpu", "multi-gpu")
+#: `--extkv-part`: which part of the suite a run keeps.
+PART_CHOICES = ("all", "planted", "shared", "exclusive")
+#: Options whose presence on the command line activates the harness.
+ACTIVATING_OPTIONS = ("--stress", "--extkv", "--extkv-report-dir", "--extkv-progress", "--extkv-device", "--extkv-part")
+_ACTIVE = pytest.StashKey[bool]()
 
 
 def pytest_addoption(parser):
     parser.addoption("--stress", action="store_true", help="run tests marked stress (long, nightly)")
-    group = parser.getgroup("extkv", "extkv reports")
+    group = parser.getgroup("extkv", "extkv harness")
+    group.addoption("--extkv", action="store_true", help="activate the extkv harness for this run")
     group.addoption(
         "--extkv-report-dir",
         metavar="DIR",
@@ -125,91 +103,74 @@ def pytest_addoption(parser):
         default="check",
         help="name of this run's results file in the report directory (default %(default)s: check.json)",
     )
+    group.addoption(
+        "--extkv-progress", metavar="FILE", default=None, help="keep FILE at `done total failed` as tests finish"
+    )
+    group.addoption(
+        "--extkv-device",
+        choices=DEVICE_CHOICES,
+        default="all",
+        help="keep only the tests that run on the host driver, on one GPU, or on several GPUs (default all)",
+    )
+    group.addoption(
+        "--extkv-part",
+        choices=PART_CHOICES,
+        default="all",
+        help="keep only the planted-defect tests, the tests that share a device, or those that need it alone",
+    )
 
 
 def pytest_configure(config):
     for name, text in MARKERS.items():
         config.addinivalue_line("markers", f"{name}: {text}")
-    config.pluginmanager.register(RunRecord(config), "extkv-run-record")
+    arguments = [str(argument) for argument in config.invocation_params.args]
+    asked = any(argument.split("=")[0] in ACTIVATING_OPTIONS for argument in arguments)
+    loaded = any(
+        argument == "extkv.testing.harness" and before == "-p" for before, argument in zip([""] + arguments, arguments)
+    )
+    if asked or loaded or "-pextkv.testing.harness" in arguments:
+        activate(config)
 
 
-def cuda_device_count() -> int:
-    return torch.cuda.device_count() if vmm.cuda_usable() else 0
+def is_active(config) -> bool:
+    return config.stash.get(_ACTIVE, False)
 
 
-def _no_cuda_reason() -> str:
-    if not torch.cuda.is_available():
-        return "torch.cuda.is_available() is False (no GPU or a CPU build of torch)"
-    return "cuda-python (cuda-bindings) is not importable"
+def activate(config) -> None:
+    """Switch the harness on for this run (idempotent): pin this xdist
+    worker's GPU, one torch thread, the Hypothesis profile, the run record."""
+    if is_active(config):
+        return
+    config.stash[_ACTIVE] = True
+    if config.getoption("--extkv-device") != "multi-gpu":  # the multi-GPU tests need every GPU
+        pin_this_worker()
+    # The suites' CPU tensors are a few MiB: one thread copies or compares
+    # them in about a millisecond, while OpenMP threads on a busy machine, or
+    # under xdist (one process per core already), wait for each other for
+    # longer than the work takes (10 ms instead of 0.1 ms per op was measured
+    # on 2 loaded cores). EXTKV_TORCH_THREADS overrides.
+    torch.set_num_threads(int(os.environ.get("EXTKV_TORCH_THREADS", "1")))
+    _load_hypothesis_profile()
+    gpus = machine_facts()["gpus"]
+    kinds = {HOST_LABEL: "host"} | {gpu["label"]: "cuda" for gpu in gpus}
+    chosen = config.getoption("--extkv-device")
+    default = gpus[0]["label"] if chosen == "gpu" and gpus else HOST_LABEL
+    config.pluginmanager.register(RunRecord(config, default, kinds, worker_gpus(config)), "extkv-run-record")
 
 
-# -- machine facts: the report header and extkv.reporting.machine -------------
-def gpu_label(gpu_id: str, name: str) -> str:
-    """`GPU 1 (NVIDIA H200)`: the physical GPU, as CUDA_VISIBLE_DEVICES names it."""
-    return f"GPU {gpu_id} ({name})"
+def _load_hypothesis_profile() -> None:
+    from hypothesis import HealthCheck, settings
 
-
-@functools.lru_cache(maxsize=None)
-def machine_facts() -> dict:
-    """Host name, versions, the host driver and each GPU this process sees:
-    name, physical id and label, NVIDIA driver, CUDA driver API, VMM
-    granularity. Creates no CUDA context (NVML, and cuInit for the
-    granularity), so a controlling process that runs no GPU work holds none."""
-    host = vmm.driver_for("cpu").describe()
-    facts = {
-        "host": socket.gethostname(),
-        "python": sys.version.split()[0],
-        "torch": torch.__version__,
-        "cuda-bindings": _version("cuda-bindings"),
-        "nvidia-ml-py": _version("nvidia-ml-py"),
-        "host_driver": host["driver"],
-        "host_granularity": host["granularity"],
-        "gpus": [],
-        "no_gpu_reason": None,
-    }
-    if not vmm.cuda_usable():
-        facts["no_gpu_reason"] = _no_cuda_reason()
-        return facts
-    from ..vmm.base import format_granularity
-    from ..vmm.cuda import query_granularity
-
-    driver, cuda_api = _nvidia_driver_versions()
-    gpu_ids = visible_gpu_ids()
-    for index in range(torch.cuda.device_count()):
-        gpu_id = gpu_ids[index] if index < len(gpu_ids) else str(index)
-        name = torch.cuda.get_device_name(index)
-        facts["gpus"].append(
-            {
-                "index": index,
-                "id": gpu_id,
-                "name": name,
-                "label": gpu_label(gpu_id, name),
-                "driver": driver,
-                "cuda_driver_api": cuda_api,
-                "granularity": format_granularity(query_granularity(index)),
-            }
-        )
-    return facts
-
-
-def _version(distribution: str) -> str:
-    try:
-        return metadata.version(distribution)
-    except metadata.PackageNotFoundError:
-        return "not installed"
-
-
-def _nvidia_driver_versions() -> tuple[str, str]:
-    """(NVIDIA driver version, CUDA driver API version) from NVML."""
-    try:
-        import pynvml
-
-        pynvml.nvmlInit()
-        driver = pynvml.nvmlSystemGetDriverVersion()
-        api = pynvml.nvmlSystemGetCudaDriverVersion()
-        return (driver.decode() if isinstance(driver, bytes) else driver), f"{api // 1000}.{api % 1000 // 10}"
-    except Exception as error:
-        return f"unknown ({error})", "unknown"
+    settings.register_profile(
+        "ci", derandomize=True, max_examples=40, stateful_step_count=20, deadline=None,
+        suppress_health_check=[HealthCheck.too_slow],
+    )
+    settings.register_profile("dev", max_examples=100, deadline=None)
+    settings.register_profile(
+        "nightly", max_examples=2000, stateful_step_count=100, deadline=None,
+        suppress_health_check=[HealthCheck.too_slow],
+    )
+    settings.load_profile(os.environ.get("EXTKV_HYPOTHESIS_PROFILE", "ci"))
 
 
 def _xdist_workers(config) -> int:
@@ -230,9 +191,12 @@ def worker_gpus(config) -> dict[str, str]:
 
 
 def pytest_report_header(config):
+    if not is_active(config):
+        return None
     facts = machine_facts()
     lines = [
-        f"extkv: torch {facts['torch']}, cuda-bindings {facts['cuda-bindings']}, "
+        f"extkv {facts['extkv']}" + (f" at {facts['extkv_commit']}" if facts["extkv_commit"] else "")
+        + f": torch {facts['torch']} (CUDA {facts['torch_cuda']}), cuda-bindings {facts['cuda-bindings']}, "
         f"nvidia-ml-py {facts['nvidia-ml-py']}, python {facts['python']}",
         f"extkv: host driver: {facts['host_driver']}, granularity {facts['host_granularity']}",
     ]
@@ -251,7 +215,7 @@ def pytest_report_header(config):
     return lines
 
 
-# -- collection: invariants, capabilities, device labels ------------------------
+# -- collection: invariants, capabilities, device labels, selection ---------------
 def _invariants_of(item) -> list[int]:
     numbers: set[int] = set()
     for marker in item.iter_markers("invariant"):
@@ -260,7 +224,7 @@ def _invariants_of(item) -> list[int]:
         for number in marker.args:
             if isinstance(number, bool) or number not in INVARIANTS:
                 raise pytest.UsageError(
-                    f"{item.nodeid}: invariant {number!r} is not one of DESIGN.md's invariants {sorted(INVARIANTS)}"
+                    f"{item.nodeid}: invariant {number!r} is not one of the invariants {sorted(INVARIANTS)}"
                 )
             numbers.add(number)
     return sorted(numbers)
@@ -295,36 +259,64 @@ def _device_label(item, gpus: list[dict]) -> str:
     return gpus[index]["label"] if index < len(gpus) else f"{device} (no GPU)"
 
 
+def _where(item, label: str) -> str:
+    """`host`, `gpu` or `multi-gpu`: the `--extkv-device` choice that keeps `item`."""
+    if _wanted_gpus(item):
+        return "multi-gpu"
+    return "host" if label == HOST_LABEL else "gpu"
+
+
+def _part(item) -> str:
+    if item.get_closest_marker("planted_defect"):
+        return "planted"
+    return "exclusive" if item.get_closest_marker("exclusive") else "shared"
+
+
 def pytest_collection_modifyitems(config, items):
-    """The one place capability markers turn into skips; invariant markers
-    are checked and, with the device label and the worker, attached to the
-    reports here too."""
+    """The one place capability markers turn into skips and a run's device
+    and part select its tests; invariant markers are checked and, with the
+    device label, the worker and any planted defect, attached to the reports."""
+    if not is_active(config):
+        return
     gpus = cuda_device_count()
     gpu_facts = machine_facts()["gpus"]
     worker = os.environ.get("PYTEST_XDIST_WORKER", "")
+    device_choice, part_choice = config.getoption("--extkv-device"), config.getoption("--extkv-part")
+    kept, dropped = [], []
     for item in items:
+        label = _device_label(item, gpu_facts)
+        if device_choice not in ("all", _where(item, label)) or part_choice not in ("all", _part(item)):
+            dropped.append(item)
+            continue
+        kept.append(item)
         invariants = _invariants_of(item)
         if invariants:
             item.user_properties.append((INVARIANTS_PROPERTY, invariants))
-        item.user_properties.append((DEVICE_PROPERTY, _device_label(item, gpu_facts)))
+        item.user_properties.append((DEVICE_PROPERTY, label))
         if worker:
             item.user_properties.append((WORKER_PROPERTY, worker))
+        planted = item.get_closest_marker("planted_defect")
+        if planted is not None:
+            item.user_properties.append((PLANTED_PROPERTY, planted.args[0] if planted.args else item.name))
         if item.get_closest_marker("stress") and not config.getoption("--stress"):
             item.add_marker(pytest.mark.skip(reason="stress test: run with --stress"))
         needs_cuda = item.get_closest_marker("gpu") or item.get_closest_marker("cuda_graphs")
         if needs_cuda and gpus == 0:
             what = "CUDA graphs need" if item.get_closest_marker("cuda_graphs") else "needs"
-            item.add_marker(pytest.mark.skip(reason=f"{what} a CUDA GPU: {_no_cuda_reason()}"))
+            item.add_marker(pytest.mark.skip(reason=f"{what} a CUDA GPU: {no_cuda_reason()}"))
         wanted = _wanted_gpus(item)
         if wanted and gpus < wanted:
             item.add_marker(pytest.mark.skip(reason=f"needs {wanted} GPUs visible to this process, found {gpus}"))
+    if dropped:
+        config.hook.pytest_deselected(items=dropped)
+        items[:] = kept
 
 
 def pytest_collection_finish(session):
     """Which invariants the collected tests carry. Under xdist the controller
     collects nothing and says nothing here; the terminal summary counts."""
     reporter = session.config.pluginmanager.getplugin("terminalreporter")
-    if reporter is None or not session.items:
+    if not is_active(session.config) or reporter is None or not session.items:
         return
     carried = {number: 0 for number in INVARIANTS}
     for item in session.items:
@@ -335,118 +327,13 @@ def pytest_collection_finish(session):
     )
 
 
-# -- results: the terminal summary and <step>.json ------------------------------
-#: Outcomes a test's record can have. A failing call is "failed"; a failing
-#: setup or teardown (the leak check runs there) is "error", as in JUnit XML.
-OUTCOMES = ("passed", "failed", "error", "skipped")
-
-
-class RunRecord:
-    """Every test's reports, folded into one record per nodeid as they
-    arrive. In the controlling process (not an xdist worker) it prints the
-    per-invariant summary and, with --extkv-report-dir, writes the JSON."""
-
-    def __init__(self, config):
-        self.config = config
-        self.tests: dict[str, dict] = {}
-        self.collection_errors: list[dict] = []
-        self.started = datetime.datetime.now(datetime.timezone.utc)
-
-    @property
-    def controlling(self) -> bool:
-        return not hasattr(self.config, "workerinput")
-
-    def pytest_runtest_logreport(self, report):
-        properties = dict(report.user_properties)
-        record = self.tests.setdefault(
-            report.nodeid,
-            {
-                "outcome": None,
-                "invariants": properties.get(INVARIANTS_PROPERTY, []),
-                "device": properties.get(DEVICE_PROPERTY, HOST_LABEL),
-                "worker": properties.get(WORKER_PROPERTY),
-                "duration_s": 0.0,
-                "skip_reason": None,
-                "message": None,
-            },
-        )
-        record["duration_s"] = round(record["duration_s"] + report.duration, 6)
-        if report.failed:
-            if record["outcome"] != "failed":
-                record["outcome"] = "failed" if report.when == "call" else "error"
-            record["message"] = record["message"] or _failure_message(report)
-        elif report.skipped and record["outcome"] not in ("failed", "error"):
-            record["outcome"] = "skipped"
-            record["skip_reason"] = _skip_reason(report)
-        elif report.when == "call" and record["outcome"] is None:
-            record["outcome"] = "passed"
-
-    def pytest_collectreport(self, report):
-        if report.failed:
-            self.collection_errors.append({"nodeid": report.nodeid, "message": _failure_message(report)})
-
-    def pytest_terminal_summary(self, terminalreporter):
-        counted = [record for record in self.tests.values() if record["invariants"]]
-        if not counted:
-            return
-        terminalreporter.write_sep("-", "extkv invariants proven by this run")
-        for number, words in INVARIANTS.items():
-            outcomes = [record["outcome"] for record in counted if number in record["invariants"]]
-            counts = {kind: outcomes.count(kind) for kind in OUTCOMES}
-            failed = counts["failed"] + counts["error"]
-            verdict = "FAILED" if failed else "proven" if counts["passed"] else "not proven"
-            terminalreporter.write_line(
-                f"invariant {number} ({words}): {len(outcomes)} tests, {counts['passed']} passed, "
-                f"{failed} failed, {counts['skipped']} skipped -> {verdict}"
-            )
-
-    def pytest_sessionfinish(self, session, exitstatus):
-        directory = self.config.getoption("--extkv-report-dir")
-        if directory is None or not self.controlling:
-            return
-        path = Path(directory) / f"{self.config.getoption('--extkv-report-step')}.json"
-        path.parent.mkdir(parents=True, exist_ok=True)
-        tests = {nodeid: {**record, "outcome": record["outcome"] or "error"} for nodeid, record in self.tests.items()}
-        outcomes = [record["outcome"] for record in tests.values()]
-        document = {
-            "format": RECORD_FORMAT,
-            "step": self.config.getoption("--extkv-report-step"),
-            "arguments": list(self.config.invocation_params.args),
-            "started": self.started.isoformat(timespec="seconds"),
-            "finished": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-            "exit_status": int(exitstatus),
-            "machine": machine_facts(),
-            "worker_gpus": worker_gpus(self.config),
-            "invariants": {str(number): words for number, words in INVARIANTS.items()},
-            "totals": {kind: outcomes.count(kind) for kind in OUTCOMES},
-            "collection_errors": self.collection_errors,
-            "tests": tests,
-        }
-        path.write_text(json.dumps(document, indent=1) + "\n")
-        reporter = self.config.pluginmanager.getplugin("terminalreporter")
-        if reporter is not None:
-            reporter.write_line(f"extkv: results written to {path}")
-
-
-def _skip_reason(report) -> str:
-    if isinstance(report.longrepr, tuple):
-        return report.longrepr[2].removeprefix("Skipped: ")
-    return str(report.longrepr)
-
-
-def _failure_message(report) -> str:
-    """The one line that says what failed (pytest's crash line), shortened."""
-    crash = getattr(report.longrepr, "reprcrash", None)
-    text = crash.message if crash is not None else str(report.longrepr)
-    return text.strip().splitlines()[0][:500] if text.strip() else "(no message)"
-
-
+# -- fixtures ---------------------------------------------------------------------
 def device_ids() -> list[str]:
     return ["host"] + [f"cuda:{i}" for i in range(max(cuda_device_count(), 1))]
 
 
 def pytest_generate_tests(metafunc):
-    if "device" in metafunc.fixturenames:
+    if is_active(metafunc.config) and "device" in metafunc.fixturenames:
         params = [
             pytest.param(name, id=name, marks=() if name == "host" else pytest.mark.gpu) for name in device_ids()
         ]
@@ -456,6 +343,11 @@ def pytest_generate_tests(metafunc):
 @pytest.fixture
 def device(request) -> torch.device:
     """The device a test runs on: `cpu` (host driver) or `cuda:N`."""
+    if not hasattr(request, "param"):
+        raise pytest.UsageError(
+            f"{request.node.nodeid} asks for extkv's `device` fixture, but the extkv harness was not active when "
+            "tests were collected: run with --extkv (or -p extkv.testing.harness), or activate it in a conftest"
+        )
     return torch.device("cpu") if request.param == "host" else torch.device(request.param)
 
 
@@ -541,6 +433,7 @@ class Builder:
 def build(request) -> Builder:
     """Build tensors and caches (`build.tensor`, `build.cache`, `build.cache_for`)
     that are freed after the test, even on failure."""
+    activate(request.config)
     default = request.getfixturevalue("device") if "device" in request.fixturenames else None
     builder = Builder(default)
     yield builder
@@ -554,6 +447,9 @@ def _nonzero(counts) -> dict[str, int]:
 @pytest.fixture(autouse=True)
 def no_leaks(request):
     """Fail a test that leaves a reservation, chunk, memfd or physical memory behind."""
+    if not is_active(request.config):
+        yield
+        return
     devices = [request.getfixturevalue("device")] if "device" in request.fixturenames else []
     reservations = _nonzero(vmm.live_reservations)
     chunks = _nonzero(vmm.live_chunks)

@@ -1,0 +1,192 @@
+"""What a check run certified: one verdict per device, and the run's.
+
+Theory of operation
+-------------------
+A device is CERTIFIED when every invariant its kind can prove
+(extkv.testing.invariants.DEVICE_KINDS) has at least one passing test on it
+and no test on it failed. The run is CERTIFIED when every device it was
+asked to check is, nothing failed anywhere else (the multi-GPU step, a
+planted defect the checks missed, a collection error, a step that pytest
+could not finish), and the suite ran whole: a run narrowed by `-k`, `-m`,
+paths, `--deselect`, `--lf` or stopped early by `-x` certifies nothing, and
+says so. `extkv check` prints these lines last and exits 0 only on a
+CERTIFIED run; the report shows the same lines.
+
+Everything here reads the merged results (extkv.reporting.summary.load_check)
+and `check-run.json` (what `extkv check` ran: the steps and their targets,
+the wall time); nothing is measured here.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from dataclasses import dataclass, field
+
+from ..testing.invariants import DEVICE_KINDS, number_ranges
+
+#: pytest exit statuses a step may end with and still have run every test
+#: it selected: all passed, some failed (the records say which), none selected.
+FINISHED_STATUSES = (0, 1, 5)
+#: Options that narrow what a pytest run selects or stop it early, as the
+#: harness records them (`selection` in each results file).
+NARROWING = {
+    "keyword": "-k", "markexpr": "-m", "deselect": "--deselect", "ignore": "--ignore",
+    "ignore_glob": "--ignore-glob", "lf": "--lf", "stepwise": "--sw", "maxfail": "-x/--maxfail",
+}
+
+
+@dataclass
+class DeviceVerdict:
+    label: str                 # the harness's device label: `host`, `GPU 0 (NVIDIA H200)`
+    name: str                  # how the verdict names it: `cuda:0 NVIDIA H200 (driver ..., torch ...)`
+    kind: str                  # the driver kind: host, cuda
+    counts: Counter = field(default_factory=Counter)
+    proven: list[int] = field(default_factory=list)
+    unproven: list[int] = field(default_factory=list)     # provable here, but no test of it passed
+    cannot: dict[int, str] = field(default_factory=dict)  # not provable on this kind, and why
+    failed: list[str] = field(default_factory=list)
+    failed_invariants: set[int] = field(default_factory=set)
+
+    @property
+    def certified(self) -> bool:
+        return not self.failed and not self.unproven and self.counts["passed"] > 0
+
+    def problems(self) -> list[str]:
+        """Why this device is not certified; [] when it is."""
+        found = []
+        if self.failed:
+            found.append(f"{len(self.failed)} failed" + (f" (invariants {number_ranges(self.failed_invariants)})"
+                                                         if self.failed_invariants else ""))
+        if self.unproven:
+            plural = "s" if len(self.unproven) > 1 else ""
+            found.append(f"invariant{plural} {number_ranges(self.unproven)} ran no passing test")
+        if not self.counts["passed"] and not self.unproven:
+            found.append("no test passed")
+        return found
+
+    def line(self) -> str:
+        counts = f"{self.counts['passed']} passed, {self.counts['skipped']} skipped"
+        if self.certified:
+            return f"{self.name}: invariants {number_ranges(self.proven)} proven{_cannot(self.cannot)}; {counts}"
+        return f"{self.name}: NOT CERTIFIED: {', '.join(self.problems())}; {counts}"
+
+
+def _cannot(cannot: dict[int, str]) -> str:
+    if not cannot:
+        return ""
+    return " (" + "; ".join(f"{number} {reason}" for number, reason in sorted(cannot.items())) + ")"
+
+
+def device_name(label: str, kind: str, facts: dict) -> str:
+    """`host driver (Linux 6.18, memfd)`, `cuda:0 NVIDIA H200 (driver 580.159.04, torch 2.11.0+cu130)`."""
+    if kind == "host":
+        return f"{DEVICE_KINDS['host'].name} ({facts['host_driver']}, memfd)"
+    for gpu in facts["gpus"]:
+        if gpu["label"] == label:
+            return f"cuda:{gpu['index']} {gpu['name']} (driver {gpu['driver']}, torch {facts['torch']})"
+    return label
+
+
+def device_verdicts(check: dict) -> list[DeviceVerdict]:
+    """One verdict per device the run was asked to check (check["devices"])."""
+    verdicts = {}
+    for label, kind in check["devices"].items():
+        cannot = DEVICE_KINDS[kind].cannot
+        verdicts[label] = DeviceVerdict(label, device_name(label, kind, check["machine"]), kind, cannot=dict(cannot))
+    passed_invariants: dict[str, set[int]] = {label: set() for label in verdicts}
+    for key, record in check["tests"].items():
+        verdict = verdicts.get(record["device"])
+        if verdict is None:
+            continue
+        verdict.counts[record["outcome"]] += 1
+        if record["outcome"] in ("failed", "error"):
+            verdict.failed.append(key)
+            verdict.failed_invariants.update(record["invariants"])
+        elif record["outcome"] == "passed":
+            passed_invariants[record["device"]].update(record["invariants"])
+    for label, verdict in verdicts.items():
+        provable = DEVICE_KINDS[verdict.kind].provable
+        verdict.proven = [n for n in provable if n in passed_invariants[label]]
+        verdict.unproven = [n for n in provable if n not in passed_invariants[label]]
+    return list(verdicts.values())
+
+
+def narrowed_by(check: dict, targets: dict[str, list[str]] | None) -> list[str]:
+    """What narrowed the run (`-k sizing`, `path conformance/test_cache.py`); [] for a whole run.
+    `targets`: per step, the paths `extkv check` itself gave it."""
+    found = []
+    for step, document in check["steps"].items():
+        selection = document["selection"]
+        for key, flag in NARROWING.items():
+            value = selection.get(key)
+            if value and f"{flag} {value}" not in found:
+                found.append(flag if value is True else f"{flag} {value}")
+        own = set((targets or {}).get(step, selection["args"]))
+        for path in selection["args"]:
+            if path not in own and f"path {path}" not in found:
+                found.append(f"path {path}")
+    return found
+
+
+def other_failures(check: dict, verdicts: list[DeviceVerdict]) -> list[str]:
+    """Failures no device verdict holds: tests on devices outside the verdicts
+    (the multi-GPU step), collection errors, steps pytest did not finish."""
+    mine = {key for verdict in verdicts for key in verdict.failed}
+    problems = [
+        f"{record['device']}: {key} {record['outcome']}"
+        for key, record in check["tests"].items()
+        if record["outcome"] in ("failed", "error") and key not in mine
+    ]
+    for step, document in check["steps"].items():
+        problems += [f"{step}: collection error in {error['nodeid']}" for error in document["collection_errors"]]
+        if document["exit_status"] not in FINISHED_STATUSES:
+            problems.append(f"{step}: pytest ended with exit status {document['exit_status']}")
+    return problems
+
+
+def planted_counts(check: dict) -> tuple[int, int]:
+    """(caught, planted): planted-defect tests that passed, of those that ran."""
+    ran = [r for r in check["tests"].values() if r.get("planted_defect") and r["outcome"] != "skipped"]
+    return sum(r["outcome"] == "passed" for r in ran), len(ran)
+
+
+def run_verdict(check: dict, run: dict | None) -> list[str]:
+    """The verdict lines, the run's last: one per device, then the run's.
+    `run`: check-run.json (targets per step, wall seconds), or None."""
+    verdicts = device_verdicts(check)
+    totals = Counter(record["outcome"] for record in check["tests"].values())
+    failed = totals["failed"] + totals["error"]
+    counts = f"{totals['passed']} passed" + (f", {failed} failed" if failed else "") + f", {totals['skipped']} skipped"
+    if run is not None:
+        counts += f" in {run['wall_s']:.0f} s"
+    lines = [verdict.line() for verdict in verdicts]
+    caught, planted = planted_counts(check)
+    if planted:
+        lines.append(f"the checks caught {caught} of {planted} planted defects")
+    narrowed = narrowed_by(check, run["targets"] if run is not None else None)
+    problems = other_failures(check, verdicts)
+    if narrowed:
+        lines.append(f"partial run: nothing certified (narrowed by {', '.join(narrowed)}); {counts}")
+        return lines
+    uncertified = [verdict for verdict in verdicts if not verdict.certified]
+    if uncertified or problems or not verdicts:
+        what = [f"{verdict.name}: {', '.join(verdict.problems())}" for verdict in uncertified] + problems
+        lines.append(f"NOT CERTIFIED {'; '.join(what) or 'no device was checked'}; {counts}")
+        return lines
+    gpus = [verdict for verdict in verdicts if verdict.kind != "host"]
+    named = gpus or verdicts
+    certified = named[0].proven if len(named) == 1 else sorted(set.intersection(*(set(v.proven) for v in named)))
+    lines.append(
+        f"CERTIFIED {_names(named)}: invariants {number_ranges(certified)} proven{_cannot(named[0].cannot)}; {counts}"
+    )
+    return lines
+
+
+def _names(verdicts: list[DeviceVerdict]) -> str:
+    """`cuda:0, cuda:1 NVIDIA H200 (driver ..., torch ...)` for GPUs of one
+    name and driver; every name in full otherwise."""
+    names = [verdict.name for verdict in verdicts]
+    tails = {name.split(" ", 1)[1] for name in names}
+    if len(names) > 1 and len(tails) == 1:
+        return ", ".join(name.split(" ", 1)[0] for name in names) + " " + tails.pop()
+    return "; ".join(names)

@@ -1,0 +1,89 @@
+"""The eight invariants extkv certifies, and which kind of device can prove which.
+
+Theory of operation
+-------------------
+This table is the one place that says what `extkv check` certifies. A test
+names the invariants it proves with `@pytest.mark.invariant(n, ...)`; the
+harness counts, per device, the tests of each invariant that ran and passed;
+a device is certified when every invariant its kind can prove has at least
+one passing test on it and no test on it failed (extkv.testing.verdict).
+What a kind cannot prove is said here with the reason, and the report shows
+it: the host driver has no CUDA graphs to replay.
+
+`docs/INVARIANTS.md` states each invariant in full, with the test modules
+that prove it; conformance/test_invariants_doc.py holds that page to this
+table. Device kinds are a driver's `kind` (extkv.vmm: `host`, `cuda`).
+
+Nothing here imports pytest, so a report renders without the test extra.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class Invariant:
+    number: int
+    words: str          # the invariant in a few words, as tables and verdicts print it
+    statement: str      # the invariant in one sentence
+
+
+INVARIANTS: dict[int, Invariant] = {
+    invariant.number: invariant
+    for invariant in (
+        Invariant(1, "fixed addresses, contents survive growth",
+                  "The base and every view's data_ptr never move across commits, shrinks, defragments, "
+                  "sleeps and recommits, and committed bytes survive growth."),
+        Invariant(2, "CUDA graph replay after growth",
+                  "A CUDA graph captured before growth reads and writes newly committed blocks when replayed "
+                  "after growth and after sleep and recommit, bit for bit as eager execution does."),
+        Invariant(3, "shrink/defragment: one chunk per segment, exact footprint",
+                  "After a defragmenting commit every segment is backed by one chunk, as the driver reads it "
+                  "back; after a shrink the physical footprint is exactly physical_bytes_for(n)."),
+        Invariant(4, "sleep/recommit returns memory, reads zero",
+                  "release_physical returns the memory, as measured outside extkv, and recommit maps fresh "
+                  "pages that read zero over poisoned memory, at the same addresses."),
+        Invariant(5, "accounting: usage measured outside equals physical_bytes",
+                  "Physical usage measured outside extkv (NVML per process, the kernel's memfd pages) equals "
+                  "physical_bytes after every operation and returns to its baseline after free()."),
+        Invariant(6, "bad input raises and changes nothing",
+                  "Every invalid config or call raises an exception that names the value and what was "
+                  "expected, and changes nothing."),
+        Invariant(7, "concurrency",
+                  "Every public operation may be called from several threads; state changes are serialized "
+                  "per reservation and the invariants above hold after any interleaving."),
+        Invariant(8, "exports cannot harm the exporter",
+                  "A peer receives only what it is given and cannot harm the exporter: host chunks are sealed "
+                  "before they are shared, exports are read-only unless asked otherwise, and the peer's "
+                  "credentials are checked."),
+    )
+}
+
+
+@dataclass(frozen=True)
+class DeviceKind:
+    kind: str                     # a driver's `kind`
+    name: str                     # how reports name it
+    cannot: dict[int, str]        # invariant -> why this kind cannot prove it
+
+    @property
+    def provable(self) -> tuple[int, ...]:
+        return tuple(number for number in INVARIANTS if number not in self.cannot)
+
+
+DEVICE_KINDS: dict[str, DeviceKind] = {
+    "host": DeviceKind("host", "host driver", {2: "needs a GPU: the host driver has no CUDA graphs"}),
+    "cuda": DeviceKind("cuda", "CUDA driver", {}),
+}
+
+
+def number_ranges(numbers) -> str:
+    """`1, 3-8` for [1, 3, 4, 5, 6, 7, 8]; `none` for none."""
+    spans: list[list[int]] = []
+    for number in sorted(set(numbers)):
+        if spans and number == spans[-1][1] + 1:
+            spans[-1][1] = number
+        else:
+            spans.append([number, number])
+    return ", ".join(str(a) if a == b else f"{a}-{b}" for a, b in spans) or "none"
