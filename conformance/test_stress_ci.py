@@ -5,9 +5,19 @@ CACHE_MACHINE_CASES, the whole fault enumeration of one case, real memory
 pressure from a second process, threads, a crash, and several processes on
 one device. The workloads are extkv.testing.stress's; the nightly run gives
 them minutes where these give them seconds.
+
+Where a workload has a deadline, these give it one already spent: a
+deadline is a floor for the workload's least episode (one whole pressure
+episode, a walk through every kind of operation, two thread rounds, a
+pressure cycle walked through), so a spent one must still run that least,
+exactly, and say that the bound was too short. That is the nightly suite's
+shortest bound, met here in a second.
 """
 
 from __future__ import annotations
+
+import json
+import time
 
 import pytest
 from hypothesis import settings
@@ -15,9 +25,13 @@ from hypothesis.stateful import run_state_machine_as_test
 
 from extkv import KVCacheLayout
 from extkv.testing.stateful import CACHE_MACHINE_CASES, endurance_machine
+from extkv.reporting.stress import stress_section
 from extkv.testing.stress import (
     HOST_STRESS_GRANULE,
+    LEAST_THREAD_ROUNDS,
     OPERATIONS,
+    WALK_EPISODE_OPERATIONS,
+    Floor,
     PressureProcess,
     StressTally,
     crash_once,
@@ -26,8 +40,10 @@ from extkv.testing.stress import (
     run_walk,
     run_walk_processes,
     stress_driver,
+    share_of_bound,
     thread_rounds,
     walk_under_pressure,
+    walked_through,
     warmed_probe,
 )
 from extkv.vmm import FAULTABLE_STEPS, HostDriver, driver_for
@@ -39,6 +55,9 @@ WALK_STEPS = 600
 FULL_CHECK_EVERY = 8
 #: Examples of the CI endurance machine (the profile's step count each).
 MACHINE_EXAMPLES = 8
+#: Steps of the CI walk under memory pressure and of each walk process.
+PRESSURE_WALK_STEPS = 200
+PROCESS_WALK_STEPS = 300
 
 
 def no_failures(tally: StressTally) -> None:
@@ -58,6 +77,23 @@ def test_endurance_walk(device, kind, layout):
                       "commit (defragment, preserving)", "release_physical", "recommit", "write a block",
                       "read a block", "export to a peer and compare digests", "free"):
         assert tally.operations[operation] > 0, f"{WALK_STEPS} steps never ran {operation!r}: {dict(tally.operations)}"
+
+
+@pytest.mark.invariant(1, 3, 4, 5)
+def test_walk_past_a_spent_deadline(device):
+    """A spent deadline: the walk runs until it ran every kind of operation
+    the nightly test asserts, and says the bound was too short."""
+    tally = StressTally()
+    kind, layout = CACHE_MACHINE_CASES[0]
+    steps = run_walk(
+        device, kind, layout, SEED, tally, until=time.monotonic(),
+        least=walked_through(tally.operations), least_what="every kind of operation once", workload="walk",
+    )
+    no_failures(tally)
+    for operation in WALK_EPISODE_OPERATIONS:
+        assert tally.operations[operation] > 0, f"{steps} steps never ran {operation!r}: {dict(tally.operations)}"
+    assert [short["workload"] for short in tally.short_bounds] == ["walk"], tally.short_bounds
+    assert tally.short_bounds[0]["ran"] == f"{steps} steps (every kind of operation once)"
 
 
 @pytest.mark.invariant(1, 3, 4, 5)
@@ -87,16 +123,20 @@ def test_every_driver_step_of_every_operation(device):
 
 
 @pytest.mark.invariant(4, 5)
-@pytest.mark.exclusive  # fills the device, and reads what it has free
 def test_real_memory_pressure(device):
     tally = StressTally()
     with PressureProcess(device) as pressure:
-        assert meet_real_out_of_memory(device, pressure, tally, seed=SEED, episodes=1) == 1
-        assert walk_under_pressure(device, pressure, tally, seed=SEED, steps=200) == 200
+        # Spent deadlines: one whole episode all the same, then the walk's
+        # steps, through a whole pressure cycle at least.
+        assert meet_real_out_of_memory(device, pressure, tally, seed=SEED, until=time.monotonic()) == 1
+        steps = walk_under_pressure(device, pressure, tally, seed=SEED, until=time.monotonic(), least_steps=PRESSURE_WALK_STEPS)
+    assert steps >= PRESSURE_WALK_STEPS
     no_failures(tally)
     assert tally.events["commit refused by real out-of-memory"] == 1, dict(tally.events)
     if device.type == "cuda":
         assert tally.events["refused commit succeeded once memory returned"] == 1, dict(tally.events)
+    assert tally.events["pressure cycles (take, hold, free)"] >= 1, dict(tally.events)
+    assert [short["workload"] for short in tally.short_bounds] == ["real out-of-memory episodes", "walk under memory pressure"]
 
 
 @pytest.mark.invariant(7)
@@ -106,6 +146,11 @@ def test_threads(device, layout):
     assert thread_rounds(device, layout, tally, seed=SEED, rounds=4) == 4
     no_failures(tally)
     assert sum(tally.operations.values()) == 4 * 8 * 16
+    # A spent deadline: the least, a preserving and a mixed round.
+    spent = StressTally()
+    assert thread_rounds(device, layout, spent, seed=SEED + 1, until=time.monotonic()) == LEAST_THREAD_ROUNDS
+    no_failures(spent)
+    assert len(spent.short_bounds) == 1 and spent.checks["after a thread round: read-back, usage probe"] == LEAST_THREAD_ROUNDS
 
 
 @pytest.mark.invariant(5, 8)
@@ -120,7 +165,59 @@ def test_crash_of_an_exporter(device):
 @pytest.mark.invariant(5)
 def test_several_processes_on_one_device(device):
     tally = StressTally()
-    run_walk_processes(device, 2, SEED, tally, steps=300)
+    # No seconds at all: each child walks its least.
+    run_walk_processes(device, 2, SEED, tally, seconds=0.0, least_steps=PROCESS_WALK_STEPS)
     no_failures(tally)
     assert tally.events["walk processes sharing the device"] == 2 and len(tally.seeds) == 2
-    assert sum(tally.operations.values()) >= 2 * 300
+    assert sum(tally.operations.values()) >= 2 * PROCESS_WALK_STEPS
+    assert sorted(short["ran"] for short in tally.short_bounds) == [f"{PROCESS_WALK_STEPS} steps (the least it was given)"] * 2, tally.short_bounds
+
+
+def test_a_spent_bound_gives_no_test_seconds():
+    """The nightly suite's shares: by weight of what is left, none once it is
+    spent (a workload's floor, not a least number of seconds, keeps a test
+    meaningful); a test's share never exceeds what is left."""
+    assert share_of_bound(40.0, 1.0, 4.0) == 10.0
+    assert share_of_bound(40.0, 3.0, 4.0) == 30.0
+    assert share_of_bound(40.0, 2.0, 1.0) == 40.0
+    assert share_of_bound(0.0, 1.0, 4.0) == 0.0
+    assert share_of_bound(-12.0, 1.0, 4.0) == 0.0
+    with pytest.raises(ValueError):
+        share_of_bound(10.0, 0.0, 4.0)
+
+
+def test_a_floor_runs_the_least_past_its_deadline():
+    ran = 0
+    floor = Floor(time.monotonic() - 1.0, lambda: ran >= 3)
+    while floor.more():
+        ran += 1
+    tally = StressTally()
+    floor.close(tally, "crashes", f"{ran} crashes")
+    assert ran == 3 and floor.too_short
+    assert tally.short_bounds == [{"workload": "crashes", "ran": "3 crashes", "seconds": tally.short_bounds[0]["seconds"], "share_s": 0.0}]
+    # Bounded by a count instead, a floor never stops a loop, nor reports.
+    counted, ran = Floor(None, lambda: ran >= 3), 0
+    while counted.more() and ran < 10:
+        ran += 1
+    assert ran == 10 and not counted.too_short
+
+
+def test_the_report_names_each_bound_too_short(tmp_path):
+    """A test whose least outlasted its share is named in the stress
+    section, with what it ran, in how long, of what share."""
+    tally = StressTally()
+    tally.operations["commit (grow)"] += 1
+    tally.bound_too_short("real out-of-memory episodes", "1 whole pressure episode", 6.04, 0.0)
+    record = {
+        "format": "extkv-stress/1", "nodeid": "stress/test_pressure.py::test_commits_meet_real_out_of_memory[host]",
+        "worker": "main", "device": "host", "device_label": None, "outcome": "passed", "failure": "", "skip_reason": None,
+        "seed": 1, "budget_s": 0.0, "started": 0.0, "duration_s": 7.5, "tally": tally.to_json(),
+    }
+    (tmp_path / "stress" / "tests").mkdir(parents=True)
+    (tmp_path / "stress" / "tests" / "main--pressure.json").write_text(json.dumps(record))
+    section = stress_section(tmp_path)
+    assert "- bounds too short: 1 test ran only its least episode" in section, section
+    assert (
+        "| `test_commits_meet_real_out_of_memory[host]` | host | real out-of-memory episodes | 1 whole pressure episode "
+        "| 6.0 s | 0 s | 8 s |"
+    ) in section, section

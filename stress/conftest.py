@@ -11,10 +11,16 @@ test. This file adds what only stress runs need:
   epoch; `extkv stress` sets it) or else `--stress-minutes` from the start of
   the session. Each test, as it starts, gets its share of what is left: its
   `stress_weight` over the weights of the tests still to run in this process
-  (so time a test did not need goes to the ones after it), at least
-  MIN_BUDGET_S. The `stress` fixture carries that share as `until`, a
-  `time.monotonic()` deadline the workloads run to. Every test also has a
-  timeout (pytest-timeout): the whole bound plus TIMEOUT_SLACK_S.
+  (so time a test did not need goes to the ones after it), nothing once the
+  bound is spent (extkv.testing.stress.share_of_bound). The `stress` fixture
+  carries that share as `until`, a `time.monotonic()` deadline the workloads
+  run to; it is a floor, not a hard stop: every workload runs its least
+  episode (one whole pressure episode, a walk through every kind of
+  operation, two crashes, ...) however small its share, so a bound too
+  short for the tests' least runs over, and each test whose least outlasted
+  its share says so (its tally's `short_bounds`, a progress line, the
+  report). Every test also has a timeout (pytest-timeout): the whole bound
+  plus TIMEOUT_SLACK_S.
 - Seeds: each test's seed mixes `--stress-seed` with a checksum of its
   nodeid and xdist worker, so every test of a run (and every GPU's run of
   it) draws differently, and one seed replays the whole run.
@@ -46,12 +52,10 @@ import torch
 from extkv import vmm
 from extkv.testing import harness
 from extkv.testing.harness import DEVICE_PROPERTY
-from extkv.testing.stress import MemoryTimeline, StressTally
+from extkv.testing.stress import MemoryTimeline, StressTally, share_of_bound
 
 #: Format tag of the files written here (extkv.reporting.stress reads them).
 RESULT_FORMAT = "extkv-stress/1"
-#: The least time a test gets, however little is left.
-MIN_BUDGET_S = 3.0
 #: Seconds of the bound kept back for the last teardowns and the session's end.
 SESSION_RESERVE_S = 5.0
 #: A test's timeout past the run's whole bound.
@@ -165,7 +169,7 @@ def stress(request) -> StressTest:
     weight = schedule[index][1] if index < len(schedule) else 1.0
     weights_left = sum(w for _, w in schedule[index:]) or weight
     left = config.stash[_DEADLINE] - time.time() - SESSION_RESERVE_S
-    budget = max(left * weight / weights_left, MIN_BUDGET_S)
+    budget = share_of_bound(left, weight, weights_left)
     # The worker is part of it: under `--dist each` every GPU runs every test,
     # each with draws of its own.
     worker = os.environ.get("PYTEST_XDIST_WORKER", "main")
@@ -255,3 +259,9 @@ def write_result(item, reports: dict) -> None:
     if test is not None:
         total = sum(tally.operations.values())
         progress(item.config, f"{item.nodeid}: {outcome}, {total} operations, {sum(tally.faults.values())} faults")
+        for short in tally.short_bounds:
+            progress(
+                item.config,
+                f"{item.nodeid}: bound too short: {short['workload']} ran only its least, {short['ran']}, "
+                f"in {short['seconds']:.1f} s of its {short['share_s']:.1f} s share",
+            )

@@ -6,23 +6,23 @@ memory returns (GPU). extkv.testing.stress.crash_once is one such crash."""
 
 from __future__ import annotations
 
-import time
-
 import pytest
 
-from extkv.testing.stress import crash_once
+from extkv.testing.stress import Floor, crash_once
 
 pytestmark = [pytest.mark.stress, pytest.mark.invariant(5, 8)]
-#: Crashes every run has, however short its share.
+#: Crashes every run has, however short its share: its least episode.
 AT_LEAST = 2
 
 
 @pytest.mark.stress_weight(2)
 def test_sigkill_during_commits_defragments_exports(device, stress):
     kills = 0
-    while kills < AT_LEAST or time.monotonic() < stress.until:
+    floor = Floor(stress.until, lambda: kills >= AT_LEAST)
+    while floor.more():
         crash_once(device, stress.seed + kills, stress.tally)
         kills += 1
+    floor.close(stress.tally, "crashes", f"{kills} SIGKILLed exporters")
     landed = [event for event in stress.tally.events if event.startswith("crash child SIGKILLed")]
     assert sum(stress.tally.events[event] for event in landed) == kills, dict(stress.tally.events)
     assert stress.tally.failures == [], stress.tally.failures

@@ -13,15 +13,13 @@ over poisoned memory, on each case of CACHE_MACHINE_CASES.
 
 from __future__ import annotations
 
-import time
-
 import pytest
 from hypothesis import HealthCheck, seed, settings
 from hypothesis.reporting import with_reporter
 from hypothesis.stateful import run_state_machine_as_test
 
 from extkv.testing.stateful import CACHE_MACHINE_CASES, endurance_machine
-from extkv.testing.stress import run_walk, stress_driver, warmed_probe
+from extkv.testing.stress import WALK_EPISODE_OPERATIONS, Floor, run_walk, stress_driver, walked_through, warmed_probe
 
 pytestmark = [pytest.mark.stress, pytest.mark.invariant(1, 3, 4, 5)]
 CASE_IDS = [f"{kind}-{layout.name}" for kind, layout in CACHE_MACHINE_CASES]
@@ -33,11 +31,15 @@ STEPS_PER_EXAMPLE = 60
 @pytest.mark.stress_weight(6)
 @pytest.mark.parametrize("kind, layout", CACHE_MACHINE_CASES, ids=CASE_IDS)
 def test_endurance_walk(device, stress, kind, layout):
-    steps = run_walk(device, kind, layout, stress.seed, stress.tally, until=stress.until)
     tally = stress.tally
+    # The least episode: every kind of operation asserted below, once.
+    steps = run_walk(
+        device, kind, layout, stress.seed, tally, until=stress.until,
+        least=walked_through(tally.operations), least_what="every kind of operation once",
+        workload=f"endurance walk ({kind}-{layout.name})",
+    )
     assert steps > 0 and tally.failures == [], tally.failures
-    # Fixed seeds and enough steps reach every kind of operation.
-    for operation in ("commit (grow)", "commit (shrink)", "commit (defragment, preserving)", "recommit", "write a block"):
+    for operation in WALK_EPISODE_OPERATIONS:
         assert tally.operations[operation] > 0, f"{steps} steps never ran {operation!r}: {dict(tally.operations)}"
 
 
@@ -58,7 +60,8 @@ def test_endurance_state_machine(device, stress, kind, layout):
         suppress_health_check=list(HealthCheck),
     )
     batches = 0
-    while batches == 0 or time.monotonic() < stress.until:
+    floor = Floor(stress.until, lambda: batches >= 1)
+    while floor.more():
         batch_seed = stress.seed + batches
         tally.seeds.append(batch_seed)
         reported: list[str] = []
@@ -71,5 +74,6 @@ def test_endurance_state_machine(device, stress, kind, layout):
             error.add_note(reproduction)
             raise
         batches += 1
+    floor.close(tally, f"Hypothesis endurance machine ({kind}-{layout.name})", f"{batches} batch of {EXAMPLES_PER_BATCH} examples")
     tally.events["Hypothesis batches"] += batches
     assert tally.operations["commit (grow)"] > 0, dict(tally.operations)

@@ -7,10 +7,12 @@ memfd pages on the host, torch allocations on a GPU.
   usable, and succeed once the pressure process lets go (on the host only
   below host_commit_bound(): above it the report says the refused commit fit
   the kernel's headroom again, and was not performed); a sleeping cache's
-  wake meets the pressure too.
+  wake meets the pressure too. However short the share, one whole episode
+  runs.
 - The endurance walk runs while the pressure process takes and frees memory
   in a loop; on a GPU its commits meet real out-of-memory, are checked and
-  made again once memory returns.
+  made again once memory returns. However short the share, the walk runs
+  through one whole pressure cycle.
 """
 
 from __future__ import annotations

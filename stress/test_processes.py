@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import pytest
 
-from extkv.testing.stress import run_walk_processes
+from extkv.testing.stress import FULL_CHECK_EVERY, run_walk_processes
 
 pytestmark = [pytest.mark.stress, pytest.mark.invariant(5)]
 #: Walk processes per device: one per core of a small CI machine on the
@@ -16,12 +16,16 @@ pytestmark = [pytest.mark.stress, pytest.mark.invariant(5)]
 PROCESSES = {"cpu": 2, "cuda": 3}
 #: A child's start (importing torch, a CUDA context) takes seconds of its share.
 STARTUP_S = 3.0
+#: Each walk's least episode, however short the share: two full checks of
+#: everything while the other walks run.
+LEAST_STEPS = 2 * FULL_CHECK_EVERY
 
 
 @pytest.mark.stress_weight(3)
 def test_several_walk_processes_share_one_device(device, stress):
     count = PROCESSES[device.type]
-    seconds = max(stress.left() - STARTUP_S, 2.0)
-    run_walk_processes(device, count, stress.seed, stress.tally, seconds=seconds)
+    seconds = max(stress.left() - STARTUP_S, 0.0)
+    run_walk_processes(device, count, stress.seed, stress.tally, seconds=seconds, least_steps=LEAST_STEPS)
     assert stress.tally.events["walk processes sharing the device"] == count
+    assert sum(stress.tally.operations.values()) >= count * LEAST_STEPS, dict(stress.tally.operations)
     assert len(stress.tally.seeds) == count and stress.tally.failures == [], stress.tally.failures

@@ -9,8 +9,11 @@ checks, events, faults by (operation, step, mode), leaks, content
 mismatches and failures with their reproductions), one memory timeline per
 worker process (`timeline-<worker>.json`: this process's extkv memory read
 by the usage probe and the device's used memory, sampled outside extkv), and
-`run.json` (the bound, the seed, the command, the exit status). `load_stress`
-reads them all; `stress_totals` adds them up per device; `stress_section`
+`run.json` (the bound, the seed, the command, the exit status). A tally's
+`short_bounds` are the workloads whose least episode outlasted their share
+(a deadline is a floor for one whole episode, not a hard stop): the report
+names each, so a short bound reads as the least, not as a full run.
+`load_stress` reads them all; `stress_totals` adds them up per device; `stress_section`
 renders the markdown and draws one memory plot per worker and device.
 
 Everything here is plain JSON reading, so a report renders again without the
@@ -185,6 +188,34 @@ def _headline(run: dict, totals: dict, tests: list[dict]) -> list[str]:
         f"failures: {overall['failures']}"
     )
     lines.append(f"- largest footprint of a stressed cache: {_bytes(overall['peak_physical_bytes'])}")
+    short = [record for record in tests if record["tally"].get("short_bounds")]
+    if short:
+        lines.append(
+            f"- bounds too short: {len(short)} {'test ran only its' if len(short) == 1 else 'tests ran only their'} "
+            "least episode (listed below)"
+        )
+    return lines
+
+
+def _short_bound_lines(tests: list[dict]) -> list[str]:
+    """A row per workload whose least episode outlasted its share."""
+    rows = [(record, short) for record in tests for short in record["tally"].get("short_bounds", [])]
+    if not rows:
+        return []
+    lines = [
+        "", "### Bounds too short", "",
+        "A deadline is a floor for one whole episode: these workloads ran only their least, which outlasted "
+        "the test's share of the bound; a longer bound runs more of them.",
+        "",
+        "| test | device | workload | least episode run | took | share of the bound | test ran |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for record, short in sorted(rows, key=lambda row: (device_of(row[0]), row[0].get("started") or 0)):
+        budget = record.get("budget_s")
+        lines.append(
+            f"| `{record['nodeid'].split('::')[-1]}` | {device_of(record)} | {short['workload']} | {short['ran']} | "
+            f"{short['seconds']:.1f} s | {f'{budget:.0f} s' if budget is not None else '-'} | {record['duration_s']:.0f} s |"
+        )
     return lines
 
 
@@ -301,6 +332,7 @@ def stress_section(run_dir: Path) -> str | None:
     )
     lines = _headline(stress["run"], totals, stress["tests"])
     lines += _tests_table(stress["tests"])
+    lines += _short_bound_lines(stress["tests"])
     lines += _counter_table("Operations", overall["operations"], "operation (each a public operation on a real cache, checked)")
     lines += _counter_table("Checks passed", overall["checks"], "check", check_note)
     lines += _fault_table(overall)

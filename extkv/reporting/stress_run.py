@@ -15,7 +15,10 @@ Two phases, each announced by a progress line and timed:
    a GPU the host driver's tests run in one process. Hypothesis runs its
    `nightly` profile. pytest also writes JUnit XML and the harness's results
    (`stress.json`) beside. The stress suite's conftest shares the bound out
-   among the tests and gives each a timeout; this process prints the lines
+   among the tests (a test's share is a floor for one whole episode of its
+   workload, so a bound too short for that runs over, and the report and
+   the last line here name the tests it was too short for) and gives each a
+   timeout; this process prints the lines
    the tests append to `progress.log` and, every PROGRESS_EVERY_S, the time
    left and the operations so far. Should pytest outlive its bound by
    OVERRUN_S, it is killed, and the run fails.
@@ -89,6 +92,12 @@ def _operations_so_far(results: Path) -> tuple[int, int, int]:
         return 0, 0, 0
     overall = stress_totals(stress)["overall"]
     return len(stress["tests"]), sum(overall["operations"].values()), sum(overall["faults"].values())
+
+
+def _short_bounds(results: Path) -> list[str]:
+    """The tests whose least episode outlasted their share of the bound."""
+    stress = load_stress(results.parent)
+    return [record["nodeid"] for record in (stress or {}).get("tests", []) if record["tally"].get("short_bounds")]
 
 
 def _watch(process: subprocess.Popen, results: Path, deadline: float) -> int:
@@ -178,4 +187,8 @@ def run(args: argparse.Namespace, pytest_args: list[str]) -> int:
     print(f"extkv stress [2/2] done in {time.time() - phase:.0f} s; report {summary}", flush=True)
     print(f"extkv stress: {done} tests, {operations:,} operations, {faults:,} faults; "
           f"{'passed' if status == 0 else 'FAILED'}", flush=True)
+    short = _short_bounds(results)
+    if short:
+        print(f"extkv stress: bound too short for {len(short)} of {done} tests: they ran only their least episode "
+              f"(listed in the report): {', '.join(nodeid.split('::')[-1] for nodeid in short)}", flush=True)
     return status

@@ -12,6 +12,17 @@ A tally is plain data and becomes a test's raw result (JSON); the nightly
 suite (`stress/`) runs the workloads until a time bound, the conformance
 suite runs each briefly with fixed seeds.
 
+A time bound is a floor, not a hard stop, for the least a workload must do
+to prove its point: one *episode* (one whole pressure episode, a walk that
+ran every kind of operation, a preserving and a mixed thread round, a
+pressure cycle walked through). `Floor` runs a workload's loop until its
+deadline and then on until that least is done; where the least outlasted
+the deadline, the tally says so (`short_bounds`, "bound too short"), and
+the report lists it. `share_of_bound` is how the nightly suite divides what
+is left of its bound among the tests still to run: in proportion to their
+weights, and nothing at all once the bound is spent, since each workload's
+floor is what keeps a test meaningful, not a least number of seconds.
+
 - Endurance (`walk`): a seeded random walk over `ModelledCache`, the cache
   beside its plain-Python model (extkv.testing.stateful). Hypothesis's
   per-step cost caps a state machine at tens of steps a second; the walk runs
@@ -154,6 +165,10 @@ class StressTally:
     seeds: list = field(default_factory=list)
     #: How the workloads ran (check intervals, bounds), for the report.
     settings: dict = field(default_factory=dict)
+    #: Workloads whose least episode outlasted their deadline: {"workload",
+    #: "ran" (what the least was), "seconds" (what it took), "share_s"
+    #: (seconds its deadline gave it)}.
+    short_bounds: list = field(default_factory=list)
 
     @property
     def pairs_covered(self) -> set[tuple[str, str]]:
@@ -170,6 +185,12 @@ class StressTally:
             self.leaks.append(str(error))
         self.failures.append({"error": f"{type(error).__name__}: {error}", "reproduction": reproduction})
 
+    def bound_too_short(self, workload: str, ran: str, seconds: float, share_s: float) -> None:
+        """Record that `workload` ran only its least (`ran`), which took
+        `seconds` where its deadline gave it `share_s`."""
+        self.short_bounds.append({"workload": workload, "ran": ran, "seconds": round(seconds, 1), "share_s": round(max(share_s, 0.0), 1)})
+        self.events["bound too short: a workload ran only its least episode, past its deadline"] += 1
+
     def add(self, other: "StressTally") -> None:
         for name in ("operations", "checks", "events", "faults"):
             getattr(self, name).update(getattr(other, name))
@@ -180,6 +201,7 @@ class StressTally:
         self.failures += other.failures
         self.seeds += other.seeds
         self.settings.update(other.settings)
+        self.short_bounds += other.short_bounds
 
     def to_json(self) -> dict:
         return {
@@ -197,6 +219,7 @@ class StressTally:
             "failures": list(self.failures),
             "seeds": list(self.seeds),
             "settings": dict(self.settings),
+            "short_bounds": list(self.short_bounds),
         }
 
     @classmethod
@@ -213,7 +236,56 @@ class StressTally:
             failures=list(data.get("failures", [])),
             seeds=list(data.get("seeds", [])),
             settings=dict(data.get("settings", {})),
+            short_bounds=list(data.get("short_bounds", [])),
         )
+
+
+# -- bounds: a deadline is a floor for one episode ----------------------------------
+def share_of_bound(left_s: float, weight: float, weights_left: float) -> float:
+    """Seconds of `left_s` (what is left of a run's bound) for a test of
+    `weight` among tests of `weights_left` still to run, itself included:
+    its part by weight, and none once the bound is spent. No test gets a
+    least number of seconds: a guess at an episode's length (3 s was one)
+    is too short on one machine and wasted on another, and every test past
+    a spent bound would add it to the overrun. The workloads' `Floor` makes
+    every test run one whole episode however small its share."""
+    if weight <= 0 or weights_left <= 0:
+        raise ValueError(f"weights must be > 0, got weight {weight} of {weights_left} left")
+    return max(left_s, 0.0) * min(weight / weights_left, 1.0)
+
+
+class Floor:
+    """A workload's deadline `until` (time.monotonic(); None: bounded by a
+    count instead), made a floor for its least episode: `more()` is True
+    before the deadline, and after it for as long as `least()` says the
+    least is not done yet. `least` must stay True once it is (counts only
+    grow); it is asked before each episode until it is. `close()` records in
+    the tally when the least was done only after the deadline: the bound was
+    too short for more than the least."""
+
+    def __init__(self, until: float | None, least: Callable[[], bool] = lambda: True):
+        self.until = until
+        self.least = least
+        self.started = time.monotonic()
+        #: When `least()` was first seen True (time.monotonic()), else None.
+        self.done_at: float | None = None
+
+    def more(self) -> bool:
+        now = time.monotonic()
+        if self.done_at is None and self.least():
+            self.done_at = now
+        return self.until is None or now < self.until or self.done_at is None
+
+    @property
+    def too_short(self) -> bool:
+        return self.until is not None and self.done_at is not None and self.done_at >= self.until
+
+    def close(self, tally: "StressTally", workload: str, ran: str) -> None:
+        """Say in `tally` that `workload` ran only `ran` (its least), past its deadline, if it did."""
+        if self.done_at is None and self.until is not None and self.least():
+            self.done_at = time.monotonic()
+        if self.too_short:
+            tally.bound_too_short(workload, ran, time.monotonic() - self.started, self.until - self.started)
 
 
 # -- the memory timeline ------------------------------------------------------------
@@ -282,6 +354,19 @@ WALK_WEIGHTS: dict[str, float] = {
 }
 #: Steps between two full checks of everything.
 FULL_CHECK_EVERY = 16
+#: Steps after which a walk past its deadline gives up on its least episode
+#: as unreachable (minutes on the host driver, where a walk runs hundreds of
+#: steps a second).
+LEAST_STEPS_CAP = 200_000
+#: The operations whose running at least once is a walk's least episode in
+#: the nightly suite (stress/test_endurance.py asserts each ran).
+WALK_EPISODE_OPERATIONS = ("commit (grow)", "commit (shrink)", "commit (defragment, preserving)", "recommit", "write a block")
+
+
+def walked_through(operations: collections.Counter, names: tuple[str, ...] = WALK_EPISODE_OPERATIONS, least_steps: int = 1):
+    """A walk's `least`: at least `least_steps` steps, with every operation
+    of `names` run at least once (counted in `operations`)."""
+    return lambda steps: steps >= least_steps and all(operations[name] > 0 for name in names)
 
 
 def walk(
@@ -294,17 +379,27 @@ def walk(
     full_check_every: int = FULL_CHECK_EVERY,
     weights: dict[str, float] = WALK_WEIGHTS,
     replay: str = "",
+    least: Callable[[int], bool] | None = None,
+    least_what: str = "one step",
+    workload: str = "walk",
 ) -> int:
     """Run `driven` through random operations until `until` (time.monotonic)
-    or for `steps` steps; return the steps run. A failure is recorded in
+    or for `steps` steps; return the steps run. `until` is a floor for the
+    walk's least episode: past it the walk goes on until `least(steps so
+    far)` holds (default: one step), and says in `tally` when that took it
+    past `until` (`least_what` names the least). A failure is recorded in
     `tally` with the seed, the step and the steps before it (and `replay`,
     the command that runs this walk again), then raised."""
     if until is None and steps is None:
         raise ValueError("walk needs a bound: until= (a time.monotonic() deadline) or steps=")
     names = list(weights)
     step = 0
+    least = least or (lambda ran: ran >= 1)
+    floor = Floor(until, lambda: least(step))
     try:
-        while (steps is None or step < steps) and (until is None or time.monotonic() < until):
+        while (steps is None or step < steps) and floor.more():
+            if floor.done_at is None and until is not None and step > LEAST_STEPS_CAP and time.monotonic() > until:
+                raise AssertionError(f"{step} steps, past its deadline, and the walk has not done its least: {least_what}")
             choices.step = step
             driven.thorough = step % full_check_every == full_check_every - 1
             possible = [name for name in names if weights[name] > 0 and driven.can(name)]
@@ -325,6 +420,7 @@ def walk(
             tally.fail(error, reproduction)
             error.add_note(reproduction)
         raise
+    floor.close(tally, workload, f"{step} steps ({least_what})")
     return step
 
 
@@ -344,13 +440,17 @@ def run_walk(
     retry_out_of_memory: bool = False,
     usage_checks: bool = True,
     beside_full_device: bool = False,
+    least: Callable[[int], bool] | None = None,
+    least_what: str = "one step",
+    workload: str = "walk",
 ) -> int:
     """A walk over a fresh cache of `config_for(kind, layout, capacity)` on
     `stress_driver(device)`; the cache is freed afterwards and must leave
     nothing behind. With `retry_out_of_memory`, a commit refused by real
     out-of-memory is checked, then made again once memory returns;
     `beside_full_device` keeps the checks from taking device memory (no
-    snapshots, comparisons on the host). Returns the steps run."""
+    snapshots, comparisons on the host). `least`, `least_what`: the walk's
+    least episode (see `walk`). Returns the steps run."""
     device = torch.device(device)
     driver = stress_driver(device)
     probe = warmed_probe(device) if probe is None else probe
@@ -371,6 +471,7 @@ def run_walk(
         ran = walk(
             driven, SeededChoices(seed), tally, until=until, steps=steps,
             full_check_every=full_check_every, weights=weights, replay=replay,
+            least=least, least_what=least_what, workload=workload,
         )
     finally:
         driven.free()
@@ -918,6 +1019,7 @@ def pressure_main(device: torch.device) -> None:
     release       free everything               -> released
     cycle MODE N SECONDS  in a thread: hold N (MODE hold) or fill to N free
                   (MODE fill) for SECONDS, release for SECONDS, again -> cycling
+    cycles        cycles completed so far       -> cycles <cycles>
     stop          end the cycle, release        -> stopped <cycles>
     quit          exit
     """
@@ -953,6 +1055,8 @@ def pressure_main(device: torch.device) -> None:
             cycler = threading.Thread(target=cycle, args=(arguments[0], int(arguments[1]), float(arguments[2])), daemon=True)
             cycler.start()
             answer("cycling")
+        elif command == "cycles":
+            answer(f"cycles {cycles}")
         elif command == "stop":
             stop.set()
             if cycler is not None:
@@ -1065,6 +1169,13 @@ class PressureProcess(ChildProcess):
             raise AssertionError(f"pressure process answered {command!r} with {reply!r}")
         return int(reply.split()[1])
 
+    def cycles(self) -> int:
+        """Cycles (take, hold, free) the pressure process completed so far."""
+        reply = self.ask("cycles")
+        if not reply.startswith("cycles "):
+            raise AssertionError(f"pressure process answered 'cycles' with {reply!r}")
+        return int(reply.split()[1])
+
 
 class AllocationBound(WrappingDriver):
     """`inner`, except that a create above `bound` bytes which the host's
@@ -1135,6 +1246,8 @@ PRESSURE_HOST_GRANULE = 32 << 20
 #: Address space of a GPU episode's cache: more than any commit it makes
 #: (what the pressure process leaves free, at most 6 GiB, plus 1 GiB).
 GPU_PRESSURE_CAPACITY_BYTES = 12 << 30
+#: Skipped pressure episodes in a row that mean the pressure never presses.
+MAX_SKIPPED_EPISODES = 10
 
 
 def meet_real_out_of_memory(
@@ -1155,7 +1268,9 @@ def meet_real_out_of_memory(
     meets pressure and is refused while it does not fit, and wakes once
     memory returns. On the host a commit is performed only below
     `host_commit_bound()`: above it, the refused commit is shown to fit the
-    kernel's headroom once memory returned, and is not performed."""
+    kernel's headroom once memory returned, and is not performed. `until` is
+    a floor for one whole episode (a skipped one, where the pressure left
+    more free than the cache spans, does not count)."""
     if until is None and episodes is None:
         raise ValueError("meet_real_out_of_memory needs a bound: until= or episodes=")
     device = torch.device(device)
@@ -1176,8 +1291,9 @@ def meet_real_out_of_memory(
     try:
         kv_cache.commit(PRESSURE_KEPT_BLOCKS)
         write_block_values(kv_cache, 0, PRESSURE_KEPT_BLOCKS, PRESSURE_PATTERN)
-        ran = 0
-        while (episodes is None or ran < episodes) and (until is None or time.monotonic() < until):
+        ran = whole = skipped_in_a_row = 0
+        floor = Floor(until, lambda: whole >= 1)
+        while (episodes is None or ran < episodes) and floor.more():
             ran += 1
             held = pressure.held(f"hold {host_pressure_bound()}") if host else pressure.held(f"fill {rng.randint(2, 6) << 30}")
             tally.events["pressure episodes"] += 1
@@ -1188,7 +1304,13 @@ def meet_real_out_of_memory(
             if new_bytes <= available:
                 tally.events["episode skipped: the pressure process left more free than the cache spans"] += 1
                 pressure.ask("release")
+                skipped_in_a_row += 1
+                if skipped_in_a_row >= MAX_SKIPPED_EPISODES:
+                    raise AssertionError(
+                        f"{skipped_in_a_row} pressure episodes in a row left more free ({available} bytes) than the cache spans"
+                    )
                 continue
+            skipped_in_a_row = 0
             before = snapshot(kv_cache)
             try:
                 kv_cache.commit(target)
@@ -1213,6 +1335,7 @@ def meet_real_out_of_memory(
             if new_bytes > bound:
                 fits = "fits" if returned >= new_bytes else "does not fit (others took memory meanwhile)"
                 tally.events[f"refused commit {fits} once memory returned; not performed: above the {bound >> 20} MiB bound"] += 1
+                whole += 1
                 continue
             kv_cache.commit(target)
             tally.events["refused commit succeeded once memory returned"] += 1
@@ -1235,6 +1358,8 @@ def meet_real_out_of_memory(
             kv_cache.commit(PRESSURE_KEPT_BLOCKS, shrink=True)
             write_block_values(kv_cache, 0, PRESSURE_KEPT_BLOCKS, PRESSURE_PATTERN)
             tally.operations["retried commit, sleep, wake under pressure, wake, shrink"] += 5
+            whole += 1
+        floor.close(tally, "real out-of-memory episodes", f"{whole} whole pressure episode{'s' if whole != 1 else ''}")
     finally:
         kv_cache.free()
     return ran
@@ -1248,13 +1373,16 @@ def walk_under_pressure(
     seed: int,
     until: float | None = None,
     steps: int | None = None,
+    least_steps: int = 1,
 ) -> int:
     """The endurance walk while the pressure process takes and frees memory in
     a loop. On the host it holds `host_pressure_bound()` for half a second at
     a time; on a GPU it fills the device to half a GiB free for a second at a
     time, beside a cache of up to 1.5 GiB, so growing commits meet real
     out-of-memory: each must leave the cache consistent (read-back, usage
-    probe) and succeed when made again once memory returns."""
+    probe) and succeed when made again once memory returns. `until` is a
+    floor for the least episode: `least_steps` steps, walked through at
+    least one whole pressure cycle (take, hold, free)."""
     device = torch.device(device)
     probe = warmed_probe(device)
     if device.type == "cpu":
@@ -1268,12 +1396,22 @@ def walk_under_pressure(
     # On a GPU: an export hashes every committed byte on the CPU, too slow
     # for 1.5 GiB, and a graph's capture takes device memory of its own.
     weights = WALK_WEIGHTS if capacity is None else dict(WALK_WEIGHTS, export_to_peer=0, capture_graph=0, replay_graphs=0)
+    cycled = False
+
+    def least(ran: int) -> bool:
+        # Asked before each step until it holds: one line to the pressure process.
+        nonlocal cycled
+        cycled = cycled or (ran >= least_steps and pressure.cycles() >= 1)
+        return cycled
+
     try:
         ran = run_walk(
             device, "full", KVCacheLayout.LBHNC, seed, tally, until=until, steps=steps, probe=probe,
             capacity=capacity, weights=weights, retry_out_of_memory=True,
             # A device-wide reading would count the pressure process too.
             usage_checks=probe.per_process, beside_full_device=capacity is not None,
+            least=least, least_what=f"{least_steps} step{'s' if least_steps != 1 else ''}, through a whole pressure cycle",
+            workload="walk under memory pressure",
         )
     finally:
         stopped = pressure.ask("stop")
@@ -1284,6 +1422,8 @@ def walk_under_pressure(
 # -- threads -------------------------------------------------------------------------
 THREADS = 8
 OPERATIONS_PER_THREAD = 16
+#: A thread workload's least episode: one preserving and one mixed round.
+LEAST_THREAD_ROUNDS = 2
 
 
 def thread_pattern(kv_cache: ExtensibleKVCache, segment: int, num_blocks: int) -> torch.Tensor:
@@ -1336,7 +1476,8 @@ def thread_rounds(
     count is the largest asked; in *mixed* rounds (also shrinks, discarding
     defragments, release, recommit) every block is its whole pattern or all
     zero and the count is one some call asked for. Each round also checks
-    the driver's read-back and the usage probe. Returns the rounds run."""
+    the driver's read-back and the usage probe. `until` is a floor for
+    LEAST_THREAD_ROUNDS rounds. Returns the rounds run."""
     if until is None and rounds is None:
         raise ValueError("thread_rounds needs a bound: until= or rounds=")
     device = torch.device(device)
@@ -1402,9 +1543,11 @@ def thread_rounds(
         return errors
 
     number = 0
+    # The least: a preserving and a mixed round.
+    floor = Floor(until, lambda: number >= LEAST_THREAD_ROUNDS)
     try:
         kv_cache.commit(capacity // 8)
-        while (rounds is None or number < rounds) and (until is None or time.monotonic() < until):
+        while (rounds is None or number < rounds) and floor.more():
             preserving_round = number % 2 == 0
             if kv_cache.buffer.physical_bytes == 0:
                 kv_cache.recommit()
@@ -1448,6 +1591,7 @@ def thread_rounds(
         error = LeakFound(f"{probe.source}: {measured} bytes above baseline after the threads' cache was freed")
         tally.fail(error)
         raise error
+    floor.close(tally, f"thread rounds ({layout.name})", f"{number} rounds (a preserving and a mixed one)")
     return number
 
 
@@ -1661,11 +1805,13 @@ def run_walk_processes(
     seconds: float | None = None,
     steps: int | None = None,
     full_check_every: int = FULL_CHECK_EVERY,
+    least_steps: int = 1,
 ) -> None:
     """`count` walks at once for `seconds` or `steps`, each in a child process
     on `device`, each on its own case of CACHE_MACHINE_CASES; their tallies
-    join `tally`. Each child
-    checks its own leaks; on a GPU, NVML's used memory must be back after."""
+    join `tally`. `seconds` is a floor for `least_steps` steps of each walk.
+    Each child checks its own leaks; on a GPU, NVML's used memory must be
+    back after."""
     device = torch.device(device)
     gpu_before = nvml_used(device) if device.type == "cuda" else 0
     children = []
@@ -1674,7 +1820,7 @@ def run_walk_processes(
         children.append(
             ChildProcess([
                 "walk", "--device", str(device), "--kind", kind, "--layout", layout.name, "--seed", str(seed + index),
-                *(["--seconds", str(seconds)] if steps is None else ["--steps", str(steps)]),
+                *(["--seconds", str(seconds), "--least-steps", str(least_steps)] if steps is None else ["--steps", str(steps)]),
                 "--full-check-every", str(full_check_every), "--shared-device",
             ])
         )
@@ -1711,6 +1857,7 @@ def main(argv: list[str] | None = None) -> int:
     bound.add_argument("--seconds", type=float)
     bound.add_argument("--steps", type=int)
     walk_command.add_argument("--full-check-every", type=int, default=FULL_CHECK_EVERY)
+    walk_command.add_argument("--least-steps", type=int, default=1, help="with --seconds: steps the walk runs however short they are")
     walk_command.add_argument(
         "--shared-device", action="store_true",
         help="other processes use the device: compare the usage probe only where it reads this process alone",
@@ -1738,6 +1885,8 @@ def main(argv: list[str] | None = None) -> int:
             device, args.kind, KVCacheLayout[args.layout], args.seed, tally, until=until, steps=args.steps,
             full_check_every=args.full_check_every, probe=probe,
             usage_checks=probe.per_process or not args.shared_device,
+            least=lambda ran: ran >= args.least_steps, least_what="the least it was given",
+            workload=f"walk process ({args.kind}-{args.layout})",
         )
     except Exception as error:  # recorded in the tally, which the parent reads
         print(f"walk failed: {error!r}", file=sys.stderr, flush=True)
