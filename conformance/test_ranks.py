@@ -1,8 +1,10 @@
 """Rank agreement (extkv.ranks) between real processes: two ranks over gloo on
-the host, and two ranks over NCCL with one GPU each. Every rank is a spawned
-process that joins a process group through a rendezvous file, reports what it
-saw through a queue, frees its cache and destroys the group; the test fails,
-rather than hangs, when a rank stops answering. The single-process path and
+the host, and two ranks over NCCL with one GPU each. Every rank is a process
+of its own (forked from multiprocessing's fork server, which imports torch
+once and never touches CUDA), with the test process's environment, that joins
+a process group through a rendezvous file, reports what it saw through a
+queue, frees its cache and destroys the group; the test fails, rather than
+hangs, when a rank stops answering. The single-process path and
 bad input run in the test process itself."""
 
 from __future__ import annotations
@@ -118,9 +120,13 @@ def committable_blocks_on_rank(rank: int, device: torch.device) -> dict:
 SCENARIOS = {"explicit_values": explicit_values_on_rank, "committable_blocks": committable_blocks_on_rank}
 
 
-def rank_main(rank: int, backend: str, init_method: str, scenario: str, results) -> None:
-    """Entry point of one spawned rank: join, run `scenario`, leave, report."""
+def rank_main(rank: int, backend: str, init_method: str, scenario: str, results, environment: dict[str, str]) -> None:
+    """Entry point of one rank: take the test process's `environment` (the
+    fork server's is the one it started with), join, run `scenario`, leave,
+    report."""
     try:
+        os.environ.clear()
+        os.environ.update(environment)
         # Both ranks live on this host; loopback needs no routable hostname.
         os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
         os.environ.setdefault("NCCL_SOCKET_IFNAME", "lo")
@@ -150,13 +156,18 @@ def rank_main(rank: int, backend: str, init_method: str, scenario: str, results)
 
 # -- the test process's side ------------------------------------------------------
 def run_ranks(tmp_path, backend: str, scenario: str) -> list[dict]:
-    """Spawn WORLD_SIZE ranks running `scenario`; their reports, by rank.
+    """Start WORLD_SIZE ranks running `scenario`; their reports, by rank.
     Fails with every rank's traceback, or with which ranks hung."""
-    context = multiprocessing.get_context("spawn")
+    # A spawned rank spent about 2 s of CPU importing torch and this module
+    # (2-core CI host); the fork server imports them once, and a fork after
+    # imports alone leaves CUDA to each rank, as a spawn does.
+    context = multiprocessing.get_context("forkserver")
+    context.set_forkserver_preload(["torch", "torch.distributed", "extkv", __name__])
     results = context.Queue()
     init_method = f"file://{tmp_path / f'rendezvous-{backend}-{scenario}'}"
+    environment = dict(os.environ)
     ranks = [
-        context.Process(target=rank_main, args=(rank, backend, init_method, scenario, results), daemon=True)
+        context.Process(target=rank_main, args=(rank, backend, init_method, scenario, results, environment), daemon=True)
         for rank in range(WORLD_SIZE)
     ]
     for process in ranks:
@@ -225,7 +236,7 @@ def test_gloo_ranks_agree_on_committable_blocks(tmp_path):
 
 @pytest.fixture
 def nccl_environment(monkeypatch):
-    """Spawned ranks inherit this: NVLink multicast stays off."""
+    """Ranks take the test process's environment: NVLink multicast stays off."""
     monkeypatch.setenv("NCCL_NVLS_ENABLE", "0")
 
 
