@@ -1,0 +1,221 @@
+"""`extkv check` as a certifying team meets it: the verdict it ends with,
+the plan that runs every GPU's suite on every GPU, the run directory it
+writes into, the harness plugin that stays inert until asked, and a crash of
+the code under test that is a failed test rather than a lost run.
+
+The verdict is read from merged results built here record by record (the
+report's own merge is tested from real runs in test_reporting.py); the
+crash and the plugin run real pytest processes.
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from extkv.reporting.check_run import PLANTED_FILE, plan, workers
+from extkv.reporting.rundir import RunDirectoryInUse, prepare_run_directory, run_directory
+from extkv.reporting.verdict import run_verdict
+from extkv.testing.invariants import DEVICE_KINDS, INVARIANTS
+
+H200 = "GPU 0 (NVIDIA H200)"
+FACTS = {
+    "host": "node-1", "torch": "2.11.0+cu130", "host_driver": "Linux 6.18",
+    "gpus": [{"index": 0, "id": "0", "name": "NVIDIA H200", "label": H200, "driver": "580.159.04"}],
+}
+
+
+def record(device: str, invariants: list[int], outcome: str = "passed", planted: str | None = None) -> dict:
+    return {"device": device, "invariants": invariants, "outcome": outcome, "planted_defect": planted,
+            "duration_s": 0.1, "message": None, "skip_reason": None}
+
+
+def merged(tests: dict[str, dict], *, devices=("host", H200), selection=None, exit_status=0) -> dict:
+    """Merged results as extkv.reporting.summary.load_check returns them, of one step."""
+    step = {"selection": selection or {"args": ["conformance"]}, "collection_errors": [], "exit_status": exit_status}
+    kinds = {"host": "host", H200: "cuda"}
+    return {"steps": {"check-host": step}, "tests": tests, "machine": FACTS,
+            "devices": {label: kinds[label] for label in devices}}
+
+
+def full(device: str, kind: str) -> dict[str, dict]:
+    return {f"test_{n}[{device}]": record(device, [n]) for n in DEVICE_KINDS[kind].provable}
+
+
+RUN = {"targets": {"check-host": ["conformance"]}, "wall_s": 104.4}
+
+
+@pytest.mark.invariant(6)
+def test_a_whole_run_with_every_invariant_proven_is_certified_with_counts():
+    lines = run_verdict(merged(full("host", "host") | full(H200, "cuda")), RUN)
+    assert lines[-1] == ("CERTIFIED cuda:0 NVIDIA H200 (driver 580.159.04, torch 2.11.0+cu130): invariants 1-8 proven; "
+                         "15 passed, 0 skipped in 104 s")
+    assert lines[0] == "host driver (Linux 6.18, memfd): invariants 1, 3-8 proven (2 needs a GPU: the host driver has no CUDA graphs); 7 passed, 0 skipped"
+    host_only = run_verdict(merged(full("host", "host"), devices=("host",)), RUN)
+    assert host_only[-1].startswith("CERTIFIED host driver (Linux 6.18, memfd): invariants 1, 3-8 proven (2 needs a GPU")
+
+
+@pytest.mark.invariant(6)
+def test_a_failed_test_names_its_device_and_invariant():
+    tests = full("host", "host") | full(H200, "cuda") | {"test_x[cuda:0]": record(H200, [3], "failed")}
+    lines = run_verdict(merged(tests), RUN)
+    assert lines[-1].startswith("NOT CERTIFIED cuda:0 NVIDIA H200 (driver 580.159.04, torch 2.11.0+cu130): 1 failed (invariants 3)")
+    assert "1 failed" in lines[-1] and lines[0].startswith("host driver") and "NOT" not in lines[0]
+
+
+@pytest.mark.invariant(6)
+def test_an_invariant_the_device_can_prove_but_ran_no_test_is_not_certified():
+    tests = full("host", "host") | {key: r for key, r in full(H200, "cuda").items() if r["invariants"] != [2]}
+    assert "invariant 2 ran no passing test" in run_verdict(merged(tests), RUN)[-1]
+    # A GPU that ran nothing at all is not certified either.
+    nothing = run_verdict(merged(full("host", "host")), RUN)[-1]
+    assert nothing.startswith("NOT CERTIFIED cuda:0") and "invariants 1-8 ran no passing test" in nothing
+    # Nor is a skipped test proof.
+    skipped = full("host", "host") | {k: {**r, "outcome": "skipped"} for k, r in full(H200, "cuda").items()}
+    assert run_verdict(merged(skipped), RUN)[-1].startswith("NOT CERTIFIED")
+
+
+@pytest.mark.invariant(6)
+@pytest.mark.parametrize(
+    ("selection", "said"),
+    [({"args": ["conformance"], "keyword": "sizing"}, "-k sizing"),
+     ({"args": ["conformance"], "markexpr": "gpu"}, "-m gpu"),
+     ({"args": ["conformance/test_cache.py"]}, "path conformance/test_cache.py"),
+     ({"args": ["conformance"], "maxfail": 1}, "-x/--maxfail 1")],
+)
+def test_a_narrowed_run_certifies_nothing(selection, said):
+    tests = full("host", "host") | full(H200, "cuda")
+    last = run_verdict(merged(tests, selection=selection), RUN)[-1]
+    assert last.startswith(f"partial run: nothing certified (narrowed by {said})"), last
+
+
+@pytest.mark.invariant(6)
+def test_a_step_pytest_could_not_finish_or_a_missed_planted_defect_fails_the_run():
+    tests = full("host", "host") | full(H200, "cuda")
+    assert "exit status 3" in run_verdict(merged(tests, exit_status=3), RUN)[-1]
+    planted = tests | {"test_planted[host-zeroing-skipped]": record("host", [], "failed", "zeroing-skipped"),
+                       "test_planted[host-usage-over-reported]": record("host", [], "passed", "usage-over-reported")}
+    lines = run_verdict(merged(planted), RUN)
+    assert "the checks caught 1 of 2 planted defects" in lines and lines[-1].startswith("NOT CERTIFIED")
+
+
+@pytest.mark.invariant(6)
+def test_the_plan_runs_every_gpu_test_on_every_gpu_and_host_tests_once(tmp_path):
+    (tmp_path / PLANTED_FILE).write_text("")
+    two = {**FACTS, "gpus": FACTS["gpus"] + [{**FACTS["gpus"][0], "index": 1, "id": "1", "label": "GPU 1 (NVIDIA H200)"}]}
+    phases = plan(tmp_path, two, 4, 6)
+    steps = {step.name: step for phase in phases for step in phase.steps}
+    assert list(steps) == ["check-planted", "check-host", "check-gpu0", "check-gpu1", "check-host-exclusive",
+                           "check-gpu0-exclusive", "check-gpu1-exclusive", "check-multi-gpu"]
+    for gpu in ("0", "1"):
+        step = steps[f"check-gpu{gpu}"]
+        assert step.env == {"CUDA_VISIBLE_DEVICES": gpu} and step.targets == [str(tmp_path)]
+        assert "--extkv-device=gpu" in step.options and step.options[step.options.index("-n") + 1] == "6"
+    assert "--extkv-device=host" in steps["check-host"].options
+    assert all("-n" in step.options for step in steps.values()), "every step runs under xdist: a crash is a failed test"
+    without_gpu = [step.name for phase in plan(tmp_path, {**FACTS, "gpus": []}, 2, 0) for step in phase.steps]
+    assert without_gpu == ["check-planted", "check-host", "check-host-exclusive"]
+    assert workers(2, 0, None, None) == (2, 0) and workers(16, 1, None, None) == (4, 8) and workers(32, 2, None, None) == (8, 8)
+
+
+@pytest.mark.invariant(6)
+def test_runs_get_a_directory_of_their_own_and_a_named_one_must_be_empty(tmp_path):
+    facts = {"host": "node-1", "gpus": []}
+    first = run_directory(facts, datetime.date(2026, 12, 1), tmp_path)
+    assert first == tmp_path / "2026-12-01-node-1-host"
+    first.mkdir()
+    assert run_directory(facts, datetime.date(2026, 12, 1), tmp_path) == first, "an empty directory is free"
+    (first / "check.json").write_text("{}")
+    assert run_directory(facts, datetime.date(2026, 12, 1), tmp_path) == tmp_path / "2026-12-01-node-1-host-2"
+    with pytest.raises(RunDirectoryInUse, match=r"is not empty \(it holds check.json\): pass --overwrite"):
+        prepare_run_directory(first, facts, False, ("check*.json",))
+    assert (first / "check.json").read_text() == "{}", "a refused directory is left as it was"
+    (first / "bench.json").write_text("{}")
+    assert prepare_run_directory(first, facts, True, ("check*.json",)) == first.resolve()
+    assert sorted(path.name for path in first.iterdir()) == ["bench.json"], "--overwrite removes this run's own files only"
+
+
+def clean_env() -> dict[str, str]:
+    # An outer xdist worker's variables would make the inner run pin a GPU and call itself a worker.
+    return {name: value for name, value in os.environ.items() if not name.startswith(("PYTEST_", "XDIST_"))}
+
+
+CRASHING = '''
+import ctypes, pytest
+
+@pytest.mark.invariant(4)
+def test_reads_unmapped_memory():
+    ctypes.string_at(16, 1)   # SIGSEGV, as zeroing unmapped memory would
+
+@pytest.mark.invariant(4)
+def test_after_the_crash():
+    pass
+'''
+
+
+@pytest.mark.invariant(6)
+def test_a_crash_of_the_code_under_test_is_a_failed_test_with_its_name(tmp_path):
+    (tmp_path / "test_crash.py").write_text(CRASHING)
+    command = [sys.executable, "-m", "pytest", str(tmp_path), "-q", "-p", "no:cacheprovider", "-c", os.devnull,
+               "--rootdir", str(tmp_path), "-n", "1", f"--extkv-report-dir={tmp_path}", "--extkv-report-step=check-host",
+               f"--extkv-progress={tmp_path / 'progress'}"]
+    result = subprocess.run(command, capture_output=True, text=True, timeout=300, env=clean_env())
+    document = json.loads((tmp_path / "check-host.json").read_text())
+    tests = {nodeid.split("::")[-1]: test for nodeid, test in document["tests"].items()}
+    assert tests["test_reads_unmapped_memory"]["outcome"] == "failed", (result.stdout[-2000:], tests)
+    assert "crashed" in tests["test_reads_unmapped_memory"]["message"]
+    assert tests["test_reads_unmapped_memory"]["device"] == "host"
+    assert tests["test_after_the_crash"]["outcome"] == "passed", "the replaced worker goes on with the rest"
+    assert (tmp_path / "progress").read_text().split() == ["2", "2", "1"]
+
+
+UNRELATED = '''
+import os, torch
+
+def test_untouched():
+    assert "extkv" not in " ".join(os.environ.get("PYTEST_ADDOPTS", "").split())
+    print("threads", torch.get_num_threads(), "visible", os.environ.get("CUDA_VISIBLE_DEVICES"))
+'''
+
+
+@pytest.mark.invariant(6)
+def test_the_installed_plugin_is_inert_until_asked(tmp_path):
+    """Loaded by its entry point in someone else's project, the harness pins
+    no GPU, sets no threads, loads no Hypothesis profile and adds no header,
+    skips or leak checks; asked with --extkv it does."""
+    (tmp_path / "test_unrelated.py").write_text(UNRELATED)
+    env = clean_env() | {"PYTEST_XDIST_WORKER": "gw1", "CUDA_VISIBLE_DEVICES": "0,1"}
+    code = (
+        "import os, sys, torch, hypothesis, pytest\n"
+        "threads = torch.get_num_threads()\n"
+        "import extkv.testing.harness\n"
+        "assert os.environ['CUDA_VISIBLE_DEVICES'] == '0,1', 'pinned on import'\n"
+        "assert torch.get_num_threads() == threads, 'threads set on import'\n"
+        "assert hypothesis.settings._current_profile != 'ci', 'profile loaded on import'\n"
+        f"sys.exit(pytest.main([{str(tmp_path)!r}, '-q', '-s', '-p', 'no:cacheprovider', '-c', {os.devnull!r}, '--rootdir', {str(tmp_path)!r}]))\n"
+    )
+    inert = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, env=env, cwd=tmp_path)
+    assert inert.returncode == 0, inert.stdout[-2000:] + inert.stderr[-2000:]
+    assert "extkv.testing.harness" in subprocess.run(
+        [sys.executable, "-m", "pytest", "--co", "-q", "--trace-config", "-c", os.devnull, str(tmp_path)],
+        capture_output=True, text=True, timeout=300, env=clean_env(), cwd=tmp_path).stdout, "the entry point is not installed"
+    assert "extkv" not in inert.stdout.split("threads")[0].lower(), "an inert harness prints no header"
+    assert "visible 0,1" in inert.stdout
+    asked = subprocess.run([sys.executable, "-m", "pytest", str(tmp_path), "-q", "-s", "--extkv", "-p", "no:cacheprovider",
+                            "-c", os.devnull, "--rootdir", str(tmp_path)],
+                           capture_output=True, text=True, timeout=300, env=env, cwd=tmp_path)
+    assert asked.returncode == 0, asked.stdout[-2000:]
+    assert "threads 1 " in asked.stdout, "asked for, the harness sets one torch thread"
+    assert "extkv invariants" not in inert.stdout
+
+
+def test_every_invariant_has_words_and_a_statement():
+    assert sorted(INVARIANTS) == list(range(1, 9))
+    assert all(invariant.words and invariant.statement.endswith(".") for invariant in INVARIANTS.values())
+    assert set(DEVICE_KINDS) == {"host", "cuda"} and DEVICE_KINDS["host"].provable == (1, 3, 4, 5, 6, 7, 8)
