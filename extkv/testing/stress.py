@@ -830,7 +830,10 @@ def fault_attempt(
     scene = new_scene(scenario, real, out_of_memory=mode == "out of memory", target_is_importer=operation.target_is_importer)
     try:
         operation.prepare(scene)
-        kept = scene.committed_bytes()
+        # Copies of the committed bytes only where the contract keeps them:
+        # nothing else reads them (on the host, clones of fresh pages were
+        # a sixth of a fault enumeration's time under cProfile).
+        kept = scene.committed_bytes() if operation.keeps_contents else []
         scene.target.fail_in(step, nth)
         error: DriverError | None = None
         try:
@@ -935,8 +938,9 @@ def enumerate_faults(
 
 
 # -- pressure: a second process holding real memory ------------------------------------
-#: Pieces a pressure process allocates: large enough to fill quickly, small
-#: enough to leave little unused when the device is nearly full.
+#: Pieces a pressure process holds (`hold`), and the smallest it tries when
+#: filling (`fill` asks for the whole gap at once and halves what the device
+#: refuses): small enough to leave little unused when the device is nearly full.
 HOST_PRESSURE_PIECE = 64 << 20
 GPU_PRESSURE_PIECE = 256 << 20
 #: Name of the pressure process's memfds (not extkv's, so no probe counts them).
@@ -993,12 +997,22 @@ class MemoryHolder:
         return self.held
 
     def fill(self, leave: int) -> int:
-        """Allocate until the device's free memory is at most `leave` bytes."""
-        piece = HOST_PRESSURE_PIECE if self.device.type == "cpu" else GPU_PRESSURE_PIECE
+        """Allocate until the device's free memory is at most `leave` bytes:
+        the whole gap as one piece where the device grants it, a piece it
+        refuses halved down to the smallest piece, then the gap read again.
+        On a 141 GB H200 that is one or a few allocations a fill, and as many
+        frees at `release`, where pieces of 256 MiB were about 540 of each;
+        the walk under pressure fills once a cycle."""
+        smallest = HOST_PRESSURE_PIECE if self.device.type == "cpu" else GPU_PRESSURE_PIECE
         while True:
             free, _ = vmm.device_memory_info(self.device)
-            if free <= leave or not self._take(min(piece, free - leave)):
+            if free <= leave:
                 return self.held
+            piece = free - leave
+            while not self._take(piece):
+                if piece <= smallest:
+                    return self.held
+                piece = max(piece // 2, smallest)
 
     def release(self) -> None:
         for piece in self.pieces:
@@ -1248,6 +1262,23 @@ PRESSURE_HOST_GRANULE = 32 << 20
 GPU_PRESSURE_CAPACITY_BYTES = 12 << 30
 #: Skipped pressure episodes in a row that mean the pressure never presses.
 MAX_SKIPPED_EPISODES = 10
+#: Most torch CPU threads a walk beside a full GPU compares bytes with. Its
+#: checks copy what they compare to the host (a comparison on the device
+#: would need device memory the pressure leaves none of): the 200 steps of
+#: the CI walk under pressure (1.5 GiB cache, seed 20261130) compare 46 GiB,
+#: counted on the host driver with the same capacity and weights. One
+#: thread, the harness's default, compared 32 MiB of rows against their
+#: expanded values (torch.equal) in 46 ms on a 2-core x86 development host,
+#: two threads in 23 ms: under 1 GB/s a thread, which is most of the 46-90 s
+#: the CI test took on the H200 (check runs under reports/).
+HOST_COMPARE_THREADS = 8
+
+
+def host_compare_threads() -> int:
+    """torch CPU threads for host comparisons: up to HOST_COMPARE_THREADS,
+    the CPUs this process may use shared among the xdist workers."""
+    workers = max(int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1")), 1)
+    return max(1, min(HOST_COMPARE_THREADS, len(os.sched_getaffinity(0)) // workers))
 
 
 def meet_real_out_of_memory(
@@ -1404,6 +1435,10 @@ def walk_under_pressure(
         cycled = cycled or (ran >= least_steps and pressure.cycles() >= 1)
         return cycled
 
+    threads = torch.get_num_threads()
+    if capacity is not None:
+        torch.set_num_threads(host_compare_threads())
+        tally.settings["torch CPU threads of host comparisons beside a full GPU"] = torch.get_num_threads()
     try:
         ran = run_walk(
             device, "full", KVCacheLayout.LBHNC, seed, tally, until=until, steps=steps, probe=probe,
@@ -1414,6 +1449,7 @@ def walk_under_pressure(
             workload="walk under memory pressure",
         )
     finally:
+        torch.set_num_threads(threads)
         stopped = pressure.ask("stop")
     tally.events["pressure cycles (take, hold, free)"] += int(stopped.split()[1])
     return ran
