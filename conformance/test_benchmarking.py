@@ -19,6 +19,7 @@ from __future__ import annotations
 import contextlib
 import gc
 import json
+import multiprocessing
 import os
 import subprocess
 import sys
@@ -874,18 +875,37 @@ def test_recorded(benchmark):
 """
 
 
+def _pytest_main(arguments: list[str], environment: dict[str, str], stdout: str, stderr: str) -> None:
+    """`python -m pytest ARGUMENTS` in a process of its own that has run no
+    pytest session: with `environment`, its output into the two files."""
+    os.environ.clear()
+    os.environ.update(environment)
+    for fd, path in ((1, stdout), (2, stderr)):
+        os.dup2(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600), fd)
+    sys.exit(int(pytest.main(arguments)))
+
+
 def run_pytest_benchmark(tmp_path: Path, *options: str) -> subprocess.CompletedProcess:
     (tmp_path / "test_recorded.py").write_text(textwrap.dedent(RECORDING_TEST))
-    package_root = str(Path(benchmarking.__file__).resolve().parents[2])
     # Run from an xdist worker (extkv check on several GPUs), the child must
     # not count as distributed: pytest-benchmark disables itself there.
     environment = {name: value for name, value in os.environ.items() if not name.startswith("PYTEST_XDIST")}
-    environment["PYTHONPATH"] = os.pathsep.join(filter(None, [package_root, os.environ.get("PYTHONPATH")]))
-    return subprocess.run(
-        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-p", "no:xdist", "-c", os.devnull, "--rootdir", str(tmp_path),
-         str(tmp_path / "test_recorded.py"), f"--benchmark-json={tmp_path / 'bench.json'}", *options],
-        capture_output=True, text=True, timeout=300, env=environment,
-    )
+    arguments = ["-q", "-p", "no:cacheprovider", "-p", "no:xdist", "-c", os.devnull, "--rootdir", str(tmp_path),
+                 str(tmp_path / "test_recorded.py"), f"--benchmark-json={tmp_path / 'bench.json'}", *options]
+    # A child of multiprocessing's fork server, which imports torch and extkv
+    # once (CUDA untouched), runs the session: a fresh `python -m pytest`
+    # spent about 4 s of CPU, most of it importing them (2-core CI host).
+    # The fork imports this module, so the child runs this very extkv.
+    context = multiprocessing.get_context("forkserver")
+    context.set_forkserver_preload(["torch", "extkv", __name__])
+    stdout, stderr = tmp_path / "pytest.stdout", tmp_path / "pytest.stderr"
+    child = context.Process(target=_pytest_main, args=(arguments, environment, str(stdout), str(stderr)), daemon=True)
+    child.start()
+    child.join(300)
+    if child.is_alive():
+        child.kill()
+        child.join()
+    return subprocess.CompletedProcess(arguments, child.exitcode, stdout.read_text(), stderr.read_text())
 
 
 def test_pytest_benchmark_records_the_measured_rounds(tmp_path):
