@@ -15,11 +15,12 @@ import json
 import os
 import subprocess
 import sys
+from importlib.metadata import entry_points
 from pathlib import Path
 
 import pytest
 
-from extkv.reporting.check_run import PLANTED_FILE, plan, workers
+from extkv.reporting.check_run import PLANTED_FILE, plan, targets_found, workers
 from extkv.reporting.rundir import RunDirectoryInUse, prepare_run_directory, run_directory
 from extkv.reporting.verdict import run_verdict
 from extkv.testing.invariants import DEVICE_KINDS, INVARIANTS
@@ -202,9 +203,7 @@ def test_the_installed_plugin_is_inert_until_asked(tmp_path):
     )
     inert = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, env=env, cwd=tmp_path)
     assert inert.returncode == 0, inert.stdout[-2000:] + inert.stderr[-2000:]
-    assert "extkv.testing.harness" in subprocess.run(
-        [sys.executable, "-m", "pytest", "--co", "-q", "--trace-config", "-c", os.devnull, str(tmp_path)],
-        capture_output=True, text=True, timeout=300, env=clean_env(), cwd=tmp_path).stdout, "the entry point is not installed"
+    assert "extkv.testing.harness" in [entry.name for entry in entry_points(group="pytest11")], "no pytest11 entry point"
     assert "extkv" not in inert.stdout.split("threads")[0].lower(), "an inert harness prints no header"
     assert "visible 0,1" in inert.stdout
     asked = subprocess.run([sys.executable, "-m", "pytest", str(tmp_path), "-q", "-s", "--extkv", "-p", "no:cacheprovider",
@@ -213,6 +212,16 @@ def test_the_installed_plugin_is_inert_until_asked(tmp_path):
     assert asked.returncode == 0, asked.stdout[-2000:]
     assert "threads 1 " in asked.stdout, "asked for, the harness sets one torch thread"
     assert "extkv invariants" not in inert.stdout
+
+
+@pytest.mark.invariant(6)
+def test_the_exclusive_step_takes_the_tests_the_shared_step_left_out(tmp_path):
+    step = next(s for phase in plan(tmp_path, FACTS, 1, 1) for s in phase.steps if s.name == "check-gpu0-exclusive")
+    assert step.takes_from == "check-gpu0" and not targets_found(step, tmp_path), "no list: nothing to run"
+    (tmp_path / "check-gpu0.exclusive").write_text("/s/test_a.py::test_x[cuda:0]\n/s/test_b.py::test_y\n")
+    assert targets_found(step, tmp_path) and step.targets == ["/s/test_a.py::test_x[cuda:0]", "/s/test_b.py::test_y"]
+    shared = next(s for phase in plan(tmp_path, FACTS, 1, 1) for s in phase.steps if s.name == "check-gpu0")
+    assert "--extkv-exclusive-list={run}/check-gpu0.exclusive" in shared.options
 
 
 def test_every_invariant_has_words_and_a_statement():

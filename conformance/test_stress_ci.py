@@ -123,6 +123,7 @@ def test_every_driver_step_of_every_operation(device):
 
 
 @pytest.mark.invariant(4, 5)
+@pytest.mark.exclusive  # fills the device, and reads what it has free
 def test_real_memory_pressure(device):
     tally = StressTally()
     with PressureProcess(device) as pressure:

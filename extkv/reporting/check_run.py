@@ -21,7 +21,9 @@ how far each is, read from the progress file the harness keeps.
    device do not disturb each other's accounting. On a machine without a
    GPU the one step keeps every test, so the GPU tests show as skipped and why.
 3. The tests marked `exclusive` (they fill a device or read what the whole
-   device has free), one at a time per device, the devices at once.
+   device has free), one at a time per device, the devices at once. The
+   step before lists the ones it left out (`<step>.exclusive`), and this
+   step is given their nodeids, so it collects nothing else.
 4. With two GPUs or more, the multi-GPU tests (NCCL rank agreement) in one
    process that sees every GPU (`check-multi-gpu`).
 5. The report (`render_report`) and the verdict (extkv.reporting.verdict).
@@ -71,7 +73,7 @@ PROGRESS_EVERY_S = 15.0
 #: subprocesses and the CUDA contexts' start-up outweigh what runs at once.
 MOST_GPU_WORKERS = 8
 #: Files of an earlier check that --overwrite removes from --report-dir.
-CHECK_FILES = ("check*.json", "check*.xml", "check*.log", "check*.progress", "timeline-*", "summary.md")
+CHECK_FILES = ("check*.json", "check*.xml", "check*.log", "check*.progress", "check*.exclusive", "timeline-*", "summary.md")
 
 
 def add_report_dir_argument(parser: argparse.ArgumentParser) -> None:
@@ -110,6 +112,7 @@ class Step:
     targets: list[str]               # the paths it is given
     options: list[str]               # the harness's selection and xdist
     env: dict[str, str] = field(default_factory=dict)
+    takes_from: str | None = None    # the step whose list of left-out exclusive tests are its targets
 
 
 @dataclass
@@ -137,15 +140,14 @@ def plan(suite: Path, facts: dict, host_workers: int, gpu_workers: int) -> list[
         phases.append(Phase("planted defects", [
             Step("check-planted", "planted defects", [str(suite / PLANTED_FILE)], ["--extkv-part=planted", "-n", "1"]),
         ]))
-    shared = [Step("check-host", "host", whole, [f"--extkv-device={host_device}", "--extkv-part=shared",
-                                                 "-n", str(host_workers), "--dist=worksteal"])]
-    exclusive = [Step("check-host-exclusive", "host", whole, [f"--extkv-device={host_device}", "--extkv-part=exclusive", "-n", "1"])]
-    for gpu in gpus:
-        env = {"CUDA_VISIBLE_DEVICES": gpu["id"]}
-        shared.append(Step(f"check-gpu{gpu['id']}", gpu["label"], whole,
-                           ["--extkv-device=gpu", "--extkv-part=shared", "-n", str(gpu_workers), "--dist=worksteal"], env))
-        exclusive.append(Step(f"check-gpu{gpu['id']}-exclusive", gpu["label"], whole,
-                              ["--extkv-device=gpu", "--extkv-part=exclusive", "-n", "1"], env))
+    shared, exclusive = [], []
+    devices = [("check-host", "host", host_device, host_workers, {})]
+    devices += [(f"check-gpu{gpu['id']}", gpu["label"], "gpu", gpu_workers, {"CUDA_VISIBLE_DEVICES": gpu["id"]}) for gpu in gpus]
+    for name, what, device, count, env in devices:
+        shared.append(Step(name, what, whole, [f"--extkv-device={device}", "--extkv-part=shared", "-n", str(count),
+                                               "--dist=worksteal", f"--extkv-exclusive-list={{run}}/{name}.exclusive"], env))
+        exclusive.append(Step(f"{name}-exclusive", what, [], [f"--extkv-device={device}", "--extkv-part=exclusive",
+                                                            "-n", "1"], env, takes_from=name))
     phases.append(Phase("tests that share a device, every device at once", shared))
     phases.append(Phase("tests that need their device alone, one at a time", exclusive))
     if len(gpus) >= 2:
@@ -164,7 +166,7 @@ def pytest_command(suite: Path, run_dir: Path, step: Step, pytest_args: list[str
         f"--extkv-report-dir={run_dir}",
         f"--extkv-report-step={step.name}",
         f"--extkv-progress={run_dir / f'{step.name}.progress'}",
-        *step.options,
+        *(option.replace("{run}", str(run_dir)) for option in step.options),
     ]
     return command + pytest_args
 
@@ -206,6 +208,17 @@ def run_phase(number: int, total: int, phase: Phase, suite: Path, run_dir: Path,
     return {"name": phase.name, "steps": [step.name for step in phase.steps], "statuses": statuses, "wall_s": round(wall, 1)}
 
 
+def targets_found(step: Step, run_dir: Path) -> bool:
+    """Whether `step` has tests to run: a step that takes the exclusive tests
+    its shared step left out gets their nodeids as targets, and none means
+    nothing to run (so it collects nothing else)."""
+    if step.takes_from is None:
+        return True
+    listed = run_dir / f"{step.takes_from}.exclusive"
+    step.targets = listed.read_text().split() if listed.is_file() else []
+    return bool(step.targets)
+
+
 def run(args: argparse.Namespace, pytest_args: list[str]) -> int:
     started = time.monotonic()
     facts = machine_facts()
@@ -231,7 +244,12 @@ def run(args: argparse.Namespace, pytest_args: list[str]) -> int:
     }
     total = len(phases) + 1
     for number, phase in enumerate(phases, 1):
-        record["phases"].append(run_phase(number, total, phase, suite, run_dir, pytest_args))
+        phase.steps = [step for step in phase.steps if targets_found(step, run_dir)]
+        record["targets"].update({step.name: step.targets for step in phase.steps})
+        if phase.steps:
+            record["phases"].append(run_phase(number, total, phase, suite, run_dir, pytest_args))
+        else:
+            print(f"extkv check [{number}/{total}] {phase.name}: none here", flush=True)
     record["wall_s"] = round(time.monotonic() - started, 1)
     (run_dir / RUN_FILE).write_text(json.dumps(record, indent=1) + "\n")
 

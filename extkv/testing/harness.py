@@ -113,6 +113,12 @@ def pytest_addoption(parser):
         help="keep only the tests that run on the host driver, on one GPU, or on several GPUs (default all)",
     )
     group.addoption(
+        "--extkv-exclusive-list",
+        metavar="FILE",
+        default=None,
+        help="write the nodeids of the exclusive tests this run leaves out to FILE, one per line",
+    )
+    group.addoption(
         "--extkv-part",
         choices=PART_CHOICES,
         default="all",
@@ -310,6 +316,22 @@ def pytest_collection_modifyitems(config, items):
     if dropped:
         config.hook.pytest_deselected(items=dropped)
         items[:] = kept
+    _write_exclusive_list(config, [item for item in dropped if _part(item) == "exclusive"])
+
+
+def _write_exclusive_list(config, left_out) -> None:
+    """The exclusive tests a run of the shared part leaves out, for the run
+    that takes them next: it is given their nodeids and collects no more."""
+    path = config.getoption("--extkv-exclusive-list")
+    if path is None:
+        return
+    temporary = f"{path}.{os.getpid()}"
+    with open(temporary, "w") as file:
+        # Absolute paths: the next run's rootdir or directory may differ.
+        for item in left_out:
+            path_part, _, rest = item.nodeid.partition("::")
+            file.write(f"{config.rootpath / path_part}::{rest}\n")
+    os.replace(temporary, path)  # every xdist worker collects the same items
 
 
 def pytest_collection_finish(session):
