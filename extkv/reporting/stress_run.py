@@ -27,9 +27,9 @@ Two phases, each announced by a progress line and timed:
    section (extkv.reporting.stress) counts operations, faults, (operation,
    step) pairs, leaks and content mismatches, and plots the memory timeline.
 
-The run directory is `reports/<date>-<host>-<gpus>/` (extkv.reporting.rundir)
-unless `--report-dir` names one; a second run the same day replaces the
-first one's stress results. Arguments `extkv stress` does not know go to
+The run directory is a new `reports/runs/<date>-<host>-<gpus>/`
+(extkv.reporting.rundir) unless `--report-dir` names one, which must be
+empty unless `--overwrite` lets this run replace the stress results there. Arguments `extkv stress` does not know go to
 pytest (`extkv stress --minutes 1 -k walk`).
 """
 
@@ -39,7 +39,6 @@ import argparse
 import json
 import os
 import shlex
-import shutil
 import subprocess
 import sys
 import time
@@ -48,9 +47,11 @@ from pathlib import Path
 from . import render_report
 from .check_run import add_report_dir_argument, installed_suite_options
 from .machine import machine_facts, write_machine_facts
-from .rundir import checkout_root, run_directory, suite_directory
+from .rundir import RunDirectoryInUse, checkout_root, prepare_run_directory, suite_directory
 from .stress import RUN_FILE, STRESS_DIR, STRESS_FORMAT, load_stress, stress_totals
 
+#: Files of an earlier stress run that --overwrite removes from --report-dir.
+STRESS_FILES = (STRESS_DIR, "summary.md", "*.png")
 #: Seconds of the bound kept for the report after the tests.
 REPORT_RESERVE_S = 10.0
 #: Seconds between the lines saying how far the run is.
@@ -142,9 +143,12 @@ def run(args: argparse.Namespace, pytest_args: list[str]) -> int:
     seed = args.seed if args.seed is not None else int(started) % 1_000_000
     facts = machine_facts()
     gpus = len(facts["gpus"])
-    run_dir = (args.report_dir or run_directory(facts)).resolve()
+    try:
+        run_dir = prepare_run_directory(args.report_dir, facts, args.overwrite, STRESS_FILES)
+    except RunDirectoryInUse as error:
+        print(f"extkv stress: {error}", file=sys.stderr)
+        return 2
     results = run_dir / STRESS_DIR
-    shutil.rmtree(results, ignore_errors=True)  # the day's earlier stress run
     results.mkdir(parents=True)
     write_machine_facts(run_dir)
     if gpus > 1:
