@@ -522,6 +522,7 @@ def test_a_shrink_at_or_above_the_count_after_a_failed_growth_keeps_the_blocks(b
 
 
 @pytest.mark.invariant(5)
+@pytest.mark.exclusive  # reads what the whole device has free, twice, and compares
 def test_torch_cap_grows_by_what_a_shrinking_extend_frees(build, device):
     """The reference subtracts the signed growth: when the measured budget is
     below what warmup committed, the shrink frees memory that torch may use,
