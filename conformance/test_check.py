@@ -20,7 +20,9 @@ from pathlib import Path
 
 import pytest
 
-from extkv.reporting.check_run import PLANTED_FILE, plan, targets_found, workers
+from extkv.reporting.check_run import PLANTED_FILE, closing_lines, plan, targets_found, workers
+from extkv.reporting.machine import machine_section
+from extkv.testing.facts import machine_facts
 from extkv.reporting.rundir import RunDirectoryInUse, prepare_run_directory, run_directory
 from extkv.reporting.verdict import run_verdict
 from extkv.testing.invariants import DEVICE_KINDS, INVARIANTS
@@ -222,6 +224,29 @@ def test_the_exclusive_step_takes_the_tests_the_shared_step_left_out(tmp_path):
     assert targets_found(step, tmp_path) and step.targets == ["/s/test_a.py::test_x[cuda:0]", "/s/test_b.py::test_y"]
     shared = next(s for phase in plan(tmp_path, FACTS, 1, 1) for s in phase.steps if s.name == "check-gpu0")
     assert "--extkv-exclusive-list={run}/check-gpu0.exclusive" in shared.options
+
+
+@pytest.mark.invariant(6)
+def test_the_terminal_ends_with_the_slowest_tests_the_report_its_plots_and_the_verdict(tmp_path):
+    tests = full("host", "host") | full(H200, "cuda")
+    tests["test_3[host]"]["duration_s"] = 9.5
+    for name in ("timeline-host.png", "bench_scaling_bytes.png"):
+        (tmp_path / name).write_bytes(b"\x89PNG")
+    lines = closing_lines(merged(tests), RUN, tmp_path / "summary.md")
+    assert lines[0] == "slowest tests:" and lines[1] == "     9.5 s  test_3[host]  [host]" and len(lines[1:11]) == 10
+    at = lines.index(f"report {tmp_path / 'summary.md'}")
+    assert lines[at + 1 : at + 3] == [f"plot {tmp_path / 'bench_scaling_bytes.png'}", f"plot {tmp_path / 'timeline-host.png'}"]
+    assert lines[at + 3 :] == run_verdict(merged(tests), RUN), "the verdict lines come last"
+    assert lines[-1].startswith("CERTIFIED cuda:0")
+
+
+def test_reports_name_the_extkv_build_and_torch_cuda():
+    facts = machine_facts()
+    assert facts["extkv"] and facts["torch_cuda"], facts
+    section = machine_section(facts)
+    assert f"- extkv {facts['extkv']}" in section and f"torch {facts['torch']} (CUDA {facts['torch_cuda']})" in section
+    if (Path(__file__).resolve().parents[1] / ".git").exists():
+        assert facts["extkv_commit"] and f"at commit {facts['extkv_commit']}" in section
 
 
 def test_every_invariant_has_words_and_a_statement():

@@ -264,16 +264,22 @@ def run(args: argparse.Namespace, pytest_args: list[str]) -> int:
     if check is None:
         print(f"extkv check: NOT CERTIFIED: no step left results in {run_dir} (see its *.log)", flush=True)
         return 1
-    print("extkv check: slowest tests:", flush=True)
-    for seconds, key, device in slowest_tests(check["tests"]):
-        print(f"  {seconds:6.1f} s  {key}  [{device}]", flush=True)
-    failures = [(key, r) for key, r in check["tests"].items() if r["outcome"] in ("failed", "error")]
-    for key, record_ in failures:
-        print(f"  FAILED {key} [{record_['device']}]: {record_['message']}", flush=True)
-    print(f"extkv check: report {summary}", flush=True)
-    for image in sorted(run_dir.glob("*.png")):
-        print(f"extkv check: plot {image}", flush=True)
-    lines = run_verdict(check, record)
+    lines = closing_lines(check, record, summary)
     for line in lines:
         print(f"extkv check: {line}", flush=True)
     return 0 if lines[-1].startswith("CERTIFIED") else 1
+
+
+def closing_lines(check: dict, record: dict, summary: Path) -> list[str]:
+    """What the terminal ends with: the slowest ten tests, the failures, the
+    report and every plot beside it, then the verdict, last."""
+    lines = ["slowest tests:"]
+    lines += [f"  {seconds:6.1f} s  {key}  [{device}]" for seconds, key, device in slowest_tests(check["tests"])]
+    lines += [
+        f"FAILED {key} [{test['device']}]: {test['message']}"
+        for key, test in check["tests"].items()
+        if test["outcome"] in ("failed", "error")
+    ]
+    lines.append(f"report {summary}")
+    lines += [f"plot {image}" for image in sorted(summary.parent.glob("*.png"))]
+    return lines + run_verdict(check, record)
