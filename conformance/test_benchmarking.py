@@ -875,14 +875,18 @@ def test_recorded(benchmark):
 """
 
 
-def _pytest_main(arguments: list[str], environment: dict[str, str], stdout: str, stderr: str) -> None:
-    """`python -m pytest ARGUMENTS` in a process of its own that has run no
-    pytest session: with `environment`, its output into the two files."""
-    os.environ.clear()
-    os.environ.update(environment)
-    for fd, path in ((1, stdout), (2, stderr)):
-        os.dup2(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600), fd)
-    sys.exit(int(pytest.main(arguments)))
+#: What the child runs (through `exec`, so that unpickling its target
+#: imports nothing): `python -m pytest ARGUMENTS` with `ENVIRONMENT`, its
+#: output into the files STDOUT and STDERR.
+PYTEST_MAIN = """
+import os, sys
+os.environ.clear()
+os.environ.update(ENVIRONMENT)
+for fd, path in ((1, STDOUT), (2, STDERR)):
+    os.dup2(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600), fd)
+import pytest
+sys.exit(int(pytest.main(ARGUMENTS)))
+"""
 
 
 def run_pytest_benchmark(tmp_path: Path, *options: str) -> subprocess.CompletedProcess:
@@ -892,14 +896,19 @@ def run_pytest_benchmark(tmp_path: Path, *options: str) -> subprocess.CompletedP
     environment = {name: value for name, value in os.environ.items() if not name.startswith("PYTEST_XDIST")}
     arguments = ["-q", "-p", "no:cacheprovider", "-p", "no:xdist", "-c", os.devnull, "--rootdir", str(tmp_path),
                  str(tmp_path / "test_recorded.py"), f"--benchmark-json={tmp_path / 'bench.json'}", *options]
-    # A child of multiprocessing's fork server, which imports torch and extkv
-    # once (CUDA untouched), runs the session: a fresh `python -m pytest`
-    # spent about 4 s of CPU, most of it importing them (2-core CI host).
-    # The fork imports this module, so the child runs this very extkv.
+    # A child of multiprocessing's fork server, which imports torch once
+    # (CUDA untouched), runs the session: a fresh `python -m pytest` spent
+    # about 4 s of CPU, half of it importing torch (2-core CI host). Torch
+    # alone: extkv and this module are left for the session to import, as
+    # pytest rewrites the asserts of a plugin's distribution only as it
+    # imports them.
     context = multiprocessing.get_context("forkserver")
-    context.set_forkserver_preload(["torch", "extkv", __name__])
+    context.set_forkserver_preload(["torch"])
     stdout, stderr = tmp_path / "pytest.stdout", tmp_path / "pytest.stderr"
-    child = context.Process(target=_pytest_main, args=(arguments, environment, str(stdout), str(stderr)), daemon=True)
+    for path in (stdout, stderr):
+        path.write_text("")  # read back even where the child died before its target ran
+    names = {"ARGUMENTS": arguments, "ENVIRONMENT": environment, "STDOUT": str(stdout), "STDERR": str(stderr)}
+    child = context.Process(target=exec, args=(PYTEST_MAIN, names), daemon=True)
     child.start()
     child.join(300)
     if child.is_alive():

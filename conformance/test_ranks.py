@@ -158,11 +158,13 @@ def rank_main(rank: int, backend: str, init_method: str, scenario: str, results,
 def run_ranks(tmp_path, backend: str, scenario: str) -> list[dict]:
     """Start WORLD_SIZE ranks running `scenario`; their reports, by rank.
     Fails with every rank's traceback, or with which ranks hung."""
-    # A spawned rank spent about 2 s of CPU importing torch and this module
-    # (2-core CI host); the fork server imports them once, and a fork after
-    # imports alone leaves CUDA to each rank, as a spawn does.
+    # A spawned rank spent about 2 s of CPU importing torch (2-core CI
+    # host); the fork server imports it once, and a fork after imports alone
+    # leaves CUDA to each rank, as a spawn does. The server is this
+    # process's one, shared with other tests: it preloads torch (and with it
+    # torch.distributed) only; test_benchmarking says why.
     context = multiprocessing.get_context("forkserver")
-    context.set_forkserver_preload(["torch", "torch.distributed", "extkv", __name__])
+    context.set_forkserver_preload(["torch"])
     results = context.Queue()
     init_method = f"file://{tmp_path / f'rendezvous-{backend}-{scenario}'}"
     environment = dict(os.environ)

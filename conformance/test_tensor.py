@@ -812,10 +812,12 @@ def test_full_view_repr_reads_nothing(device, granule):
     """The full view spans unmapped pages; printing it must not touch them
     (it killed the process with SIGSEGV on the host)."""
     # In a process forked from multiprocessing's fork server, which imports
-    # torch and extkv once and never touches CUDA: a fresh interpreter spent
-    # about 2 s of CPU on those imports (2-core CI host).
+    # torch once and never touches CUDA: a fresh interpreter spent about 2 s
+    # of CPU importing it (2-core CI host). The server is this process's one,
+    # shared with other tests: it preloads torch only (test_benchmarking
+    # says why).
     context = multiprocessing.get_context("forkserver")
-    context.set_forkserver_preload(["torch", "extkv", __name__])
+    context.set_forkserver_preload(["torch"])
     receiver, sender = context.Pipe(duplex=False)
     process = context.Process(target=_print_full_view, args=(str(device), granule, sender), daemon=True)
     process.start()
