@@ -876,10 +876,11 @@ def test_recorded(benchmark):
 
 
 #: What the child runs (through `exec`, so that unpickling its target
-#: imports nothing): `python -m pytest ARGUMENTS` with `ENVIRONMENT`, its
-#: output into the files STDOUT and STDERR.
+#: imports nothing): `python -m pytest ARGUMENTS` in directory CWD with
+#: `ENVIRONMENT`, its output into the files STDOUT and STDERR.
 PYTEST_MAIN = """
 import os, sys
+os.chdir(CWD)
 os.environ.clear()
 os.environ.update(ENVIRONMENT)
 for fd, path in ((1, STDOUT), (2, STDERR)):
@@ -907,7 +908,7 @@ def run_pytest_benchmark(tmp_path: Path, *options: str) -> subprocess.CompletedP
     stdout, stderr = tmp_path / "pytest.stdout", tmp_path / "pytest.stderr"
     for path in (stdout, stderr):
         path.write_text("")  # read back even where the child died before its target ran
-    names = {"ARGUMENTS": arguments, "ENVIRONMENT": environment, "STDOUT": str(stdout), "STDERR": str(stderr)}
+    names = {"ARGUMENTS": arguments, "CWD": os.getcwd(), "ENVIRONMENT": environment, "STDOUT": str(stdout), "STDERR": str(stderr)}
     child = context.Process(target=exec, args=(PYTEST_MAIN, names), daemon=True)
     child.start()
     child.join(300)

@@ -1,5 +1,5 @@
 """Reports (extkv.reporting) rendered from real runs: pytest runs in a
-subprocess with the harness writing its results into a run directory, and
+process of its own with the harness writing its results into a run directory, and
 the summary's per-invariant, per-device counts are checked against pytest's
 own JUnit XML of the same run. One run takes a few conformance tests; a
 second, as the multi-GPU step, takes a planted file whose tests pass, fail,
@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import ast
 import json
+import multiprocessing
 import os
 import re
 import subprocess
@@ -61,16 +62,52 @@ def test_without_invariant():
 '''
 
 
+#: What a child of the fork server runs (through `exec`, so that unpickling
+#: its target imports nothing): `python -m pytest ARGUMENTS` in directory
+#: CWD with `ENVIRONMENT`, its output into the files STDOUT and STDERR.
+PYTEST_MAIN = """
+import os, sys
+os.chdir(CWD)
+os.environ.clear()
+os.environ.update(ENVIRONMENT)
+for fd, path in ((1, STDOUT), (2, STDERR)):
+    os.dup2(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600), fd)
+import pytest
+sys.exit(int(pytest.main(ARGUMENTS)))
+"""
+
+
 def run_pytest(run_dir: Path, step: str, arguments: list[str], rootdir: Path) -> subprocess.CompletedProcess:
-    """pytest in a fresh process, as `extkv check` runs it from an installed
-    package: the harness as a plugin, no configuration file."""
+    """pytest in a process of its own that has run no session and imported
+    nothing of extkv, as `extkv check` runs it from an installed package:
+    the harness as a plugin, no configuration file."""
     # An outer xdist worker's variables would make the inner run pin a GPU
     # and call itself a worker.
     environment = {name: value for name, value in os.environ.items() if not name.startswith(("PYTEST_", "XDIST_"))}
-    command = [sys.executable, "-m", "pytest", "-q", "-p", "extkv.testing.harness", "-p", "no:cacheprovider"]
-    command += ["-c", os.devnull, "--rootdir", str(rootdir), *INSTALLED_OPTIONS]
-    command += [f"--junitxml={run_dir / f'{step}-junit.xml'}", f"--extkv-report-dir={run_dir}", f"--extkv-report-step={step}"]
-    return subprocess.run(command + arguments, env=environment, capture_output=True, text=True, timeout=300)
+    options = ["-q", "-p", "extkv.testing.harness", "-p", "no:cacheprovider"]
+    options += ["-c", os.devnull, "--rootdir", str(rootdir), *INSTALLED_OPTIONS]
+    options += [f"--junitxml={run_dir / f'{step}-junit.xml'}", f"--extkv-report-dir={run_dir}", f"--extkv-report-step={step}"]
+    # A child of multiprocessing's fork server, which imports torch once
+    # (CUDA untouched): a fresh `python -m pytest` spent about 2 s of its
+    # 4.4 s importing torch (2-core CI host). Torch alone: pytest rewrites
+    # extkv's asserts only as the session imports it.
+    context = multiprocessing.get_context("forkserver")
+    context.set_forkserver_preload(["torch"])
+    stdout, stderr = (run_dir.with_name(f"{run_dir.name}-{step}.{stream}") for stream in ("stdout", "stderr"))
+    for path in (stdout, stderr):
+        path.write_text("")  # read back even where the child died before its target ran
+    names = {"ARGUMENTS": options + arguments, "CWD": os.getcwd(), "ENVIRONMENT": environment,
+             "STDOUT": str(stdout), "STDERR": str(stderr)}
+    child = context.Process(target=exec, args=(PYTEST_MAIN, names), daemon=True)
+    child.start()
+    child.join(300)
+    if child.is_alive():
+        child.kill()
+        child.join()
+    finished = subprocess.CompletedProcess(options + arguments, child.exitcode, stdout.read_text(), stderr.read_text())
+    stdout.unlink()
+    stderr.unlink()
+    return finished
 
 
 @pytest.fixture(scope="module")
