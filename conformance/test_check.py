@@ -20,12 +20,14 @@ from pathlib import Path
 
 import pytest
 
-from extkv.reporting.check_run import PLANTED_FILE, closing_lines, plan, targets_found, workers
+from extkv.reporting.check_run import closing_lines, plan, targets_found, workers
 from extkv.reporting.machine import machine_section
 from extkv.testing.facts import machine_facts
 from extkv.reporting.rundir import RunDirectoryInUse, prepare_run_directory, run_directory
 from extkv.reporting.verdict import run_verdict
 from extkv.testing.invariants import DEVICE_KINDS, INVARIANTS
+
+pytest_plugins = ["pytester"]
 
 H200 = "GPU 0 (NVIDIA H200)"
 FACTS = {
@@ -110,12 +112,17 @@ def test_a_step_pytest_could_not_finish_or_a_missed_planted_defect_fails_the_run
 
 @pytest.mark.invariant(6)
 def test_the_plan_runs_every_gpu_test_on_every_gpu_and_host_tests_once(tmp_path):
-    (tmp_path / PLANTED_FILE).write_text("")
+    """Planted defects run first within each device's shared step (the harness orders them)."""
     two = {**FACTS, "gpus": FACTS["gpus"] + [{**FACTS["gpus"][0], "index": 1, "id": "1", "label": "GPU 1 (NVIDIA H200)"}]}
     phases = plan(tmp_path, two, 4, 6)
     steps = {step.name: step for phase in phases for step in phase.steps}
-    assert list(steps) == ["check-planted", "check-host", "check-gpu0", "check-gpu1", "check-host-exclusive",
-                           "check-gpu0-exclusive", "check-gpu1-exclusive", "check-multi-gpu"]
+    assert list(steps) == ["check-host", "check-gpu0", "check-gpu0-exclusive", "check-gpu1",
+                           "check-gpu1-exclusive", "check-host-exclusive", "check-multi-gpu"]
+    lanes = [[step.name for step in lane] for lane in phases[0].lanes]
+    assert lanes == [["check-host"], ["check-gpu0", "check-gpu0-exclusive"], ["check-gpu1", "check-gpu1-exclusive"]], (
+        "every device at once, a GPU's exclusive tests after its own shared ones")
+    assert [[step.name for step in lane] for lane in phases[1].lanes] == [["check-host-exclusive"]], (
+        "the host's exclusive tests fill the machine's memory: alone")
     for gpu in ("0", "1"):
         step = steps[f"check-gpu{gpu}"]
         assert step.env == {"CUDA_VISIBLE_DEVICES": gpu} and step.targets == [str(tmp_path)]
@@ -123,7 +130,7 @@ def test_the_plan_runs_every_gpu_test_on_every_gpu_and_host_tests_once(tmp_path)
     assert "--extkv-device=host" in steps["check-host"].options
     assert all("-n" in step.options for step in steps.values()), "every step runs under xdist: a crash is a failed test"
     without_gpu = [step.name for phase in plan(tmp_path, {**FACTS, "gpus": []}, 2, 0) for step in phase.steps]
-    assert without_gpu == ["check-planted", "check-host", "check-host-exclusive"]
+    assert without_gpu == ["check-host", "check-host-exclusive"]
     assert workers(2, 0, None, None) == (2, 0) and workers(16, 1, None, None) == (4, 8) and workers(32, 2, None, None) == (8, 8)
 
 
@@ -253,3 +260,30 @@ def test_every_invariant_has_words_and_a_statement():
     assert sorted(INVARIANTS) == list(range(1, 9))
     assert all(invariant.words and invariant.statement.endswith(".") for invariant in INVARIANTS.values())
     assert set(DEVICE_KINDS) == {"host", "cuda"} and DEVICE_KINDS["host"].provable == (1, 3, 4, 5, 6, 7, 8)
+
+
+ORDERED = '''
+import pytest
+
+def test_plain():
+    pass
+
+@pytest.mark.planted_defect("late")
+def test_planted_late():
+    pass
+
+@pytest.mark.exclusive
+def test_alone():
+    pass
+'''
+
+
+@pytest.mark.invariant(6)
+def test_a_shared_run_keeps_the_planted_defects_first_and_lists_the_exclusive_tests(pytester):
+    pytester.makepyfile(test_order=ORDERED)
+    listed = pytester.path / "left-out"
+    result = pytester.runpytest_inprocess("--extkv", "--extkv-part=shared", f"--extkv-exclusive-list={listed}",
+                                          "-p", "no:cacheprovider", "--co", "-q")
+    collected = [line for line in result.outlines if "::" in line]
+    assert [line.split("::")[1] for line in collected] == ["test_planted_late", "test_plain"], result.outlines
+    assert listed.read_text().split() == [f"{pytester.path / 'test_order.py'}::test_alone"]

@@ -3,30 +3,36 @@ driver and on every GPU, with its report and a verdict.
 
 Theory of operation
 -------------------
-The run is a plan of phases; each phase starts its steps at once, one
-pytest subprocess per step, and waits for all of them. A step's output goes
-to `<run>/<step>.log`, its results to `<step>.json` (the harness's record)
-and `<step>-junit.xml`; while steps run, a line every PROGRESS_EVERY_S says
-how far each is, read from the progress file the harness keeps.
+The run is a plan of phases, one after the other. A phase is lanes that run
+at once, and a lane is steps that run one after the other, each step one
+pytest subprocess. A step's output goes to `<run>/<step>.log`, its results
+to `<step>.json` (the harness's record) and `<step>-junit.xml`; while steps
+run, a line every PROGRESS_EVERY_S says how far each is, read from the
+progress file the harness keeps.
 
-1. Planted defects (`check-planted`): conformance/test_planted_defects.py,
-   whose tests pass only when a check flags a deliberately broken
-   implementation. It runs first, since a certificate is only as good as
-   the checks behind it.
-2. The tests that share a device, every device at once: the host driver's
-   (`check-host`: every test without a GPU, run once) and each GPU's
-   (`check-gpu<id>`: CUDA_VISIBLE_DEVICES narrowed to that GPU, every GPU
-   test), each with several xdist workers. NVML's per-process readings and
+1. Every device at once, a lane each: the host driver's tests that share
+   it (`check-host`: every test without a GPU, run once), and per GPU its
+   tests that share it (`check-gpu<id>`: CUDA_VISIBLE_DEVICES narrowed to
+   that GPU, every GPU test), then the ones marked `exclusive`, which fill
+   the GPU or read what it has free, one at a time (`check-gpu<id>-exclusive`).
+   Each shared step runs the planted defects first
+   (conformance/test_planted_defects.py, on that device: each test passes
+   only when a check flags a deliberately broken implementation), since a
+   certificate is only as good as the checks behind it; they need no
+   pytest run of their own, which on the host would cost as much as their
+   tests (about 10 s of start-up and collection on 2 cores). Shared steps
+   run several xdist workers: NVML's per-process readings and
    a process's own memfds do not see other processes, so workers on one
-   device do not disturb each other's accounting. On a machine without a
-   GPU the one step keeps every test, so the GPU tests show as skipped and why.
-3. The tests marked `exclusive` (they fill a device or read what the whole
-   device has free), one at a time per device, the devices at once. The
-   step before lists the ones it left out (`<step>.exclusive`), and this
-   step is given their nodeids, so it collects nothing else.
-4. With two GPUs or more, the multi-GPU tests (NCCL rank agreement) in one
+   device do not disturb each other's accounting, and the host lane uses no
+   GPU memory. On a machine without a GPU the host step keeps every test,
+   so the GPU tests show as skipped and why.
+2. The host driver's exclusive tests (`check-host-exclusive`), alone: they
+   fill the machine's memory, which every lane uses.
+   An exclusive step is given the nodeids its shared step listed as left
+   out (`<step>.exclusive`), so it collects nothing else; none, no step.
+3. With two GPUs or more, the multi-GPU tests (NCCL rank agreement) in one
    process that sees every GPU (`check-multi-gpu`).
-5. The report (`render_report`) and the verdict (extkv.reporting.verdict).
+4. The report (`render_report`) and the verdict (extkv.reporting.verdict).
 
 Every step runs under xdist, at least one worker, so a test that kills its
 process (a SIGSEGV in the code under test) is a failed test with its name,
@@ -65,8 +71,6 @@ from .verdict import run_verdict
 #: What the checkout's [tool.pytest.ini_options] gives, on the command line
 #: for an installed package (the harness arrives through -p there).
 INSTALLED_OPTIONS = ["-ra", "--strict-markers", "-o", "timeout=600"]
-#: The planted-defect tests, in the suite.
-PLANTED_FILE = "test_planted_defects.py"
 #: Seconds between progress lines.
 PROGRESS_EVERY_S = 15.0
 #: xdist workers of one GPU's step at most: beyond this its tests' own
@@ -118,7 +122,11 @@ class Step:
 @dataclass
 class Phase:
     name: str
-    steps: list[Step]
+    lanes: list[list[Step]]      # at once; each lane's steps one after the other
+
+    @property
+    def steps(self) -> list[Step]:
+        return [step for lane in self.lanes for step in lane]
 
 
 def workers(cores: int, gpus: int, host: int | None, gpu: int | None) -> tuple[int, int]:
@@ -136,24 +144,24 @@ def plan(suite: Path, facts: dict, host_workers: int, gpu_workers: int) -> list[
     host_device = "host" if gpus else "all"
     whole = [str(suite)]
     phases = []
-    if (suite / PLANTED_FILE).is_file():
-        phases.append(Phase("planted defects", [
-            Step("check-planted", "planted defects", [str(suite / PLANTED_FILE)], ["--extkv-part=planted", "-n", "1"]),
-        ]))
-    shared, exclusive = [], []
-    devices = [("check-host", "host", host_device, host_workers, {})]
-    devices += [(f"check-gpu{gpu['id']}", gpu["label"], "gpu", gpu_workers, {"CUDA_VISIBLE_DEVICES": gpu["id"]}) for gpu in gpus]
-    for name, what, device, count, env in devices:
-        shared.append(Step(name, what, whole, [f"--extkv-device={device}", "--extkv-part=shared", "-n", str(count),
-                                               "--dist=worksteal", f"--extkv-exclusive-list={{run}}/{name}.exclusive"], env))
-        exclusive.append(Step(f"{name}-exclusive", what, [], [f"--extkv-device={device}", "--extkv-part=exclusive",
-                                                            "-n", "1"], env, takes_from=name))
-    phases.append(Phase("tests that share a device, every device at once", shared))
-    phases.append(Phase("tests that need their device alone, one at a time", exclusive))
+
+    def lane(name: str, what: str, device: str, count: int, env: dict) -> list[Step]:
+        shared = Step(name, what, whole, [f"--extkv-device={device}", "--extkv-part=shared", "-n", str(count),
+                                          "--dist=load", f"--extkv-exclusive-list={{run}}/{name}.exclusive"], env)
+        exclusive = Step(f"{name}-exclusive", what, [], [f"--extkv-device={device}", "--extkv-part=exclusive", "-n", "1"],
+                         env, takes_from=name)
+        return [shared, exclusive]
+
+    host_shared, host_exclusive = lane("check-host", "host", host_device, host_workers, {})
+    lanes = [[host_shared]]
+    lanes += [lane(f"check-gpu{gpu['id']}", gpu["label"], "gpu", gpu_workers, {"CUDA_VISIBLE_DEVICES": gpu["id"]})
+              for gpu in gpus]
+    phases.append(Phase("every device at once: the tests that share it, then a GPU's exclusive ones", lanes))
+    phases.append(Phase("the host driver's exclusive tests, alone", [[host_exclusive]]))
     if len(gpus) >= 2:
-        phases.append(Phase(f"multi-GPU tests in one process that sees all {len(gpus)} GPUs", [
+        phases.append(Phase(f"multi-GPU tests in one process that sees all {len(gpus)} GPUs", [[
             Step("check-multi-gpu", f"{len(gpus)} GPUs", whole, ["--extkv-device=multi-gpu", "-n", "1"]),
-        ]))
+        ]]))
     return phases
 
 
@@ -180,32 +188,49 @@ def _progress(run_dir: Path, step: Step) -> str:
 
 
 def run_phase(number: int, total: int, phase: Phase, suite: Path, run_dir: Path, pytest_args: list[str]) -> dict:
-    """Start every step of `phase`, print progress until all end; returns the phase's record."""
+    """Run `phase`'s lanes at once, each lane's steps one after the other,
+    printing progress until all end; returns the phase's record."""
     print(f"extkv check [{number}/{total}] {phase.name}", flush=True)
     started = time.monotonic()
-    running = []
-    for step in phase.steps:
-        command = pytest_command(suite, run_dir, step, pytest_args)
-        print(f"  {step.name}: " + " ".join(command[3:]) + f"  > {step.name}.log", flush=True)
-        log = open(run_dir / f"{step.name}.log", "w")
-        process = subprocess.Popen(command, cwd=checkout_root() or Path.cwd(), env={**os.environ, **step.env},
-                                   stdout=log, stderr=subprocess.STDOUT)
-        running.append((step, process, log))
+    waiting = [list(lane) for lane in phase.lanes]
+    running: list[tuple[Step, subprocess.Popen, object, int]] = []   # (step, process, log, lane)
     statuses: dict[str, int] = {}
+    targets: dict[str, list[str]] = {}
+
+    def start_next(lane: int) -> None:
+        while waiting[lane]:
+            step = waiting[lane].pop(0)
+            if not targets_found(step, run_dir):
+                continue
+            targets[step.name] = step.targets
+            command = pytest_command(suite, run_dir, step, pytest_args)
+            print(f"  {step.name}: " + " ".join(command[3:]) + f"  > {step.name}.log", flush=True)
+            log = open(run_dir / f"{step.name}.log", "w")
+            process = subprocess.Popen(command, cwd=checkout_root() or Path.cwd(), env={**os.environ, **step.env},
+                                       stdout=log, stderr=subprocess.STDOUT)
+            running.append((step, process, log, lane))
+            return
+
+    for lane in range(len(waiting)):
+        start_next(lane)
     said = time.monotonic()
-    while len(statuses) < len(running):
+    while running:
         time.sleep(0.5)
-        for step, process, log in running:
-            if step.name not in statuses and process.poll() is not None:
-                log.close()
-                statuses[step.name] = process.returncode
-                print(f"  {step.name} ended (exit status {process.returncode}) after {time.monotonic() - started:.0f} s", flush=True)
-        if time.monotonic() - said >= PROGRESS_EVERY_S and len(statuses) < len(running):
+        for entry in list(running):
+            step, process, log, lane = entry
+            if process.poll() is None:
+                continue
+            log.close()
+            running.remove(entry)
+            statuses[step.name] = process.returncode
+            print(f"  {step.name} ended (exit status {process.returncode}) after {time.monotonic() - started:.0f} s", flush=True)
+            start_next(lane)
+        if running and time.monotonic() - said >= PROGRESS_EVERY_S:
             said = time.monotonic()
-            print(f"  {time.monotonic() - started:.0f} s: " + "; ".join(_progress(run_dir, step) for step, _, _ in running), flush=True)
+            print(f"  {time.monotonic() - started:.0f} s: " + "; ".join(_progress(run_dir, step) for step, *_ in running), flush=True)
     wall = time.monotonic() - started
     print(f"extkv check [{number}/{total}] done in {wall:.0f} s", flush=True)
-    return {"name": phase.name, "steps": [step.name for step in phase.steps], "statuses": statuses, "wall_s": round(wall, 1)}
+    return {"name": phase.name, "steps": list(statuses), "statuses": statuses, "targets": targets, "wall_s": round(wall, 1)}
 
 
 def targets_found(step: Step, run_dir: Path) -> bool:
@@ -244,12 +269,9 @@ def run(args: argparse.Namespace, pytest_args: list[str]) -> int:
     }
     total = len(phases) + 1
     for number, phase in enumerate(phases, 1):
-        phase.steps = [step for step in phase.steps if targets_found(step, run_dir)]
-        record["targets"].update({step.name: step.targets for step in phase.steps})
-        if phase.steps:
-            record["phases"].append(run_phase(number, total, phase, suite, run_dir, pytest_args))
-        else:
-            print(f"extkv check [{number}/{total}] {phase.name}: none here", flush=True)
+        done = run_phase(number, total, phase, suite, run_dir, pytest_args)
+        record["targets"].update(done.pop("targets"))
+        record["phases"].append(done)
     record["wall_s"] = round(time.monotonic() - started, 1)
     (run_dir / RUN_FILE).write_text(json.dumps(record, indent=1) + "\n")
 

@@ -81,6 +81,7 @@ INVARIANTS = {number: invariant.words for number, invariant in INVARIANT_TABLE.i
 #: `--extkv-device`: which tests a run keeps, by where they run.
 DEVICE_CHOICES = ("all", "host", "gpu", "multi-gpu")
 #: `--extkv-part`: which part of the suite a run keeps.
+#: `shared` keeps the planted-defect tests too, first.
 PART_CHOICES = ("all", "planted", "shared", "exclusive")
 #: Options whose presence on the command line activates the harness.
 ACTIVATING_OPTIONS = ("--stress", "--extkv", "--extkv-report-dir", "--extkv-progress", "--extkv-device", "--extkv-part")
@@ -122,7 +123,8 @@ def pytest_addoption(parser):
         "--extkv-part",
         choices=PART_CHOICES,
         default="all",
-        help="keep only the planted-defect tests, the tests that share a device, or those that need it alone",
+        help="keep only the planted-defect tests, the tests that share a device (planted ones first), "
+        "or those that need it alone",
     )
 
 
@@ -156,7 +158,8 @@ def activate(config) -> None:
     # longer than the work takes (10 ms instead of 0.1 ms per op was measured
     # on 2 loaded cores). EXTKV_TORCH_THREADS overrides.
     torch.set_num_threads(int(os.environ.get("EXTKV_TORCH_THREADS", "1")))
-    _load_hypothesis_profile()
+    if not _xdist_controller(config):  # the controller runs no test: importing Hypothesis costs it 1.6 s
+        _load_hypothesis_profile()
     gpus = machine_facts()["gpus"]
     kinds = {HOST_LABEL: "host"} | {gpu["label"]: "cuda" for gpu in gpus}
     chosen = config.getoption("--extkv-device")
@@ -177,6 +180,10 @@ def _load_hypothesis_profile() -> None:
         suppress_health_check=[HealthCheck.too_slow],
     )
     settings.load_profile(os.environ.get("EXTKV_HYPOTHESIS_PROFILE", "ci"))
+
+
+def _xdist_controller(config) -> bool:
+    return _xdist_workers(config) > 0 and not hasattr(config, "workerinput")
 
 
 def _xdist_workers(config) -> int:
@@ -272,6 +279,13 @@ def _where(item, label: str) -> str:
     return "host" if label == HOST_LABEL else "gpu"
 
 
+def _kept_by_part(choice: str, item) -> bool:
+    if choice == "all":
+        return True
+    part = _part(item)
+    return part == choice or (choice == "shared" and part == "planted")
+
+
 def _part(item) -> str:
     if item.get_closest_marker("planted_defect"):
         return "planted"
@@ -291,7 +305,7 @@ def pytest_collection_modifyitems(config, items):
     kept, dropped = [], []
     for item in items:
         label = _device_label(item, gpu_facts)
-        if device_choice not in ("all", _where(item, label)) or part_choice not in ("all", _part(item)):
+        if device_choice not in ("all", _where(item, label)) or not _kept_by_part(part_choice, item):
             dropped.append(item)
             continue
         kept.append(item)
@@ -313,9 +327,12 @@ def pytest_collection_modifyitems(config, items):
         wanted = _wanted_gpus(item)
         if wanted and gpus < wanted:
             item.add_marker(pytest.mark.skip(reason=f"needs {wanted} GPUs visible to this process, found {gpus}"))
+    # The planted defects first: the checks are shown to catch them before
+    # the rest of the run leans on those checks.
+    kept.sort(key=lambda item: _part(item) != "planted")
+    items[:] = kept
     if dropped:
         config.hook.pytest_deselected(items=dropped)
-        items[:] = kept
     _write_exclusive_list(config, [item for item in dropped if _part(item) == "exclusive"])
 
 
