@@ -14,7 +14,6 @@ import multiprocessing
 import os
 import re
 import subprocess
-import sys
 import xml.etree.ElementTree as ElementTree
 from collections import Counter
 from pathlib import Path
@@ -63,51 +62,58 @@ def test_without_invariant():
 
 
 #: What a child of the fork server runs (through `exec`, so that unpickling
-#: its target imports nothing): `python -m pytest ARGUMENTS` in directory
-#: CWD with `ENVIRONMENT`, its output into the files STDOUT and STDERR.
-PYTEST_MAIN = """
-import os, sys
+#: its target imports nothing): `python -c CODE` in directory CWD with
+#: ENVIRONMENT, its output into the files STDOUT and STDERR.
+PYTHON_C = """
+import os
 os.chdir(CWD)
 os.environ.clear()
 os.environ.update(ENVIRONMENT)
 for fd, path in ((1, STDOUT), (2, STDERR)):
     os.dup2(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600), fd)
-import pytest
-sys.exit(int(pytest.main(ARGUMENTS)))
+exec(CODE, {"__name__": "__main__"})
 """
 
 
+def python_c(code: str, outputs: Path, environment: dict[str, str] | None = None, timeout: float = 300) -> subprocess.CompletedProcess:
+    """`python -c CODE` in a process of its own that has imported nothing of
+    extkv, pytest or matplotlib: a child of multiprocessing's fork server,
+    which imports torch once (CUDA untouched). A fresh interpreter spent
+    about 2 s importing torch (2-core CI host). Torch alone: pytest rewrites
+    extkv's asserts only as a session imports it, and a blocked import
+    must meet a module not yet imported. Output goes through `outputs`.stdout
+    and .stderr; `environment` defaults to this process's."""
+    context = multiprocessing.get_context("forkserver")
+    context.set_forkserver_preload(["torch"])
+    stdout, stderr = outputs.with_name(outputs.name + ".stdout"), outputs.with_name(outputs.name + ".stderr")
+    for path in (stdout, stderr):
+        path.write_text("")  # read back even where the child died before its target ran
+    names = {"CODE": code, "CWD": os.getcwd(), "ENVIRONMENT": dict(os.environ) if environment is None else environment,
+             "STDOUT": str(stdout), "STDERR": str(stderr)}
+    child = context.Process(target=exec, args=(PYTHON_C, names), daemon=True)
+    child.start()
+    child.join(timeout)
+    if child.is_alive():
+        child.kill()
+        child.join()
+    finished = subprocess.CompletedProcess(["-c", code], child.exitcode, stdout.read_text(), stderr.read_text())
+    stdout.unlink()
+    stderr.unlink()
+    return finished
+
+
 def run_pytest(run_dir: Path, step: str, arguments: list[str], rootdir: Path) -> subprocess.CompletedProcess:
-    """pytest in a process of its own that has run no session and imported
-    nothing of extkv, as `extkv check` runs it from an installed package:
-    the harness as a plugin, no configuration file."""
+    """pytest in a process of its own (`python_c`), as `extkv check` runs it
+    from an installed package: the harness as a plugin, no configuration
+    file."""
     # An outer xdist worker's variables would make the inner run pin a GPU
     # and call itself a worker.
     environment = {name: value for name, value in os.environ.items() if not name.startswith(("PYTEST_", "XDIST_"))}
     options = ["-q", "-p", "extkv.testing.harness", "-p", "no:cacheprovider"]
     options += ["-c", os.devnull, "--rootdir", str(rootdir), *INSTALLED_OPTIONS]
     options += [f"--junitxml={run_dir / f'{step}-junit.xml'}", f"--extkv-report-dir={run_dir}", f"--extkv-report-step={step}"]
-    # A child of multiprocessing's fork server, which imports torch once
-    # (CUDA untouched): a fresh `python -m pytest` spent about 2 s of its
-    # 4.4 s importing torch (2-core CI host). Torch alone: pytest rewrites
-    # extkv's asserts only as the session imports it.
-    context = multiprocessing.get_context("forkserver")
-    context.set_forkserver_preload(["torch"])
-    stdout, stderr = (run_dir.with_name(f"{run_dir.name}-{step}.{stream}") for stream in ("stdout", "stderr"))
-    for path in (stdout, stderr):
-        path.write_text("")  # read back even where the child died before its target ran
-    names = {"ARGUMENTS": options + arguments, "CWD": os.getcwd(), "ENVIRONMENT": environment,
-             "STDOUT": str(stdout), "STDERR": str(stderr)}
-    child = context.Process(target=exec, args=(PYTEST_MAIN, names), daemon=True)
-    child.start()
-    child.join(300)
-    if child.is_alive():
-        child.kill()
-        child.join()
-    finished = subprocess.CompletedProcess(options + arguments, child.exitcode, stdout.read_text(), stderr.read_text())
-    stdout.unlink()
-    stderr.unlink()
-    return finished
+    code = f"import sys, pytest; sys.exit(int(pytest.main({options + arguments!r})))"
+    return python_c(code, run_dir.with_name(f"{run_dir.name}-{step}"), environment)
 
 
 @pytest.fixture(scope="module")
@@ -240,19 +246,17 @@ def test_without_matplotlib_the_report_says_plots_were_skipped(rendered, tmp_pat
     for path in rendered.glob("*.json"):
         (tmp_path / path.name).write_text(path.read_text())
     blocked = "import sys; sys.modules['matplotlib'] = None; from pathlib import Path; from extkv.reporting import render_report; "
-    result = subprocess.run(
-        [sys.executable, "-c", blocked + f"render_report(Path({str(tmp_path)!r}))"], capture_output=True, text=True, timeout=120
-    )
+    result = python_c(blocked + f"render_report(Path({str(tmp_path)!r}))", tmp_path / "render", timeout=120)
     assert result.returncode == 0, result.stderr[-2000:]
     summary = (tmp_path / "summary.md").read_text()
     assert "Plots skipped: matplotlib is not installed" in summary and "install extkv[report]" in summary
     assert not list(tmp_path.glob("*.png"))
 
 
-def test_reporting_imports_without_the_test_extra():
+def test_reporting_imports_without_the_test_extra(tmp_path):
     """`extkv info`, `extkv peer` and `extkv report` must not need pytest or hypothesis."""
     blocked = "import sys; sys.modules.update(pytest=None, hypothesis=None, xdist=None); import extkv.cli, extkv.reporting"
-    result = subprocess.run([sys.executable, "-c", blocked], capture_output=True, text=True, timeout=120)
+    result = python_c(blocked, tmp_path / "imports", timeout=120)
     assert result.returncode == 0, result.stderr[-2000:]
 
 
