@@ -15,6 +15,7 @@ import json
 import os
 import subprocess
 import sys
+from importlib import metadata
 from importlib.metadata import entry_points
 from pathlib import Path
 
@@ -152,8 +153,20 @@ def test_runs_get_a_directory_of_their_own_and_a_named_one_must_be_empty(tmp_pat
 
 
 def clean_env() -> dict[str, str]:
-    # An outer xdist worker's variables would make the inner run pin a GPU and call itself a worker.
-    return {name: value for name, value in os.environ.items() if not name.startswith(("PYTEST_", "XDIST_"))}
+    # An outer xdist worker's variables would make the inner run pin a GPU
+    # and call itself a worker; extkv must be importable where it is a
+    # source tree on the path rather than installed.
+    env = {name: value for name, value in os.environ.items() if not name.startswith(("PYTEST_", "XDIST_"))}
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(Path(__file__).resolve().parents[1]), env.get("PYTHONPATH")]))
+    return env
+
+
+def installed() -> bool:
+    try:
+        metadata.version("extkv")
+    except metadata.PackageNotFoundError:
+        return False
+    return True
 
 
 CRASHING = '''
@@ -173,7 +186,8 @@ def test_after_the_crash():
 def test_a_crash_of_the_code_under_test_is_a_failed_test_with_its_name(tmp_path):
     (tmp_path / "test_crash.py").write_text(CRASHING)
     command = [sys.executable, "-m", "pytest", str(tmp_path), "-q", "-p", "no:cacheprovider", "-c", os.devnull,
-               "--rootdir", str(tmp_path), "-n", "1", f"--extkv-report-dir={tmp_path}", "--extkv-report-step=check-host",
+               "--rootdir", str(tmp_path), "-p", "extkv.testing.harness", "-n", "1", f"--extkv-report-dir={tmp_path}",
+               "--extkv-report-step=check-host",
                f"--extkv-progress={tmp_path / 'progress'}"]
     result = subprocess.run(command, capture_output=True, text=True, timeout=300, env=clean_env())
     document = json.loads((tmp_path / "check-host.json").read_text())
@@ -200,7 +214,8 @@ def test_the_installed_plugin_is_inert_until_asked(tmp_path):
     no GPU, sets no threads, loads no Hypothesis profile and adds no header,
     skips or leak checks; asked with --extkv it does."""
     (tmp_path / "test_unrelated.py").write_text(UNRELATED)
-    env = clean_env() | {"PYTEST_XDIST_WORKER": "gw1", "CUDA_VISIBLE_DEVICES": "0,1"}
+    # PYTEST_PLUGINS loads the plugin as the entry point does, asking nothing of it.
+    env = clean_env() | {"PYTEST_XDIST_WORKER": "gw1", "CUDA_VISIBLE_DEVICES": "0,1", "PYTEST_PLUGINS": "extkv.testing.harness"}
     code = (
         "import os, sys, torch, hypothesis, pytest\n"
         "threads = torch.get_num_threads()\n"
@@ -212,7 +227,8 @@ def test_the_installed_plugin_is_inert_until_asked(tmp_path):
     )
     inert = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, env=env, cwd=tmp_path)
     assert inert.returncode == 0, inert.stdout[-2000:] + inert.stderr[-2000:]
-    assert "extkv.testing.harness" in [entry.name for entry in entry_points(group="pytest11")], "no pytest11 entry point"
+    if installed():
+        assert "extkv.testing.harness" in [entry.name for entry in entry_points(group="pytest11")], "no pytest11 entry point"
     assert "extkv" not in inert.stdout.split("threads")[0].lower(), "an inert harness prints no header"
     assert "visible 0,1" in inert.stdout
     asked = subprocess.run([sys.executable, "-m", "pytest", str(tmp_path), "-q", "-s", "--extkv", "-p", "no:cacheprovider",
@@ -282,7 +298,7 @@ def test_alone():
 def test_a_shared_run_keeps_the_planted_defects_first_and_lists_the_exclusive_tests(pytester):
     pytester.makepyfile(test_order=ORDERED)
     listed = pytester.path / "left-out"
-    result = pytester.runpytest_inprocess("--extkv", "--extkv-part=shared", f"--extkv-exclusive-list={listed}",
+    result = pytester.runpytest_inprocess("-p", "extkv.testing.harness", "--extkv-part=shared", f"--extkv-exclusive-list={listed}",
                                           "-p", "no:cacheprovider", "--co", "-q")
     collected = [line for line in result.outlines if "::" in line]
     assert [line.split("::")[1] for line in collected] == ["test_planted_late", "test_plain"], result.outlines

@@ -333,7 +333,8 @@ def pytest_collection_modifyitems(config, items):
     items[:] = kept
     if dropped:
         config.hook.pytest_deselected(items=dropped)
-    _write_exclusive_list(config, [item for item in dropped if _part(item) == "exclusive"])
+    _write_exclusive_list(config, [item for item in dropped if _part(item) == "exclusive"
+                                   and device_choice in ("all", _where(item, _device_label(item, gpu_facts)))])
 
 
 def _write_exclusive_list(config, left_out) -> None:
