@@ -11,19 +11,22 @@ crash and the plugin run real pytest processes.
 from __future__ import annotations
 
 import datetime
+import fcntl
 import json
 import os
 import resource
 import subprocess
 import sys
+import threading
 from importlib import metadata
 from importlib.metadata import entry_points
 from pathlib import Path
 
 import pytest
 
-from extkv.reporting.check_run import closing_lines, plan, targets_found, workers
+from extkv.reporting.check_run import closing_lines, plan, workers
 from extkv.reporting.machine import machine_section
+from extkv.testing import exclusive as exclusive_locks
 from extkv.testing.facts import machine_facts
 from extkv.reporting.rundir import RunDirectoryInUse, prepare_run_directory, run_directory
 from extkv.reporting.verdict import run_verdict
@@ -114,25 +117,21 @@ def test_a_step_pytest_could_not_finish_or_a_missed_planted_defect_fails_the_run
 
 @pytest.mark.invariant(6)
 def test_the_plan_runs_every_gpu_test_on_every_gpu_and_host_tests_once(tmp_path):
-    """Planted defects run first within each device's shared step (the harness orders them)."""
     two = {**FACTS, "gpus": FACTS["gpus"] + [{**FACTS["gpus"][0], "index": 1, "id": "1", "label": "GPU 1 (NVIDIA H200)"}]}
     phases = plan(tmp_path, two, 4, 6)
+    assert [[step.name for step in phase.steps] for phase in phases] == [
+        ["check-host", "check-gpu0", "check-gpu1"], ["check-multi-gpu"]], "every device at once, then the multi-GPU tests"
     steps = {step.name: step for phase in phases for step in phase.steps}
-    assert list(steps) == ["check-host", "check-gpu0", "check-gpu0-exclusive", "check-gpu1",
-                           "check-gpu1-exclusive", "check-host-exclusive", "check-multi-gpu"]
-    lanes = [[step.name for step in lane] for lane in phases[0].lanes]
-    assert lanes == [["check-host"], ["check-gpu0", "check-gpu0-exclusive"], ["check-gpu1", "check-gpu1-exclusive"]], (
-        "every device at once, a GPU's exclusive tests after its own shared ones")
-    assert [[step.name for step in lane] for lane in phases[1].lanes] == [["check-host-exclusive"]], (
-        "the host's exclusive tests fill the machine's memory: alone")
     for gpu in ("0", "1"):
         step = steps[f"check-gpu{gpu}"]
         assert step.env == {"CUDA_VISIBLE_DEVICES": gpu} and step.targets == [str(tmp_path)]
         assert "--extkv-device=gpu" in step.options and step.options[step.options.index("-n") + 1] == "6"
     assert "--extkv-device=host" in steps["check-host"].options
+    assert all("--extkv-lock-dir={run}/locks" in steps[name].options for name in ("check-host", "check-gpu0", "check-gpu1"))
     assert all("-n" in step.options for step in steps.values()), "every step runs under xdist: a crash is a failed test"
     without_gpu = [step.name for phase in plan(tmp_path, {**FACTS, "gpus": []}, 2, 0) for step in phase.steps]
-    assert without_gpu == ["check-host", "check-host-exclusive"]
+    assert without_gpu == ["check-host"]
+    assert "--extkv-device=all" in plan(tmp_path, {**FACTS, "gpus": []}, 2, 0)[0].steps[0].options, "GPU tests show as skipped"
     assert workers(2, 0, None, None) == (2, 0) and workers(16, 1, None, None) == (4, 8) and workers(32, 2, None, None) == (8, 8)
 
 
@@ -243,14 +242,37 @@ def test_the_installed_plugin_is_inert_until_asked(tmp_path):
     assert "extkv invariants" not in inert.stdout
 
 
-@pytest.mark.invariant(6)
-def test_the_exclusive_step_takes_the_tests_the_shared_step_left_out(tmp_path):
-    step = next(s for phase in plan(tmp_path, FACTS, 1, 1) for s in phase.steps if s.name == "check-gpu0-exclusive")
-    assert step.takes_from == "check-gpu0" and not targets_found(step, tmp_path), "no list: nothing to run"
-    (tmp_path / "check-gpu0.exclusive").write_text("/s/test_a.py::test_x[cuda:0]\n/s/test_b.py::test_y\n")
-    assert targets_found(step, tmp_path) and step.targets == ["/s/test_a.py::test_x[cuda:0]", "/s/test_b.py::test_y"]
-    shared = next(s for phase in plan(tmp_path, FACTS, 1, 1) for s in phase.steps if s.name == "check-gpu0")
-    assert "--extkv-exclusive-list={run}/check-gpu0.exclusive" in shared.options
+def enters(directory: Path, exclusive: bool, gpu_id: str | None, release: threading.Event) -> threading.Event:
+    """A thread that takes a test's locks, sets the returned event once it holds them, then holds them until `release`."""
+    entered = threading.Event()
+
+    def take() -> None:
+        with exclusive_locks.held(directory, exclusive, gpu_id):
+            entered.set()
+            release.wait(30)
+
+    threading.Thread(target=take, daemon=True).start()
+    return entered
+
+
+def test_an_exclusive_test_waits_for_the_tests_of_its_device_only(tmp_path):
+    """flock locks of two descriptors conflict within one process too, so threads stand in for workers."""
+    host_running, gpu_running, done = threading.Event(), threading.Event(), threading.Event()
+    assert enters(tmp_path, False, None, host_running).wait(5), "a host test takes its shared lock at once"
+    assert enters(tmp_path, False, "0", gpu_running).wait(5), "a GPU test beside it too"
+    gpu_alone = enters(tmp_path, True, "0", done)
+    assert not gpu_alone.wait(0.3), "a GPU's exclusive test must wait for that GPU's running test"
+    assert enters(tmp_path, False, "1", done).wait(5), "another GPU's test does not wait for it"
+    gpu_running.set()
+    assert gpu_alone.wait(5), "the GPU's exclusive test runs once its GPU's test ended"
+    host_alone = enters(tmp_path, True, None, done)
+    assert not host_alone.wait(0.3), "a host exclusive test waits for every test of the machine"
+    host_running.set()
+    assert not host_alone.wait(0.3), "...the GPU tests too: they share the machine's memory"
+    done.set()
+    assert host_alone.wait(5)
+    assert exclusive_locks.plan(True, None) == [("machine.lock", fcntl.LOCK_EX)]
+    assert exclusive_locks.plan(True, "0") == [("machine.lock", fcntl.LOCK_SH), ("gpu-0.lock", fcntl.LOCK_EX)]
 
 
 @pytest.mark.invariant(6)
@@ -299,11 +321,8 @@ def test_alone():
 
 
 @pytest.mark.invariant(6)
-def test_a_shared_run_keeps_the_planted_defects_first_and_lists_the_exclusive_tests(pytester):
+def test_a_run_orders_the_planted_defects_first_and_the_exclusive_tests_last(pytester):
     pytester.makepyfile(test_order=ORDERED)
-    listed = pytester.path / "left-out"
-    result = pytester.runpytest_inprocess("-p", "extkv.testing.harness", "--extkv-part=shared", f"--extkv-exclusive-list={listed}",
-                                          "-p", "no:cacheprovider", "--co", "-q")
-    collected = [line for line in result.outlines if "::" in line]
-    assert [line.split("::")[1] for line in collected] == ["test_planted_late", "test_plain"], result.outlines
-    assert listed.read_text().split() == [f"{pytester.path / 'test_order.py'}::test_alone"]
+    result = pytester.runpytest_inprocess("-p", "extkv.testing.harness", "--extkv", "-p", "no:cacheprovider", "--co", "-q")
+    collected = [line.split("::")[1] for line in result.outlines if "::" in line]
+    assert collected == ["test_planted_late", "test_plain", "test_alone"], result.outlines

@@ -39,7 +39,7 @@ LAYERS: list[set[str]] = [
     {"extkv.testing", "extkv.testing.gpus", "extkv.testing.readings", "extkv.testing.configs", "extkv.testing.checks",
      "extkv.testing.work", "extkv.testing.invariants"},
     {"extkv.testing.facts"},
-    {"extkv.testing.record"},
+    {"extkv.testing.record", "extkv.testing.exclusive"},
     {"extkv.testing.stateful"},
     {"extkv.testing.planted"},
     # One line per owner, so that work on checks, benchmarks and stress runs

@@ -3,36 +3,31 @@ driver and on every GPU, with its report and a verdict.
 
 Theory of operation
 -------------------
-The run is a plan of phases, one after the other. A phase is lanes that run
-at once, and a lane is steps that run one after the other, each step one
-pytest subprocess. A step's output goes to `<run>/<step>.log`, its results
+The run is a plan of phases, one after the other; a phase's steps run at
+once, each step one pytest subprocess. A step's output goes to `<run>/<step>.log`, its results
 to `<step>.json` (the harness's record) and `<step>-junit.xml`; while steps
 run, a line every PROGRESS_EVERY_S says how far each is, read from the
 progress file the harness keeps.
 
-1. Every device at once, a lane each: the host driver's tests that share
-   it (`check-host`: every test without a GPU, run once), and per GPU its
-   tests that share it (`check-gpu<id>`: CUDA_VISIBLE_DEVICES narrowed to
-   that GPU, every GPU test), then the ones marked `exclusive`, which fill
-   the GPU or read what it has free, one at a time (`check-gpu<id>-exclusive`).
-   Each shared step runs the planted defects first
+1. Every device at once, a step each: the host driver's tests (`check-host`:
+   every test without a GPU, run once) and every GPU's (`check-gpu<id>`:
+   CUDA_VISIBLE_DEVICES narrowed to that GPU, every GPU test), each with
+   several xdist workers. NVML's per-process readings and a process's own
+   memfds do not see other processes, so workers on one device do not
+   disturb each other's accounting, and the host's step uses no GPU memory.
+   Each run orders the planted defects first
    (conformance/test_planted_defects.py, on that device: each test passes
    only when a check flags a deliberately broken implementation), since a
-   certificate is only as good as the checks behind it; they need no
-   pytest run of their own, which on the host would cost as much as their
-   tests (about 10 s of start-up and collection on 2 cores). Shared steps
-   run several xdist workers: NVML's per-process readings and
-   a process's own memfds do not see other processes, so workers on one
-   device do not disturb each other's accounting, and the host lane uses no
-   GPU memory. On a machine without a GPU the host step keeps every test,
-   so the GPU tests show as skipped and why.
-2. The host driver's exclusive tests (`check-host-exclusive`), alone: they
-   fill the machine's memory, which every lane uses.
-   An exclusive step is given the nodeids its shared step listed as left
-   out (`<step>.exclusive`), so it collects nothing else; none, no step.
-3. With two GPUs or more, the multi-GPU tests (NCCL rank agreement) in one
+   certificate is only as good as the checks behind it. The tests marked
+   `exclusive` (they fill a device or read what it has free) come last and
+   run alone on their device: every test holds locks in `<run>/locks`
+   (extkv.testing.exclusive), a GPU's exclusive test waits for that GPU's
+   other tests and a host-driver one for the whole machine's. On a machine
+   without a GPU the host run keeps every test, so the GPU tests show as
+   skipped and why.
+2. With two GPUs or more, the multi-GPU tests (NCCL rank agreement) in one
    process that sees every GPU (`check-multi-gpu`).
-4. The report (`render_report`) and the verdict (extkv.reporting.verdict).
+3. The report (`render_report`) and the verdict (extkv.reporting.verdict).
 
 Every step runs under xdist, at least one worker, so a test that kills its
 process (a SIGSEGV in the code under test) is a failed test with its name,
@@ -77,7 +72,7 @@ PROGRESS_EVERY_S = 15.0
 #: subprocesses and the CUDA contexts' start-up outweigh what runs at once.
 MOST_GPU_WORKERS = 8
 #: Files of an earlier check that --overwrite removes from --report-dir.
-CHECK_FILES = ("check*.json", "check*.xml", "check*.log", "check*.progress", "check*.exclusive", "timeline-*", "summary.md")
+CHECK_FILES = ("check*.json", "check*.xml", "check*.log", "check*.progress", "locks", "timeline-*", "summary.md")
 
 
 def add_report_dir_argument(parser: argparse.ArgumentParser) -> None:
@@ -116,17 +111,12 @@ class Step:
     targets: list[str]               # the paths it is given
     options: list[str]               # the harness's selection and xdist
     env: dict[str, str] = field(default_factory=dict)
-    takes_from: str | None = None    # the step whose list of left-out exclusive tests are its targets
 
 
 @dataclass
 class Phase:
     name: str
-    lanes: list[list[Step]]      # at once; each lane's steps one after the other
-
-    @property
-    def steps(self) -> list[Step]:
-        return [step for lane in self.lanes for step in lane]
+    steps: list[Step]            # at once
 
 
 def workers(cores: int, gpus: int, host: int | None, gpu: int | None) -> tuple[int, int]:
@@ -143,25 +133,16 @@ def plan(suite: Path, facts: dict, host_workers: int, gpu_workers: int) -> list[
     gpus = facts["gpus"]
     host_device = "host" if gpus else "all"
     whole = [str(suite)]
-    phases = []
-
-    def lane(name: str, what: str, device: str, count: int, env: dict) -> list[Step]:
-        shared = Step(name, what, whole, [f"--extkv-device={device}", "--extkv-part=shared", "-n", str(count),
-                                          "--dist=load", f"--extkv-exclusive-list={{run}}/{name}.exclusive"], env)
-        exclusive = Step(f"{name}-exclusive", what, [], [f"--extkv-device={device}", "--extkv-part=exclusive", "-n", "1"],
-                         env, takes_from=name)
-        return [shared, exclusive]
-
-    host_shared, host_exclusive = lane("check-host", "host", host_device, host_workers, {})
-    lanes = [[host_shared]]
-    lanes += [lane(f"check-gpu{gpu['id']}", gpu["label"], "gpu", gpu_workers, {"CUDA_VISIBLE_DEVICES": gpu["id"]})
+    locks = "--extkv-lock-dir={run}/locks"
+    steps = [Step("check-host", "host", whole, [f"--extkv-device={host_device}", "-n", str(host_workers), "--dist=load", locks])]
+    steps += [Step(f"check-gpu{gpu['id']}", gpu["label"], whole,
+                   ["--extkv-device=gpu", "-n", str(gpu_workers), "--dist=load", locks], {"CUDA_VISIBLE_DEVICES": gpu["id"]})
               for gpu in gpus]
-    phases.append(Phase("every device at once: the tests that share it, then a GPU's exclusive ones", lanes))
-    phases.append(Phase("the host driver's exclusive tests, alone", [[host_exclusive]]))
+    phases = [Phase("every device at once", steps)]
     if len(gpus) >= 2:
-        phases.append(Phase(f"multi-GPU tests in one process that sees all {len(gpus)} GPUs", [[
+        phases.append(Phase(f"multi-GPU tests in one process that sees all {len(gpus)} GPUs", [
             Step("check-multi-gpu", f"{len(gpus)} GPUs", whole, ["--extkv-device=multi-gpu", "-n", "1"]),
-        ]]))
+        ]))
     return phases
 
 
@@ -188,60 +169,32 @@ def _progress(run_dir: Path, step: Step) -> str:
 
 
 def run_phase(number: int, total: int, phase: Phase, suite: Path, run_dir: Path, pytest_args: list[str]) -> dict:
-    """Run `phase`'s lanes at once, each lane's steps one after the other,
-    printing progress until all end; returns the phase's record."""
+    """Run `phase`'s steps at once, printing progress until all end; returns the phase's record."""
     print(f"extkv check [{number}/{total}] {phase.name}", flush=True)
     started = time.monotonic()
-    waiting = [list(lane) for lane in phase.lanes]
-    running: list[tuple[Step, subprocess.Popen, object, int]] = []   # (step, process, log, lane)
+    running = []
+    for step in phase.steps:
+        command = pytest_command(suite, run_dir, step, pytest_args)
+        print(f"  {step.name}: " + " ".join(command[3:]) + f"  > {step.name}.log", flush=True)
+        log = open(run_dir / f"{step.name}.log", "w")
+        process = subprocess.Popen(command, cwd=checkout_root() or Path.cwd(), env={**os.environ, **step.env},
+                                   stdout=log, stderr=subprocess.STDOUT)
+        running.append((step, process, log))
     statuses: dict[str, int] = {}
-    targets: dict[str, list[str]] = {}
-
-    def start_next(lane: int) -> None:
-        while waiting[lane]:
-            step = waiting[lane].pop(0)
-            if not targets_found(step, run_dir):
-                continue
-            targets[step.name] = step.targets
-            command = pytest_command(suite, run_dir, step, pytest_args)
-            print(f"  {step.name}: " + " ".join(command[3:]) + f"  > {step.name}.log", flush=True)
-            log = open(run_dir / f"{step.name}.log", "w")
-            process = subprocess.Popen(command, cwd=checkout_root() or Path.cwd(), env={**os.environ, **step.env},
-                                       stdout=log, stderr=subprocess.STDOUT)
-            running.append((step, process, log, lane))
-            return
-
-    for lane in range(len(waiting)):
-        start_next(lane)
     said = time.monotonic()
-    while running:
+    while len(statuses) < len(running):
         time.sleep(0.5)
-        for entry in list(running):
-            step, process, log, lane = entry
-            if process.poll() is None:
-                continue
-            log.close()
-            running.remove(entry)
-            statuses[step.name] = process.returncode
-            print(f"  {step.name} ended (exit status {process.returncode}) after {time.monotonic() - started:.0f} s", flush=True)
-            start_next(lane)
-        if running and time.monotonic() - said >= PROGRESS_EVERY_S:
+        for step, process, log in running:
+            if step.name not in statuses and process.poll() is not None:
+                log.close()
+                statuses[step.name] = process.returncode
+                print(f"  {step.name} ended (exit status {process.returncode}) after {time.monotonic() - started:.0f} s", flush=True)
+        if time.monotonic() - said >= PROGRESS_EVERY_S and len(statuses) < len(running):
             said = time.monotonic()
-            print(f"  {time.monotonic() - started:.0f} s: " + "; ".join(_progress(run_dir, step) for step, *_ in running), flush=True)
+            print(f"  {time.monotonic() - started:.0f} s: " + "; ".join(_progress(run_dir, step) for step, _, _ in running), flush=True)
     wall = time.monotonic() - started
     print(f"extkv check [{number}/{total}] done in {wall:.0f} s", flush=True)
-    return {"name": phase.name, "steps": list(statuses), "statuses": statuses, "targets": targets, "wall_s": round(wall, 1)}
-
-
-def targets_found(step: Step, run_dir: Path) -> bool:
-    """Whether `step` has tests to run: a step that takes the exclusive tests
-    its shared step left out gets their nodeids as targets, and none means
-    nothing to run (so it collects nothing else)."""
-    if step.takes_from is None:
-        return True
-    listed = run_dir / f"{step.takes_from}.exclusive"
-    step.targets = listed.read_text().split() if listed.is_file() else []
-    return bool(step.targets)
+    return {"name": phase.name, "steps": [step.name for step in phase.steps], "statuses": statuses, "wall_s": round(wall, 1)}
 
 
 def run(args: argparse.Namespace, pytest_args: list[str]) -> int:
@@ -260,6 +213,7 @@ def run(args: argparse.Namespace, pytest_args: list[str]) -> int:
     where = f"the host driver ({host_workers} workers) and {gpus} ({gpu_workers} workers each)" if gpus else (
         f"the host driver only, {host_workers} workers ({facts['no_gpu_reason']})")
     print(f"extkv check: {suite} on {where}; results in {run_dir}", flush=True)
+    (run_dir / "locks").mkdir(exist_ok=True)
     record = {
         "steps": [step.name for phase in phases for step in phase.steps],
         "targets": {step.name: step.targets for phase in phases for step in phase.steps},
@@ -269,9 +223,7 @@ def run(args: argparse.Namespace, pytest_args: list[str]) -> int:
     }
     total = len(phases) + 1
     for number, phase in enumerate(phases, 1):
-        done = run_phase(number, total, phase, suite, run_dir, pytest_args)
-        record["targets"].update(done.pop("targets"))
-        record["phases"].append(done)
+        record["phases"].append(run_phase(number, total, phase, suite, run_dir, pytest_args))
     record["wall_s"] = round(time.monotonic() - started, 1)
     (run_dir / RUN_FILE).write_text(json.dumps(record, indent=1) + "\n")
 

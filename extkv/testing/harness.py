@@ -20,9 +20,10 @@ before collection, so nothing has initialized CUDA yet when it pins.
   still collected, so the report shows it skipped and why.
 - Capability markers (gpu, cuda_graphs, multi_gpu(n), stress) become skips
   with reasons in one hook, `pytest_collection_modifyitems`; the same hook
-  selects the part of the suite a run asks for (`--extkv-device`,
-  `--extkv-part`: how `extkv check` runs every device at once and the tests
-  that need a device alone apart).
+  selects the tests of the device a run asks for (`--extkv-device`: how
+  `extkv check` runs every device at once) and orders them: planted
+  defects first, tests marked `exclusive` last, which `--extkv-lock-dir`
+  keeps alone on their device (extkv.testing.exclusive).
 - After every test: no reservation, chunk or memfd left behind, and physical
   usage measured outside extkv back where it started.
 - Hypothesis profiles: `ci` (derandomized, the default), `dev`, `nightly`;
@@ -54,6 +55,7 @@ from ..usage import UsageProbe, open_chunk_fds
 from .checks import warm_up_kernels
 from .configs import CAPACITY, CASE_IDS, CASES, config_for
 from .facts import cuda_device_count, gpu_label, machine_facts, no_cuda_reason
+from . import exclusive as exclusive_locks
 from .gpus import gpu_for_worker, pin_this_worker, visible_gpu_ids
 from .invariants import INVARIANTS as INVARIANT_TABLE
 from .record import (
@@ -72,7 +74,7 @@ MARKERS = {
     "multi_gpu(n)": "needs n GPUs visible to this process",
     "stress": "long randomized run; only with --stress",
     "exclusive": "needs its device alone (fills it, or reads what the whole device has free): "
-    "extkv check runs these one at a time, after the others",
+    "runs last, and with --extkv-lock-dir alone (extkv.testing.exclusive)",
     "planted_defect(name)": "plants a defect in a broken implementation; the check under test must flag it",
     "invariant(n, ...)": "proves invariant(s) n (1-8, docs/INVARIANTS.md); counted per device",
 }
@@ -80,11 +82,8 @@ MARKERS = {
 INVARIANTS = {number: invariant.words for number, invariant in INVARIANT_TABLE.items()}
 #: `--extkv-device`: which tests a run keeps, by where they run.
 DEVICE_CHOICES = ("all", "host", "gpu", "multi-gpu")
-#: `--extkv-part`: which part of the suite a run keeps.
-#: `shared` keeps the planted-defect tests too, first.
-PART_CHOICES = ("all", "planted", "shared", "exclusive")
 #: Options whose presence on the command line activates the harness.
-ACTIVATING_OPTIONS = ("--stress", "--extkv", "--extkv-report-dir", "--extkv-progress", "--extkv-device", "--extkv-part")
+ACTIVATING_OPTIONS = ("--stress", "--extkv", "--extkv-report-dir", "--extkv-progress", "--extkv-device", "--extkv-lock-dir")
 _ACTIVE = pytest.StashKey[bool]()
 
 
@@ -114,17 +113,10 @@ def pytest_addoption(parser):
         help="keep only the tests that run on the host driver, on one GPU, or on several GPUs (default all)",
     )
     group.addoption(
-        "--extkv-exclusive-list",
-        metavar="FILE",
+        "--extkv-lock-dir",
+        metavar="DIR",
         default=None,
-        help="write the nodeids of the exclusive tests this run leaves out to FILE, one per line",
-    )
-    group.addoption(
-        "--extkv-part",
-        choices=PART_CHOICES,
-        default="all",
-        help="keep only the planted-defect tests, the tests that share a device (planted ones first), "
-        "or those that need it alone",
+        help="lock files in DIR keep each exclusive test alone on its device, also across pytest runs",
     )
 
 
@@ -279,13 +271,6 @@ def _where(item, label: str) -> str:
     return "host" if label == HOST_LABEL else "gpu"
 
 
-def _kept_by_part(choice: str, item) -> bool:
-    if choice == "all":
-        return True
-    part = _part(item)
-    return part == choice or (choice == "shared" and part == "planted")
-
-
 def _part(item) -> str:
     if item.get_closest_marker("planted_defect"):
         return "planted"
@@ -301,11 +286,11 @@ def pytest_collection_modifyitems(config, items):
     gpus = cuda_device_count()
     gpu_facts = machine_facts()["gpus"]
     worker = os.environ.get("PYTEST_XDIST_WORKER", "")
-    device_choice, part_choice = config.getoption("--extkv-device"), config.getoption("--extkv-part")
+    device_choice = config.getoption("--extkv-device")
     kept, dropped = [], []
     for item in items:
         label = _device_label(item, gpu_facts)
-        if device_choice not in ("all", _where(item, label)) or not _kept_by_part(part_choice, item):
+        if device_choice not in ("all", _where(item, label)):
             dropped.append(item)
             continue
         kept.append(item)
@@ -328,28 +313,25 @@ def pytest_collection_modifyitems(config, items):
         if wanted and gpus < wanted:
             item.add_marker(pytest.mark.skip(reason=f"needs {wanted} GPUs visible to this process, found {gpus}"))
     # The planted defects first: the checks are shown to catch them before
-    # the rest of the run leans on those checks.
-    kept.sort(key=lambda item: _part(item) != "planted")
+    # the rest of the run leans on those checks. The exclusive tests last:
+    # they wait for the others on their device (extkv.testing.exclusive).
+    kept.sort(key=lambda item: {"planted": 0, "shared": 1, "exclusive": 2}[_part(item)])
     items[:] = kept
     if dropped:
         config.hook.pytest_deselected(items=dropped)
-    _write_exclusive_list(config, [item for item in dropped if _part(item) == "exclusive"
-                                   and device_choice in ("all", _where(item, _device_label(item, gpu_facts)))])
 
 
-def _write_exclusive_list(config, left_out) -> None:
-    """The exclusive tests a run of the shared part leaves out, for the run
-    that takes them next: it is given their nodeids and collects no more."""
-    path = config.getoption("--extkv-exclusive-list")
-    if path is None:
-        return
-    temporary = f"{path}.{os.getpid()}"
-    with open(temporary, "w") as file:
-        # Absolute paths: the next run's rootdir or directory may differ.
-        for item in left_out:
-            path_part, _, rest = item.nodeid.partition("::")
-            file.write(f"{config.rootpath / path_part}::{rest}\n")
-    os.replace(temporary, path)  # every xdist worker collects the same items
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_protocol(item, nextitem):
+    """Setup, call and teardown under the test's locks (extkv.testing.exclusive)."""
+    config = item.config
+    directory = config.getoption("--extkv-lock-dir") if is_active(config) else None
+    if directory is None:
+        return (yield)
+    label = dict(item.user_properties).get(DEVICE_PROPERTY, HOST_LABEL)
+    gpus = {gpu["label"]: gpu["id"] for gpu in machine_facts()["gpus"]}
+    with exclusive_locks.held(Path(directory), _part(item) == "exclusive", gpus.get(label)):
+        return (yield)
 
 
 def pytest_collection_finish(session):

@@ -1,0 +1,67 @@
+"""Tests that need their device alone, run alone, inside a parallel run.
+
+Theory of operation
+-------------------
+`extkv check` runs every device's tests at once, each device in its own
+pytest run with several xdist workers. A few tests (marked `exclusive`)
+fill a device or read what it has free, and must not share it while they
+run. Rather than a pytest run of their own after the others (whose start-up
+and collection cost as much as the tests: about 10 s on 2 cores), every
+test takes advisory locks (flock) on files in one directory for as long as
+its setup, call and teardown last:
+
+| test                         | machine.lock | <gpu>.lock |
+|------------------------------|--------------|------------|
+| on the host driver           | shared       |            |
+| on the host driver, exclusive| exclusive    |            |
+| on a GPU                     | shared       | shared     |
+| on a GPU, exclusive          | shared       | exclusive  |
+
+A host-driver test that is exclusive waits for every test of the machine,
+since the host's free memory is what every process uses; one on a GPU waits
+for that GPU's tests only. Locks are always taken machine first, so no two
+tests wait for each other. The harness orders exclusive tests last, so they
+wait for the tail of the run instead of holding a worker early. Without a
+lock directory nothing is locked (a plain `pytest -n N` run for speed).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import os
+import re
+from pathlib import Path
+from typing import Iterator
+
+MACHINE_LOCK = "machine.lock"
+
+
+def lock_name(gpu_id: str) -> str:
+    return f"gpu-{re.sub(r'[^A-Za-z0-9]+', '-', gpu_id)}.lock"
+
+
+def plan(exclusive: bool, gpu_id: str | None) -> list[tuple[str, int]]:
+    """(lock file, flock mode) in the order a test takes them."""
+    if gpu_id is None:
+        return [(MACHINE_LOCK, fcntl.LOCK_EX if exclusive else fcntl.LOCK_SH)]
+    return [(MACHINE_LOCK, fcntl.LOCK_SH), (lock_name(gpu_id), fcntl.LOCK_EX if exclusive else fcntl.LOCK_SH)]
+
+
+@contextlib.contextmanager
+def held(directory: Path | None, exclusive: bool, gpu_id: str | None) -> Iterator[None]:
+    """Hold the locks `plan` names for the duration of the block; nothing
+    without a directory."""
+    if directory is None:
+        yield
+        return
+    descriptors = []
+    try:
+        for name, mode in plan(exclusive, gpu_id):
+            fd = os.open(Path(directory) / name, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+            descriptors.append(fd)
+            fcntl.flock(fd, mode)
+        yield
+    finally:
+        for fd in reversed(descriptors):
+            os.close(fd)  # closing the last descriptor of the file releases its flock
