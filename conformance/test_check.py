@@ -219,6 +219,8 @@ def test_the_installed_plugin_is_inert_until_asked(tmp_path):
     (tmp_path / "test_unrelated.py").write_text(UNRELATED)
     # PYTEST_PLUGINS loads the plugin as the entry point does, asking nothing of it.
     env = clean_env() | {"PYTEST_XDIST_WORKER": "gw1", "CUDA_VISIBLE_DEVICES": "0,1", "PYTEST_PLUGINS": "extkv.testing.harness"}
+    run = [str(tmp_path), "-q", "-s", "-p", "no:cacheprovider", "-c", os.devnull, "--rootdir", str(tmp_path)]
+    # One interpreter for both sessions: the second asks for the harness.
     code = (
         "import os, sys, torch, hypothesis, pytest\n"
         "threads = torch.get_num_threads()\n"
@@ -226,20 +228,26 @@ def test_the_installed_plugin_is_inert_until_asked(tmp_path):
         "assert os.environ['CUDA_VISIBLE_DEVICES'] == '0,1', 'pinned on import'\n"
         "assert torch.get_num_threads() == threads, 'threads set on import'\n"
         "assert hypothesis.settings._current_profile != 'ci', 'profile loaded on import'\n"
-        f"sys.exit(pytest.main([{str(tmp_path)!r}, '-q', '-s', '-p', 'no:cacheprovider', '-c', {os.devnull!r}, '--rootdir', {str(tmp_path)!r}]))\n"
+        f"inert = pytest.main({run!r})\n"
+        "print('BEFORE', threads, 'PROFILE', hypothesis.settings._current_profile, flush=True)\n"
+        "print('ASKED', flush=True)\n"
+        f"asked = pytest.main({run + ['--extkv']!r})\n"
+        "print('PROFILE', hypothesis.settings._current_profile, flush=True)\n"
+        "sys.exit(inert or asked)\n"
     )
-    inert = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, env=env, cwd=tmp_path)
-    assert inert.returncode == 0, inert.stdout[-2000:] + inert.stderr[-2000:]
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, env=env, cwd=tmp_path)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-2000:]
+    inert, asked = result.stdout.split("ASKED")
     if installed():
         assert "extkv.testing.harness" in [entry.name for entry in entry_points(group="pytest11")], "no pytest11 entry point"
-    assert "extkv" not in inert.stdout.split("threads")[0].lower(), "an inert harness prints no header"
-    assert "visible 0,1" in inert.stdout
-    asked = subprocess.run([sys.executable, "-m", "pytest", str(tmp_path), "-q", "-s", "--extkv", "-p", "no:cacheprovider",
-                            "-c", os.devnull, "--rootdir", str(tmp_path)],
-                           capture_output=True, text=True, timeout=300, env=env, cwd=tmp_path)
-    assert asked.returncode == 0, asked.stdout[-2000:]
-    assert "threads 1 " in asked.stdout, "asked for, the harness sets one torch thread"
-    assert "extkv invariants" not in inert.stdout
+    before = inert.split("BEFORE ")[1].split()[0]
+    assert f"threads {before} visible 0,1" in inert, "inert, the harness set torch's threads or pinned a GPU:\n" + inert
+    lines = inert.split("BEFORE")[0].splitlines()
+    assert not [line for line in lines if line.startswith("extkv") or "extkv invariants" in line], (
+        "an inert harness prints no header and no summary:\n" + inert)
+    assert "PROFILE ci" not in inert, "inert, the harness loaded its Hypothesis profile"
+    assert "threads 1 visible 1" in asked, "asked for, the harness sets one torch thread and pins worker gw1's GPU:\n" + asked
+    assert "PROFILE ci" in asked, "asked for, the harness loads its Hypothesis profile"
 
 
 def enters(directory: Path, exclusive: bool, gpu_id: str | None, release: threading.Event) -> threading.Event:

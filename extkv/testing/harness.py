@@ -41,7 +41,9 @@ before collection, so nothing has initialized CUDA yet when it pins.
 
 from __future__ import annotations
 
+import functools
 import os
+import sys
 from pathlib import Path
 
 import pytest
@@ -150,8 +152,7 @@ def activate(config) -> None:
     # longer than the work takes (10 ms instead of 0.1 ms per op was measured
     # on 2 loaded cores). EXTKV_TORCH_THREADS overrides.
     torch.set_num_threads(int(os.environ.get("EXTKV_TORCH_THREADS", "1")))
-    if not _xdist_controller(config):  # the controller runs no test: importing Hypothesis costs it 1.6 s
-        _load_hypothesis_profile()
+    _load_hypothesis_profile_if_used()
     gpus = machine_facts()["gpus"]
     kinds = {HOST_LABEL: "host"} | {gpu["label"]: "cuda" for gpu in gpus}
     chosen = config.getoption("--extkv-device")
@@ -159,6 +160,15 @@ def activate(config) -> None:
     config.pluginmanager.register(RunRecord(config, default, kinds, worker_gpus(config)), "extkv-run-record")
 
 
+def _load_hypothesis_profile_if_used() -> None:
+    """The profile, once Hypothesis is imported: by the test modules that use
+    it, before their tests run. A process whose tests do not (an xdist
+    controller, a small suite) never pays its import, 1.6 s on 2 cores."""
+    if "hypothesis" in sys.modules:
+        _load_hypothesis_profile()
+
+
+@functools.cache
 def _load_hypothesis_profile() -> None:
     from hypothesis import HealthCheck, settings
 
@@ -172,10 +182,6 @@ def _load_hypothesis_profile() -> None:
         suppress_health_check=[HealthCheck.too_slow],
     )
     settings.load_profile(os.environ.get("EXTKV_HYPOTHESIS_PROFILE", "ci"))
-
-
-def _xdist_controller(config) -> bool:
-    return _xdist_workers(config) > 0 and not hasattr(config, "workerinput")
 
 
 def _xdist_workers(config) -> int:
@@ -283,6 +289,7 @@ def pytest_collection_modifyitems(config, items):
     device label, the worker and any planted defect, attached to the reports."""
     if not is_active(config):
         return
+    _load_hypothesis_profile_if_used()
     gpus = cuda_device_count()
     gpu_facts = machine_facts()["gpus"]
     worker = os.environ.get("PYTEST_XDIST_WORKER", "")
