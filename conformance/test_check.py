@@ -127,6 +127,7 @@ def test_the_plan_runs_every_gpu_test_on_every_gpu_and_host_tests_once(tmp_path)
         assert step.env == {"CUDA_VISIBLE_DEVICES": gpu} and step.targets == [str(tmp_path)]
         assert "--extkv-device=gpu" in step.options and step.options[step.options.index("-n") + 1] == "6"
     assert "--extkv-device=host" in steps["check-host"].options
+    assert steps["check-host"].env == {"CUDA_VISIBLE_DEVICES": ""}, "beside GPUs the host's run must not touch them"
     assert all("--extkv-lock-dir={run}/locks" in steps[name].options for name in ("check-host", "check-gpu0", "check-gpu1"))
     assert all("-n" in step.options for step in steps.values()), "every step runs under xdist: a crash is a failed test"
     without_gpu = [step.name for phase in plan(tmp_path, {**FACTS, "gpus": []}, 2, 0) for step in phase.steps]

@@ -14,7 +14,8 @@ progress file the harness keeps.
    CUDA_VISIBLE_DEVICES narrowed to that GPU, every GPU test), each with
    several xdist workers. NVML's per-process readings and a process's own
    memfds do not see other processes, so workers on one device do not
-   disturb each other's accounting, and the host's step uses no GPU memory.
+   disturb each other's accounting; the host's step sees no GPU
+   (CUDA_VISIBLE_DEVICES empty), so it takes no GPU memory.
    Each run orders the planted defects first
    (conformance/test_planted_defects.py, on that device: each test passes
    only when a check flags a deliberately broken implementation), since a
@@ -134,7 +135,12 @@ def plan(suite: Path, facts: dict, host_workers: int, gpu_workers: int) -> list[
     host_device = "host" if gpus else "all"
     whole = [str(suite)]
     locks = "--extkv-lock-dir={run}/locks"
-    steps = [Step("check-host", "host", whole, [f"--extkv-device={host_device}", "-n", str(host_workers), "--dist=load", locks])]
+    # Beside GPUs the host's run sees none: tests without a GPU of their own
+    # (the README's example, a report's inner run) would otherwise take GPU
+    # memory under a GPU's exclusive tests, which hold that GPU's lock only.
+    hidden = {"CUDA_VISIBLE_DEVICES": ""} if gpus else {}
+    steps = [Step("check-host", "host", whole,
+                  [f"--extkv-device={host_device}", "-n", str(host_workers), "--dist=load", locks], hidden)]
     steps += [Step(f"check-gpu{gpu['id']}", gpu["label"], whole,
                    ["--extkv-device=gpu", "-n", str(gpu_workers), "--dist=load", locks], {"CUDA_VISIBLE_DEVICES": gpu["id"]})
               for gpu in gpus]
@@ -218,6 +224,7 @@ def run(args: argparse.Namespace, pytest_args: list[str]) -> int:
         "steps": [step.name for phase in phases for step in phase.steps],
         "targets": {step.name: step.targets for phase in phases for step in phase.steps},
         "arguments": pytest_args,
+        "machine": facts,
         "phases": [],
         "wall_s": 0.0,
     }

@@ -70,7 +70,7 @@ def load_run(run_dir: Path) -> dict | None:
         run = json.loads(path.read_text())
     except json.JSONDecodeError as error:
         raise ValueError(f"{path}: not JSON ({error})") from None
-    for key in ("steps", "targets", "wall_s"):
+    for key in ("steps", "targets", "wall_s", "machine"):
         if key not in run:
             raise ValueError(f"{path}: no {key!r}")
     return run
@@ -106,7 +106,8 @@ def load_check(run_dir: Path) -> dict | None:
     return {
         "steps": steps,
         "tests": tests,
-        "machine": first["machine"],
+        # The host's step sees no GPU beside GPUs: the run's own facts do.
+        "machine": run["machine"] if run else first["machine"],
         "devices": devices,
         "worker_gpus": workers,
         "invariants": first["invariants"],

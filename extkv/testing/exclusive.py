@@ -23,6 +23,7 @@ for that GPU's tests only. Locks are always taken machine first, so no two
 tests wait for each other. The harness orders exclusive tests last, so they
 wait for the tail of the run instead of holding a worker early. Without a
 lock directory nothing is locked (a plain `pytest -n N` run for speed).
+While a test holds its device alone, ALONE_VARIABLE says so.
 """
 
 from __future__ import annotations
@@ -35,6 +36,10 @@ from pathlib import Path
 from typing import Iterator
 
 MACHINE_LOCK = "machine.lock"
+#: Set to "1" while a test holds its device alone, so that a workload can
+#: take the CPUs the device's other workers are not using then
+#: (extkv.testing.stress.host_compare_threads).
+ALONE_VARIABLE = "EXTKV_ALONE_ON_DEVICE"
 
 
 def lock_name(gpu_id: str) -> str:
@@ -65,3 +70,16 @@ def held(directory: Path | None, exclusive: bool, gpu_id: str | None) -> Iterato
     finally:
         for fd in reversed(descriptors):
             os.close(fd)  # closing the last descriptor of the file releases its flock
+
+
+@contextlib.contextmanager
+def alone_on_device(alone: bool) -> Iterator[None]:
+    """ALONE_VARIABLE set for the duration of the block when `alone`."""
+    if not alone:
+        yield
+        return
+    os.environ[ALONE_VARIABLE] = "1"
+    try:
+        yield
+    finally:
+        os.environ.pop(ALONE_VARIABLE, None)

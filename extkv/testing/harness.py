@@ -337,7 +337,8 @@ def pytest_runtest_protocol(item, nextitem):
         return (yield)
     label = dict(item.user_properties).get(DEVICE_PROPERTY, HOST_LABEL)
     gpus = {gpu["label"]: gpu["id"] for gpu in machine_facts()["gpus"]}
-    with exclusive_locks.held(Path(directory), _part(item) == "exclusive", gpus.get(label)):
+    alone = _part(item) == "exclusive"
+    with exclusive_locks.held(Path(directory), alone, gpus.get(label)), exclusive_locks.alone_on_device(alone):
         return (yield)
 
 

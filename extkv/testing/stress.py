@@ -95,6 +95,7 @@ from ..vmm import FAULTABLE_STEPS, Driver, FaultInjectingDriver, HostDriver, Poi
 from ..vmm import torch_memory
 from ..vmm.host import read_host_memory_headroom
 from ..vmm.wrapping import WrappingDriver
+from . import exclusive
 from .checks import (
     check_readback_matches_bookkeeping,
     check_unchanged,
@@ -1282,8 +1283,11 @@ HOST_COMPARE_THREADS = 8
 
 def host_compare_threads() -> int:
     """torch CPU threads for host comparisons: up to HOST_COMPARE_THREADS,
-    the CPUs this process may use shared among the xdist workers."""
-    workers = max(int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1")), 1)
+    the CPUs this process may use shared among the xdist workers, or all of
+    them while the test holds its device alone (its device's other workers
+    wait then: extkv.testing.exclusive)."""
+    alone = os.environ.get(exclusive.ALONE_VARIABLE) == "1"
+    workers = 1 if alone else max(int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1")), 1)
     return max(1, min(HOST_COMPARE_THREADS, len(os.sched_getaffinity(0)) // workers))
 
 
