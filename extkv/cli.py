@@ -29,9 +29,7 @@ example.
 from __future__ import annotations
 
 import argparse
-import subprocess
 import sys
-from importlib import metadata
 from pathlib import Path
 
 import torch
@@ -41,6 +39,7 @@ from .peer import DEFAULT_PEER_TIMEOUT_S, run_peer
 from .reporting import bench_run, check_run, render_report, stress_run
 from .reporting.pool import pool
 from .reporting.rundir import checkout_root
+from .testing import facts
 
 #: Subcommands that run pytest: whatever they do not know goes to pytest.
 #: Each: its module, what it does, and an example of pytest arguments.
@@ -62,30 +61,15 @@ _PYTEST_COMMANDS = {
 def version_text() -> str:
     """`extkv 0.1.0`, with the commit (and whether the work tree differs from
     it) when extkv is imported from a git checkout: a report or a bug names
-    the code that ran, not only the release."""
-    try:
-        text = f"extkv {metadata.version('extkv')}"
-    except metadata.PackageNotFoundError:
-        text = "extkv (not installed: no version recorded)"  # `python -m extkv` from a bare source tree
-    root = checkout_root()
-    if root is None or not (root / ".git").exists():
+    the code that ran, not only the release. The facts are the ones every
+    report records (extkv.testing.facts)."""
+    version = facts.version_of("extkv")
+    text = "extkv (not installed: no version recorded)" if version == facts.NOT_INSTALLED else f"extkv {version}"
+    commit = facts.extkv_commit()  # a bare source tree `python -m extkv` runs from has none
+    if commit is None:
         return text
-    try:
-        commit = subprocess.run(
-            ["git", "-C", str(root), "rev-parse", "--short=12", "HEAD"], capture_output=True, text=True, timeout=10
-        )
-        changes = subprocess.run(
-            ["git", "-C", str(root), "status", "--porcelain", "--untracked-files=no"],
-            capture_output=True,
-            text=True,
-            timeout=10,
-        )
-    except (OSError, subprocess.TimeoutExpired):
-        return f"{text} (checkout {root}; git not runnable)"
-    if commit.returncode != 0:
-        return f"{text} (checkout {root}; no commit readable)"
-    dirty = ", uncommitted changes" if changes.returncode == 0 and changes.stdout.strip() else ""
-    return f"{text} (checkout {root}, commit {commit.stdout.strip()}{dirty})"
+    sha, _, dirty = commit.partition("+")
+    return f"{text} (checkout {checkout_root()}, commit {sha}{', uncommitted changes' if dirty else ''})"
 
 
 class _Version(argparse.Action):
@@ -99,13 +83,6 @@ class _Version(argparse.Action):
     def __call__(self, parser, namespace, values, option_string=None):
         print(version_text())
         parser.exit()
-
-
-def _distribution_version(name: str) -> str | None:
-    try:
-        return metadata.version(name)
-    except metadata.PackageNotFoundError:
-        return None
 
 
 def _driver_cuda_version() -> tuple[str, int] | None:
@@ -134,13 +111,13 @@ def bindings_lines() -> list[str]:
     its major matches the driver's CUDA major. Bindings of a newer major than
     the driver's fail at their first call (13.x needs a CUDA 13 driver);
     older ones run on a newer driver."""
-    version = _distribution_version("cuda-bindings")
+    version = facts.version_of("cuda-bindings")
     try:
         from cuda.bindings import driver as _  # noqa: F401
         importable = ""
     except ImportError as error:
         importable = f", not importable ({error})"
-    if version is None:
+    if version == facts.NOT_INSTALLED:
         lines = [f"cuda-bindings: not installed{importable}: extkv runs on the host driver only"]
         major = None
     else:

@@ -87,18 +87,22 @@ def machine_facts() -> dict:
     return facts
 
 
+#: What version_of says of a distribution that is not installed.
+NOT_INSTALLED = "not installed"
+
+
 def version_of(distribution: str) -> str:
     try:
         return metadata.version(distribution)
     except metadata.PackageNotFoundError:
-        return "not installed"
+        return NOT_INSTALLED
 
 
 def extkv_version() -> str:
     """The installed distribution's version; `unknown` for a checkout on the
     path that was never installed."""
     found = version_of("extkv")
-    return "unknown (not installed)" if found == "not installed" else found
+    return "unknown (not installed)" if found == NOT_INSTALLED else found
 
 
 @functools.lru_cache(maxsize=None)
