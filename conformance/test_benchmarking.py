@@ -22,7 +22,6 @@ import json
 import multiprocessing
 import os
 import subprocess
-import sys
 import textwrap
 import time
 from collections import Counter

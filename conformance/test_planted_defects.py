@@ -24,7 +24,6 @@ import json
 import socket
 
 import pytest
-import torch
 
 from extkv.connector import SegmentExportConnector
 from extkv.layout import KVCacheLayout

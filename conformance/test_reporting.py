@@ -26,7 +26,8 @@ from extkv.reporting.plots import matplotlib_missing
 from extkv.reporting.rundir import SUITE_PACKAGES, checkout_root, gpu_slug, run_directory
 from extkv.reporting.summary import ALL_TESTS_ROW, CHECK_FORMAT, load_check
 from extkv.reporting.summary import HOST_LABEL as SUMMARY_HOST_LABEL
-from extkv.testing.harness import DEVICE_PROPERTY, HOST_LABEL, INVARIANTS, INVARIANTS_PROPERTY, RECORD_FORMAT
+from extkv.testing.harness import INVARIANTS
+from extkv.testing.record import DEVICE_PROPERTY, HOST_LABEL, INVARIANTS_PROPERTY, RECORD_FORMAT
 
 CONFORMANCE = Path(__file__).resolve().parent
 #: Real conformance tests for the first run: invariant 5 on the host

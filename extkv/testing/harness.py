@@ -56,7 +56,7 @@ from ..tensor import ExtensibleTensor
 from ..usage import UsageProbe, open_chunk_fds
 from .checks import warm_up_kernels
 from .configs import CAPACITY, CASE_IDS, CASES, config_for
-from .facts import cuda_device_count, gpu_label, machine_facts, no_cuda_reason
+from .facts import cuda_device_count, machine_facts, no_cuda_reason
 from . import exclusive as exclusive_locks
 from .gpus import gpu_for_worker, pin_this_worker, visible_gpu_ids
 from .invariants import INVARIANTS as INVARIANT_TABLE
@@ -65,7 +65,6 @@ from .record import (
     HOST_LABEL,
     INVARIANTS_PROPERTY,
     PLANTED_PROPERTY,
-    RECORD_FORMAT,
     WORKER_PROPERTY,
     RunRecord,
 )
