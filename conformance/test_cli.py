@@ -162,3 +162,12 @@ def test_py_typed_ships_as_package_data():
 
 def test_version_attribute_matches_pyproject():
     assert extkv.__version__ == _pyproject()["project"]["version"]
+
+
+def test_report_of_a_directory_it_cannot_read_says_why_without_a_traceback(tmp_path, capsys):
+    (tmp_path / "check-run.json").write_text('{"steps": []}')
+    assert cli.main(["report", str(tmp_path)]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"extkv report: {tmp_path / 'check-run.json'}: no ") and "Traceback" not in err, err
+    assert cli.main(["report", str(tmp_path / "nowhere")]) == 2
+    assert "no such run directory" in capsys.readouterr().err

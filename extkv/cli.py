@@ -152,7 +152,11 @@ def _info(args, _pytest_args) -> int:
 
 
 def _report(args, _pytest_args) -> int:
-    summary = render_report(Path(args.run_dir))
+    try:
+        summary = render_report(Path(args.run_dir))
+    except (OSError, ValueError) as error:  # each names the file it could not read
+        print(f"extkv report: {error}", file=sys.stderr)
+        return 2
     print(f"extkv report: wrote {summary}")
     return 0
 

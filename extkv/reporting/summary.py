@@ -70,7 +70,7 @@ def load_run(run_dir: Path) -> dict | None:
         run = json.loads(path.read_text())
     except json.JSONDecodeError as error:
         raise ValueError(f"{path}: not JSON ({error})") from None
-    for key in ("steps", "targets", "wall_s", "machine"):
+    for key in ("steps", "targets", "wall_s", "machine", "phases"):
         if key not in run:
             raise ValueError(f"{path}: no {key!r}")
     return run
@@ -221,7 +221,7 @@ def _step_wall_lines(run: dict | None) -> list[str]:
     if run is None:
         return []
     lines = [f"- wall time of the whole check: {run['wall_s']:.0f} s"]
-    lines += [f"- phase {phase['name']}: {phase['wall_s']:.0f} s" for phase in run.get("phases", [])]
+    lines += [f"- phase {phase['name']}: {phase['wall_s']:.0f} s" for phase in run["phases"]]
     return lines
 
 
@@ -254,7 +254,7 @@ def check_section(check: dict, timelines: list[tuple[Timeline, str | None]], plo
     lines = ["## Check", "", "### Verdict", "", "```"] + run_verdict(check, check["run"]) + ["```", ""]
     caught, planted = planted_counts(check)
     if planted:
-        missed = [key for key, r in tests.items() if r.get("planted_defect") and r["outcome"] in ("failed", "error")]
+        missed = [key for key, r in tests.items() if r["planted_defect"] and r["outcome"] in ("failed", "error")]
         lines += [
             f"The checks caught {caught} of {planted} planted defects (conformance/test_planted_defects.py: "
             "each plants a defect in a broken implementation and passes only when the check under test flags it)"

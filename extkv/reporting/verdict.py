@@ -146,7 +146,7 @@ def other_failures(check: dict, verdicts: list[DeviceVerdict]) -> list[str]:
 
 def planted_counts(check: dict) -> tuple[int, int]:
     """(caught, planted): planted-defect tests that passed, of those that ran."""
-    ran = [r for r in check["tests"].values() if r.get("planted_defect") and r["outcome"] != "skipped"]
+    ran = [r for r in check["tests"].values() if r["planted_defect"] and r["outcome"] != "skipped"]
     return sum(r["outcome"] == "passed" for r in ran), len(ran)
 
 
