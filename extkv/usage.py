@@ -60,6 +60,8 @@ def host_chunk_bytes() -> int:
     mapped_extent: dict[tuple[int, int], int] = {}
     with open("/proc/self/maps") as maps:
         for line in maps:
+            if _MEMFD_LINK not in line:  # most lines are libraries: skip them before splitting
+                continue
             fields = line.split(maxsplit=5)
             if len(fields) < 6 or not fields[5].startswith(_MEMFD_LINK):
                 continue
