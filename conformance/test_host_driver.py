@@ -274,30 +274,26 @@ driver.release(driver.create(driver.granularity))
 """
 
 
-@pytest.mark.invariant(5)
-def test_a_create_beyond_this_cgroups_limit_is_refused():
-    """In a child cgroup limited far below free memory, a create over the
-    limit is refused, naming the cgroup; one within it succeeds. Runs in a
-    process of its own, moved into the cgroup before its first create."""
+def run_in_a_limited_cgroup(code: str, limit: int, *arguments: str) -> tuple[subprocess.CompletedProcess, str]:
+    """`code` in a process of its own, which it moves into a child memory
+    cgroup limited to `limit` bytes (its first argument) before its first
+    create; (the finished run, the cgroup). Skips where no cgroup can be made."""
     leaf = cgroup_memory_files()
     if not leaf:
         pytest.skip("this process is in no memory cgroup with a limit file")
-    limit_file = leaf[0].limit
     directory = os.path.join(leaf[0].directory, f"extkv-test-{os.getpid()}")
     try:
         os.mkdir(directory)
     except OSError as error:
         pytest.skip(f"cannot create a child memory cgroup: {error}")
     try:
-        limit = 64 << 20
         try:
-            with open(os.path.join(directory, limit_file), "w") as file:
+            with open(os.path.join(directory, leaf[0].limit), "w") as file:
                 file.write(str(limit))
         except OSError as error:
             pytest.skip(f"cannot limit a child memory cgroup: {error}")
-        request = 2 * limit
         run = subprocess.run(
-            [sys.executable, "-c", CGROUP_PEER, directory, str(request)],
+            [sys.executable, "-c", code, directory, *arguments],
             env={**os.environ, "PYTHONPATH": str(REPO_ROOT)},
             capture_output=True,
             text=True,
@@ -305,6 +301,56 @@ def test_a_create_beyond_this_cgroups_limit_is_refused():
         )
     finally:
         os.rmdir(directory)
+    return run, directory
+
+
+@pytest.mark.invariant(5)
+def test_a_create_beyond_this_cgroups_limit_is_refused():
+    """In a child cgroup limited far below free memory, a create over the
+    limit is refused, naming the cgroup; one within it succeeds. Runs in a
+    process of its own, moved into the cgroup before its first create."""
+    limit = 64 << 20
+    request = 2 * limit
+    run, directory = run_in_a_limited_cgroup(CGROUP_PEER, limit, str(request))
     assert run.returncode == 0, run.stderr
     assert f"refused before allocating: {request} bytes requested" in run.stdout, run.stdout
     assert f"(cgroup {directory}: limit {limit} - usage " in run.stdout, run.stdout
+
+
+MANY_RUNS_PEER = """
+import os, sys
+from extkv import ExtensibleTensor
+from extkv.errors import OutOfMemoryError
+from extkv.usage import open_chunk_fds
+from extkv.vmm import HostDriver, live_chunks
+with open(os.path.join(sys.argv[1], "cgroup.procs"), "w") as procs:
+    procs.write(str(os.getpid()))
+driver = HostDriver()
+g = driver.granularity
+segments = int(sys.argv[2])
+tensor = ExtensibleTensor(segments * 2 * g, device=driver, segment_capacities=[2 * g] * segments)
+try:
+    tensor.resize_segments_([g] * segments)  # one run of one granule per segment
+    print("committed", tensor.physical_bytes)
+except OutOfMemoryError as error:
+    print("refused:", error)
+print("chunks", tensor.num_physical_chunks, "live", sum(live_chunks.values()), "memfds", len(open_chunk_fds()))
+tensor.resize_segments_([g] * 4 + [0] * (segments - 4))
+print("then committed", tensor.physical_bytes)
+tensor.free()
+"""
+
+
+@pytest.mark.invariant(5)
+def test_a_commit_of_many_runs_that_fit_alone_is_refused_whole_before_any_create():
+    """48 runs of one 2 MiB granule each fit a 64 MiB cgroup alone and not
+    together. Checked run by run, the commit took chunk after chunk until
+    the kernel's OOM killer ended the process; the driver checks the whole
+    commit first, so nothing is created, and a commit that fits still does."""
+    limit = 64 << 20
+    run, directory = run_in_a_limited_cgroup(MANY_RUNS_PEER, limit, "48")
+    assert run.returncode == 0, (run.returncode, run.stdout[-2000:], run.stderr[-2000:])
+    assert "refused: map_new_chunks (the commit's runs together) failed" in run.stdout, run.stdout
+    assert f"refused before allocating: {48 * (2 << 20)} bytes requested" in run.stdout, run.stdout
+    assert "chunks 0 live 0 memfds 0" in run.stdout, "a refused commit took chunks:\n" + run.stdout
+    assert f"then committed {4 * (2 << 20)}" in run.stdout, run.stdout

@@ -42,7 +42,7 @@ import abc
 import collections
 import contextlib
 import threading
-from typing import Callable, Hashable, Iterable, NamedTuple, Sequence
+from typing import Callable, ContextManager, Hashable, Iterable, NamedTuple, Sequence
 
 import torch
 
@@ -210,7 +210,15 @@ class Driver(abc.ABC):
         for _, size, _ in runs:
             if type(size) is not int or not 0 < size <= largest or size % granule:
                 self._check_granular("map_new_chunks", size)
-        self._map_new_chunks(runs, created, give_back, zero_after)
+        with self.admit(sum(size for _, size, _ in runs)):
+            self._map_new_chunks(runs, created, give_back, zero_after)
+
+    def admit(self, size: int) -> ContextManager[None]:
+        """A commit about to create `size` new bytes in all: a driver that can
+        tell beforehand that they will not fit raises OutOfMemoryError here,
+        before the first create; the block runs the creates. The CUDA driver
+        learns it from each cuMemCreate, so by default this admits all."""
+        return contextlib.nullcontext()
 
     # -- everything else -----------------------------------------------------
     @abc.abstractmethod

@@ -57,13 +57,15 @@ virtual memory, so every invariant that needs no GPU is proven for real.
 from __future__ import annotations
 
 import bisect
+import contextlib
 import ctypes
 import errno
 import fcntl
 import functools
 import os
+import threading
 from dataclasses import dataclass
-from typing import Hashable, Iterable, NamedTuple, Sequence
+from typing import Hashable, Iterable, Iterator, NamedTuple, Sequence
 
 import torch
 
@@ -259,6 +261,28 @@ def read_host_memory_headroom(size: int) -> MemoryHeadroom:
     return host_memory_headroom(_read("/proc/meminfo"), readings)
 
 
+#: Host commits of this process, one at a time from headroom check to last create.
+_COMMITS = threading.RLock()
+#: What a host commit leaves free for other processes: a sixteenth of what
+#: the kernel (or the memory cgroup) could give, at most 256 MiB.
+HOST_KEEP_FREE_BYTES = 256 << 20
+
+
+def _check_room(size: int, step: str) -> None:
+    """OutOfMemoryError, before anything is allocated, when `size` bytes do
+    not fit what the kernel could give less what is kept free for others."""
+    headroom = read_host_memory_headroom(size)
+    if headroom.available is None:
+        return
+    kept = min(HOST_KEEP_FREE_BYTES, headroom.available // 16)
+    if size > headroom.available - kept:
+        raise OutOfMemoryError(
+            step, errno.ENOMEM, "ENOMEM", size=size,
+            detail=f"refused before allocating: {size} bytes requested, {headroom.available} available "
+            f"({headroom.limited_by}), {kept} kept free for other processes",
+        )
+
+
 class HostDriver(Driver):
     """Linux virtual memory backed by memfd chunks."""
 
@@ -300,13 +324,7 @@ class HostDriver(Driver):
             raise _fail("munmap", size, address)
 
     def _create(self, size: int) -> Chunk:
-        headroom = read_host_memory_headroom(size)
-        if headroom.available is not None and size > headroom.available:
-            raise OutOfMemoryError(
-                "memfd_create+fallocate", errno.ENOMEM, "ENOMEM", size=size,
-                detail=f"refused before allocating: {size} bytes requested, {headroom.available} available "
-                f"({headroom.limited_by})",
-            )
+        _check_room(size, "memfd_create+fallocate")
         fd = os.memfd_create(MEMFD_NAME, os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
         try:
             os.fchmod(fd, 0o600)
@@ -372,6 +390,18 @@ class HostDriver(Driver):
 
     def _copy(self, destination: int, source: int, size: int) -> None:
         ctypes.memmove(destination, source, size)
+
+    @contextlib.contextmanager
+    def admit(self, size: int) -> Iterator[None]:
+        # The whole commit is checked before its first create: each run alone
+        # may fit while all of them take the machine (one commit of many
+        # 2 MiB runs took 21.6 GiB of a 24 GiB host, and the OOM killer then
+        # chose other processes: memfd pages are not in extkv's RSS). Commits
+        # of this process's threads check and create one after another, so
+        # two cannot both pass on one reading.
+        with _COMMITS:
+            _check_room(size, "map_new_chunks (the commit's runs together)")
+            yield
 
     def _map_new_chunks(self, runs, created, give_back, zero_after) -> None:
         # A memfd's steps are system calls that cost far more than the
