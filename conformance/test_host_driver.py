@@ -17,6 +17,7 @@ import errno
 import fcntl
 import os
 import resource
+import select
 import signal
 import stat
 import subprocess
@@ -354,3 +355,31 @@ def test_a_commit_of_many_runs_that_fit_alone_is_refused_whole_before_any_create
     assert f"refused before allocating: {48 * (2 << 20)} bytes requested" in run.stdout, run.stdout
     assert "chunks 0 live 0 memfds 0" in run.stdout, "a refused commit took chunks:\n" + run.stdout
     assert f"then committed {4 * (2 << 20)}" in run.stdout, run.stdout
+
+
+HOLDS_A_COMMIT = """
+import sys, time
+from extkv.vmm import HostDriver
+with HostDriver().admit(1):
+    print("admitted", flush=True)
+    time.sleep(float(sys.argv[1]))
+print("done", flush=True)
+"""
+
+
+@pytest.mark.invariant(7)
+def test_two_processes_commit_one_after_the_other():
+    """While another process is between its commit's check and its last
+    create, this process's commit waits: two commits cannot both pass on one
+    reading of the headroom."""
+    holder = subprocess.Popen([sys.executable, "-c", HOLDS_A_COMMIT, "1.5"], stdout=subprocess.PIPE, text=True,
+                              env={**os.environ, "PYTHONPATH": str(REPO_ROOT)})
+    try:
+        assert holder.stdout.readline().strip() == "admitted"
+        driver = HostDriver()
+        with driver.admit(driver.granularity):
+            # The other process said "done" after its admission ended: by now it has.
+            finished = bool(select.select([holder.stdout], [], [], 0)[0]) and holder.stdout.readline().strip() == "done"
+    finally:
+        holder.wait(30)
+    assert finished, "this commit was admitted while the other process still held its admission"

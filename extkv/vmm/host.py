@@ -63,6 +63,7 @@ import errno
 import fcntl
 import functools
 import os
+import tempfile
 import threading
 from dataclasses import dataclass
 from typing import Hashable, Iterable, Iterator, NamedTuple, Sequence
@@ -263,6 +264,32 @@ def read_host_memory_headroom(size: int) -> MemoryHeadroom:
 
 #: Host commits of this process, one at a time from headroom check to last create.
 _COMMITS = threading.RLock()
+#: The machine's host commits, one at a time: an flock on this file (any
+#: process may open it for reading, which is all flock needs).
+COMMITS_LOCK_PATH = os.path.join(tempfile.gettempdir(), "extkv-host-commits.lock")
+
+
+@contextlib.contextmanager
+def _machine_commits_lock() -> Iterator[None]:
+    """Hold COMMITS_LOCK_PATH exclusively; where it can be neither opened nor
+    created (another user's file in a directory that refuses it), commits of
+    other processes are not kept apart, and nothing else changes."""
+    try:
+        fd = os.open(COMMITS_LOCK_PATH, os.O_RDONLY | os.O_CLOEXEC)
+    except FileNotFoundError:
+        try:
+            fd = os.open(COMMITS_LOCK_PATH, os.O_RDONLY | os.O_CREAT | os.O_CLOEXEC, 0o644)
+        except OSError:
+            fd = None
+    except OSError:
+        fd = None
+    try:
+        if fd is not None:
+            fcntl.flock(fd, fcntl.LOCK_EX)
+        yield
+    finally:
+        if fd is not None:
+            os.close(fd)  # releases the flock
 #: What a host commit leaves free for other processes: a sixteenth of what
 #: the kernel (or the memory cgroup) could give, at most 256 MiB.
 HOST_KEEP_FREE_BYTES = 256 << 20
@@ -397,9 +424,10 @@ class HostDriver(Driver):
         # may fit while all of them take the machine (one commit of many
         # 2 MiB runs took 21.6 GiB of a 24 GiB host, and the OOM killer then
         # chose other processes: memfd pages are not in extkv's RSS). Commits
-        # of this process's threads check and create one after another, so
-        # two cannot both pass on one reading.
-        with _COMMITS:
+        # of this process's threads, and of every process on the machine
+        # that can open COMMITS_LOCK_PATH, check and create one after
+        # another, so two cannot both pass on one reading.
+        with _COMMITS, _machine_commits_lock():
             _check_room(size, "map_new_chunks (the commit's runs together)")
             yield
 
