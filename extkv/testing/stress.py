@@ -1299,9 +1299,12 @@ def meet_real_out_of_memory(
     seed: int,
     until: float | None = None,
     episodes: int | None = None,
+    layout: KVCacheLayout = KVCacheLayout.BLHNC,
 ) -> int:
     """Episodes until `until` (time.monotonic) or `episodes` of them; returns
-    how many ran. In each, the pressure process takes memory; a commit
+    how many ran. `layout` BLHNC commits one run; LBHNC one run per layer,
+    each of which may fit alone where all do not (on the host the commit is
+    refused whole before its first create). In each, the pressure process takes memory; a commit
     needing more than is left then is refused with `OutOfMemoryError` by the
     real driver or kernel, changes nothing, and the cache stays usable (a
     small commit succeeds); the pressure process lets go; the same commit
@@ -1324,7 +1327,6 @@ def meet_real_out_of_memory(
     driver = AllocationBound(PoisoningDriver(real), bound) if host else PoisoningDriver(real)
     margin = host_pressure_bound() // 2 if host else 1 << 30
     tally.settings["real out-of-memory: largest commit performed (bytes)"] = bound
-    layout = KVCacheLayout.BLHNC
     stride = bytes_per_block("full", layout)
     capacity_bytes = total + total // 4 if host else GPU_PRESSURE_CAPACITY_BYTES
     kv_cache = ExtensibleKVCache(config_for("full", layout, -(-capacity_bytes // stride)), driver, layout)
