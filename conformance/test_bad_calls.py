@@ -191,3 +191,25 @@ def test_measure_refuses_another_device(cache, device):
     with pytest.raises(ValueError, match=rf"device {other} is not the KV cache's device {device}"):
         measure_kv_cache_blocks(cache, other, init_free_memory=1 << 30, requested_memory=1 << 30)
     check_unchanged(cache, before)
+
+
+@pytest.mark.parametrize(
+    "value",
+    [torch.tensor(True), torch.tensor([5]), torch.tensor([[5]])],
+    ids=["torch bool scalar", "one-element vector", "one-element matrix"],
+)
+def test_tensors_that_index_but_are_no_integer_scalar_are_refused(cache, value):
+    """operator.index takes a torch bool scalar (as 1) and a one-element
+    tensor of any shape; as a block count or a byte limit each is a bug.
+    Refused, and nothing changes."""
+    cache.commit(20)
+    fill_segments(cache, seed=5)
+    before = snapshot(cache)
+    with pytest.raises(ValueError, match=r"num_blocks must be an int >= 0.*, got tensor\("):
+        cache.commit(value)
+    with pytest.raises(ValueError, match=r"must be an int .*, got tensor\("):
+        cache.set_torch_memory_limit(value)
+    assert cache.torch_memory_limit is None
+    check_unchanged(cache, before)
+    cache.commit(torch.tensor(27))  # a 0-d integer tensor is an integer
+    assert cache.num_committed_blocks == 27

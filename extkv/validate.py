@@ -5,7 +5,9 @@ Theory of operation
 One rule, one wording, everywhere. An integer argument is anything
 `operator.index` accepts (Python ints, numpy and torch integer scalars), but
 never a bool: `True` blocks or `False` bytes are always a bug, and numpy's
-`bool_` is refused the same way. A flag is a real bool (Python's or numpy's):
+`bool_` and a torch bool tensor are refused the same way. Nor is it a tensor
+or array of one element but more dimensions, which `operator.index` takes
+too: `commit(torch.tensor([5]))` is a shape mistake, not five blocks. A flag is a real bool (Python's or numpy's):
 `shrink="no"` is truthy, and silently acting on it is worse than refusing it.
 
 Failures are `ValueError`s that name the argument, the value and what was
@@ -26,6 +28,14 @@ def _is_bool(value: object) -> bool:
     return isinstance(value, bool) or (kind.__module__ == "numpy" and kind.__name__ in ("bool_", "bool"))
 
 
+def _not_a_scalar_integer(value: object) -> bool:
+    """A tensor or array `operator.index` would take that is no integer
+    scalar: a bool one, or one with dimensions. Read from its `ndim` and
+    `dtype`, so neither numpy nor torch is imported here."""
+    ndim = getattr(value, "ndim", None)
+    return ndim is not None and (ndim != 0 or str(getattr(value, "dtype", "")) in ("torch.bool", "bool"))
+
+
 def integer(name: str, value: object, *, minimum: int | None = 0, maximum: int | None = None, what: str = "") -> int:
     """`value` as a Python int, or a ValueError naming `name`.
 
@@ -39,7 +49,7 @@ def integer(name: str, value: object, *, minimum: int | None = 0, maximum: int |
         wanted = f"{wanted} and <= {maximum}" if minimum is not None else f"an int <= {maximum}"
     if what:
         wanted = f"{wanted} ({what})"
-    if _is_bool(value):
+    if _is_bool(value) or _not_a_scalar_integer(value):
         raise ValueError(f"{name} must be {wanted}, got {value!r}")
     try:
         number = operator.index(value)
