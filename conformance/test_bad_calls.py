@@ -213,3 +213,15 @@ def test_tensors_that_index_but_are_no_integer_scalar_are_refused(cache, value):
     check_unchanged(cache, before)
     cache.commit(torch.tensor(27))  # a 0-d integer tensor is an integer
     assert cache.num_committed_blocks == 27
+
+
+def test_a_torch_limit_past_the_device_is_no_cap_not_an_overflow(cache, device):
+    """10**400 bytes is more than any device has: the cap is the whole device
+    (on CUDA, fraction 1.0, where dividing first overflowed a float after
+    the limit was recorded)."""
+    cache.set_torch_memory_limit(10**400)
+    assert cache.torch_memory_limit == 10**400
+    if device.type == "cuda":
+        assert torch.cuda.get_per_process_memory_fraction(device) == 1.0
+    cache.set_torch_memory_limit(None)
+    assert cache.torch_memory_limit is None

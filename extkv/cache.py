@@ -391,9 +391,10 @@ class ExtensibleKVCache:
     def _apply_torch_memory_limit(self, num_bytes: int | None) -> None:
         """`set_torch_memory_limit` past its checks: `free` lifts the cap in
         every state it is legal in, a broken cache's included."""
-        self.torch_memory_limit = num_bytes
         _, total = self.buffer.driver.memory_info()
-        if not torch_memory.set_cap(self.buffer.device, num_bytes, total):
+        capped = torch_memory.set_cap(self.buffer.device, num_bytes, total)
+        self.torch_memory_limit = num_bytes  # recorded once torch took it: a refusal changes nothing
+        if not capped:
             logger.info(
                 "Torch has no memory cap for %s; recorded a limit of %s bytes only.", self.buffer.device, num_bytes
             )

@@ -52,7 +52,8 @@ def set_cap(device: torch.device, num_bytes: int | None, total_bytes: int) -> bo
     (None lifts the cap). False where torch has no cap to set."""
     if not _is_cuda(device):
         return False
-    fraction = 1.0 if num_bytes is None else min(num_bytes / total_bytes, 1.0)
+    # min() before dividing: a cap past the device (10**400 bytes) is no cap, not an OverflowError.
+    fraction = 1.0 if num_bytes is None else min(num_bytes, total_bytes) / total_bytes
     torch.cuda.set_per_process_memory_fraction(fraction, device)
     return True
 
