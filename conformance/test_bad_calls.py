@@ -225,3 +225,18 @@ def test_a_torch_limit_past_the_device_is_no_cap_not_an_overflow(cache, device):
         assert torch.cuda.get_per_process_memory_fraction(device) == 1.0
     cache.set_torch_memory_limit(None)
     assert cache.torch_memory_limit is None
+
+
+def test_placements_past_the_capacity_are_refused(cache):
+    """committed_kv_cache_tensors describes committed memory; a block count
+    past the capacity would place tensors past the reservation."""
+    config = config_for("full", LAYOUT, CAPACITY)
+    within = cache.committed_kv_cache_tensors(config, LAYOUT, CAPACITY)
+    assert all(tensor.size == CAPACITY * cache.bytes_per_block for tensor in within)
+    with pytest.raises(ValueError, match=rf"num_blocks must be an int >= 0 and <= {CAPACITY} \(a block count\), got {CAPACITY + 1}"):
+        cache.committed_kv_cache_tensors(config, LAYOUT, CAPACITY + 1)
+
+
+def test_padding_names_what_is_not_a_config():
+    with pytest.raises(ValueError, match="config must be a KVCacheConfig, got None"):
+        pad_kv_cache_segments(None, LAYOUT, GRANULE)

@@ -363,7 +363,8 @@ class ExtensibleKVCache:
         committed prefix, described as a one-layer tensor at the start of it.
         """
         _check_config_and_layout(kv_cache_config, layout)
-        num_blocks = _block_count(num_blocks)
+        # Past the capacity a placement would describe memory past the reservation.
+        num_blocks = validate.integer("num_blocks", num_blocks, maximum=self.capacity_blocks, what="a block count")
         size = num_blocks * self.bytes_per_block
         if layout.is_block_outermost:
             return [replace(tensor, size=size) for tensor in kv_cache_config.kv_cache_tensors]

@@ -494,6 +494,8 @@ def pad_kv_cache_segments(
     same object. LHBNC has no per-layer segments to pad (ValueError). Padding a
     padded config changes nothing. Returns a shallow copy; `config` is untouched.
     """
+    if not isinstance(config, KVCacheConfig):
+        raise ValueError(f"config must be a KVCacheConfig, got {config!r}")
     geometry = _GEOMETRY[_check_layout(layout)]
     granule = validate.integer("granule", granule, minimum=1)
     if not geometry.segment_axes:
