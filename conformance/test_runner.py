@@ -412,7 +412,7 @@ def test_extend_registers_a_segment_export_connector_with_the_committed_config(d
 
 
 @pytest.mark.invariant(6)
-@pytest.mark.parametrize("num_blocks", [-1, None, True, 2.0, "40"], ids=repr)
+@pytest.mark.parametrize("num_blocks", [-1, 0, None, True, 2.0, "40"], ids=repr)
 def test_extend_refuses_a_bad_block_count_before_logging_or_changing_anything(device, runners, caplog, num_blocks):
     connector = RecordingConnector()
     runner = runners(device, CAPACITY, connector=connector)

@@ -200,7 +200,9 @@ def extend_kv_cache(runner: Runner, kv_cache_config: KVCacheConfig, num_blocks: 
         raise ValueError(
             f"kv_cache_config must be the KVCacheConfig the cache was allocated from, got {kv_cache_config!r}"
         )
-    num_blocks = validate.integer("num_blocks", num_blocks, what="a block count")
+    # A budget of no block would shrink the cache below its null block, and
+    # views of no block cannot be built: refused before anything changes.
+    num_blocks = validate.integer("num_blocks", num_blocks, minimum=1, what="a block count; the budget holds none")
     layout = runner.kv_cache_layout
     if layout is not kv_cache.layout:
         raise ValueError(
