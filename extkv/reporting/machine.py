@@ -16,6 +16,7 @@ import json
 from pathlib import Path
 
 from ..testing.facts import machine_facts
+from .rundir import read_json
 
 
 def machine_section(facts: dict, worker_gpus: dict[str, str] | None = None) -> str:
@@ -63,10 +64,7 @@ def read_machine_facts(run_dir: Path) -> dict | None:
     path = Path(run_dir) / MACHINE_FILE
     if not path.is_file():
         return None
-    try:
-        facts = json.loads(path.read_text())
-    except json.JSONDecodeError as error:
-        raise ValueError(f"{path}: not JSON ({error})") from None
+    facts = read_json(path)
     if not isinstance(facts, dict) or "gpus" not in facts:
         raise ValueError(f"{path}: not machine facts (no 'gpus')")
     return facts

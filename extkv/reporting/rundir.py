@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import datetime
 import importlib.util
+import json
 import re
 import shutil
 from collections import Counter
@@ -31,6 +32,14 @@ from pathlib import Path
 SUITE_PACKAGES = {"conformance": "extkv_conformance", "reports": "extkv_benchmarks", "stress": "extkv_stress"}
 #: Words dropped from a GPU's name in a run directory's name.
 _VENDOR_WORDS = ("nvidia",)
+
+
+def read_json(path: Path) -> object:
+    """The JSON document in `path`; ValueError naming the file when it is none."""
+    try:
+        return json.loads(Path(path).read_text())
+    except json.JSONDecodeError as error:
+        raise ValueError(f"{path}: not JSON ({error})") from None
 
 
 def slug(text: str) -> str:

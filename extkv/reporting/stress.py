@@ -22,12 +22,12 @@ test extra (pytest, hypothesis) installed.
 
 from __future__ import annotations
 
-import json
 from collections import Counter
 from pathlib import Path
 
 from ..vmm import FAULTABLE_STEPS
 from .plots import matplotlib_missing
+from .rundir import read_json
 
 #: The stress suite's results format (stress/conftest.py's RESULT_FORMAT;
 #: the suite is not importable from here).
@@ -39,10 +39,7 @@ _UNITS = [(1 << 30, "GiB"), (1 << 20, "MiB"), (1 << 10, "KiB"), (1, "bytes")]
 
 
 def _read(path: Path) -> dict:
-    try:
-        document = json.loads(path.read_text())
-    except json.JSONDecodeError as error:
-        raise ValueError(f"{path}: not JSON ({error})") from None
+    document = read_json(path)
     if not isinstance(document, dict) or document.get("format") != STRESS_FORMAT:
         found = document.get("format") if isinstance(document, dict) else type(document).__name__
         raise ValueError(f"{path}: not an extkv stress results file (format {found!r}, expected {STRESS_FORMAT!r})")
@@ -58,7 +55,7 @@ def load_stress(run_dir: Path) -> dict | None:
         return None
     run_file = directory / RUN_FILE
     return {
-        "run": json.loads(run_file.read_text()) if run_file.is_file() else {},
+        "run": read_json(run_file) if run_file.is_file() else {},
         "tests": [_read(path) for path in tests],
         "timelines": [_read(path) for path in sorted(directory.glob("timeline-*.json"))],
     }

@@ -21,13 +21,13 @@ memory timeline of each device, with its plot.
 
 from __future__ import annotations
 
-import json
 import shlex
 from collections import Counter
 from pathlib import Path
 
 from ..testing.invariants import DEVICE_KINDS, INVARIANTS
 from ..testing.timeline import Timeline
+from .rundir import read_json
 from .verdict import planted_counts, run_verdict
 
 #: The harness's results format (extkv.testing.record.RECORD_FORMAT; the
@@ -48,10 +48,7 @@ ALL_TESTS_ROW = "all tests"
 
 def load_results(path: Path) -> dict:
     """One step's results file; ValueError naming the file when it is not one."""
-    try:
-        document = json.loads(Path(path).read_text())
-    except json.JSONDecodeError as error:
-        raise ValueError(f"{path}: not JSON ({error})") from None
+    document = read_json(path)
     if not isinstance(document, dict) or document.get("format") != CHECK_FORMAT:
         found = document.get("format") if isinstance(document, dict) else type(document).__name__
         raise ValueError(f"{path}: not an extkv check results file (format {found!r}, expected {CHECK_FORMAT!r})")
@@ -66,12 +63,9 @@ def load_run(run_dir: Path) -> dict | None:
     path = Path(run_dir) / RUN_FILE
     if not path.is_file():
         return None
-    try:
-        run = json.loads(path.read_text())
-    except json.JSONDecodeError as error:
-        raise ValueError(f"{path}: not JSON ({error})") from None
+    run = read_json(path)
     for key in ("steps", "targets", "wall_s", "machine", "phases"):
-        if key not in run:
+        if not isinstance(run, dict) or key not in run:
             raise ValueError(f"{path}: no {key!r}")
     return run
 
