@@ -297,3 +297,24 @@ def test_the_distribution_names_every_package_and_the_ini_options():
         assert (root / directory).is_dir(), f"suite directory {directory}/ missing from the checkout"
     ini = project["tool"]["pytest"]["ini_options"]
     assert INSTALLED_OPTIONS == ini["addopts"].split() + ["-o", f"timeout={ini['timeout']}"]
+
+
+def test_a_run_directory_from_anyone_is_read_and_written_as_files_of_its_own(rendered, tmp_path):
+    """summary.md that is a symlink is replaced, not written through; a FIFO
+    or a link to /dev/zero named like a results file is refused by name,
+    without blocking or reading without end."""
+    for path in rendered.glob("check*.json"):
+        (tmp_path / path.name).write_text(path.read_text())
+    outside = tmp_path.parent / f"{tmp_path.name}-outside.txt"
+    outside.write_text("not a report")
+    (tmp_path / "summary.md").symlink_to(outside)
+    render_report(tmp_path)
+    assert outside.read_text() == "not a report" and not (tmp_path / "summary.md").is_symlink()
+    fifo = tmp_path / "check-fifo.json"
+    os.mkfifo(fifo)
+    with pytest.raises(ValueError, match=re.escape(str(fifo)) + ": not a regular file"):
+        render_report(tmp_path)
+    fifo.unlink()
+    (tmp_path / "check-zero.json").symlink_to("/dev/zero")
+    with pytest.raises(ValueError, match=re.escape(str(tmp_path / "check-zero.json")) + ": cannot be read as a results file"):
+        render_report(tmp_path)

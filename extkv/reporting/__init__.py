@@ -23,6 +23,7 @@ from ..testing.timeline import TIMELINE_GLOB, Timeline
 from .bench import bench_section
 from .machine import machine_section, read_machine_facts
 from .plots import matplotlib_missing, plot_timeline
+from .rundir import write_text
 from .stress import stress_section
 from .summary import check_section, load_check
 
@@ -53,5 +54,5 @@ def render_report(run_dir: Path) -> Path:
             f"{run_dir}: no results to report: expected check.json (extkv check), or bench or stress results"
         )
     summary = run_dir / SUMMARY_FILE
-    summary.write_text("\n".join(sections + found).rstrip() + "\n")
+    write_text(summary, "\n".join(sections + found).rstrip() + "\n")
     return summary

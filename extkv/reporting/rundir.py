@@ -23,8 +23,10 @@ from __future__ import annotations
 import datetime
 import importlib.util
 import json
+import os
 import re
 import shutil
+import stat
 from collections import Counter
 from pathlib import Path
 
@@ -34,12 +36,44 @@ SUITE_PACKAGES = {"conformance": "extkv_conformance", "reports": "extkv_benchmar
 _VENDOR_WORDS = ("nvidia",)
 
 
+#: The largest results file a report reads; a GPU run's bench_cases.json,
+#: the largest, is a few MB.
+MOST_RESULT_BYTES = 256 << 20
+
+
 def read_json(path: Path) -> object:
-    """The JSON document in `path`; ValueError naming the file when it is none."""
+    """The JSON document in `path`; ValueError naming the file when it is
+    none. A run directory may come from anyone, so only a regular file is
+    read, never through a symlink, and at most MOST_RESULT_BYTES of it: a
+    FIFO named like a results file would block the read, a link to
+    /dev/zero never end it."""
+    path = Path(path)
     try:
-        return json.loads(Path(path).read_text())
-    except json.JSONDecodeError as error:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+    except OSError as error:
+        raise ValueError(f"{path}: cannot be read as a results file ({error.strerror})") from None
+    with os.fdopen(fd, "rb") as file:
+        status = os.fstat(file.fileno())
+        if not stat.S_ISREG(status.st_mode):
+            raise ValueError(f"{path}: not a regular file")
+        if status.st_size > MOST_RESULT_BYTES:
+            raise ValueError(f"{path}: {status.st_size} bytes, more than a results file has ({MOST_RESULT_BYTES})")
+        data = file.read(MOST_RESULT_BYTES + 1)
+    try:
+        return json.loads(data)
+    except (json.JSONDecodeError, UnicodeDecodeError) as error:
         raise ValueError(f"{path}: not JSON ({error})") from None
+
+
+def write_text(path: Path, text: str) -> None:
+    """Write `path` whole, replacing whatever entry has that name (a symlink
+    is replaced, not written through) with a new regular file."""
+    path = Path(path)
+    temporary = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    fd = os.open(temporary, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o644)
+    with os.fdopen(fd, "w") as file:
+        file.write(text)
+    os.replace(temporary, path)
 
 
 def slug(text: str) -> str:
