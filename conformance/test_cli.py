@@ -171,3 +171,17 @@ def test_report_of_a_directory_it_cannot_read_says_why_without_a_traceback(tmp_p
     assert err.startswith(f"extkv report: {tmp_path / 'check-run.json'}: no ") and "Traceback" not in err, err
     assert cli.main(["report", str(tmp_path / "nowhere")]) == 2
     assert "no such run directory" in capsys.readouterr().err
+
+
+def test_pool_of_a_malformed_run_says_which_file_without_a_traceback(tmp_path, capsys):
+    runs = []
+    for name in ("a", "b"):
+        run = tmp_path / name
+        run.mkdir()
+        (run / "bench_cases.json").write_text("[]")
+        (run / "bench.json").write_text('{"benchmarks": []}')
+        runs.append(str(run))
+    assert cli.main(["pool", str(tmp_path / "out"), *runs]) == 2
+    err = capsys.readouterr().err
+    assert f"{tmp_path / 'a' / 'bench_cases.json'}: a JSON list, not the object a results file holds" in err, err
+    assert "Traceback" not in err

@@ -39,13 +39,13 @@ were skipped and why.
 
 from __future__ import annotations
 
-import json
 import statistics
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
 
 from ..testing.benchmarking import BENCH_JSON, CASES_FILE, size_label
+from .rundir import read_json_object
 
 MiB = 1 << 20
 
@@ -227,12 +227,12 @@ def load(run_dir: Path) -> BenchRun | None:
     cases_path = Path(run_dir) / CASES_FILE
     if not cases_path.exists():
         return None
-    facts = json.loads(cases_path.read_text())
+    facts = read_json_object(cases_path)
     measured: dict[tuple[str, str], Entry] = {}
     problem = ""
     bench_path = Path(run_dir) / BENCH_JSON
     if bench_path.exists():
-        for benchmark in json.loads(bench_path.read_text()).get("benchmarks", []):
+        for benchmark in read_json_object(bench_path).get("benchmarks", []):
             info = benchmark.get("extra_info", {})
             if "case" not in info:
                 continue

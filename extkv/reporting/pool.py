@@ -31,6 +31,7 @@ from typing import Sequence
 
 from ..testing.benchmarking import BENCH_JSON, CASES_FILE
 from .machine import MACHINE_FILE
+from .rundir import read_json_object
 
 #: Facts that must be equal in every run pooled.
 SAME_IN_EVERY_RUN = ("profile", "device", "device_description", "granularity", "torch", "host", "headline_bytes")
@@ -72,8 +73,8 @@ def _read(run_dir: Path) -> tuple[dict, list[dict]]:
     missing = [name for name in (CASES_FILE, BENCH_JSON) if not (run_dir / name).is_file()]
     if missing:
         raise ValueError(f"{run_dir}: not a bench run with results ({' and '.join(missing)} missing)")
-    facts = json.loads((run_dir / CASES_FILE).read_text())
-    benchmarks = [b for b in json.loads((run_dir / BENCH_JSON).read_text()).get("benchmarks", [])
+    facts = read_json_object(run_dir / CASES_FILE)
+    benchmarks = [b for b in read_json_object(run_dir / BENCH_JSON).get("benchmarks", [])
                   if "case" in b.get("extra_info", {})]
     return facts, benchmarks
 

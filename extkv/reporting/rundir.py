@@ -65,6 +65,14 @@ def read_json(path: Path) -> object:
         raise ValueError(f"{path}: not JSON ({error})") from None
 
 
+def read_json_object(path: Path) -> dict:
+    """`read_json` of a file that must hold a JSON object."""
+    document = read_json(path)
+    if not isinstance(document, dict):
+        raise ValueError(f"{path}: a JSON {type(document).__name__}, not the object a results file holds")
+    return document
+
+
 def write_text(path: Path, text: str) -> None:
     """Write `path` whole, replacing whatever entry has that name (a symlink
     is replaced, not written through) with a new regular file."""
