@@ -19,7 +19,6 @@ from __future__ import annotations
 import contextlib
 import gc
 import json
-import multiprocessing
 import os
 import subprocess
 import textwrap
@@ -37,6 +36,7 @@ from extkv.reporting.bench import (
     evaluate_scaling, halves, ratio,
 )
 from extkv.testing import benchmarking
+from extkv.testing.children import python_c
 from extkv.testing.benchmarking import CONTENDERS, GEOMETRIES, PROFILES, Case, Contender, catalogue, interleave, round_order
 from extkv.testing.checks import check_all_equal
 from extkv.vmm import baselines
@@ -874,21 +874,6 @@ def test_recorded(benchmark):
 """
 
 
-#: What the child runs (through `exec`, so that unpickling its target
-#: imports nothing): `python -m pytest ARGUMENTS` in directory CWD with
-#: `ENVIRONMENT`, its output into the files STDOUT and STDERR.
-PYTEST_MAIN = """
-import os, sys
-os.chdir(CWD)
-os.environ.clear()
-os.environ.update(ENVIRONMENT)
-for fd, path in ((1, STDOUT), (2, STDERR)):
-    os.dup2(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600), fd)
-import pytest
-sys.exit(int(pytest.main(ARGUMENTS)))
-"""
-
-
 def run_pytest_benchmark(tmp_path: Path, *options: str) -> subprocess.CompletedProcess:
     (tmp_path / "test_recorded.py").write_text(textwrap.dedent(RECORDING_TEST))
     # Run from an xdist worker (extkv check on several GPUs), the child must
@@ -896,25 +881,10 @@ def run_pytest_benchmark(tmp_path: Path, *options: str) -> subprocess.CompletedP
     environment = {name: value for name, value in os.environ.items() if not name.startswith("PYTEST_XDIST")}
     arguments = ["-q", "-p", "no:cacheprovider", "-p", "no:xdist", "-c", os.devnull, "--rootdir", str(tmp_path),
                  str(tmp_path / "test_recorded.py"), f"--benchmark-json={tmp_path / 'bench.json'}", *options]
-    # A child of multiprocessing's fork server, which imports torch once
-    # (CUDA untouched), runs the session: a fresh `python -m pytest` spent
-    # about 4 s of CPU, half of it importing torch (2-core CI host). Torch
-    # alone: extkv and this module are left for the session to import, as
-    # pytest rewrites the asserts of a plugin's distribution only as it
-    # imports them.
-    context = multiprocessing.get_context("forkserver")
-    context.set_forkserver_preload(["torch"])
-    stdout, stderr = tmp_path / "pytest.stdout", tmp_path / "pytest.stderr"
-    for path in (stdout, stderr):
-        path.write_text("")  # read back even where the child died before its target ran
-    names = {"ARGUMENTS": arguments, "CWD": os.getcwd(), "ENVIRONMENT": environment, "STDOUT": str(stdout), "STDERR": str(stderr)}
-    child = context.Process(target=exec, args=(PYTEST_MAIN, names), daemon=True)
-    child.start()
-    child.join(300)
-    if child.is_alive():
-        child.kill()
-        child.join()
-    return subprocess.CompletedProcess(arguments, child.exitcode, stdout.read_text(), stderr.read_text())
+    # In a child of the fork server (extkv.testing.children): a fresh
+    # `python -m pytest` spent about 4 s of CPU, half of it importing torch.
+    code = f"import sys, pytest; sys.exit(int(pytest.main({arguments!r})))"
+    return python_c(code, tmp_path / "pytest", environment)
 
 
 def test_pytest_benchmark_records_the_measured_rounds(tmp_path):

@@ -38,7 +38,7 @@ LAYERS: list[set[str]] = [
     {"extkv.reference_model"},
     {"extkv.testing", "extkv.testing.gpus", "extkv.testing.readings", "extkv.testing.configs", "extkv.testing.checks",
      "extkv.testing.work", "extkv.testing.invariants"},
-    {"extkv.testing.facts"},
+    {"extkv.testing.facts", "extkv.testing.children"},
     {"extkv.testing.record", "extkv.testing.exclusive"},
     {"extkv.testing.stateful"},
     {"extkv.testing.planted"},

@@ -10,7 +10,6 @@ bad input run in the test process itself."""
 from __future__ import annotations
 
 import logging
-import multiprocessing
 import os
 import queue
 import re
@@ -26,6 +25,7 @@ from extkv import vmm
 from extkv.cache import ExtensibleKVCache
 from extkv.layout import FullAttentionSpec, KVCacheGroupSpec, KVCacheLayout, build_kv_cache_config
 from extkv.ranks import agree_on_committable_blocks, min_over_ranks
+from extkv.testing.children import fork_server
 from extkv.vmm import device_memory_info
 
 WORLD_SIZE = 2
@@ -158,13 +158,10 @@ def rank_main(rank: int, backend: str, init_method: str, scenario: str, results,
 def run_ranks(tmp_path, backend: str, scenario: str) -> list[dict]:
     """Start WORLD_SIZE ranks running `scenario`; their reports, by rank.
     Fails with every rank's traceback, or with which ranks hung."""
-    # A spawned rank spent about 2 s of CPU importing torch (2-core CI
-    # host); the fork server imports it once, and a fork after imports alone
-    # leaves CUDA to each rank, as a spawn does. The server is this
-    # process's one, shared with other tests: it preloads torch (and with it
-    # torch.distributed) only; test_benchmarking says why.
-    context = multiprocessing.get_context("forkserver")
-    context.set_forkserver_preload(["torch"])
+    # Ranks are children of the fork server (extkv.testing.children): it
+    # imports torch (and with it torch.distributed) once and leaves CUDA to
+    # each rank, as a spawn does.
+    context = fork_server()
     results = context.Queue()
     init_method = f"file://{tmp_path / f'rendezvous-{backend}-{scenario}'}"
     environment = dict(os.environ)

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import ast
 import json
-import multiprocessing
 import os
 import re
 import subprocess
@@ -21,6 +20,7 @@ from pathlib import Path
 import pytest
 
 from extkv.reporting import render_report
+from extkv.testing.children import python_c
 from extkv.reporting.check_run import INSTALLED_OPTIONS
 from extkv.reporting.plots import matplotlib_missing
 from extkv.reporting.rundir import SUITE_PACKAGES, checkout_root, gpu_slug, run_directory
@@ -60,47 +60,6 @@ def test_errors_in_teardown(broken_teardown):
 def test_without_invariant():
     pass
 '''
-
-
-#: What a child of the fork server runs (through `exec`, so that unpickling
-#: its target imports nothing): `python -c CODE` in directory CWD with
-#: ENVIRONMENT, its output into the files STDOUT and STDERR.
-PYTHON_C = """
-import os
-os.chdir(CWD)
-os.environ.clear()
-os.environ.update(ENVIRONMENT)
-for fd, path in ((1, STDOUT), (2, STDERR)):
-    os.dup2(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600), fd)
-exec(CODE, {"__name__": "__main__"})
-"""
-
-
-def python_c(code: str, outputs: Path, environment: dict[str, str] | None = None, timeout: float = 300) -> subprocess.CompletedProcess:
-    """`python -c CODE` in a process of its own that has imported nothing of
-    extkv, pytest or matplotlib: a child of multiprocessing's fork server,
-    which imports torch once (CUDA untouched). A fresh interpreter spent
-    about 2 s importing torch (2-core CI host). Torch alone: pytest rewrites
-    extkv's asserts only as a session imports it, and a blocked import
-    must meet a module not yet imported. Output goes through `outputs`.stdout
-    and .stderr; `environment` defaults to this process's."""
-    context = multiprocessing.get_context("forkserver")
-    context.set_forkserver_preload(["torch"])
-    stdout, stderr = outputs.with_name(outputs.name + ".stdout"), outputs.with_name(outputs.name + ".stderr")
-    for path in (stdout, stderr):
-        path.write_text("")  # read back even where the child died before its target ran
-    names = {"CODE": code, "CWD": os.getcwd(), "ENVIRONMENT": dict(os.environ) if environment is None else environment,
-             "STDOUT": str(stdout), "STDERR": str(stderr)}
-    child = context.Process(target=exec, args=(PYTHON_C, names), daemon=True)
-    child.start()
-    child.join(timeout)
-    if child.is_alive():
-        child.kill()
-        child.join()
-    finished = subprocess.CompletedProcess(["-c", code], child.exitcode, stdout.read_text(), stderr.read_text())
-    stdout.unlink()
-    stderr.unlink()
-    return finished
 
 
 def run_pytest(run_dir: Path, step: str, arguments: list[str], rootdir: Path) -> subprocess.CompletedProcess:

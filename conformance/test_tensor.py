@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import gc
 import io
-import multiprocessing
 
 import subprocess
 import sys
@@ -26,6 +25,7 @@ from extkv.testing.checks import (
     readback_one_chunk_per_segment,
     snapshot,
 )
+from extkv.testing.children import fork_server
 from extkv.testing.work import python_instructions
 from extkv.vmm import HostDriver, driver_for, live_chunks, live_reservations
 from extkv.usage import open_chunk_fds
@@ -811,13 +811,8 @@ def _print_full_view(device: str, granule: int, printed) -> None:
 def test_full_view_repr_reads_nothing(device, granule):
     """The full view spans unmapped pages; printing it must not touch them
     (it killed the process with SIGSEGV on the host)."""
-    # In a process forked from multiprocessing's fork server, which imports
-    # torch once and never touches CUDA: a fresh interpreter spent about 2 s
-    # of CPU importing it (2-core CI host). The server is this process's one,
-    # shared with other tests: it preloads torch only (test_benchmarking
-    # says why).
-    context = multiprocessing.get_context("forkserver")
-    context.set_forkserver_preload(["torch"])
+    # In a child of the fork server (extkv.testing.children says why).
+    context = fork_server()
     receiver, sender = context.Pipe(duplex=False)
     process = context.Process(target=_print_full_view, args=(str(device), granule, sender), daemon=True)
     process.start()

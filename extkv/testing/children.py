@@ -1,0 +1,67 @@
+"""Child processes for tests, started from one fork server that imported torch.
+
+Theory of operation
+-------------------
+A test that needs a process of its own (a pytest session, `python -c`, a
+rank of a process group, a child that may crash) spends about 2 s of CPU
+on a fresh interpreter importing torch (2-core CI host). multiprocessing's
+fork server imports torch once (CUDA untouched, so each child creates its
+own context) and forks every child from there. It preloads torch alone:
+pytest rewrites the asserts of extkv's modules only as a session imports
+them, and a test that blocks an import must meet a module not yet imported.
+The server is one per test process, shared by every test that asks.
+
+`python_c` runs `python -c CODE` so, in an environment of the caller's
+choosing, with its output in files that are read back even when the child
+dies before its code ran.
+"""
+
+from __future__ import annotations
+
+import multiprocessing
+import os
+import subprocess
+from pathlib import Path
+
+#: What a child runs (through `exec`, so that unpickling its target imports
+#: nothing): CODE in directory CWD with ENVIRONMENT, its output into the
+#: files STDOUT and STDERR.
+_PYTHON_C = """
+import os
+os.chdir(CWD)
+os.environ.clear()
+os.environ.update(ENVIRONMENT)
+for fd, path in ((1, STDOUT), (2, STDERR)):
+    os.dup2(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600), fd)
+exec(CODE, {"__name__": "__main__"})
+"""
+
+
+def fork_server():
+    """multiprocessing's fork-server context, preloading torch only."""
+    context = multiprocessing.get_context("forkserver")
+    context.set_forkserver_preload(["torch"])
+    return context
+
+
+def python_c(code: str, outputs: Path, environment: dict[str, str] | None = None,
+             timeout: float = 300) -> subprocess.CompletedProcess:
+    """`python -c CODE` in a child of the fork server, in this process's
+    directory. Output goes through `outputs`.stdout and .stderr (removed once
+    read); `environment` defaults to this process's; a child past `timeout`
+    is killed."""
+    stdout, stderr = outputs.with_name(outputs.name + ".stdout"), outputs.with_name(outputs.name + ".stderr")
+    for path in (stdout, stderr):
+        path.write_text("")  # read back even where the child died before its code ran
+    names = {"CODE": code, "CWD": os.getcwd(), "ENVIRONMENT": dict(os.environ) if environment is None else environment,
+             "STDOUT": str(stdout), "STDERR": str(stderr)}
+    child = fork_server().Process(target=exec, args=(_PYTHON_C, names), daemon=True)
+    child.start()
+    child.join(timeout)
+    if child.is_alive():
+        child.kill()
+        child.join()
+    finished = subprocess.CompletedProcess(["-c", code], child.exitcode, stdout.read_text(), stderr.read_text())
+    stdout.unlink()
+    stderr.unlink()
+    return finished
