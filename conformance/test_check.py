@@ -26,6 +26,7 @@ import pytest
 
 from extkv.reporting.check_run import closing_lines, plan, workers
 from extkv.reporting.machine import machine_section
+from extkv.reporting.summary import load_check
 from extkv.testing import exclusive as exclusive_locks
 from extkv.testing.facts import machine_facts
 from extkv.reporting.rundir import RunDirectoryInUse, prepare_run_directory, run_directory
@@ -58,7 +59,7 @@ def full(device: str, kind: str) -> dict[str, dict]:
     return {f"test_{n}[{device}]": record(device, [n]) for n in DEVICE_KINDS[kind].provable}
 
 
-RUN = {"targets": {"check-host": ["conformance"]}, "wall_s": 104.4}
+RUN = {"steps": ["check-host"], "targets": {"check-host": ["conformance"]}, "wall_s": 104.4}
 
 
 @pytest.mark.invariant(6)
@@ -113,6 +114,24 @@ def test_a_step_pytest_could_not_finish_or_a_missed_planted_defect_fails_the_run
                        "test_planted[host-usage-over-reported]": record("host", [], "passed", "usage-over-reported")}
     lines = run_verdict(merged(planted), RUN)
     assert "the checks caught 1 of 2 planted defects" in lines and lines[-1].startswith("NOT CERTIFIED")
+
+
+@pytest.mark.invariant(6)
+def test_a_step_that_left_no_results_fails_the_run(tmp_path):
+    """A GPU whose pytest run died before writing its results is still a
+    device the run was asked to check: the run names the step, and the GPU,
+    listed by the machine facts of check-run.json, proved nothing."""
+    run = {**RUN, "steps": ["check-host", "check-gpu0"], "targets": {**RUN["targets"], "check-gpu0": ["conformance"]},
+           "phases": [], "machine": FACTS}
+    (tmp_path / "check-run.json").write_text(json.dumps(run))
+    host = {"format": "extkv-check/2", "step": "check-host", "machine": {**FACTS, "gpus": []}, "invariants": {},
+            "totals": {}, "exit_status": 0, "devices": {"host": "host"}, "selection": {"args": ["conformance"]},
+            "collection_errors": [], "worker_gpus": {}, "tests": full("host", "host")}
+    (tmp_path / "check-host.json").write_text(json.dumps(host))
+    check = load_check(tmp_path)
+    assert check["devices"] == {"host": "host", H200: "cuda"}, "the GPU is asked for though its step wrote nothing"
+    last = run_verdict(check, run)[-1]
+    assert last.startswith("NOT CERTIFIED cuda:0 NVIDIA H200") and "check-gpu0: left no results (see check-gpu0.log)" in last
 
 
 @pytest.mark.invariant(6)

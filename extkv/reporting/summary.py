@@ -92,6 +92,9 @@ def load_check(run_dir: Path) -> dict | None:
     first = next(iter(steps.values()))
     devices: dict[str, str] = {}
     workers: dict[str, str] = {}
+    if run is not None:
+        # Every device the run was asked to check, also one whose step left no results.
+        devices.update({HOST_LABEL: "host"} | {gpu["label"]: "cuda" for gpu in run["machine"]["gpus"]})
     for step, document in steps.items():
         devices.update(document["devices"])
         pins = Counter(document["worker_gpus"].values())

@@ -128,9 +128,10 @@ def narrowed_by(check: dict, targets: dict[str, list[str]] | None) -> list[str]:
     return found
 
 
-def other_failures(check: dict, verdicts: list[DeviceVerdict]) -> list[str]:
+def other_failures(check: dict, verdicts: list[DeviceVerdict], run: dict | None = None) -> list[str]:
     """Failures no device verdict holds: tests on devices outside the verdicts
-    (the multi-GPU step), collection errors, steps pytest did not finish."""
+    (the multi-GPU step), collection errors, steps pytest did not finish or
+    that left no results at all."""
     mine = {key for verdict in verdicts for key in verdict.failed}
     problems = [
         f"{record['device']}: {key} {record['outcome']}"
@@ -141,6 +142,8 @@ def other_failures(check: dict, verdicts: list[DeviceVerdict]) -> list[str]:
         problems += [f"{step}: collection error in {error['nodeid']}" for error in document["collection_errors"]]
         if document["exit_status"] not in FINISHED_STATUSES:
             problems.append(f"{step}: pytest ended with exit status {document['exit_status']}")
+    if run is not None:
+        problems += [f"{step}: left no results (see {step}.log)" for step in run["steps"] if step not in check["steps"]]
     return problems
 
 
@@ -164,7 +167,7 @@ def run_verdict(check: dict, run: dict | None) -> list[str]:
     if planted:
         lines.append(f"the checks caught {caught} of {planted} planted defects")
     narrowed = narrowed_by(check, run["targets"] if run is not None else None)
-    problems = other_failures(check, verdicts)
+    problems = other_failures(check, verdicts, run)
     if narrowed:
         lines.append(f"partial run: nothing certified (narrowed by {', '.join(narrowed)}); {counts}")
         return lines
