@@ -238,7 +238,8 @@ def test_the_installed_plugin_is_inert_until_asked(tmp_path):
     skips or leak checks; asked with --extkv it does."""
     (tmp_path / "test_unrelated.py").write_text(UNRELATED)
     # PYTEST_PLUGINS loads the plugin as the entry point does, asking nothing of it.
-    env = clean_env() | {"PYTEST_XDIST_WORKER": "gw1", "CUDA_VISIBLE_DEVICES": "0,1", "PYTEST_PLUGINS": "extkv.testing.harness"}
+    # CI set: Hypothesis then loads its own `ci` profile, which is not extkv's.
+    env = clean_env() | {"CI": "true", "PYTEST_XDIST_WORKER": "gw1", "CUDA_VISIBLE_DEVICES": "0,1", "PYTEST_PLUGINS": "extkv.testing.harness"}
     run = [str(tmp_path), "-q", "-s", "-p", "no:cacheprovider", "-c", os.devnull, "--rootdir", str(tmp_path)]
     # One interpreter for both sessions: the second asks for the harness.
     code = (
@@ -247,7 +248,7 @@ def test_the_installed_plugin_is_inert_until_asked(tmp_path):
         "import extkv.testing.harness\n"
         "assert os.environ['CUDA_VISIBLE_DEVICES'] == '0,1', 'pinned on import'\n"
         "assert torch.get_num_threads() == threads, 'threads set on import'\n"
-        "assert hypothesis.settings._current_profile != 'ci', 'profile loaded on import'\n"
+        "assert hypothesis.settings._current_profile != 'extkv-ci', 'profile loaded on import'\n"
         f"inert = pytest.main({run!r})\n"
         "print('BEFORE', threads, 'PROFILE', hypothesis.settings._current_profile, flush=True)\n"
         "print('ASKED', flush=True)\n"
@@ -265,9 +266,9 @@ def test_the_installed_plugin_is_inert_until_asked(tmp_path):
     lines = inert.split("BEFORE")[0].splitlines()
     assert not [line for line in lines if line.startswith("extkv") or "extkv invariants" in line], (
         "an inert harness prints no header and no summary:\n" + inert)
-    assert "PROFILE ci" not in inert, "inert, the harness loaded its Hypothesis profile"
+    assert "PROFILE extkv-ci" not in inert, "inert, the harness loaded its Hypothesis profile"
     assert "threads 1 visible 1" in asked, "asked for, the harness sets one torch thread and pins worker gw1's GPU:\n" + asked
-    assert "PROFILE ci" in asked, "asked for, the harness loads its Hypothesis profile"
+    assert "PROFILE extkv-ci" in asked, "asked for, the harness loads its Hypothesis profile"
 
 
 def enters(directory: Path, exclusive: bool, gpu_id: str | None, release: threading.Event) -> threading.Event:

@@ -26,8 +26,10 @@ before collection, so nothing has initialized CUDA yet when it pins.
   keeps alone on their device (extkv.testing.exclusive).
 - After every test: no reservation, chunk or memfd left behind, and physical
   usage measured outside extkv back where it started.
-- Hypothesis profiles: `ci` (derandomized, the default), `dev`, `nightly`;
-  choose with --hypothesis-profile or EXTKV_HYPOTHESIS_PROFILE.
+- Hypothesis profiles: `extkv-ci` (derandomized, the default), `extkv-dev`,
+  `extkv-nightly`; choose with EXTKV_HYPOTHESIS_PROFILE=ci|dev|nightly or
+  --hypothesis-profile. The prefix keeps them apart from Hypothesis's own
+  `ci` profile, which Hypothesis loads by itself wherever CI is set.
 - `@pytest.mark.invariant(n, ...)` names which invariants (1-8, the table
   in extkv.testing.invariants, stated in docs/INVARIANTS.md) a test proves;
   numbers are checked at collection. Each test carries its invariants, the
@@ -172,15 +174,15 @@ def _load_hypothesis_profile() -> None:
     from hypothesis import HealthCheck, settings
 
     settings.register_profile(
-        "ci", derandomize=True, max_examples=40, stateful_step_count=20, deadline=None,
+        "extkv-ci", derandomize=True, max_examples=40, stateful_step_count=20, deadline=None,
         suppress_health_check=[HealthCheck.too_slow],
     )
-    settings.register_profile("dev", max_examples=100, deadline=None)
+    settings.register_profile("extkv-dev", max_examples=100, deadline=None)
     settings.register_profile(
-        "nightly", max_examples=2000, stateful_step_count=100, deadline=None,
+        "extkv-nightly", max_examples=2000, stateful_step_count=100, deadline=None,
         suppress_health_check=[HealthCheck.too_slow],
     )
-    settings.load_profile(os.environ.get("EXTKV_HYPOTHESIS_PROFILE", "ci"))
+    settings.load_profile("extkv-" + os.environ.get("EXTKV_HYPOTHESIS_PROFILE", "ci"))
 
 
 def _xdist_workers(config) -> int:
