@@ -19,6 +19,7 @@ from pathlib import Path
 
 import pytest
 
+import extkv
 from extkv.reporting import render_report
 from extkv.testing.children import python_c
 from extkv.reporting.check_run import INSTALLED_OPTIONS
@@ -35,6 +36,8 @@ CONFORMANCE = Path(__file__).resolve().parent
 REAL_SELECTION = [str(CONFORMANCE / "test_timeline.py"), str(CONFORMANCE / "test_ranks.py"), "-k", "timeline or rejects"]
 PLANTED = '''
 import pytest
+
+import extkv
 
 @pytest.mark.invariant(1)
 def test_passes(device):
@@ -277,3 +280,68 @@ def test_a_run_directory_from_anyone_is_read_and_written_as_files_of_its_own(ren
     (tmp_path / "check-zero.json").symlink_to("/dev/zero")
     with pytest.raises(ValueError, match=re.escape(str(tmp_path / "check-zero.json")) + ": cannot be read as a results file"):
         render_report(tmp_path)
+
+
+def one_series_bench_run(run_dir: Path) -> Path:
+    """A bench run of one operation at two sizes (1 and 2 GiB), as the
+    engine and pytest-benchmark write it: enough for the scaling plot."""
+    cases, benchmarks = [], []
+    for gib in (1, 2):
+        case = {"case": f"grow8-blhnc1-{gib}GiB-recycled", "op": "grow8", "op_what": "growth", "pivot": "memset",
+                "contenders": ["extkv", "raw"], "geometry": "blhnc1", "geometry_what": "g", "segments": 1,
+                "blocks": 8, "capacity_blocks": 8, "bytes": gib << 30, "smallest_segment_bytes": gib << 30,
+                "commits": 8, "replays": 0, "state": "recycled", "order": ["extkv", "raw"],
+                "results": {name: {"status": "measured", "reason": ""} for name in ("extkv", "raw")}}
+        cases.append(case)
+        benchmarks += [{"name": f"test_bench[{case['case']}-{name}]",
+                        "extra_info": {"case": case["case"], "contender": name, "process": "main", "cpu": [0.001 * gib]},
+                        "stats": {"data": [0.001 * gib]}} for name in ("extkv", "raw")]
+    facts = {"profile": "gpu", "profile_what": "w", "device": "cuda:0", "device_description": {}, "host": "h",
+             "torch": "t", "granularity": 2 << 20, "rounds": 1, "case_seconds": 8.0, "costly_rounds": 2,
+             "elapsed_seconds": 1.0, "budget_seconds": 2.0, "clocks": ["c"], "cpu_time": "thread_time", "cases": cases}
+    (run_dir / "bench_cases.json").write_text(json.dumps(facts))
+    (run_dir / "bench.json").write_text(json.dumps({"benchmarks": benchmarks}))
+    return run_dir
+
+
+def test_every_plot_replaces_a_symlink_planted_at_its_name(rendered, tmp_path):
+    """Each PNG a report draws (the check's memory timeline, the bench's
+    scaling plot, the stress run's memory plot) is a new file of the run
+    directory: a symlink planted at its name is replaced, and the file it
+    points to, outside the directory, is left as it was."""
+    if matplotlib_missing() is not None:
+        pytest.skip(matplotlib_missing())
+    from extkv.reporting.stress import plot_memory
+
+    for path in [*rendered.glob("check*.json"), rendered / "timeline-host.json"]:
+        (tmp_path / path.name).write_text(path.read_text())
+    one_series_bench_run(tmp_path)
+    stress_timeline = {"worker": "main", "samples": [[0.0, "cpu", 0, 1 << 30], [1.0, "cpu", 4 << 20, 2 << 30]]}
+    plots = ["timeline-host.png", "bench_scaling_bytes.png", "stress-memory-main-cpu.png"]
+    outside = {}
+    for name in plots:
+        outside[name] = tmp_path.parent / f"{tmp_path.name}-outside-{name}"
+        outside[name].write_text("not a plot")
+        (tmp_path / name).symlink_to(outside[name])
+    summary = render_report(tmp_path).read_text()
+    plot_memory(stress_timeline, "cpu", tmp_path / "stress-memory-main-cpu.png")
+    assert "(timeline-host.png)" in summary and "(bench_scaling_bytes.png)" in summary, summary
+    for name in plots:
+        assert outside[name].read_bytes() == b"not a plot", f"{name} was written through the symlink planted there"
+        path = tmp_path / name
+        assert not path.is_symlink() and path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n", name
+    assert not list(tmp_path.glob(".*.tmp")), "a temporary file was left behind"
+
+
+def test_every_plot_is_saved_through_the_run_directory_writer():
+    """One writer saves every figure (rundir.save_figure): a plot saved
+    with `savefig(path)` elsewhere would write through a planted symlink."""
+    root = Path(extkv.__file__).resolve().parent
+    found = [
+        f"{path.relative_to(root.parent)}:{number}"
+        for path in sorted(root.rglob("*.py"))
+        if path.name != "rundir.py"
+        for number, line in enumerate(path.read_text().splitlines(), 1)
+        if ".savefig(" in line
+    ]
+    assert not found, f"savefig outside extkv.reporting.rundir.save_figure: {found}"

@@ -30,9 +30,10 @@ alone, and on the earlier and the later half of the rounds (`halves`);
 where two halves of one run disagree, the verdict says so, naming both
 readings.
 
-Plots (PNG, written into the run directory): time against bytes (one
-segment) and against segments (fixed total), per operation, extkv against
-its floors, log-log, wall time and host CPU time in separate panels.
+Plots (PNG, saved into the run directory through rundir.save_figure): time
+against bytes (one segment) and against segments (fixed total), per
+operation, extkv against its floors, log-log, wall time and host CPU time in
+separate panels.
 matplotlib is optional (`[report]`): without it the section says the plots
 were skipped and why.
 """
@@ -45,7 +46,7 @@ from pathlib import Path
 from typing import Callable
 
 from ..testing.benchmarking import BENCH_JSON, CASES_FILE, size_label
-from .rundir import read_json_object
+from .rundir import read_json_object, save_figure
 
 MiB = 1 << 20
 
@@ -791,7 +792,7 @@ def plot(run: BenchRun, run_dir: Path) -> tuple[list[Path], str]:
         figure.suptitle(f"extkv bench, {run.facts['profile']} profile, {run.facts['device']}: cost against {by}")
         figure.tight_layout(rect=(0, 0, 1, 0.98))
         path = Path(run_dir) / f"bench_scaling_{by}.png"
-        figure.savefig(path, dpi=90)
+        save_figure(figure, path, dpi=90)
         pyplot.close(figure)
         written.append(path)
     return written, "" if written else "plots skipped: no series with two or more sizes was measured"

@@ -9,7 +9,9 @@ says why plots are skipped, and the report prints that instead of images.
 The memory timeline plot shows, for one device, the physical memory read
 outside extkv over time (the background samples and the readings at every
 operation's start and end) and the cache's own `physical_bytes` at those
-marks; each operation is a shaded span labelled with its name.
+marks; each operation is a shaded span labelled with its name. Every plot
+is saved through extkv.reporting.rundir.save_figure, never through an entry
+planted at its name in the run directory.
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from ..testing.timeline import Timeline
+from .rundir import save_figure
 
 #: Units the byte axis may use: the largest whose value stays >= 1 at the peak.
 _UNITS = [(1 << 30, "GiB"), (1 << 20, "MiB"), (1 << 10, "KiB"), (1, "bytes")]
@@ -84,6 +87,6 @@ def plot_timeline(timeline: Timeline, path: Path) -> Path:
     axes.legend(loc="center left", fontsize=8)
     axes.grid(alpha=0.3)
     figure.tight_layout()
-    figure.savefig(path)
+    save_figure(figure, path)
     pyplot.close(figure)
     return path

@@ -16,6 +16,12 @@ The suites ship in the distribution as packages of their own (pyproject maps
 `extkv_conformance` to `conformance/` and `extkv_benchmarks` to the
 `reports/` benchmark modules); from a checkout they are its directories.
 `suite_directory` answers either way.
+
+A run directory may come from anyone, and its entries are nobody's promise:
+a report reads results through `read_json` (regular files only, never
+through a symlink, bounded in size) and writes every file of its own
+(summary.md, each plot) through `write_file`, which replaces the entry of
+that name with a new file rather than writing through what is there.
 """
 
 from __future__ import annotations
@@ -29,6 +35,7 @@ import shutil
 import stat
 from collections import Counter
 from pathlib import Path
+from typing import BinaryIO, Callable
 
 #: Suite directory in a checkout -> the package it is installed as.
 SUITE_PACKAGES = {"conformance": "extkv_conformance", "reports": "extkv_benchmarks", "stress": "extkv_stress"}
@@ -73,15 +80,39 @@ def read_json_object(path: Path) -> dict:
     return document
 
 
-def write_text(path: Path, text: str) -> None:
-    """Write `path` whole, replacing whatever entry has that name (a symlink
-    is replaced, not written through) with a new regular file."""
+def write_file(path: Path, write: Callable[[BinaryIO], object]) -> None:
+    """Make `path` a new regular file holding what `write(file)` writes,
+    replacing whatever entry has that name: a symlink planted there is
+    replaced, not written through (it could point anywhere). The file is
+    written under a temporary name in the same directory, then renamed over
+    `path`, so a reader never sees half of it; if `write` fails the
+    temporary file is removed and `path` is left as it was."""
     path = Path(path)
     temporary = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    # O_EXCL refuses an entry already there, a planted symlink included.
     fd = os.open(temporary, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o644)
-    with os.fdopen(fd, "w") as file:
-        file.write(text)
-    os.replace(temporary, path)
+    try:
+        with os.fdopen(fd, "wb") as file:
+            write(file)
+        os.replace(temporary, path)
+    except BaseException:
+        temporary.unlink(missing_ok=True)
+        raise
+
+
+def write_text(path: Path, text: str) -> None:
+    """`write_file` of `text`, UTF-8."""
+    write_file(path, lambda file: file.write(text.encode()))
+
+
+def save_figure(figure, path: Path, **options) -> Path:
+    """Save the matplotlib `figure` as `path` through `write_file` (every
+    plot a report draws goes through here); the format is the suffix's, as
+    `savefig` would choose from the name, which the temporary file lacks.
+    Returns `path`."""
+    path = Path(path)
+    write_file(path, lambda file: figure.savefig(file, format=path.suffix.lstrip(".").lower() or "png", **options))
+    return path
 
 
 def slug(text: str) -> str:

@@ -27,7 +27,7 @@ from pathlib import Path
 
 from ..vmm import FAULTABLE_STEPS
 from .plots import matplotlib_missing
-from .rundir import read_json
+from .rundir import read_json, save_figure
 
 #: The stress suite's results format (stress/conftest.py's RESULT_FORMAT;
 #: the suite is not importable from here).
@@ -152,7 +152,7 @@ def plot_memory(timeline: dict, device: str, path: Path) -> Path:
     axes.legend(handles, [h.get_label() for h in handles], loc="upper left", fontsize=8)
     axes.grid(alpha=0.3)
     figure.tight_layout()
-    figure.savefig(path)
+    save_figure(figure, path)
     pyplot.close(figure)
     return path
 
