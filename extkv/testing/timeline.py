@@ -21,13 +21,21 @@ agree. The samples in between show what the operation held while it ran (a
 preserving defragment briefly holds a segment twice).
 
 `Timeline.write` leaves the whole record as `timeline-<device>.json` in a
-report directory; `Timeline.load` reads it back for the report's plot.
+report directory; `Timeline.load` reads it back for the report's plot. A
+report directory may come from anyone: `load` reads a regular file only,
+never through a symlink, at most MOST_TIMELINE_BYTES of it, and checks
+every field, so a file that is not what `write` wrote is one ValueError
+naming the file and the field.
 """
 
 from __future__ import annotations
 
 import json
+import math
+import os
 import re
+import reprlib
+import stat
 import threading
 import time
 from dataclasses import asdict, dataclass, field
@@ -54,6 +62,9 @@ FREE_SHARE = 0.25
 BLOCK_QUANTUM = 16
 #: Seconds between background readings.
 SAMPLE_INTERVAL_S = 0.004
+#: The largest timeline file `Timeline.load` reads: a lifecycle takes a few
+#: thousand readings of some 30 bytes each, well under a MiB.
+MOST_TIMELINE_BYTES = 64 << 20
 
 #: (label, operation, share of the capacity to commit, commit flags).
 LIFECYCLE: list[tuple[str, str, float | None, dict]] = [
@@ -116,20 +127,116 @@ class Timeline:
 
     @classmethod
     def load(cls, path: Path) -> Timeline:
-        """Read a file `write` wrote; ValueError naming the file otherwise."""
+        """Read a file `write` wrote; ValueError naming the file and what
+        it lacks otherwise."""
+        path = Path(path)
+        data = _read_timeline_file(path)
         try:
-            document = json.loads(Path(path).read_text())
-            if document.get("format") != TIMELINE_FORMAT:
-                raise ValueError(f"format {document.get('format')!r}, expected {TIMELINE_FORMAT!r}")
-            return cls(
-                device=document["device"],
-                source=document["source"],
-                geometry=document["geometry"],
-                samples=[(float(t), int(b)) for t, b in document["samples"]],
-                marks=[Mark(**mark) for mark in document["marks"]],
+            document = json.loads(data)
+        except (ValueError, RecursionError) as error:  # nested past the parser's depth: RecursionError
+            raise ValueError(f"{path}: not a memory timeline (not JSON: {error})") from None
+        try:
+            return cls._from_document(document)
+        except ValueError as error:
+            raise ValueError(f"{path}: not a memory timeline ({error})") from None
+
+    @classmethod
+    def _from_document(cls, document: object) -> Timeline:
+        """The Timeline `document` holds; ValueError naming the first field
+        that is not what `write` writes. Every field is checked here, so a
+        garbled file is refused by name, not by a TypeError deep in a plot."""
+        if not isinstance(document, dict):
+            raise ValueError(f"a JSON {type(document).__name__}, expected an object")
+        if document.get("format") != TIMELINE_FORMAT:
+            raise ValueError(f"format {_shown(document.get('format'))}, expected {TIMELINE_FORMAT!r}")
+        geometry = _field(document, "geometry", dict, "an object")
+        for key, kind, words in _GEOMETRY_FIELDS:
+            _field(geometry, key, kind, words, "geometry.")
+        samples = _field(document, "samples", list, "a list")
+        for number, sample in enumerate(samples):
+            if not (isinstance(sample, list) and len(sample) == 2 and _is_seconds(sample[0]) and _is_bytes(sample[1])):
+                raise ValueError(f"samples[{number}] is {_shown(sample)}, expected [seconds, bytes]")
+        marks = []
+        for number, mark in enumerate(_field(document, "marks", list, "a list")):
+            if not isinstance(mark, dict):
+                raise ValueError(f"marks[{number}] is {_shown(mark)}, expected an object")
+            marks.append(
+                Mark(**{name: _field(mark, name, *_MARK_FIELDS[name], f"marks[{number}].") for name in _MARK_FIELDS})
             )
-        except (ValueError, KeyError, TypeError, AttributeError) as error:
-            raise ValueError(f"{path}: not a memory timeline ({type(error).__name__}: {error})") from None
+        return cls(
+            device=_field(document, "device", str, "a string"),
+            source=_field(document, "source", str, "a string"),
+            geometry=geometry,
+            samples=[(float(seconds), int(used)) for seconds, used in samples],
+            marks=marks,
+        )
+
+
+def _read_timeline_file(path: Path) -> bytes:
+    """The bytes of the timeline file `path`. A report directory may come
+    from anyone, so only a regular file is read, never through a symlink,
+    and at most MOST_TIMELINE_BYTES: a FIFO named like a timeline would
+    block the read, a link to /dev/zero never end it. ValueError naming
+    the file otherwise."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+    except OSError as error:
+        raise ValueError(f"{path}: cannot be read as a memory timeline ({error.strerror})") from None
+    with os.fdopen(fd, "rb") as file:
+        status = os.fstat(file.fileno())
+        if not stat.S_ISREG(status.st_mode):
+            raise ValueError(f"{path}: not a regular file, expected a memory timeline")
+        if status.st_size > MOST_TIMELINE_BYTES:
+            raise ValueError(
+                f"{path}: {status.st_size} bytes, more than a memory timeline holds ({MOST_TIMELINE_BYTES})"
+            )
+        # Bounded even if the file grows after the fstat.
+        return file.read(MOST_TIMELINE_BYTES + 1)
+
+
+def _is_seconds(value: object) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+
+
+def _is_bytes(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+#: Each field of a Mark: (its type, the words an error says it should be).
+_MARK_FIELDS = {
+    "operation": (str, "a string"),
+    "start_s": (_is_seconds, "a finite number of seconds"),
+    "end_s": (_is_seconds, "a finite number of seconds"),
+    "outside_start": (_is_bytes, "an integer number of bytes"),
+    "outside_end": (_is_bytes, "an integer number of bytes"),
+    "physical_bytes_start": (_is_bytes, "an integer number of bytes"),
+    "physical_bytes_end": (_is_bytes, "an integer number of bytes"),
+    "committed_blocks_end": (_is_bytes, "an integer number of blocks"),
+}
+#: What a report reads of the geometry: (key, type, the words an error says).
+_GEOMETRY_FIELDS = [
+    ("layers", _is_bytes, "an integer"),
+    ("capacity_blocks", _is_bytes, "an integer"),
+    ("bytes_per_block", _is_bytes, "an integer"),
+    ("layout", str, "a string"),
+    ("spec", str, "a string"),
+]
+
+
+def _shown(value: object) -> str:
+    """`value` for an error message, cut short in length and depth: a
+    garbled file may hold anything."""
+    return reprlib.repr(value)
+
+
+def _field(document: dict, name: str, kind, words: str, where: str = ""):
+    """document[name], checked to be of `kind` (a type, or a predicate)."""
+    if name not in document:
+        raise ValueError(f"{where}{name} is missing, expected {words}")
+    value = document[name]
+    if not (isinstance(value, kind) if isinstance(kind, type) else kind(value)):
+        raise ValueError(f"{where}{name} is {_shown(value)}, expected {words}")
+    return value
 
 
 class _Sampler(threading.Thread):
