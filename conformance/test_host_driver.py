@@ -383,3 +383,27 @@ def test_two_processes_commit_one_after_the_other():
     finally:
         holder.wait(30)
     assert entered >= leaving, f"admitted at {entered}, before the other process left its admission at {leaving}"
+
+
+@pytest.mark.invariant(5, 6)
+def test_a_chunk_whose_close_failed_is_never_closed_again(driver):
+    """On Linux close() frees the descriptor number even when it reports an
+    error, so a chunk whose close failed is released, and a retry would close
+    whatever file took the number since."""
+    g = driver.granularity
+    tensor = extkv.ExtensibleTensor(2 * g, device=driver)
+    tensor.resize_segments_([g], zero_new=True)
+    fd = tensor.mapped_chunks[0].chunk.handle
+    os.close(fd)  # behind extkv's back: its own close now fails with EBADF
+    with pytest.warns(RuntimeWarning, match=rf"close\(memfd {fd}\) .* EBADF"):
+        tensor.release_physical()
+    assert live_chunks["host"] == 0, f"{live_chunks['host']} host chunks still counted after the release"
+    # Another file takes the number; nothing of extkv's may close it.
+    devnull = os.open(os.devnull, os.O_RDONLY)
+    os.dup2(devnull, fd)
+    try:
+        tensor.free()
+        assert os.path.samestat(os.fstat(fd), os.fstat(devnull)), f"descriptor {fd} no longer names {os.devnull}"
+    finally:
+        os.close(fd)
+        os.close(devnull)

@@ -32,6 +32,8 @@ virtual memory, so every invariant that needs no GPU is proven for real.
 - unmap: map fresh `PROT_NONE` anonymous memory over the range; plain
   `munmap` would punch a hole in the reservation that another mmap could take.
 - release: `close(memfd)`; the kernel frees the pages once nothing maps them.
+  A close that reports an error has still freed the descriptor number, so
+  it is never retried (a warning says so).
 - read-back: `/proc/self/maps` names the file (device, inode) and offset that
   back each address, and the access each mapping grants (its `rw` columns);
   an address whose mapping is no file is in a reservation, not mapped.
@@ -65,6 +67,7 @@ import functools
 import os
 import tempfile
 import threading
+import warnings
 from dataclasses import dataclass
 from typing import Hashable, Iterable, Iterator, NamedTuple, Sequence
 
@@ -363,10 +366,19 @@ class HostDriver(Driver):
         return Chunk(handle=fd, size=size)
 
     def _release(self, chunk: Chunk) -> None:
+        # On Linux close() frees the descriptor number even when it reports
+        # an error (EINTR and EIO included), so a chunk whose close failed is
+        # released all the same and never closed again: a retry would close
+        # whatever file took the number since. EBADF means the number was
+        # closed behind extkv's back.
         try:
             os.close(chunk.handle)
         except OSError as error:
-            raise _fail("close(memfd)", chunk.size, None, error.errno) from None
+            warnings.warn(
+                f"close(memfd {chunk.handle}) of a {chunk.size}-byte chunk failed with "
+                f"{errno.errorcode.get(error.errno, error.errno)}; its descriptor is not closed again",
+                RuntimeWarning, stacklevel=3,
+            )
 
     def _export_fd(self, chunk: Chunk, writable: bool) -> int:
         return reopen(chunk.handle, writable=writable)
