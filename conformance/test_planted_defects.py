@@ -40,6 +40,7 @@ from extkv.testing.checks import (
     snapshot,
 )
 from extkv.testing.configs import fill_segments
+from extkv.testing.interrupts import run_in_child
 from extkv.testing.stateful import LeakFound, ModelledCache, SeededChoices
 from extkv.testing.stress import StressTally, walk
 from extkv.vmm import PoisoningDriver, driver_for
@@ -372,6 +373,18 @@ def test_access_read_back_follows_each_step(device):
     finally:
         real.free_reservation(address, 2 * g)
     assert NO_ACCESS not in (READ_ONLY, READ_WRITE)
+
+
+# -- interrupts -----------------------------------------------------------------------------
+@pytest.mark.planted_defect("signals-not-deferred")
+@pytest.mark.invariant(6)
+def test_the_interrupt_run_flags_operations_a_signal_can_stop_half_way(device):
+    """With handlers free to raise between steps, the random-interrupt run
+    (conformance/test_interrupts.py passes it on the real code) must find an
+    inconsistent object or a leak, or die."""
+    code, tally = run_in_child(device, inside_target=1000, seed=SEED, defect="signals-not-deferred")
+    assert code != 0 or (tally is not None and tally["problem_count"] > 0), (
+        f"no problem found in {tally and tally['steps']} steps, {tally and tally['inside']} interrupts inside extkv")
 
 
 # -- the zoo is covered -------------------------------------------------------------------------

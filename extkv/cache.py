@@ -31,7 +31,8 @@ nothing changes. A cache whose buffer broke (a failed step's undo failed
 too: see extkv.tensor) is broken: every operation but `free` raises before
 it changes anything, and `free` gives back what the driver shows. Every
 state-changing operation holds the buffer's lock (the one `ExtensibleTensor`
-lock of the reservation), so threads take turns.
+lock of the reservation), so threads take turns, and defers signal
+handlers until it returns, as the buffer's operations do.
 
 The memory arithmetic lives in `extkv.sizing`; this module only applies it to
 live readings of free memory.
@@ -49,6 +50,7 @@ from dataclasses import dataclass, replace
 import torch
 
 from . import validate
+from .deferred_signals import deferred_signals
 from .errors import StateError
 from .layout import (
     KVCacheConfig,
@@ -71,6 +73,7 @@ from .tensor import ExtensibleTensor
 from .vmm import Driver, canonical_device, torch_memory
 
 logger = logging.getLogger(__name__)
+_DEFERRED_SIGNALS = deferred_signals()
 
 GiB = float(1 << 30)
 
@@ -99,7 +102,8 @@ _LEGAL_IN: dict[str, frozenset[_State]] = {
 
 
 def _operation(method):
-    """Run `method` holding the buffer's lock, once the cache's state allows it."""
+    """Run `method` holding the buffer's lock, once the cache's state allows
+    it, with signal handlers deferred until it returns."""
     name = method.__name__
     # A tuple, not the set: `in` on a tuple finds the member by identity,
     # without hashing the enum in Python (a commit passes here twice).
@@ -107,7 +111,7 @@ def _operation(method):
 
     @functools.wraps(method)
     def locked(self, *args, **kwargs):
-        with self.buffer.lock:
+        with _DEFERRED_SIGNALS, self.buffer.lock:
             state = self._state
             if state is _State.LIVE and self.buffer.is_broken:
                 state = _State.BROKEN  # the buffer's, not a state of the cache's own
@@ -180,12 +184,20 @@ class ExtensibleKVCache:
         self.bytes_per_block = sum(self.segment_strides)
         self.num_committed_blocks = 0
         ends = self.segment_offsets[1:] + [self.size]
-        self.buffer = ExtensibleTensor(
-            self.size,
-            device=device,
-            segment_capacities=[end - start for start, end in zip(self.segment_offsets, ends)],
-        )
-        self._state = _State.LIVE
+        try:
+            with _DEFERRED_SIGNALS:  # a signal before the assignment would leak the buffer
+                self.buffer = ExtensibleTensor(
+                    self.size,
+                    device=device,
+                    segment_capacities=[end - start for start, end in zip(self.segment_offsets, ends)],
+                )
+                self._state = _State.LIVE
+        except BaseException:
+            # A handler deferred to the end raised: the caller never gets
+            # this cache, so it must not keep the buffer.
+            if getattr(self, "_state", None) is _State.LIVE:
+                self.free()
+            raise
 
     # -- committing -----------------------------------------------------------
     @_operation

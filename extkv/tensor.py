@@ -82,6 +82,14 @@ the state before or after an operation, never half of one. A view taken while
 another thread releases memory reads unmapped pages, as it would from one
 thread: ordering release against use is the caller's job.
 
+Signals: every state-changing operation, and the constructor from its
+reserve on, runs with Python's signal handlers deferred
+(extkv.deferred_signals): a handler that raises (Ctrl-C, a timeout, a
+SIGTERM handler) runs once the operation has completed or failed cleanly,
+never between a driver step and its bookkeeping. A constructor whose
+deferred handler raises frees what it reserved, since the caller never
+receives the object.
+
 Lifecycle, as data: every public operation names the states it is legal in
 (`_LEGAL_IN`); anything else raises `StateError` and changes nothing. A
 tensor is live until `free`, or broken: when a failed step's undo fails too
@@ -106,8 +114,12 @@ from typing import NamedTuple, Sequence
 import torch
 
 from . import validate
+from .deferred_signals import deferred_signals
 from .errors import OutOfMemoryError, StateError
 from .vmm import Chunk, Driver, Transaction, UnreleasedChunks, driver_for, undo_failed
+
+
+_DEFERRED_SIGNALS = deferred_signals()
 
 
 class _State(enum.Enum):
@@ -344,7 +356,8 @@ def _runs_with_zeroing(
 
 
 def _operation(method):
-    """Run `method` holding the tensor's lock, once its state allows it."""
+    """Run `method` holding the tensor's lock, once its state allows it, with
+    signal handlers deferred until it returns (see extkv.deferred_signals)."""
     name = method.__name__
     # A tuple, not the set: `in` on a tuple finds the member by identity,
     # without hashing the enum in Python (a commit passes here twice).
@@ -352,7 +365,7 @@ def _operation(method):
 
     @functools.wraps(method)
     def locked(self, *args, **kwargs):
-        with self.lock:
+        with _DEFERRED_SIGNALS, self.lock:
             if self._state not in legal_in:
                 self._require(name)  # raises, naming the state
             return method(self, *args, **kwargs)
@@ -418,8 +431,6 @@ class ExtensibleTensor:
         self._aligned_segment_starts = [offset // granule for offset in offsets[1:] if offset % granule == 0]
         self._pipelined_chunk_bytes = PIPELINED_CHUNK_BYTES
         self.reserved_bytes = -(-max(size, 1) // granule) * granule
-        self.base = self._driver.reserve(self.reserved_bytes)
-        self._state = _State.LIVE
         self._sizes = [0] * len(capacities)
         self._no_sizes = (0,) * len(capacities)
         self._mapping = _Mapping()
@@ -428,6 +439,16 @@ class ExtensibleTensor:
         # mappings in them not yet unmapped: (address, size) each.
         self._scratch: list[tuple[int, int]] = []
         self._scratch_mappings: list[tuple[int, int]] = []
+        try:
+            with _DEFERRED_SIGNALS:  # a signal between reserve and its record would leak the reservation
+                self.base = self._driver.reserve(self.reserved_bytes)
+                self._state = _State.LIVE
+        except BaseException:
+            # A handler deferred to the end raised: the caller never gets
+            # this tensor, so it must not keep the reservation.
+            if getattr(self, "_state", None) is _State.LIVE:
+                self.free()
+            raise
 
     # -- read-only facts ------------------------------------------------------
     @property

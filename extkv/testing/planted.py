@@ -36,6 +36,7 @@ import contextlib
 from dataclasses import dataclass
 from typing import Callable, Iterable, Iterator
 
+from .. import deferred_signals
 from ..tensor import ExtensibleTensor
 from ..vmm import Driver, PoisoningDriver
 from ..vmm.base import Chunk
@@ -248,6 +249,20 @@ class UnderReportingTensor(ExtensibleTensor):
         return ExtensibleTensor.physical_bytes.fget(self) - self.granularity
 
 
+@contextlib.contextmanager
+def signals_not_deferred() -> Iterator[None]:
+    """While entered, extkv's operations run with signal handlers free to
+    raise between any two of their steps."""
+    deferral = deferred_signals._Deferral
+    enter, exit_ = deferral.__enter__, deferral.__exit__
+    deferral.__enter__ = lambda self: None
+    deferral.__exit__ = lambda self, *exc_info: None
+    try:
+        yield
+    finally:
+        deferral.__enter__, deferral.__exit__ = enter, exit_
+
+
 # -- the zoo, as data ------------------------------------------------------------------
 @dataclass(frozen=True)
 class Defect:
@@ -331,6 +346,12 @@ DEFECTS: dict[str, Defect] = {
             "an import told to be read-only is mapped read-only (invariant 8)",
             ("checks.check_mapped_read_only",),
             IgnoresReadOnly,
+        ),
+        Defect(
+            "signals-not-deferred",
+            "an interrupted operation leaves the object consistent and leaks nothing (invariant 6)",
+            ("interrupts.run_interrupted",),
+            lambda real: signals_not_deferred(),
         ),
     )
 }

@@ -1,0 +1,157 @@
+"""Signal handlers wait for the operation in progress to finish.
+
+Theory of operation
+-------------------
+Python runs a signal handler in the main thread between two bytecodes of
+whatever runs there. A handler that raises (Ctrl-C's KeyboardInterrupt,
+pytest-timeout's signal method, a serving framework's SIGTERM handler that
+exits) can therefore stop extkv between a driver step and the bookkeeping
+that records it: a memfd closed but still recorded (its number, reused by
+another file, would be closed again), a chunk unmapped but still counted as
+mapped, a chunk created but not yet on any undo list.
+
+`deferred_signals()` closes that window. While the outermost one is entered
+on the main thread, every signal that has a Python handler gets `_record`
+instead, which only notes the signal; on exit the original handlers return
+and each noted signal is handed to its handler once (a signal repeated
+before its handler ran is one signal, as without deferral), with the frame
+it first arrived in, so the handler runs (and raises) once the operation has completed or
+failed cleanly. Calling the handler, rather than raising the signal again,
+keeps `signal.set_wakeup_fd` listeners (asyncio) from seeing it twice.
+Other threads need nothing: Python never runs a handler outside the main
+thread, so a signal cannot raise in them. Signals without a Python handler
+(SIGKILL, SIGTERM's default) end the process and are not deferred.
+
+What a wait costs the caller: Ctrl-C takes effect when the operation ends,
+including the time it waits for the reservation's lock. What it costs the
+operation: one pass over the handler table and two `sigaction` calls per
+Python handler, on entry of the outermost operation only (3.7 us and 0.6 us
+on a 2-core x86-64 host; nested operations pay a counter).
+
+Every step is written so that a signal arriving inside this module's own
+code cannot leave a handler replaced for good: `_record` outside a deferral
+hands the signal straight to the original handler, so a recorder left in
+place by an interrupted restore behaves as the handler it replaced.
+"""
+
+from __future__ import annotations
+
+import _signal
+import signal
+import threading
+from types import FrameType
+
+_MAIN_THREAD = threading.main_thread().ident
+_SIGNALS = tuple(sorted(int(number) for number in signal.valid_signals()))
+
+#: How many deferrals the main thread is inside (only the main thread's count).
+_depth = 0
+#: The handler each replaced signal had, by signal number.
+_originals: dict[int, object] = {}
+#: Signals noted while deferring, oldest first, with the frame each arrived in.
+_pending: list[tuple[int, FrameType | None]] = []
+
+
+def _record(number: int, frame: FrameType | None) -> None:
+    if _depth:
+        # A signal that arrives again before its handler ran is one signal,
+        # as the kernel and Python's own handling count it.
+        if all(pending != number for pending, _ in _pending):
+            _pending.append((number, frame))
+        return
+    handler = _originals.get(number)
+    if callable(handler):
+        handler(number, frame)
+
+
+def _restore() -> None:
+    for number, handler in list(_originals.items()):
+        if _signal.getsignal(number) is _record:
+            _signal.signal(number, handler)
+        del _originals[number]
+
+
+def _deliver(pending: list[tuple[int, FrameType | None]]) -> None:
+    """Hand each noted signal to the handler it has now; the first exception
+    a handler raises propagates once every handler has run."""
+    first: BaseException | None = None
+    for number, frame in pending:
+        handler = _signal.getsignal(number)
+        if handler is _record:
+            handler = _originals.get(number)
+        if not callable(handler):
+            continue
+        try:
+            handler(number, frame)
+        except BaseException as error:  # noqa: B036 - a handler's exception is the caller's
+            first = first or error
+    if first is not None:
+        raise first
+
+
+class _Deferral:
+    __slots__ = ()
+
+    def __enter__(self) -> None:
+        global _depth
+        if threading.get_ident() != _MAIN_THREAD:
+            return
+        if _depth:
+            _depth += 1
+            return
+        try:
+            _depth = 1
+            getsignal, install = _signal.getsignal, _signal.signal
+            for number in _SIGNALS:
+                handler = getsignal(number)
+                if callable(handler) and handler is not _record:
+                    _originals[number] = handler
+                    install(number, _record)
+        except ValueError:
+            # Not the main interpreter: its handlers are not this one's to
+            # replace, and none of them runs here.
+            _depth = 0
+            _restore()
+        except BaseException:
+            # A handler ran before its replacement: nothing of the operation
+            # has run yet, so the signal takes effect now.
+            _depth = 0
+            try:
+                _restore()
+            finally:
+                _deliver(_take_pending())
+            raise
+
+    def __exit__(self, *exc_info) -> None:
+        global _depth
+        if threading.get_ident() != _MAIN_THREAD or not _depth:
+            return
+        _depth -= 1
+        if _depth:
+            return
+        pending = _take_pending()
+        try:
+            _restore()
+        finally:
+            _deliver(pending)
+
+
+def _take_pending() -> list[tuple[int, FrameType | None]]:
+    pending = _pending[:]
+    del _pending[: len(pending)]
+    return pending
+
+
+_DEFERRAL = _Deferral()
+
+
+def deferred_signals() -> _Deferral:
+    """A context manager: signal handlers that would run inside it run when
+    the outermost one exits. Re-entrant; a no-op off the main thread."""
+    return _DEFERRAL
+
+
+def deferring() -> bool:
+    """Whether the calling thread is inside a deferral (off the main thread:
+    never, since no handler can interrupt it)."""
+    return threading.get_ident() == _MAIN_THREAD and _depth > 0
