@@ -787,6 +787,41 @@ def test_a_growth_whose_undo_fails_breaks_the_tensor_and_free_unmaps_what_the_dr
     check_broken_until_freed(t, faulty, raised.value, usage, baseline, reservations, chunks)
 
 
+class CountsReadBack(FaultInjectingDriver):
+    """Counts the addresses whose chunk is read back from the real driver."""
+
+    read_back = 0
+
+    def chunks_at(self, addresses):
+        addresses = list(addresses)
+        self.read_back += len(addresses)
+        return super().chunks_at(addresses)
+
+
+@pytest.mark.invariant(5)
+def test_a_broken_tensor_frees_by_reading_back_only_what_can_be_mapped(build, device, granule, usage):
+    """A reservation of 2**16 granules, two of them ever mapped: a growth's
+    undo fails, and free reads back the recorded chunks and the failed run,
+    not every granule (1 s for 256 GiB on the host)."""
+    baseline = usage.read_outside_torch()
+    reservations, chunks = _nonzero(live_reservations), _nonzero(live_chunks)
+    faulty = CountsReadBack(driver_for(device))
+    t = build.tensor((1 << 16) * granule, device=faulty, segment_capacities=[granule, ((1 << 16) - 1) * granule])
+    t.resize_segments_([granule, 0], zero_new=True)
+    faulty.fail_in("set_access", 1)
+    faulty.fail_in("unmap", 1)
+    with pytest.raises(DriverError, match="injected fault"):
+        t.resize_segments_([granule, granule])
+    assert t.is_broken and faulty.chunk_at(t.base + granule) is not None, "the undo left the run mapped, unrecorded"
+    before = faulty.read_back
+    t.free()
+    assert faulty.chunk_at(t.base) is None and faulty.chunk_at(t.base + granule) is None, "free left a mapping"
+    assert _nonzero(live_reservations) == reservations and _nonzero(live_chunks) == chunks
+    check_usage_matches(usage, baseline, [])
+    read_back, faulty.read_back = faulty.read_back - before, before
+    assert read_back <= 8, f"free read back {read_back} addresses for 2 granules ever mapped"
+
+
 @pytest.mark.invariant(6)
 def test_size_past_the_address_space_is_refused_before_any_call(device):
     before = _nonzero(live_reservations)

@@ -355,6 +355,17 @@ def _runs_with_zeroing(
     return plan, rest
 
 
+def _merged(spans: Sequence[tuple[int, int]]) -> list[tuple[int, int]]:
+    """(address, size) ranges, overlapping or touching ones merged, in address order."""
+    merged: list[list[int]] = []
+    for address, size in sorted(spans):
+        if merged and address <= merged[-1][1]:
+            merged[-1][1] = max(merged[-1][1], address + size)
+        else:
+            merged.append([address, address + size])
+    return [(low, high - low) for low, high in merged]
+
+
 def _operation(method):
     """Run `method` holding the tensor's lock, once its state allows it, with
     signal handlers deferred until it returns (see extkv.deferred_signals)."""
@@ -439,6 +450,8 @@ class ExtensibleTensor:
         # mappings in them not yet unmapped: (address, size) each.
         self._scratch: list[tuple[int, int]] = []
         self._scratch_mappings: list[tuple[int, int]] = []
+        #: Set when the tensor breaks: see `_break_if_undo_failed`.
+        self._unrecorded_spans: list[tuple[int, int]] = []
         try:
             with _DEFERRED_SIGNALS:  # a signal between reserve and its record would leak the reservation
                 self.base = self._driver.reserve(self.reserved_bytes)
@@ -627,14 +640,19 @@ class ExtensibleTensor:
                 except OutOfMemoryError as retry_error:
                     raise retry_error from error
         except BaseException as error:
-            self._break_if_undo_failed(error)
+            self._break_if_undo_failed(error, [(address, size) for address, size, _ in plan])
             raise
 
-    def _break_if_undo_failed(self, error: BaseException) -> None:
+    def _break_if_undo_failed(self, error: BaseException, spans: Sequence[tuple[int, int]] = ()) -> None:
         """After an undo step failed, the driver may map what the bookkeeping
         does not record (an unmap that failed) or not map what it records (a
-        remap that failed): the tensor is broken, and only `free` is legal."""
+        remap that failed): the tensor is broken, and only `free` is legal.
+        `spans`: the (address, size) ranges the failed operation mapped
+        outside the recorded chunks; with those, the recorded chunks and the
+        scratch reservations they are all `free` must read back, since every
+        earlier failure left the bookkeeping true."""
         if undo_failed(error) and self._state is not _State.BROKEN:
+            self._unrecorded_spans = list(spans)
             self._state = _State.BROKEN
             if hasattr(error, "add_note"):  # Python >= 3.11
                 error.add_note(
@@ -979,10 +997,14 @@ class ExtensibleTensor:
         recorded for the next `free`."""
         driver, granule = self._driver, self.granularity
         failure: Exception | None = None
+        # Only where something can be mapped: reading every granule of a
+        # 256 GiB reservation back took 1 s on the host.
+        spans = [(mapped.address, mapped.chunk.size) for mapped in self._mapping.chunks]
+        spans += self._unrecorded_spans
         # Kernels still queued may touch these pages (see release_physical).
         driver.synchronize()
         with driver.batch():
-            for base, size in [(self.base, self.reserved_bytes), *self._scratch]:
+            for base, size in [*_merged(spans), *self._scratch]:
                 addresses = range(base, base + size, granule)
                 owners = driver.chunks_at(addresses)
                 start = 0
