@@ -19,6 +19,7 @@ driver's major, and py.typed as package data.
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import shutil
@@ -185,3 +186,47 @@ def test_pool_of_a_malformed_run_says_which_file_without_a_traceback(tmp_path, c
     err = capsys.readouterr().err
     assert f"{tmp_path / 'a' / 'bench_cases.json'}: a JSON list, not the object a results file holds" in err, err
     assert "Traceback" not in err
+
+
+def bench_run(run_dir: Path) -> Path:
+    """A run directory of one measured case, as `extkv bench` leaves it."""
+    case = {"case": "grow8-blhnc1-1GiB-recycled", "op": "grow8", "op_what": "growth", "pivot": "memset",
+            "contenders": ["extkv", "raw"], "geometry": "blhnc1", "geometry_what": "g", "segments": 1, "blocks": 8,
+            "capacity_blocks": 8, "bytes": 1 << 30, "smallest_segment_bytes": 1 << 30, "commits": 8, "replays": 0,
+            "state": "recycled", "order": ["extkv", "raw"],
+            "results": {name: {"status": "measured", "reason": ""} for name in ("extkv", "raw")}}
+    facts = {"profile": "gpu", "profile_what": "w", "device": "cuda:0", "device_description": {}, "host": "h",
+             "torch": "t", "granularity": 2 << 20, "rounds": 1, "case_seconds": 8.0, "costly_rounds": 2,
+             "elapsed_seconds": 1.0, "budget_seconds": 2.0, "clocks": ["c"], "cpu_time": "thread_time", "cases": [case]}
+    benchmarks = [{"name": f"test_bench[{case['case']}-{name}]", "stats": {"data": [0.001]},
+                   "extra_info": {"case": case["case"], "contender": name, "process": "main", "cpu": [0.001]}}
+                  for name in ("extkv", "raw")]
+    run_dir.mkdir()
+    (run_dir / "bench_cases.json").write_text(json.dumps(facts))
+    (run_dir / "bench.json").write_text(json.dumps({"benchmarks": benchmarks}))
+    return run_dir
+
+
+def test_pool_refuses_a_run_given_twice_or_as_the_pooled_directory(tmp_path, capsys):
+    """However the second spelling names it (the same path, through `..`,
+    a symlink), a run is pooled with itself only by mistake, and a pooled
+    directory that is one of the runs would be written over: refused by
+    name, exit status 2, nothing written."""
+    a, b = bench_run(tmp_path / "a"), bench_run(tmp_path / "b")
+    (tmp_path / "link-to-a").symlink_to(a)
+    held = {path: path.read_bytes() for path in (*a.iterdir(), *b.iterdir())}
+    out = tmp_path / "out"
+    refusals = [
+        ([out, a, a], f"{a} is {a} again"),
+        ([out, a, b, f"{a}/../a"], f"{a}/../a is {a} again"),
+        ([out, a, tmp_path / "link-to-a"], f"{tmp_path / 'link-to-a'} is {a} again"),
+        ([a, a, b], f"{a}: the pooled directory must not be one of the runs pooled (it is {a})"),
+        ([tmp_path / "link-to-a", a, b], f"the pooled directory must not be one of the runs pooled (it is {a})"),
+    ]
+    for argv, words in refusals:
+        assert cli.main(["pool", *map(str, argv)]) == 2, argv
+        err = capsys.readouterr().err
+        assert err.startswith("extkv pool: ") and words in err and err.count("\n") == 1, (argv, err)
+        assert not out.exists(), f"extkv pool {argv} wrote {out}"
+        assert {path: path.read_bytes() for path in (*a.iterdir(), *b.iterdir())} == held, argv
+    assert cli.main(["pool", str(out), str(a), str(b)]) == 0, "two runs pool"

@@ -17,13 +17,17 @@ A pooled directory holds what a run's does (`bench_cases.json`,
 its facts name the runs pooled. Runs that differ in what they measured on
 (profile, device and driver, torch, host) or in the code measured (the
 Python work of a measured operation, counted in bytecode instructions)
-are refused, the difference named.
+are refused, the difference named. So is a run given twice (under any
+spelling: a symlink, a path through `..`), whose rounds would count twice, and
+a pooled directory that is one of the runs, which would be overwritten;
+both before anything is read or written.
 """
 
 from __future__ import annotations
 
 import copy
 import json
+import os
 import shutil
 import statistics
 from pathlib import Path
@@ -49,8 +53,19 @@ def pool(run_dirs: Sequence[Path], out_dir: Path) -> Path:
     if len(run_dirs) < 2:
         raise ValueError(f"pooling needs two or more run directories, got {len(run_dirs)}")
     out_dir = Path(out_dir)
-    if out_dir.resolve() in {run_dir.resolve() for run_dir in run_dirs}:
-        raise ValueError(f"{out_dir}: the pooled directory must not be one of the runs pooled")
+    for run_dir in run_dirs:
+        if _same_directory(out_dir, run_dir):
+            raise ValueError(
+                f"{out_dir}: the pooled directory must not be one of the runs pooled (it is {run_dir}); "
+                "name a new or empty directory"
+            )
+    for later, run_dir in enumerate(run_dirs[1:], 1):
+        for earlier in run_dirs[:later]:
+            if _same_directory(earlier, run_dir):
+                raise ValueError(
+                    f"{run_dir} is {earlier} again: a run pooled with itself would count each of its rounds "
+                    "twice; name each run directory once"
+                )
     runs = [_read(run_dir) for run_dir in run_dirs]
     first_facts = runs[0][0]
     for run_dir, (facts, _) in zip(run_dirs[1:], runs[1:]):
@@ -67,6 +82,15 @@ def pool(run_dirs: Sequence[Path], out_dir: Path) -> Path:
     if (run_dirs[0] / MACHINE_FILE).is_file():
         shutil.copyfile(run_dirs[0] / MACHINE_FILE, out_dir / MACHINE_FILE)
     return out_dir
+
+
+def _same_directory(first: Path, second: Path) -> bool:
+    """Whether two spellings name one directory: by inode where both exist
+    (a symlink, `..`, a bind mount), else by the path each resolves to."""
+    try:
+        return os.path.samefile(first, second)
+    except OSError:  # one of them does not exist (yet)
+        return first.resolve() == second.resolve()
 
 
 def _read(run_dir: Path) -> tuple[dict, list[dict]]:
