@@ -407,3 +407,27 @@ def test_a_chunk_whose_close_failed_is_never_closed_again(driver):
     finally:
         os.close(fd)
         os.close(devnull)
+
+
+@pytest.mark.invariant(5, 6)
+def test_a_commit_past_the_descriptor_limit_is_refused_before_any_create(driver):
+    """Each host chunk holds a descriptor: a commit of 100 runs with room for
+    74 below RLIMIT_NOFILE, 64 of them kept free, is refused whole, as a
+    DriverError naming the limit, and takes nothing; 5 runs fit."""
+    from extkv.vmm.host import HOST_KEEP_FREE_DESCRIPTORS
+
+    g = driver.granularity
+    tensor = extkv.ExtensibleTensor(200 * g, device=driver, segment_capacities=[g] * 200)
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    open_now = len(os.listdir("/proc/self/fd")) - 1
+    try:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (open_now + HOST_KEEP_FREE_DESCRIPTORS + 10, hard))
+        with pytest.raises(DriverError, match=r"EMFILE.*100 new chunks need a descriptor each.*RLIMIT_NOFILE"):
+            tensor.resize_segments_([g, 0] * 100)
+        assert tensor.physical_bytes == 0 and tensor.segment_sizes == [0] * 200
+        assert open_chunk_fds() == [] and live_chunks["host"] == 0, "the refused commit kept descriptors"
+        tensor.resize_segments_([g, 0] * 5 + [0] * 190)  # 5 runs fit
+        assert tensor.num_physical_chunks == 5
+    finally:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
+        tensor.free()

@@ -210,12 +210,13 @@ class Driver(abc.ABC):
         for _, size, _ in runs:
             if type(size) is not int or not 0 < size <= largest or size % granule:
                 self._check_granular("map_new_chunks", size)
-        with self.admit(sum(size for _, size, _ in runs)):
+        with self.admit(sum(size for _, size, _ in runs), len(runs)):
             self._map_new_chunks(runs, created, give_back, zero_after)
 
-    def admit(self, size: int) -> ContextManager[None]:
-        """A commit about to create `size` new bytes in all: a driver that can
-        tell beforehand that they will not fit raises OutOfMemoryError here,
+    def admit(self, size: int, chunks: int = 1) -> ContextManager[None]:
+        """A commit about to create `chunks` chunks of `size` new bytes in
+        all: a driver that can tell beforehand that they will not fit raises
+        here (OutOfMemoryError for memory, DriverError for another limit),
         before the first create; the block runs the creates. The CUDA driver
         learns it from each cuMemCreate, so by default this admits all."""
         return contextlib.nullcontext()

@@ -17,6 +17,9 @@ virtual memory, so every invariant that needs no GPU is proven for real.
   /proc/meminfo and each cgroup level's limit (and usage where it has one,
   memory.stat only where the request does not fit without its file cache);
   limits are read each time because they may change at runtime (pod resize).
+  Each chunk holds one descriptor for its life, so a commit is refused
+  (DriverError EMFILE) before its first create when its chunks would take
+  the process to within `HOST_KEEP_FREE_DESCRIPTORS` of RLIMIT_NOFILE.
 - sealing: right after `fallocate` every chunk is sealed with
   `F_SEAL_SHRINK|F_SEAL_GROW|F_SEAL_SEAL`, so its size is fixed for its whole
   life whoever holds a descriptor: a peer that truncated a shared chunk would
@@ -65,6 +68,7 @@ import errno
 import fcntl
 import functools
 import os
+import resource
 import tempfile
 import threading
 import warnings
@@ -74,7 +78,7 @@ from typing import Hashable, Iterable, Iterator, NamedTuple, Sequence
 import torch
 
 from ..errors import DriverError, OutOfMemoryError
-from .base import NO_ACCESS, READ_ONLY, READ_WRITE, Chunk, Driver, format_granularity
+from .base import NO_ACCESS, READ_ONLY, READ_WRITE, Chunk, Driver, format_granularity, live_chunks
 from .dlpack import uint8_view
 from .transaction import map_new_chunks_step_by_step
 
@@ -298,10 +302,39 @@ def _machine_commits_lock() -> Iterator[None]:
 HOST_KEEP_FREE_BYTES = 256 << 20
 
 
+#: Descriptors a host commit leaves free for the rest of the process (files,
+#: sockets, exports), below the soft RLIMIT_NOFILE.
+HOST_KEEP_FREE_DESCRIPTORS = 64
+
+
+def _check_descriptors(chunks: int, step: str) -> None:
+    """DriverError(EMFILE), before anything is created, when `chunks` new
+    memfds would leave fewer than HOST_KEEP_FREE_DESCRIPTORS free below the
+    soft limit. /proc/self/fd is listed only where the chunks this driver
+    holds and the new ones come within half the limit of it."""
+    limit, _ = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if limit == resource.RLIM_INFINITY or live_chunks["host"] + chunks <= limit // 2 - HOST_KEEP_FREE_DESCRIPTORS:
+        return
+    try:
+        open_now = len(os.listdir("/proc/self/fd")) - 1  # less the one listdir opened
+    except OSError as error:
+        raise _fail(f"{step}: listdir(/proc/self/fd)", None, None, error.errno) from None
+    if open_now + chunks > limit - HOST_KEEP_FREE_DESCRIPTORS:
+        raise DriverError(
+            step, errno.EMFILE, "EMFILE",
+            detail=f"refused before creating: {chunks} new chunks need a descriptor each, {open_now} of the "
+            f"soft limit {limit} (RLIMIT_NOFILE) are open and {HOST_KEEP_FREE_DESCRIPTORS} are kept free; "
+            "raise the limit (ulimit -n, resource.setrlimit) or commit fewer, larger runs",
+        )
+
+
 def _check_room(size: int, step: str) -> None:
     """OutOfMemoryError, before anything is allocated, when `size` bytes do
     not fit what the kernel could give less what is kept free for others."""
-    headroom = read_host_memory_headroom(size)
+    try:
+        headroom = read_host_memory_headroom(size)
+    except OSError as error:  # EMFILE: no descriptor left to read /proc/meminfo with
+        raise _fail(f"{step}: read /proc/meminfo and cgroup limits", size, None, error.errno) from None
     if headroom.available is None:
         return
     kept = min(HOST_KEEP_FREE_BYTES, headroom.available // 16)
@@ -355,7 +388,10 @@ class HostDriver(Driver):
 
     def _create(self, size: int) -> Chunk:
         _check_room(size, "memfd_create+fallocate")
-        fd = os.memfd_create(MEMFD_NAME, os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
+        try:
+            fd = os.memfd_create(MEMFD_NAME, os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
+        except OSError as error:
+            raise _fail("memfd_create", size, None, error.errno) from None
         try:
             os.fchmod(fd, 0o600)
             os.posix_fallocate(fd, 0, size)
@@ -431,7 +467,7 @@ class HostDriver(Driver):
         ctypes.memmove(destination, source, size)
 
     @contextlib.contextmanager
-    def admit(self, size: int) -> Iterator[None]:
+    def admit(self, size: int, chunks: int = 1) -> Iterator[None]:
         # The whole commit is checked before its first create: each run alone
         # may fit while all of them take the machine (one commit of many
         # 2 MiB runs took 21.6 GiB of a 24 GiB host, and the OOM killer then
@@ -440,7 +476,9 @@ class HostDriver(Driver):
         # that can open COMMITS_LOCK_PATH, check and create one after
         # another, so two cannot both pass on one reading.
         with _COMMITS, _machine_commits_lock():
-            _check_room(size, "map_new_chunks (the commit's runs together)")
+            step = "map_new_chunks (the commit's runs together)"
+            _check_descriptors(chunks, step)
+            _check_room(size, step)
             yield
 
     def _map_new_chunks(self, runs, created, give_back, zero_after) -> None:

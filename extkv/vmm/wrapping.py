@@ -71,8 +71,8 @@ class WrappingDriver(Driver):
         # bypass them.
         map_new_chunks_step_by_step(self, runs, created, give_back, zero_after)
 
-    def admit(self, size: int):
-        return self.inner.admit(size)
+    def admit(self, size: int, chunks: int = 1):
+        return self.inner.admit(size, chunks)
 
     def batch(self):
         return self.inner.batch()
