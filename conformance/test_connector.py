@@ -22,8 +22,10 @@ import ctypes
 import errno
 import hashlib
 import json
+import math
 import mmap
 import os
+import re
 import select
 import signal
 import socket
@@ -32,6 +34,7 @@ import struct
 import subprocess
 import sys
 import tempfile
+import threading
 from pathlib import Path
 
 import pytest
@@ -53,7 +56,7 @@ from extkv.layout import (
     KVCacheLayout,
     granule_block_alignment,
 )
-from extkv.peer import import_segments
+from extkv.peer import import_segments, run_peer
 from extkv.testing.checks import check_mapped_read_only, check_usage_matches, maps_permissions
 from extkv.testing.configs import CAPACITY, GRANULE, fill_segments
 from extkv.vmm import FaultInjectingDriver, driver_for, live_chunks, live_reservations
@@ -924,9 +927,70 @@ def test_import_gives_up_when_the_exporter_stalls_and_restores_the_timeout():
             with pytest.raises(TimeoutError):
                 import_segments(receiver, timeout=0.2)
             assert receiver.gettimeout() is None, sent
-        for timeout in (0, -1.0, True, "1"):
-            with pytest.raises(ValueError, match=f"timeout must be a number of seconds > 0, or None, got {timeout!r}"):
+    assert live_counts() == counts and fd_count() == fds
+
+
+#: What no argument of seconds may be, and the form every refusal takes.
+NOT_TIMEOUTS = [math.nan, -math.inf, -1.0, 0, True, False, "1", torch.tensor(1.0), [1]]
+
+
+def no_timeout(name: str, value) -> str:
+    return re.escape(f"{name} must be a number of seconds > 0, or None or inf for no limit, got {value!r}")
+
+
+@pytest.mark.invariant(6, 8)
+def test_timeouts_take_inf_as_no_limit_and_refuse_what_is_no_duration(build, connector):
+    """inf, like None, waits as long as it takes, and so does a finite number
+    of seconds too long for a socket's clock; never an OverflowError. A
+    bool, nan, 0 or less, a string or a tensor is refused with a ValueError
+    naming the argument and the value, before anything is read."""
+    kv_cache = build.cache_for("full", KVCacheLayout.LBHNC, device=HOST)
+    kv_cache.commit(37, defragment=True)
+    fill_segments(kv_cache, seed=12)
+    connector.register_kv_caches(kv_cache)
+    expected = digests_here(kv_cache)
+    counts, fds = live_counts(), fd_count()
+    sender, receiver = socket.socketpair()
+    with sender, receiver:
+        for timeout in (math.inf, 1e300, 10**400, None, 60):
+            connector.export_to(sender)
+            with import_segments(receiver, timeout=timeout) as imported:
+                assert imported.digests() == expected, timeout
+            assert receiver.gettimeout() is None, timeout
+        for timeout in NOT_TIMEOUTS:
+            with pytest.raises(ValueError, match=no_timeout("timeout", timeout)):
                 import_segments(receiver, timeout=timeout)
+        receiver.setblocking(False)
+        with pytest.raises(BlockingIOError):
+            receiver.recv(1)  # each import read its export to the end
+    assert live_counts() == counts and fd_count() == fds
+
+    # The peer's whole run (what `extkv peer --timeout inf` calls), in a thread.
+    for timeout in NOT_TIMEOUTS:
+        with pytest.raises(ValueError, match=no_timeout("timeout", timeout)):
+            run_peer("/nonexistent/extkv.sock", timeout)
+    with listen_privately() as listener:
+        listener.socket.settimeout(10)  # the peer connects at once, or failed
+        failures: list[BaseException] = []
+
+        def peer():
+            try:
+                run_peer(listener.path, math.inf)
+            except BaseException as error:
+                failures.append(error)
+
+        thread = threading.Thread(target=peer)
+        thread.start()
+        try:
+            with listener.accept() as connection:
+                connection.settimeout(PEER_TIMEOUT_S)
+                connector.export_to(connection)
+                reply = receive_message(connection)
+        except socket.timeout:
+            raise AssertionError(f"the peer never connected: {failures}") from None
+        finally:
+            thread.join(PEER_TIMEOUT_S)
+    assert not failures and reply == {"digests": expected}
     assert live_counts() == counts and fd_count() == fds
 
 

@@ -37,9 +37,10 @@ import socket
 
 import torch
 
+from . import validate
 from .errors import DriverError, StateError
 from .vmm import Chunk, Driver, HostDriver, Transaction, UnreleasedChunks, cuda_usable, driver_for
-from .wire import ExportHeader, receive_fds, receive_message, send_message
+from .wire import ExportHeader, receive_fds, receive_message, send_message, socket_timeout
 
 #: Seconds the peer waits on its socket (each wait) before giving up.
 DEFAULT_PEER_TIMEOUT_S = 120.0
@@ -141,18 +142,17 @@ def import_segments(
 
     `driver` overrides the driver chosen from the header (a fault injector in
     tests); it must be of the exporter's kind and granularity. Each wait on
-    `sock` gives up after `timeout` seconds (`TimeoutError`; None waits
-    forever); the socket's own timeout is restored afterwards. The received
+    `sock` gives up after `timeout` seconds (`TimeoutError`; None or inf
+    waits forever); the socket's own timeout is restored afterwards. The received
     descriptors are closed before this returns, on success or failure.
     """
     if not isinstance(sock, socket.socket) or sock.family != socket.AF_UNIX:
         raise ValueError(f"import_segments needs a connected AF_UNIX socket to receive file descriptors, got {sock!r}")
     if driver is not None and not isinstance(driver, Driver):
         raise ValueError(f"driver must be an extkv Driver or None, got {driver!r}")
-    if timeout is not None and (isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not timeout > 0):
-        raise ValueError(f"timeout must be a number of seconds > 0, or None, got {timeout!r}")
+    timeout = validate.timeout("timeout", timeout)
     previous = sock.gettimeout()
-    sock.settimeout(timeout)
+    sock.settimeout(socket_timeout(timeout))
     try:
         header = ExportHeader.from_message(receive_message(sock))
         fds = receive_fds(sock, len(header.chunk_sizes))
@@ -247,9 +247,11 @@ def _map_imported(driver: Driver, fds: list[int], header: ExportHeader) -> Impor
 def run_peer(socket_path: str, timeout: float = DEFAULT_PEER_TIMEOUT_S) -> None:
     """Connect to an exporter listening at `socket_path`, import its segments,
     answer with their sha256 digests, and clean up. On failure the exporter is
-    told why before the error propagates."""
+    told why before the error propagates. `timeout` is as `import_segments`
+    takes it."""
+    timeout = validate.timeout("timeout", timeout)
     with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as sock:
-        sock.settimeout(timeout)
+        sock.settimeout(socket_timeout(timeout))
         sock.connect(socket_path)
         try:
             with import_segments(sock, timeout=timeout) as imported:

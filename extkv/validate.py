@@ -9,6 +9,9 @@ never a bool: `True` blocks or `False` bytes are always a bug, and numpy's
 or array of one element but more dimensions, which `operator.index` takes
 too: `commit(torch.tensor([5]))` is a shape mistake, not five blocks. A flag is a real bool (Python's or numpy's):
 `shrink="no"` is truthy, and silently acting on it is worse than refusing it.
+A timeout is a real number of seconds > 0 (never a bool, nan or a tensor),
+where inf, like None, means no limit: no caller ever meets OverflowError
+from a clock or a socket for asking to wait long.
 
 Failures are `ValueError`s that name the argument, the value and what was
 expected, in one form: "num_blocks must be an int >= 0, got -1". They are
@@ -18,6 +21,8 @@ was.
 
 from __future__ import annotations
 
+import math
+import numbers
 import operator
 
 
@@ -68,3 +73,24 @@ def flag(name: str, value: object) -> bool:
     if not _is_bool(value):
         raise ValueError(f"{name} must be a bool (True or False), got {value!r}")
     return bool(value)
+
+
+def timeout(name: str, value: object) -> float | None:
+    """`value` as seconds to wait, or None for no limit (given None or inf),
+    or a ValueError naming `name`: only a real number > 0 is a timeout.
+
+    0 is refused rather than taken as "do not wait" (a socket's meaning of
+    it), which would turn a slow peer into a spurious error; a bool, nan, a
+    string or a tensor is a bug. An int too large for a float waits forever,
+    as inf does.
+    """
+    if value is None:
+        return None
+    if not _is_bool(value) and isinstance(value, numbers.Real):
+        try:
+            seconds = float(value)
+        except OverflowError:
+            return None
+        if seconds > 0:  # False for nan
+            return None if math.isinf(seconds) else seconds
+    raise ValueError(f"{name} must be a number of seconds > 0, or None or inf for no limit, got {value!r}")

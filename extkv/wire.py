@@ -54,6 +54,9 @@ PROTOCOL = "extkv-segments/2"
 MAX_FDS_PER_MESSAGE = 253
 #: A header is a few hundred bytes per segment; anything near this is garbage.
 MAX_MESSAGE_BYTES = 64 << 20
+#: The longest one wait put on a socket: its timeout refuses more than about
+#: 9.2e9 s (OverflowError), and 31 years are as good as forever.
+LONGEST_WAIT_S = 1e9
 _LENGTH = struct.Struct(">Q")
 
 
@@ -153,6 +156,12 @@ class ExportHeader:
             chunk_sizes=chunk_sizes,
             segments=segments,
         )
+
+
+def socket_timeout(seconds: float | None) -> float | None:
+    """What to give `socket.settimeout` for a wait of `seconds` (None: no
+    limit), as `validate.timeout` returns them."""
+    return None if seconds is None else min(seconds, LONGEST_WAIT_S)
 
 
 def _cuda_uuid(device: torch.device) -> str | None:
