@@ -10,6 +10,10 @@ extkv imports). Help and version run in this process through
 `extkv.cli.main`, as the console script calls it. `info` runs in a process of
 its own with no GPU visible: it is the host's report, and on a GPU machine
 creating CUDA drivers here would leave contexts behind in this process.
+Bad input to `report`, `pool` and `peer` (a run directory it cannot read, a
+run given twice, a socket path that is no socket, a timeout that is no
+duration, a socket where no exporter answers) is one line naming what was
+wrong and a non-zero exit status, never a traceback.
 
 From a checkout, the packaging a user installs: pyproject.toml declares the
 license as an SPDX expression with its file, numpy (torch warns at every
@@ -23,8 +27,10 @@ import json
 import os
 import re
 import shutil
+import socket
 import subprocess
 import sys
+import tempfile
 from importlib import metadata
 from pathlib import Path
 
@@ -230,3 +236,36 @@ def test_pool_refuses_a_run_given_twice_or_as_the_pooled_directory(tmp_path, cap
         assert not out.exists(), f"extkv pool {argv} wrote {out}"
         assert {path: path.read_bytes() for path in (*a.iterdir(), *b.iterdir())} == held, argv
     assert cli.main(["pool", str(out), str(a), str(b)]) == 0, "two runs pool"
+
+
+def test_peer_with_a_bad_socket_path_or_timeout_says_why_without_a_traceback(tmp_path, capsys):
+    """A SOCKET_PATH that is no socket and a timeout that is no duration are
+    usage errors naming the argument (exit status 2); a socket where no
+    exporter answers is one line naming it (exit status 1)."""
+    regular = tmp_path / "regular"
+    regular.write_text("")
+    # A short directory: an AF_UNIX address holds at most 107 bytes.
+    with tempfile.TemporaryDirectory(prefix="extkv-") as short, socket.socket(socket.AF_UNIX) as bound:
+        path = os.path.join(short, "peer.sock")
+        bound.bind(path)  # bound, not listening: a connection is refused
+        expected = "; expected the Unix socket a SegmentExportConnector listens on"
+        usage_errors = [
+            ([str(tmp_path / "nowhere")], f"argument --peer: '{tmp_path / 'nowhere'}': No such file or directory{expected}"),
+            ([str(regular)], f"argument --peer: '{regular}' is a regular file{expected}"),
+            ([str(tmp_path)], f"argument --peer: '{tmp_path}' is a directory{expected}"),
+            # The same socket, spelt too long to connect to.
+            ([os.path.join(short, "./" * 60 + "peer.sock")], "more than the 107 an AF_UNIX address holds"),
+        ]
+        for seconds in ("0", "-1", "nan", "soon"):
+            usage_errors.append(([path, "--timeout", seconds], f"argument --timeout: must be a number of seconds > 0, got {seconds!r}"))
+        for argv, words in usage_errors:
+            with pytest.raises(SystemExit) as exited:
+                cli.main(["peer", "--peer", *argv])
+            err = capsys.readouterr().err
+            assert exited.value.code == 2 and "extkv peer: error: argument --" in err and words in err, (argv, err)
+        assert cli.main(["peer", "--peer", path, "--timeout", "5"]) == 1
+        assert capsys.readouterr().err == f"extkv peer: {path}: ConnectionRefusedError: [Errno 111] Connection refused\n"
+        bound.listen()  # connects, then hears nothing
+        assert cli.main(["peer", "--peer", path, "--timeout", "0.2"]) == 1
+        err = capsys.readouterr().err
+        assert err.startswith(f"extkv peer: {path}: TimeoutError: ") and err.count("\n") == 1, err

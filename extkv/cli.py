@@ -19,7 +19,10 @@
 - `extkv peer --peer SOCKET_PATH [--timeout S]`: the receiving side of a
   `SegmentExportConnector`, as a process of its own (extkv.peer): import the
   exported segments, reply with the sha256 of each segment's committed bytes,
-  clean up. Also `python -m extkv peer ...`.
+  clean up. Also `python -m extkv peer ...`. A SOCKET_PATH that is not a
+  socket, or a timeout that is not a number of seconds > 0, is a usage
+  error (exit status 2); a failed connection or import is one line naming
+  the socket and the error (exit status 1).
 
 Each subcommand's --help says what it does; check, bench and stress hand the
 arguments they do not know to pytest, and their --help says so with an
@@ -29,12 +32,16 @@ example.
 from __future__ import annotations
 
 import argparse
+import math
+import os
+import stat
 import sys
 from pathlib import Path
 
 import torch
 
 from . import vmm
+from .errors import ExtkvError
 from .peer import DEFAULT_PEER_TIMEOUT_S, run_peer
 from .reporting import bench_run, check_run, render_report, stress_run
 from .reporting.pool import pool
@@ -172,8 +179,59 @@ def _pool(args, _pytest_args) -> int:
     return 0
 
 
+#: The longest path an AF_UNIX address holds (sun_path, less its NUL), on Linux.
+_UNIX_PATH_MOST_BYTES = 107
+#: What a file that is not a socket is, in words, by its stat.S_IS* test.
+_FILE_KINDS = [
+    (stat.S_ISDIR, "a directory"),
+    (stat.S_ISREG, "a regular file"),
+    (stat.S_ISFIFO, "a FIFO"),
+    (stat.S_ISCHR, "a character device"),
+    (stat.S_ISBLK, "a block device"),
+]
+
+
+def _socket_path(text: str) -> str:
+    """--peer: the path of a Unix socket, checked before the peer starts so
+    that a mistyped path is a usage error naming it, not a traceback from
+    connect() (which names no path)."""
+    expected = "expected the Unix socket a SegmentExportConnector listens on"
+    try:
+        status = os.stat(text)
+    except (OSError, ValueError) as error:  # ValueError: a NUL in the path
+        reason = error.strerror if isinstance(error, OSError) else str(error)
+        raise argparse.ArgumentTypeError(f"{text!r}: {reason}; {expected}") from None
+    if not stat.S_ISSOCK(status.st_mode):
+        kind = next((words for test, words in _FILE_KINDS if test(status.st_mode)), "not a socket")
+        raise argparse.ArgumentTypeError(f"{text!r} is {kind}; {expected}")
+    if len(os.fsencode(text)) > _UNIX_PATH_MOST_BYTES:
+        raise argparse.ArgumentTypeError(
+            f"{text!r} is {len(os.fsencode(text))} bytes, more than the {_UNIX_PATH_MOST_BYTES} an AF_UNIX "
+            "address holds; name the socket by a shorter path (a relative one, or a symlink)"
+        )
+    return text
+
+
+def _seconds(text: str) -> float:
+    """--timeout: a number of seconds > 0 (nan is none)."""
+    try:
+        seconds = float(text)
+    except ValueError:
+        seconds = math.nan
+    if not seconds > 0:
+        raise argparse.ArgumentTypeError(f"must be a number of seconds > 0, got {text!r}")
+    return seconds
+
+
 def _peer(args, _pytest_args) -> int:
-    run_peer(args.peer, args.timeout)
+    try:
+        run_peer(args.peer, args.timeout)
+    except (OSError, ValueError, ExtkvError) as error:
+        # What the exporter sent or did, or the driver: one line, the error's
+        # type (as the exporter is told it) and all of its message, which
+        # here, in the peer's own stderr, may name its addresses.
+        print(f"extkv peer: {args.peer}: {type(error).__name__}: {error}", file=sys.stderr)
+        return 1
     return 0
 
 
@@ -211,10 +269,12 @@ def main(argv: list[str] | None = None) -> int:
     peer = add(
         "peer", "import the segments a SegmentExportConnector exports, reply with their sha256 digests, clean up"
     )
-    peer.add_argument("--peer", metavar="SOCKET_PATH", required=True, help="Unix socket the exporter listens on")
+    peer.add_argument(
+        "--peer", metavar="SOCKET_PATH", required=True, type=_socket_path, help="Unix socket the exporter listens on"
+    )
     peer.add_argument(
         "--timeout",
-        type=float,
+        type=_seconds,
         default=DEFAULT_PEER_TIMEOUT_S,
         help="seconds to wait on the socket (default %(default)s)",
     )
