@@ -347,3 +347,13 @@ def test_every_plot_is_saved_through_the_run_directory_writer():
         if ".savefig(" in line
     ]
     assert not found, f"savefig outside extkv.reporting.rundir.save_figure: {found}"
+
+
+def test_a_results_file_json_cannot_hold_is_refused_by_name(tmp_path):
+    """JSON nested past the parser's depth, or an integer of more digits
+    than Python converts, is a results file that is not JSON, named."""
+    check = tmp_path / "check.json"
+    for text, words in (("[" * 100_000, "maximum recursion depth exceeded"), ("1" * 5_000, "Exceeds the limit")):
+        check.write_text(text)
+        with pytest.raises(ValueError, match=re.escape(f"{check}: not JSON (") + f".*{words}"):
+            render_report(tmp_path)

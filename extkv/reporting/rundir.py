@@ -68,7 +68,9 @@ def read_json(path: Path) -> object:
         data = file.read(MOST_RESULT_BYTES + 1)
     try:
         return json.loads(data)
-    except (json.JSONDecodeError, UnicodeDecodeError) as error:
+    # ValueError: also an integer of more digits than Python converts;
+    # RecursionError: arrays or objects nested past the parser's depth.
+    except (ValueError, RecursionError) as error:
         raise ValueError(f"{path}: not JSON ({error})") from None
 
 
