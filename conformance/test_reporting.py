@@ -357,3 +357,28 @@ def test_a_results_file_json_cannot_hold_is_refused_by_name(tmp_path):
         check.write_text(text)
         with pytest.raises(ValueError, match=re.escape(f"{check}: not JSON (") + f".*{words}"):
             render_report(tmp_path)
+
+
+def test_pool_writes_its_files_anew_in_a_directory_that_holds_symlinks(tmp_path):
+    """Each file `pool` writes (the pooled results, machine.json) replaces a
+    symlink planted at its name in the pooled directory, and leaves the
+    file it points to, outside, as it was."""
+    from extkv.reporting.pool import pool
+
+    runs = []
+    for name in ("a", "b"):
+        (tmp_path / name).mkdir()
+        runs.append(one_series_bench_run(tmp_path / name))
+    machine = {"host": "h", "gpus": [], "no_gpu_reason": "none here"}
+    (runs[0] / "machine.json").write_text(json.dumps(machine))
+    out = tmp_path / "out"
+    out.mkdir()
+    names = ("bench_cases.json", "bench.json", "machine.json")
+    for name in names:
+        (tmp_path / f"outside-{name}").write_text("not pooled")
+        (out / name).symlink_to(tmp_path / f"outside-{name}")
+    pool(runs, out)
+    for name in names:
+        assert (tmp_path / f"outside-{name}").read_text() == "not pooled", f"{name} was written through the symlink"
+        assert (out / name).is_file() and not (out / name).is_symlink(), name
+    assert json.loads((out / "machine.json").read_text()) == machine

@@ -14,13 +14,17 @@ meaning, and the earlier and later halves now mostly set run against run.
 
 A pooled directory holds what a run's does (`bench_cases.json`,
 `bench.json`, `machine.json`), so `extkv report` renders it like any run;
-its facts name the runs pooled. Runs that differ in what they measured on
-(profile, device and driver, torch, host) or in the code measured (the
-Python work of a measured operation, counted in bytecode instructions)
-are refused, the difference named. So is a run given twice (under any
-spelling: a symlink, a path through `..`), whose rounds would count twice, and
-a pooled directory that is one of the runs, which would be overwritten;
-both before anything is read or written.
+its facts name the runs pooled. Each is written anew (rundir.write_text),
+replacing any entry of its name rather than writing through it, and the
+first run's machine.json is read as a results file, never copied blind.
+
+Runs that differ in what they measured on (profile, device and driver,
+torch, host) or in the code measured (the Python work of a measured
+operation, counted in bytecode instructions) are refused, the difference
+named. So is a run given twice (under any spelling: a symlink, a path
+through `..`), whose rounds would count twice, and a pooled directory that
+is one of the runs, which would be overwritten; both before anything is
+read or written.
 """
 
 from __future__ import annotations
@@ -28,14 +32,13 @@ from __future__ import annotations
 import copy
 import json
 import os
-import shutil
 import statistics
 from pathlib import Path
 from typing import Sequence
 
 from ..testing.benchmarking import BENCH_JSON, CASES_FILE
-from .machine import MACHINE_FILE
-from .rundir import read_json_object
+from .machine import MACHINE_FILE, read_machine_facts
+from .rundir import read_json_object, write_text
 
 #: Facts that must be equal in every run pooled.
 SAME_IN_EVERY_RUN = ("profile", "device", "device_description", "granularity", "torch", "host", "headline_bytes")
@@ -76,11 +79,14 @@ def pool(run_dirs: Sequence[Path], out_dir: Path) -> Path:
                 )
     facts = _pooled_facts(run_dirs, runs)
     benchmarks = _pooled_benchmarks(run_dirs, [benchmarks for _, benchmarks in runs])
+    machine = read_machine_facts(run_dirs[0])
     out_dir.mkdir(parents=True, exist_ok=True)
-    (out_dir / CASES_FILE).write_text(json.dumps(facts, indent=1))
-    (out_dir / BENCH_JSON).write_text(json.dumps({"benchmarks": benchmarks}, indent=1))
-    if (run_dirs[0] / MACHINE_FILE).is_file():
-        shutil.copyfile(run_dirs[0] / MACHINE_FILE, out_dir / MACHINE_FILE)
+    # Written anew (write_text), never through an entry already at a name
+    # in out_dir: a symlink there could point anywhere.
+    write_text(out_dir / CASES_FILE, json.dumps(facts, indent=1))
+    write_text(out_dir / BENCH_JSON, json.dumps({"benchmarks": benchmarks}, indent=1))
+    if machine is not None:
+        write_text(out_dir / MACHINE_FILE, json.dumps(machine, indent=1) + "\n")
     return out_dir
 
 
