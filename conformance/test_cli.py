@@ -269,3 +269,15 @@ def test_peer_with_a_bad_socket_path_or_timeout_says_why_without_a_traceback(tmp
         assert cli.main(["peer", "--peer", path, "--timeout", "0.2"]) == 1
         err = capsys.readouterr().err
         assert err.startswith(f"extkv peer: {path}: TimeoutError: ") and err.count("\n") == 1, err
+
+
+def test_pool_into_a_directory_whose_own_files_cannot_be_read_says_which(tmp_path, capsys):
+    """The pooled report reads OUT_DIR whole: a file there that is no
+    results file (a FIFO) is named in one line, exit status 2."""
+    runs = [str(bench_run(tmp_path / name)) for name in ("a", "b")]
+    out = tmp_path / "out"
+    out.mkdir()
+    os.mkfifo(out / "check-fifo.json")
+    assert cli.main(["pool", str(out), *runs]) == 2
+    err = capsys.readouterr().err
+    assert err == f"extkv pool: {out / 'check-fifo.json'}: not a regular file\n", err

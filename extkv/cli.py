@@ -171,10 +171,11 @@ def _report(args, _pytest_args) -> int:
 def _pool(args, _pytest_args) -> int:
     try:
         pool(args.run_dirs, Path(args.out_dir))
-    except ValueError as error:
+        # OUT_DIR may hold files of its own that the report reads too.
+        summary = render_report(Path(args.out_dir))
+    except (OSError, ValueError) as error:  # each names the file or directory
         print(f"extkv pool: {error}", file=sys.stderr)
         return 2
-    summary = render_report(Path(args.out_dir))
     print(f"extkv pool: wrote {summary}")
     return 0
 
