@@ -15,6 +15,7 @@ from __future__ import annotations
 import contextlib
 import errno
 import fcntl
+import multiprocessing
 import os
 import resource
 import signal
@@ -431,3 +432,75 @@ def test_a_commit_past_the_descriptor_limit_is_refused_before_any_create(driver)
     finally:
         resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
         tensor.free()
+
+
+def _forked_child_report(tensor, cache, chunk_fds: list[int], addresses: list[int], sender) -> None:
+    """What a forked child holds of its parent's tensor and cache."""
+    report: dict = {}
+    try:
+        driver = tensor.driver
+        report["memfds"] = open_chunk_fds()
+        report["mapped"] = [driver.chunk_at(address) is not None for address in addresses]
+        report["names"] = {fd: os.readlink(f"/proc/self/fd/{fd}") for fd in chunk_fds if os.path.exists(f"/proc/self/fd/{fd}")}
+        report["inherited"] = (tensor.is_inherited, cache.buffer.is_inherited)
+        refused = []
+        for operation in (lambda: tensor.resize_segments_(list(tensor.segment_capacities)), tensor.release_physical,
+                          lambda: cache.commit(2), cache.recommit):
+            try:
+                operation()
+                refused.append("done")
+            except extkv.StateError as error:
+                refused.append(str(error))
+        report["refused"] = refused
+        tensor.free()
+        cache.free()
+        report["freed"] = (tensor.is_freed, cache.is_freed)
+    except Exception as error:
+        report["error"] = repr(error)
+    finally:
+        sender.send(report)
+        os._exit(0)
+
+
+@pytest.mark.invariant(5)
+def test_a_forked_child_holds_none_of_the_memory_and_uses_none_of_it(driver):
+    """A child forked from a process with a committed tensor and cache (the
+    fork start method, DataLoader workers) maps none of their chunks, holds
+    no descriptor of them (each inherited one names /dev/null, so the pages
+    go when the parent releases them), refuses every operation on them but
+    free, which frees nothing of the parent's."""
+    from extkv.testing.configs import config_for
+
+    g = driver.granularity
+    tensor = extkv.ExtensibleTensor(4 * g, device=driver, segment_capacities=[2 * g, 2 * g])
+    layout = extkv.KVCacheLayout.LBHNC
+    cache = extkv.ExtensibleKVCache(config_for("full", layout, 8), driver, layout)
+    try:
+        tensor.resize_segments_([2 * g, g], zero_new=True)
+        cache.commit(1)
+        chunk_fds = [mapped.chunk.handle for mapped in tensor.mapped_chunks + cache.buffer.mapped_chunks]
+        addresses = [mapped.address for mapped in tensor.mapped_chunks + cache.buffer.mapped_chunks]
+        receiver, sender = multiprocessing.Pipe(duplex=False)
+        pid = os.fork()
+        if pid == 0:
+            _forked_child_report(tensor, cache, chunk_fds, addresses, sender)
+        sender.close()
+        try:
+            report = receiver.recv() if receiver.poll(60) else None
+        finally:
+            os.waitpid(pid, 0)
+            receiver.close()
+        assert report is not None, "the child sent nothing"
+        assert "error" not in report or report.get("memfds"), report.get("error")
+        assert report["memfds"] == [], f"the child holds extkv memfds {report['memfds']}"
+        assert not any(report["mapped"]), f"the child maps the parent's chunks: {report['mapped']}"
+        assert set(report["names"].values()) == {os.devnull}, report["names"]
+        assert report["inherited"] == (True, True)
+        assert all("inherited" in refusal for refusal in report["refused"]), report["refused"]
+        assert report["freed"] == (True, True)
+        # The parent's objects are untouched by the child's free.
+        assert tensor.segment_sizes == [2 * g, g] and cache.num_committed_blocks == 1
+        assert all(os.readlink(f"/proc/self/fd/{fd}").startswith("/memfd:") for fd in chunk_fds)
+    finally:
+        tensor.free()
+        cache.free()

@@ -82,6 +82,8 @@ class _State(enum.Enum):
     LIVE = "live"
     #: Read from the buffer (`is_broken`), never stored: only `free` is legal.
     BROKEN = "broken"
+    #: Read from the buffer (`is_inherited`): a forked child's copy; only `free`.
+    INHERITED = "inherited"
     FREED = "freed"
 
 
@@ -113,10 +115,12 @@ def _operation(method):
     def locked(self, *args, **kwargs):
         with _DEFERRED_SIGNALS, self.buffer.lock:
             state = self._state
-            if state is _State.LIVE and self.buffer.is_broken:
-                state = _State.BROKEN  # the buffer's, not a state of the cache's own
+            if state is _State.LIVE and (self.buffer.is_broken or self.buffer.is_inherited):
+                # The buffer's, not states of the cache's own.
+                state = _State.BROKEN if self.buffer.is_broken else _State.INHERITED
             if state not in legal_in:
-                raise StateError(f"ExtensibleKVCache.{name}() is not allowed on a {state.value} cache")
+                article = "an" if state is _State.INHERITED else "a"
+                raise StateError(f"ExtensibleKVCache.{name}() is not allowed on {article} {state.value} cache")
             return method(self, *args, **kwargs)
 
     return locked
@@ -418,7 +422,7 @@ class ExtensibleKVCache:
         engine, which must not inherit it. Idempotent."""
         if self._state is _State.FREED:
             return
-        if self.torch_memory_limit is not None:
+        if self.torch_memory_limit is not None and not self.buffer.is_inherited:
             self._apply_torch_memory_limit(None)
         self.buffer.free()
         self.num_committed_blocks = 0

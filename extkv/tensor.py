@@ -107,8 +107,10 @@ import bisect
 import enum
 import functools
 import operator
+import os
 import threading
 import warnings
+import weakref
 from typing import NamedTuple, Sequence
 
 import torch
@@ -126,6 +128,8 @@ class _State(enum.Enum):
     LIVE = "live"
     #: A step's undo failed: the bookkeeping no longer says what the driver maps.
     BROKEN = "broken"
+    #: The copy a forked child holds: none of the memory is mapped there.
+    INHERITED = "inherited"
     FREED = "freed"
 
 
@@ -137,8 +141,25 @@ _LEGAL_IN: dict[str, frozenset[_State]] = {
     "segments_backed_by_one_chunk": frozenset({_State.LIVE}),
     "defragment_segment_": frozenset({_State.LIVE}),
     "defragment_segments_": frozenset({_State.LIVE}),
-    "free": frozenset({_State.LIVE, _State.BROKEN, _State.FREED}),
+    "free": frozenset({_State.LIVE, _State.BROKEN, _State.INHERITED, _State.FREED}),
 }
+
+#: Every tensor not yet freed, so that a forked child can mark its copies inherited.
+_TENSORS: "weakref.WeakSet[ExtensibleTensor]" = weakref.WeakSet()
+
+
+def _inherit_after_fork() -> None:
+    """In a forked child: no tensor of the parent is the child's. Its chunks
+    are not mapped there (the drivers see to that: MADV_DONTFORK on the
+    host, and CUDA does not survive a fork), and a lock another thread held
+    at the fork would never be released in the child."""
+    for tensor in list(_TENSORS):
+        if tensor._state in (_State.LIVE, _State.BROKEN):
+            tensor._state = _State.INHERITED
+            tensor.lock = threading.RLock()
+
+
+os.register_at_fork(after_in_child=_inherit_after_fork)
 
 
 class MappedChunk(NamedTuple):
@@ -456,6 +477,7 @@ class ExtensibleTensor:
             with _DEFERRED_SIGNALS:  # a signal between reserve and its record would leak the reservation
                 self.base = self._driver.reserve(self.reserved_bytes)
                 self._state = _State.LIVE
+                _TENSORS.add(self)
         except BaseException:
             # A handler deferred to the end raised: the caller never gets
             # this tensor, so it must not keep the reservation.
@@ -517,6 +539,12 @@ class ExtensibleTensor:
         """Whether a failed step's undo failed too (see the module's theory):
         only `free` is legal."""
         return self._state is _State.BROKEN
+
+    @property
+    def is_inherited(self) -> bool:
+        """Whether this is a forked child's copy of its parent's tensor:
+        only `free` is legal, and frees nothing of the parent's."""
+        return self._state is _State.INHERITED
 
     @property
     def is_freed(self) -> bool:
@@ -981,12 +1009,18 @@ class ExtensibleTensor:
         not be used afterwards."""
         if self._state is _State.FREED:
             return
+        if self._state is _State.INHERITED:
+            # The parent's to free: the child maps none of it, and the
+            # descriptors it inherited name /dev/null (see extkv.vmm.host).
+            self._state = _State.FREED
+            return
         if self._state is _State.BROKEN:
             self._release_what_the_driver_maps()
         else:
             self.release_physical()
         self._driver.free_reservation(self.base, self.reserved_bytes)
         self._state = _State.FREED
+        _TENSORS.discard(self)
 
     def _release_what_the_driver_maps(self) -> None:
         """`free`'s release for a broken tensor, whose bookkeeping cannot be
@@ -1046,5 +1080,10 @@ class ExtensibleTensor:
                 pass
 
     def _require(self, operation: str) -> None:
+        if self._state is _State.INHERITED and operation != "free":
+            raise StateError(
+                f"{operation}() is not allowed on an ExtensibleTensor inherited by a forked child (pid "
+                f"{os.getpid()}): its memory is the parent's and not mapped here; only free() is allowed"
+            )
         if self._state not in _LEGAL_IN[operation]:
             raise StateError(f"{operation}() is not allowed on a {self._state.value} ExtensibleTensor")

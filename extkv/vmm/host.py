@@ -27,7 +27,10 @@ virtual memory, so every invariant that needs no GPU is proven for real.
   stops anyone adding seals later; `F_SEAL_FUTURE_WRITE` added by a peer would
   stop this process mapping its own chunk writable again. The memfd's mode is
   0600, so a process under another uid cannot reopen it through /proc.
-- map: `mmap(MAP_SHARED|MAP_FIXED, memfd)` with no access, like `cuMemMap`.
+- map: `mmap(MAP_SHARED|MAP_FIXED, memfd)` with no access, like `cuMemMap`,
+  and `MADV_DONTFORK`: a forked child gets no mapping of any chunk, and
+  every extkv memfd descriptor it inherits is replaced by /dev/null at the
+  fork, so it holds none of the pages (`_placehold_inherited_chunks`).
 - access: `mprotect(PROT_READ|PROT_WRITE)` over a whole mapped run, or
   `PROT_READ` for a peer's view of a read-only export. A mapping never gets
   more access than its descriptor allows: over a read-only descriptor the
@@ -110,6 +113,40 @@ _libc.munmap.restype = ctypes.c_int
 _libc.munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
 _libc.mprotect.restype = ctypes.c_int
 _libc.mprotect.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+_libc.madvise.restype = ctypes.c_int
+_libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+MADV_DONTFORK = 10
+
+
+def _placehold_inherited_chunks() -> None:
+    """In a forked child: every extkv memfd descriptor it inherited now
+    names /dev/null. The child then holds none of the parent's pages (a
+    descriptor keeps a memfd's pages alive after the parent released them,
+    and recommit would take a second copy), and the number stays taken, so
+    an inherited object that releases its chunk closes the placeholder,
+    never a file the child opened since."""
+    link = f"/memfd:{MEMFD_NAME}"
+    try:
+        names = os.listdir("/proc/self/fd")
+    except OSError:
+        return
+    null = None
+    try:
+        for name in names:
+            try:
+                if not os.readlink(f"/proc/self/fd/{name}").startswith(link):
+                    continue
+                if null is None:
+                    null = os.open(os.devnull, os.O_RDONLY | os.O_CLOEXEC)
+                os.dup2(null, int(name), inheritable=False)
+            except OSError:
+                continue  # closed meanwhile, or nothing to put in its place: the child keeps it
+    finally:
+        if null is not None:
+            os.close(null)
+
+
+os.register_at_fork(after_in_child=_placehold_inherited_chunks)
 
 
 def _fail(call: str, size: int | None, address: int | None, code: int | None = None) -> DriverError:
@@ -446,6 +483,13 @@ class HostDriver(Driver):
 
     def _map(self, address: int, chunk: Chunk) -> None:
         self._mmap("mmap(MAP_FIXED, memfd)", address, chunk.size, PROT_NONE, MAP_SHARED | MAP_FIXED, chunk.handle)
+        # A forked child (multiprocessing's fork start method, DataLoader
+        # workers) gets no mapping: over MAP_SHARED it would read released
+        # memory and write the parent's live cache.
+        if _libc.madvise(address, chunk.size, MADV_DONTFORK) != 0:
+            error = _fail("madvise(MADV_DONTFORK)", chunk.size, address)
+            self._unmap(address, chunk.size)
+            raise error
 
     def _set_access(self, address: int, size: int, writable: bool) -> None:
         # Over a read-only descriptor the kernel refuses PROT_WRITE (EACCES):
