@@ -24,7 +24,7 @@ ROOT = Path(extkv.__file__).resolve().parent.parent
 
 #: Every extkv module, by layer, lowest first.
 LAYERS: list[set[str]] = [
-    {"extkv.errors", "extkv.validate", "extkv.vmm.dlpack", "extkv.vmm.torch_memory"},
+    {"extkv.errors", "extkv.validate", "extkv.deferred_signals", "extkv.vmm.dlpack", "extkv.vmm.torch_memory"},
     {"extkv.vmm.base"},
     {"extkv.vmm.transaction"},
     {"extkv.vmm.wrapping", "extkv.vmm.host", "extkv.vmm.cuda"},
@@ -42,6 +42,7 @@ LAYERS: list[set[str]] = [
     {"extkv.testing.record", "extkv.testing.exclusive"},
     {"extkv.testing.stateful"},
     {"extkv.testing.planted"},
+    {"extkv.testing.interrupts"},
     # One line per owner, so that work on checks, benchmarks and stress runs
     # can add modules without touching each other's line.
     {"extkv.testing.harness", "extkv.testing.timeline"},

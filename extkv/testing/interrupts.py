@@ -51,7 +51,6 @@ from typing import Callable
 
 import torch
 
-import extkv
 from .. import vmm
 from ..cache import ExtensibleKVCache
 from ..deferred_signals import deferred_signals
@@ -62,7 +61,7 @@ from .checks import check_readback_matches_bookkeeping
 from .children import fork_server
 from .configs import config_for
 
-_EXTKV_DIR = str(Path(extkv.__file__).parent) + os.sep
+_EXTKV_DIR = str(Path(__file__).parent.parent) + os.sep
 _TESTING_DIR = str(Path(__file__).parent) + os.sep
 #: The tensor's segments: four of 3 granules and a half, so segments share granules.
 SEGMENT_GRANULES = (3.5, 3.5, 3.5, 3.5)
