@@ -13,8 +13,10 @@ driver that lost its check fails the test instead of filling the machine.
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import errno
 import fcntl
+import mmap
 import multiprocessing
 import os
 import resource
@@ -27,13 +29,15 @@ import time
 from pathlib import Path
 
 import pytest
+import torch
 
 import extkv
 from extkv.errors import DriverError, OutOfMemoryError
-from extkv.testing.checks import maps_permissions
+from extkv.testing.checks import check_readback_matches_bookkeeping, maps_permissions
 from extkv.usage import host_chunk_bytes, open_chunk_fds
 from extkv.vmm import HostDriver, live_chunks, live_reservations
 from extkv.vmm.host import (
+    F_SEAL_FUTURE_WRITE,
     CgroupMemoryReading,
     MemoryHeadroom,
     cgroup_memory_files,
@@ -56,19 +60,17 @@ def driver() -> HostDriver:
 
 
 @pytest.mark.invariant(8)
-def test_chunks_are_sealed_against_shrink_grow_and_new_seals(driver):
+def test_chunks_are_sealed_against_shrink_and_grow(driver):
     chunk = driver.create(driver.granularity)
     size = driver.granularity
     try:
         fd = chunk.handle
-        assert fcntl.fcntl(fd, fcntl.F_GET_SEALS) == fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW | fcntl.F_SEAL_SEAL
+        assert fcntl.fcntl(fd, fcntl.F_GET_SEALS) == fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW
         assert stat.S_IMODE(os.fstat(fd).st_mode) == 0o600
-        F_SEAL_FUTURE_WRITE = 0x10  # not in every Python's fcntl module
         for attempt in (
             lambda: os.ftruncate(fd, 0),
             lambda: os.ftruncate(fd, 2 * size),
             lambda: os.posix_fallocate(fd, size, size),
-            lambda: fcntl.fcntl(fd, fcntl.F_ADD_SEALS, F_SEAL_FUTURE_WRITE),
         ):
             with pytest.raises(PermissionError):
                 attempt()
@@ -86,6 +88,107 @@ def test_chunks_are_sealed_against_shrink_grow_and_new_seals(driver):
             driver.free_reservation(base, size)
     finally:
         driver.release(chunk)
+
+
+def punch_hole(fd: int, size: int) -> None:
+    libc = ctypes.CDLL(None, use_errno=True)
+    FALLOC_FL_KEEP_SIZE, FALLOC_FL_PUNCH_HOLE = 0x1, 0x2
+    if libc.fallocate(fd, FALLOC_FL_PUNCH_HOLE | FALLOC_FL_KEEP_SIZE, ctypes.c_long(0), ctypes.c_long(size)):
+        code = ctypes.get_errno()
+        raise OSError(code, os.strerror(code))
+
+
+@pytest.mark.invariant(8)
+def test_a_read_only_export_seals_the_chunk_against_every_new_write_access(driver):
+    """After the first read-only export nobody can write the memfd, punch a
+    hole in it or map it writable, also through a descriptor reopened
+    read-write via /proc (what a process under the same uid can do), while
+    the exporter's own mapping keeps working."""
+    g = driver.granularity
+    tensor = extkv.ExtensibleTensor(g, device=driver)
+    exported = reopened = None
+    try:
+        tensor.resize_segments_([g], zero_new=True)
+        fd = tensor.mapped_chunks[0].chunk.handle
+        exported = driver.export_fd(tensor.mapped_chunks[0].chunk)
+        assert fcntl.fcntl(fd, fcntl.F_GET_SEALS) == (
+            fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW | F_SEAL_FUTURE_WRITE | fcntl.F_SEAL_SEAL)
+        reopened = os.open(f"/proc/self/fd/{fd}", os.O_RDWR)
+        for name, attempt in (
+            ("write", lambda: os.pwrite(reopened, b"x", 0)),
+            ("punch a hole", lambda: punch_hole(reopened, g)),
+            ("map writable", lambda: mmap.mmap(reopened, g, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE).close()),
+            ("truncate", lambda: os.ftruncate(reopened, 0)),
+            ("add a seal", lambda: fcntl.fcntl(reopened, fcntl.F_ADD_SEALS, fcntl.F_SEAL_WRITE)),
+        ):
+            with pytest.raises(PermissionError):
+                attempt()
+                pytest.fail(f"{name} through a read-write reopen succeeded")
+        view = tensor.segment_view(0)
+        view[-1] = 9
+        assert int(view[-1]) == 9 and os.pread(exported, 1, g - 1) == b"\x09"
+    finally:
+        for descriptor in (exported, reopened):
+            if descriptor is not None:
+                os.close(descriptor)
+        tensor.free()
+
+
+@pytest.mark.invariant(6, 8)
+def test_a_chunk_exported_read_only_is_never_exported_writable(driver):
+    """The seal is for good: a writable export is refused, naming why. A
+    writable export of a fresh chunk seals it against new seals, so the
+    trusted peer cannot seal it against this process."""
+    first, second = driver.create(driver.granularity), driver.create(driver.granularity)
+    descriptors = []
+    try:
+        descriptors.append(driver.export_fd(first))
+        with pytest.raises(ValueError, match=r"exported read-only, which sealed it against new write access"):
+            driver.export_fd(first, writable=True)
+        descriptors.append(driver.export_fd(second, writable=True))
+        assert fcntl.fcntl(second.handle, fcntl.F_GET_SEALS) & fcntl.F_SEAL_SEAL
+        with pytest.raises(PermissionError):
+            fcntl.fcntl(descriptors[-1], fcntl.F_ADD_SEALS, F_SEAL_FUTURE_WRITE)
+    finally:
+        for descriptor in descriptors:
+            os.close(descriptor)
+        driver.release(first)
+        driver.release(second)
+
+
+@pytest.mark.invariant(3, 8)
+def test_a_failed_defragment_puts_exported_chunks_back_writable(driver):
+    """A preserving defragment whose swap fails maps the old chunks back;
+    those exported read-only are sealed against new writable mappings, so
+    their mappings are moved aside and back instead: the tensor stays live,
+    keeps every byte, writes where it wrote, and the retry completes."""
+    g = driver.granularity
+    faulty = extkv.FaultInjectingDriver(driver)
+    tensor = extkv.ExtensibleTensor(4 * g, device=faulty, segment_capacities=[2 * g, 2 * g])
+    exported = []
+    try:
+        tensor.resize_segments_([g, g], zero_new=True)
+        tensor.resize_segments_([2 * g, 2 * g], zero_new=True)
+        assert tensor.num_physical_chunks == 4
+        exported = [driver.export_fd(mapped.chunk) for mapped in tensor.mapped_chunks]
+        view = tensor.full_view()
+        view.copy_(torch.arange(4 * g, dtype=torch.int64).remainder(251).to(torch.uint8))
+        before = view.clone()
+        faulty.fail_in("set_access", 3)  # after the two scratch grants: the first swap's, its old chunks unmapped
+        with pytest.raises(extkv.DriverError, match="injected fault"):
+            tensor.defragment_segments_()
+        assert not tensor.is_broken, "the undo could not map an exported chunk back writable"
+        check_readback_matches_bookkeeping(tensor)
+        assert torch.equal(tensor.full_view(), before), "the failed defragment changed a byte"
+        assert all(maps_permissions(mapped.address) == "rw-s" for mapped in tensor.mapped_chunks)
+        tensor.full_view()[0] = 250
+        assert tensor.defragment_segments_() == [True, True] and tensor.num_physical_chunks == 2
+        before[0] = 250
+        assert torch.equal(tensor.full_view(), before)
+    finally:
+        for descriptor in exported:
+            os.close(descriptor)
+        tensor.free()
 
 
 @pytest.mark.invariant(8)
@@ -118,6 +221,8 @@ def test_set_access_grants_what_is_asked_and_no_more_than_the_descriptor_allows(
         undo.callback(driver.release, own)
         neighbour = driver.create(g)
         undo.callback(driver.release, neighbour)
+        # Written before the export: a read-only export seals the memfd against write().
+        os.pwrite(own.handle, b"\x05", g - 1)
         exported = driver.export_fd(own)
         undo.callback(os.close, exported)
         imported = driver.import_fd(exported, g)
@@ -132,8 +237,7 @@ def test_set_access_grants_what_is_asked_and_no_more_than_the_descriptor_allows(
         driver.set_access(base, g, writable=False)
         driver.set_access(base + g, g)
         assert maps_permissions(base) == "r--s" and maps_permissions(base + g) == "rw-s"
-        os.pwrite(own.handle, b"\x05", g - 1)  # the same pages: written there, read here
-        assert int(driver.view(base, g)[-1]) == 5
+        assert int(driver.view(base, g)[-1]) == 5  # the same pages: written there, read here
         driver.view(base + g, g).fill_(7)
         assert int(driver.view(base + g, g).sum()) == 7 * g
     assert live_counts() == counts
@@ -504,3 +608,83 @@ def test_a_forked_child_holds_none_of_the_memory_and_uses_none_of_it(driver):
     finally:
         tensor.free()
         cache.free()
+
+
+NOBODY = 65534
+
+
+def _become_nobody_if_root() -> None:
+    """Root may open any process's /proc files: both sides of the test run
+    as `nobody` where the test runs as root. A change of uid makes a process
+    undumpable (fs.suid_dumpable), so dumpability is set back explicitly."""
+    if os.geteuid() == 0:
+        os.setgid(NOBODY)
+        os.setuid(NOBODY)
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.prctl(4, 1, 0, 0, 0)  # PR_SET_DUMPABLE, 1
+
+
+def _exporter(undumpable: bool, to_parent: int, from_parent: int) -> None:
+    try:
+        _become_nobody_if_root()
+        driver = HostDriver()
+        chunk = driver.create(driver.granularity)
+        if undumpable:
+            extkv.make_undumpable()
+        os.write(to_parent, f"{chunk.handle}\n".encode())
+        os.read(from_parent, 1)  # until the peer has tried
+        driver.release(chunk)
+    finally:
+        os._exit(0)
+
+
+def _peer_attempts(pid: int, fd: int, to_parent: int) -> None:
+    try:
+        _become_nobody_if_root()
+        results = []
+        for path, flags in ((f"/proc/{pid}/fd/{fd}", os.O_RDWR), (f"/proc/{pid}/mem", os.O_RDWR)):
+            try:
+                os.close(os.open(path, flags))
+                results.append("opened")
+            except OSError as error:
+                results.append(errno.errorcode[error.errno])
+        os.write(to_parent, (" ".join(results) + "\n").encode())
+    finally:
+        os._exit(0)
+
+
+def _attempts_on_exporter(undumpable: bool) -> list[str]:
+    exporter_out, parent_in = os.pipe()
+    parent_out, exporter_in = os.pipe()
+    exporter = os.fork()
+    if exporter == 0:
+        _exporter(undumpable, parent_in, parent_out)
+    os.close(parent_in)
+    os.close(parent_out)
+    try:
+        fd = int(os.read(exporter_out, 64).decode())
+        peer_out, peer_in = os.pipe()
+        peer = os.fork()
+        if peer == 0:
+            _peer_attempts(exporter, fd, peer_in)
+        os.close(peer_in)
+        results = os.read(peer_out, 256).decode().split()
+        os.close(peer_out)
+        os.waitpid(peer, 0)
+        return results
+    finally:
+        os.write(exporter_in, b"x")
+        os.close(exporter_in)
+        os.close(exporter_out)
+        os.waitpid(exporter, 0)
+
+
+@pytest.mark.invariant(8)
+def test_an_undumpable_exporter_closes_proc_to_a_peer_under_the_same_uid():
+    """A peer under the exporter's uid (not root) reopens a chunk read-write
+    through /proc/<pid>/fd; once the exporter calls make_undumpable() it can
+    open neither that nor /proc/<pid>/mem."""
+    dumpable = _attempts_on_exporter(undumpable=False)
+    assert dumpable[0] == "opened", f"the control peer could not reopen the chunk: {dumpable}"
+    undumpable = _attempts_on_exporter(undumpable=True)
+    assert undumpable == ["EACCES", "EACCES"] or all(result in ("EACCES", "EPERM") for result in undumpable), undumpable

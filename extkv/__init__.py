@@ -62,6 +62,7 @@ from .sizing import (
 from .tensor import ExtensibleTensor, MappedChunk
 from .usage import UsageProbe
 from .vmm import Driver, FaultInjectingDriver, HostDriver, device_memory_info, driver_for
+from .vmm.host import make_undumpable
 
 __version__ = "0.1.0"
 
@@ -87,6 +88,7 @@ __all__ = [
     "granule_block_alignment",
     "HostDriver",
     "import_segments",
+    "make_undumpable",
     "kv_cache_lent_for_weight_update",
     "KV_CACHE_MARGIN_FLOOR_BYTES",
     "KV_CACHE_MARGIN_FRACTION",

@@ -21,12 +21,18 @@ virtual memory, so every invariant that needs no GPU is proven for real.
   (DriverError EMFILE) before its first create when its chunks would take
   the process to within `HOST_KEEP_FREE_DESCRIPTORS` of RLIMIT_NOFILE.
 - sealing: right after `fallocate` every chunk is sealed with
-  `F_SEAL_SHRINK|F_SEAL_GROW|F_SEAL_SEAL`, so its size is fixed for its whole
-  life whoever holds a descriptor: a peer that truncated a shared chunk would
-  make this process's next read of the vanished pages a SIGBUS. `F_SEAL_SEAL`
-  stops anyone adding seals later; `F_SEAL_FUTURE_WRITE` added by a peer would
-  stop this process mapping its own chunk writable again. The memfd's mode is
-  0600, so a process under another uid cannot reopen it through /proc.
+  `F_SEAL_SHRINK|F_SEAL_GROW`, so its size is fixed for its whole life
+  whoever holds a descriptor: a peer that truncated a shared chunk would
+  make this process's next read of the vanished pages a SIGBUS. The first
+  read-only export adds `F_SEAL_FUTURE_WRITE|F_SEAL_SEAL` (Linux 5.1+): from
+  then on no one can write the memfd, punch a hole in it or map it writable
+  (`write`, `fallocate`, `MADV_REMOVE` and a writable `mmap` fail with
+  EPERM, also through a descriptor reopened read-write via /proc), while
+  this process's mappings made before keep working. A writable export adds
+  `F_SEAL_SEAL` alone, so the trusted peer cannot seal the chunk against
+  this process; such a chunk cannot be sealed against writing later. The
+  memfd's mode is 0600, so a process under another uid cannot reopen it
+  through /proc.
 - map: `mmap(MAP_SHARED|MAP_FIXED, memfd)` with no access, like `cuMemMap`,
   and `MADV_DONTFORK`: a forked child gets no mapping of any chunk, and
   every extkv memfd descriptor it inherits is replaced by /dev/null at the
@@ -37,6 +43,12 @@ virtual memory, so every invariant that needs no GPU is proven for real.
   kernel refuses write access (EACCES), whatever the importer asks.
 - unmap: map fresh `PROT_NONE` anonymous memory over the range; plain
   `munmap` would punch a hole in the reservation that another mmap could take.
+  A chunk sealed against writing could never be mapped writable again, and
+  a failed defragmentation's undo maps the old chunks back: its mapping is
+  therefore moved aside first (`mremap(MREMAP_DONTUNMAP)`, Linux 5.13+,
+  which leaves the range mapped until the `PROT_NONE` memory replaces it),
+  and a later map of the chunk moves that mapping back, writable as it was.
+  The mapping set aside goes when the chunk is released.
 - release: `close(memfd)`; the kernel frees the pages once nothing maps them.
   A close that reports an error has still freed the descriptor number, so
   it is never retried (a warning says so).
@@ -44,17 +56,16 @@ virtual memory, so every invariant that needs no GPU is proven for real.
   back each address, and the access each mapping grants (its `rw` columns);
   an address whose mapping is no file is in a reservation, not mapped.
 - export: a new *read-only* open file description of the chunk
-  (`open("/proc/self/fd/N", O_RDONLY)`). Through it a peer can map the pages
-  for reading only: `mmap(PROT_WRITE, MAP_SHARED)`, `write`, `ftruncate` and
+  (`open("/proc/self/fd/N", O_RDONLY)`), after sealing it against writing
+  (see sealing). Through it a peer can map the pages for reading only:
+  `mmap(PROT_WRITE, MAP_SHARED)`, `write`, `ftruncate` and
   `fallocate(PUNCH_HOLE)` all fail, while this process keeps its writable
   mapping. `export_fd(chunk, writable=True)` gives a read-write one instead,
-  for a peer that is trusted to write. `F_SEAL_FUTURE_WRITE` is not used: it is a
-  seal on the inode, permanent, so this process could never again create a
-  writable mapping of an exported chunk (defragmentation's undo re-maps the old
-  chunks) nor export it writable. The limit of a read-only descriptor: a
-  process under the same uid (or root) may reopen the memfd read-write through
-  /proc, as it may any file of this process's; against that, only the seals
-  hold (it can write and punch holes, but not truncate or grow).
+  for a peer that is trusted to write; a chunk already sealed by a
+  read-only export refuses it (ValueError). What the seals leave to a
+  process under the same uid: reading the pages (through /proc/<pid>/fd or
+  /proc/<pid>/mem) and writing them through /proc/<pid>/mem, which no seal
+  covers; `make_undumpable()` closes both to non-root processes.
 - import: accepts only memfds sealed against shrinking and growing
   (`F_GET_SEALS`) and at least as large as asked, then `dup`s the descriptor
   (the imported chunk owns its own descriptor, and the caller closes the one
@@ -99,7 +110,11 @@ DEFAULT_HOST_GRANULARITY = 2 << 20
 #: Name of every chunk's memfd, as /proc/self/fd and /proc/self/maps show it.
 MEMFD_NAME = "extkv-chunk"
 #: Seals every chunk carries from creation on.
-CHUNK_SEALS = fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW | fcntl.F_SEAL_SEAL
+CHUNK_SEALS = fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW
+#: Not in every Python's fcntl module (Linux 5.1+).
+F_SEAL_FUTURE_WRITE = getattr(fcntl, "F_SEAL_FUTURE_WRITE", 0x10)
+#: What the first read-only export adds: no new write access for anyone.
+READ_ONLY_EXPORT_SEALS = F_SEAL_FUTURE_WRITE | fcntl.F_SEAL_SEAL
 #: Seals a descriptor must carry to be imported: without them a peer could
 #: truncate the file under this process's mapping.
 REQUIRED_IMPORT_SEALS = fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW
@@ -115,7 +130,31 @@ _libc.mprotect.restype = ctypes.c_int
 _libc.mprotect.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
 _libc.madvise.restype = ctypes.c_int
 _libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+_libc.mremap.restype = ctypes.c_void_p
+_libc.mremap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_size_t, ctypes.c_int, ctypes.c_void_p]
+_libc.prctl.restype = ctypes.c_int
+_libc.prctl.argtypes = [ctypes.c_int, ctypes.c_ulong, ctypes.c_ulong, ctypes.c_ulong, ctypes.c_ulong]
 MADV_DONTFORK = 10
+MREMAP_MAYMOVE = 1
+MREMAP_FIXED = 2
+MREMAP_DONTUNMAP = 4
+PR_SET_DUMPABLE = 4
+
+#: Which chunk (memfd) each mapping this process made starts with, by address.
+_MAPPED_AT: dict[int, int] = {}
+#: Mappings of sealed chunks moved aside by an unmap: memfd -> (address, size).
+_SET_ASIDE: dict[int, tuple[int, int]] = {}
+
+
+def make_undumpable() -> None:
+    """`prctl(PR_SET_DUMPABLE, 0)`: processes under the same uid, root
+    excepted, can no longer open this process's /proc/<pid>/fd entries
+    (reopening a chunk read-write) or /proc/<pid>/mem (reading and writing
+    any of its memory, which no seal covers), nor ptrace it. It also
+    disables core dumps and same-uid debuggers (gdb, py-spy): a choice for
+    a serving process, not a library default. Lasts until exec."""
+    if _libc.prctl(PR_SET_DUMPABLE, 0, 0, 0, 0) != 0:
+        raise _fail("prctl(PR_SET_DUMPABLE, 0)", None, None)
 
 
 def _placehold_inherited_chunks() -> None:
@@ -422,6 +461,8 @@ class HostDriver(Driver):
     def _free_reservation(self, address: int, size: int) -> None:
         if _libc.munmap(address, size) != 0:
             raise _fail("munmap", size, address)
+        for start in [start for start in _MAPPED_AT if address <= start < address + size]:
+            del _MAPPED_AT[start]
 
     def _create(self, size: int) -> Chunk:
         _check_room(size, "memfd_create+fallocate")
@@ -439,6 +480,9 @@ class HostDriver(Driver):
         return Chunk(handle=fd, size=size)
 
     def _release(self, chunk: Chunk) -> None:
+        aside = _SET_ASIDE.pop(chunk.handle, None)
+        if aside is not None:
+            _libc.munmap(*aside)  # a mapping of this process's own, nothing else there
         # On Linux close() frees the descriptor number even when it reports
         # an error (EINTR and EIO included), so a chunk whose close failed is
         # released all the same and never closed again: a retry would close
@@ -454,7 +498,22 @@ class HostDriver(Driver):
             )
 
     def _export_fd(self, chunk: Chunk, writable: bool) -> int:
-        return reopen(chunk.handle, writable=writable)
+        fd = chunk.handle
+        try:
+            seals = fcntl.fcntl(fd, fcntl.F_GET_SEALS)
+            if writable:
+                if seals & F_SEAL_FUTURE_WRITE:
+                    raise ValueError(
+                        f"export_fd(writable=True): the chunk of memfd {fd} was exported read-only, which sealed it "
+                        "against new write access (F_SEAL_FUTURE_WRITE) for good; only read-only exports remain"
+                    )
+                if not seals & fcntl.F_SEAL_SEAL:
+                    fcntl.fcntl(fd, fcntl.F_ADD_SEALS, fcntl.F_SEAL_SEAL)
+            elif not seals & fcntl.F_SEAL_SEAL:
+                fcntl.fcntl(fd, fcntl.F_ADD_SEALS, READ_ONLY_EXPORT_SEALS)
+        except OSError as error:
+            raise _fail(f"fcntl(memfd {fd}, F_ADD_SEALS) export", chunk.size, None, error.errno) from None
+        return reopen(fd, writable=writable)
 
     def _import_fd(self, fd: int, size: int) -> Chunk:
         try:
@@ -482,7 +541,12 @@ class HostDriver(Driver):
             raise _fail(f"dup(fd {fd}) import", size, None, error.errno) from None
 
     def _map(self, address: int, chunk: Chunk) -> None:
+        aside = _SET_ASIDE.get(chunk.handle)
+        if aside is not None and aside[1] == chunk.size:
+            self._move_back(aside[0], address, chunk)
+            return
         self._mmap("mmap(MAP_FIXED, memfd)", address, chunk.size, PROT_NONE, MAP_SHARED | MAP_FIXED, chunk.handle)
+        _MAPPED_AT[address] = chunk.handle
         # A forked child (multiprocessing's fork start method, DataLoader
         # workers) gets no mapping: over MAP_SHARED it would read released
         # memory and write the parent's live cache.
@@ -490,6 +554,29 @@ class HostDriver(Driver):
             error = _fail("madvise(MADV_DONTFORK)", chunk.size, address)
             self._unmap(address, chunk.size)
             raise error
+
+    def _move_back(self, aside: int, address: int, chunk: Chunk) -> None:
+        """Map a chunk whose mapping an unmap set aside: move that mapping
+        to `address` (replacing what is there in one step), with no access
+        until `set_access`, as a fresh map has."""
+        moved = _libc.mremap(aside, chunk.size, chunk.size, MREMAP_MAYMOVE | MREMAP_FIXED, address)
+        if moved is None or moved == _MAP_FAILED:
+            raise _fail("mremap(MREMAP_FIXED) map of a sealed chunk", chunk.size, address)
+        del _SET_ASIDE[chunk.handle]
+        _MAPPED_AT[address] = chunk.handle
+        if _libc.mprotect(address, chunk.size, PROT_NONE) != 0:
+            raise _fail("mprotect(PROT_NONE) map of a sealed chunk", chunk.size, address)
+
+    def _set_aside(self, address: int, size: int, fd: int) -> None:
+        """Keep the mapping of a chunk sealed against writing elsewhere, as
+        it is (see unmap); the range stays mapped until the caller replaces it."""
+        moved = _libc.mremap(address, size, size, MREMAP_MAYMOVE | MREMAP_DONTUNMAP, None)
+        if moved is None or moved == _MAP_FAILED:
+            code = ctypes.get_errno()
+            if code == errno.EINVAL:
+                return  # a kernel before 5.13: the chunk is unmapped, and can come back read-only only
+            raise _fail("mremap(MREMAP_DONTUNMAP) unmap of a sealed chunk", size, address, code)
+        _SET_ASIDE[fd] = (moved, size)
 
     def _set_access(self, address: int, size: int, writable: bool) -> None:
         # Over a read-only descriptor the kernel refuses PROT_WRITE (EACCES):
@@ -499,10 +586,14 @@ class HostDriver(Driver):
             raise _fail(call, size, address)
 
     def _unmap(self, address: int, size: int) -> None:
+        fd = _MAPPED_AT.get(address)
+        if fd is not None and fd not in _SET_ASIDE and _sealed_against_writing(fd) and _maps_file_of(address, fd):
+            self._set_aside(address, size, fd)
         self._mmap(
             "mmap(PROT_NONE) unmap", address, size, PROT_NONE,
             MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE | MAP_FIXED,
         )
+        _MAPPED_AT.pop(address, None)
 
     def _zero(self, address: int, size: int) -> None:
         ctypes.memset(address, 0, size)
@@ -622,6 +713,24 @@ def _access_of(permissions: str) -> str:
     if permissions[1] == "w":
         return READ_WRITE
     return READ_ONLY if permissions[0] == "r" else NO_ACCESS
+
+
+def _maps_file_of(address: int, fd: int) -> bool:
+    """Whether the mapping at `address` is of the file behind `fd`, read back
+    (a stale record must never move another file's mapping aside)."""
+    regions = _regions_at(_file_regions([address]), [address])
+    try:
+        status = os.fstat(fd)
+    except OSError:
+        return False
+    return regions[0] is not None and regions[0].file == (os.major(status.st_dev), os.minor(status.st_dev), status.st_ino)
+
+
+def _sealed_against_writing(fd: int) -> bool:
+    try:
+        return bool(fcntl.fcntl(fd, fcntl.F_GET_SEALS) & F_SEAL_FUTURE_WRITE)
+    except OSError:
+        return False
 
 
 def _describe_fd(fd: int) -> str:
