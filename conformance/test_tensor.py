@@ -1049,3 +1049,39 @@ def test_driver_zero_and_copy_touch_exactly_their_range(device, driver, granule)
     finally:
         driver.release(chunk)
         driver.free_reservation(address, size)
+
+
+@pytest.mark.invariant(1, 6)
+def test_grow_blocks_grows_every_segment_by_its_stride_and_refuses_bad_counts(build, granule):
+    t = build.tensor(6 * granule, segment_capacities=[4 * granule, 2 * granule], segment_strides=[granule // 2, granule // 4])
+    assert t.capacity_blocks == 8
+    t.grow_blocks_(3, zero_new=True)
+    assert t.segment_sizes == [3 * granule // 2, 3 * granule // 4]
+    before = snapshot(t)
+    for count, message in ((9, r"num_blocks must be an int >= 0 and <= 8 \(a block count\), got 9"),
+                           (True, r"num_blocks must be an int .*, got True"), (-1, r"got -1")):
+        with pytest.raises(ValueError, match=message):
+            t.grow_blocks_(count)
+    with pytest.raises(ValueError, match=r"zero_new must be a bool"):
+        t.grow_blocks_(4, zero_new=1)
+    with pytest.raises(ValueError, match=r"would shrink segment 0"):
+        t.grow_blocks_(2)
+    check_unchanged(t, before)
+    plain = build.tensor(granule)
+    with pytest.raises(ValueError, match="grow_blocks_ needs segment_strides"):
+        plain.grow_blocks_(1)
+
+
+@pytest.mark.invariant(6)
+@pytest.mark.parametrize("strides, message", [
+    ([1], r"segment_strides has 1 entries, expected one per segment \(2\)"),
+    ([1, -1], r"segment_strides\[1\] must be an int >= 0"),
+    ([1, True], r"segment_strides\[1\] must be an int >= 0 \(bytes per block\), got True"),
+    ([1, 10**12], r"segment_strides\[1\] = 1000000000000 exceeds segment 1's capacity"),
+    (5, r"segment_strides must be a sequence of ints"),
+])
+def test_bad_segment_strides_are_refused_before_any_reservation(device, granule, strides, message):
+    before = _nonzero(live_reservations)
+    with pytest.raises(ValueError, match=message):
+        ExtensibleTensor(2 * granule, device=device, segment_capacities=[granule, granule], segment_strides=strides)
+    assert _nonzero(live_reservations) == before

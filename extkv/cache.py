@@ -194,6 +194,7 @@ class ExtensibleKVCache:
                     self.size,
                     device=device,
                     segment_capacities=[end - start for start, end in zip(self.segment_offsets, ends)],
+                    segment_strides=self.segment_strides,
                 )
                 self._state = _State.LIVE
         except BaseException:
@@ -243,9 +244,7 @@ class ExtensibleKVCache:
             # calls runs on CPU caches the driver's work left cold, and a
             # few of them cost as much as a driver step.
             if num_blocks > self.num_committed_blocks:
-                # Sizes built from a clamped block count are ints within
-                # capacity by construction: the tensor's checks are skipped.
-                self.buffer._grow(self._sizes_for(num_blocks), True)
+                self.buffer.grow_blocks_(num_blocks, True)
                 self.num_committed_blocks = num_blocks
             return
         defragment = validate.flag("defragment", defragment)
@@ -290,7 +289,7 @@ class ExtensibleKVCache:
         """Map fresh zeroed pages for the blocks committed before release.
         The committed count is kept throughout, so a recommit that fails
         half way is completed by calling it again."""
-        self.buffer._grow(self._sizes_for(self.num_committed_blocks), zero_new=True)
+        self.buffer.grow_blocks_(self.num_committed_blocks, zero_new=True)
 
     # -- sizes ------------------------------------------------------------------
     @property

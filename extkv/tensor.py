@@ -135,6 +135,7 @@ class _State(enum.Enum):
 
 _LEGAL_IN: dict[str, frozenset[_State]] = {
     "resize_segments_": frozenset({_State.LIVE}),
+    "grow_blocks_": frozenset({_State.LIVE}),
     "release_physical": frozenset({_State.LIVE}),
     "full_view": frozenset({_State.LIVE}),
     "segment_view": frozenset({_State.LIVE}),
@@ -376,6 +377,20 @@ def _runs_with_zeroing(
     return plan, rest
 
 
+def _checked_strides(strides: Sequence[int], capacities: list[int]) -> list[int]:
+    try:
+        strides = list(strides)
+    except TypeError:
+        raise ValueError(f"segment_strides must be a sequence of ints, one per segment, got {strides!r}") from None
+    if len(strides) != len(capacities):
+        raise ValueError(f"segment_strides has {len(strides)} entries, expected one per segment ({len(capacities)})")
+    checked = [validate.integer(f"segment_strides[{i}]", stride, what="bytes per block") for i, stride in enumerate(strides)]
+    for i, (stride, capacity) in enumerate(zip(checked, capacities)):
+        if stride > capacity:
+            raise ValueError(f"segment_strides[{i}] = {stride} exceeds segment {i}'s capacity of {capacity} bytes")
+    return checked
+
+
 def _merged(spans: Sequence[tuple[int, int]]) -> list[tuple[int, int]]:
     """(address, size) ranges, overlapping or touching ones merged, in address order."""
     merged: list[list[int]] = []
@@ -422,6 +437,8 @@ class ExtensibleTensor:
     `device` is a torch device (cpu: host driver; cuda:N: CUDA driver), None for
     the default (CUDA if usable, else host), or a `Driver` instance.
     `segment_capacities` must sum to `size`; default is one segment of `size`.
+    `segment_strides`, one per segment, makes the segments grow in blocks:
+    `grow_blocks_(n)` grows segment i to `n * segment_strides[i]` bytes.
     """
 
     def __init__(
@@ -429,6 +446,7 @@ class ExtensibleTensor:
         size: int,
         device: torch.device | str | int | Driver | None = None,
         segment_capacities: Sequence[int] | None = None,
+        segment_strides: Sequence[int] | None = None,
     ):
         driver = driver_for(device)
         # Bounded before any driver call: a size past the address space would
@@ -446,7 +464,13 @@ class ExtensibleTensor:
                 raise ValueError("segment_capacities must name at least one segment")
             if sum(capacities) != size:
                 raise ValueError(f"segment_capacities sum to {sum(capacities)} bytes, expected size={size}")
+        strides = None if segment_strides is None else _checked_strides(segment_strides, capacities)
         self._driver = driver
+        #: Bytes per block of each segment (None: no blocks), and the most
+        #: blocks every segment holds.
+        self.segment_strides = strides
+        self.capacity_blocks = None if strides is None else min(
+            (capacity // stride for capacity, stride in zip(capacities, strides) if stride), default=0)
         #: Held by every state-changing operation; re-entrant, so a caller
         #: may hold it around several operations that must not interleave.
         self.lock = threading.RLock()
@@ -591,14 +615,23 @@ class ExtensibleTensor:
         """
         self._grow(self._validated_sizes(sizes, grow_only=True), validate.flag("zero_new", zero_new))
 
+    @_operation
+    def grow_blocks_(self, num_blocks: int, zero_new: bool = False) -> None:
+        """Grow every segment to `num_blocks` blocks: segment i to
+        `num_blocks * segment_strides[i]` bytes (grow-only, as
+        `resize_segments_`). The sizes are built here from one checked
+        count, so a commit of many segments pays no check per segment: on a
+        small commit the checks would cost as much as the driver's work."""
+        if self.segment_strides is None:
+            raise ValueError("grow_blocks_ needs segment_strides, given when the tensor was made")
+        if type(num_blocks) is not int or not 0 <= num_blocks <= self.capacity_blocks:
+            num_blocks = validate.integer("num_blocks", num_blocks, maximum=self.capacity_blocks, what="a block count")
+        self._grow(list(map(num_blocks.__mul__, self.segment_strides)), validate.flag("zero_new", zero_new))
+
     def _grow(self, sizes: list[int], zero_new: bool) -> None:
-        """`resize_segments_` past its argument checks, for a caller in this
-        package that holds `lock` and built `sizes` itself: a list of ints,
-        one per segment, each at most its segment's capacity (the KV cache's
-        commit, where the checks would cost more than a small commit's
-        driver work). A size below the committed one still raises."""
-        if self._state is not _State.LIVE:
-            self._require("resize_segments_")
+        """`resize_segments_` past its argument checks, for a caller that
+        built `sizes` itself: a list of ints, one per segment, each at most
+        its segment's capacity. A size below the committed one still raises."""
         mapping = self._mapping
         if len(sizes) == 1 and mapping.granules == mapping.end_granule:  # a gapless prefix: see the module's theory
             return self._grow_one_segment(sizes[0], zero_new)

@@ -433,8 +433,9 @@ class Builder:
             raise ValueError("this test has no `device` parameter: pass device= (a torch device or a Driver)")
         return self._default_device
 
-    def tensor(self, size: int, *, device=None, segment_capacities=None) -> ExtensibleTensor:
-        tensor = ExtensibleTensor(size, device=self._device(device), segment_capacities=segment_capacities)
+    def tensor(self, size: int, *, device=None, segment_capacities=None, segment_strides=None) -> ExtensibleTensor:
+        tensor = ExtensibleTensor(size, device=self._device(device), segment_capacities=segment_capacities,
+                                  segment_strides=segment_strides)
         self._made.append(tensor)
         return tensor
 
