@@ -147,6 +147,61 @@ def test_no_private_name_crosses_a_module_boundary():
     assert not private, "private names imported across modules:\n" + "\n".join(private)
 
 
+#: Private attributes of other libraries that extkv reaches on purpose: the
+#: named tuple API and torch's switch that turns off __torch_function__.
+FOREIGN_PRIVATE_ATTRIBUTES = {"_asdict", "_replace", "_fields", "_C", "_disabled_torch_function_impl", "_exit", "_getframe"}
+#: Modules whose job is to reach into others: the planted defects break
+#: extkv's internals on purpose.
+REACHES_IN_ON_PURPOSE = {"extkv.testing.planted"}
+
+
+def _defined_names(tree: ast.AST) -> set[str]:
+    """Names a module defines: functions, classes and their members,
+    attributes it assigns on `self` or at module or class level."""
+    names = set()
+    for node in ast.walk(tree):
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+            names.add(node.name)
+        elif isinstance(node, ast.Name) and isinstance(node.ctx, ast.Store):
+            names.add(node.id)
+        elif isinstance(node, ast.Attribute) and isinstance(node.ctx, ast.Store):
+            names.add(node.attr)
+        elif isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name):
+            names.add(node.target.id)
+    return names
+
+
+def _driver_steps() -> set[str]:
+    """The `_`-steps of the driver protocol: a wrapping driver calls its
+    inner driver's steps, which the protocol defines for it."""
+    tree = ast.parse((ROOT / "extkv" / "vmm" / "base.py").read_text())
+    driver = next(node for node in tree.body if isinstance(node, ast.ClassDef) and node.name == "Driver")
+    return {node.name for node in driver.body if isinstance(node, ast.FunctionDef) and node.name.startswith("_")}
+
+
+def test_no_private_attribute_is_reached_across_modules():
+    """`thing._name` outside `self`/`cls` must name something the module
+    defines itself (or a driver step, from a driver): one module's
+    internals are not another's interface."""
+    steps = _driver_steps()
+    reached = []
+    for path in library_files():
+        module = module_name(path)
+        if module in REACHES_IN_ON_PURPOSE:
+            continue
+        tree = ast.parse(path.read_text(), str(path))
+        own = _defined_names(tree)
+        for node in ast.walk(tree):
+            if not isinstance(node, ast.Attribute) or not node.attr.startswith("_") or node.attr.startswith("__"):
+                continue
+            if isinstance(node.value, ast.Name) and node.value.id in ("self", "cls"):
+                continue
+            if node.attr in own or node.attr in steps or node.attr in FOREIGN_PRIVATE_ATTRIBUTES:
+                continue
+            reached.append(f"{path.relative_to(ROOT)}:{node.lineno} {ast.unparse(node)}")
+    assert not reached, "private attributes reached from another module:\n" + "\n".join(reached)
+
+
 @pytest.mark.parametrize("module", ["cache.py", "runner.py"])
 def test_only_vmm_knows_the_device_kind(module):
     source = (ROOT / "extkv" / module).read_text()
