@@ -36,8 +36,9 @@ from extkv.errors import DriverError, OutOfMemoryError
 from extkv.testing.checks import check_readback_matches_bookkeeping, maps_permissions
 from extkv.usage import host_chunk_bytes, open_chunk_fds
 from extkv.vmm import HostDriver, live_chunks, live_reservations
-from extkv.vmm.host import (
-    F_SEAL_FUTURE_WRITE,
+from extkv.vmm.host import F_SEAL_FUTURE_WRITE
+from extkv.vmm.host_memory import (
+    HOST_KEEP_FREE_DESCRIPTORS,
     CgroupMemoryReading,
     MemoryHeadroom,
     cgroup_memory_files,
@@ -519,8 +520,6 @@ def test_a_commit_past_the_descriptor_limit_is_refused_before_any_create(driver)
     """Each host chunk holds a descriptor: a commit of 100 runs with room for
     74 below RLIMIT_NOFILE, 64 of them kept free, is refused whole, as a
     DriverError naming the limit, and takes nothing; 5 runs fit."""
-    from extkv.vmm.host import HOST_KEEP_FREE_DESCRIPTORS
-
     g = driver.granularity
     tensor = extkv.ExtensibleTensor(200 * g, device=driver, segment_capacities=[g] * 200)
     soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)

@@ -26,6 +26,7 @@ ROOT = Path(extkv.__file__).resolve().parent.parent
 LAYERS: list[set[str]] = [
     {"extkv.errors", "extkv.validate", "extkv.deferred_signals", "extkv.vmm.dlpack", "extkv.vmm.torch_memory"},
     {"extkv.vmm.base"},
+    {"extkv.vmm.host_memory"},
     {"extkv.vmm.transaction"},
     {"extkv.vmm.wrapping", "extkv.vmm.host", "extkv.vmm.cuda"},
     {"extkv.vmm.faults", "extkv.vmm.poison", "extkv.vmm.baselines"},

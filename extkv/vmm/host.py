@@ -8,18 +8,9 @@ virtual memory, so every invariant that needs no GPU is proven for real.
 - reserve: an aligned `mmap(PROT_NONE, MAP_PRIVATE|MAP_ANONYMOUS|MAP_NORESERVE)`.
 - chunk: `memfd_create` + `fallocate`, so the pages really exist (tmpfs/shmem)
   and the kernel accounts them to the file, which is how usage is measured.
-  Before anything is created, the request is checked against what the kernel
-  can give (`host_memory_headroom`: MemAvailable, and limit minus usage plus
-  reclaimable file cache of this process's memory cgroup and its ancestors,
-  v2 or v1): `fallocate` on a memfd has no early size check and would summon
-  the OOM killer instead of failing, so a request that cannot fit is an
-  `OutOfMemoryError` naming both numbers. Per create the check reads
-  /proc/meminfo and each cgroup level's limit (and usage where it has one,
-  memory.stat only where the request does not fit without its file cache);
-  limits are read each time because they may change at runtime (pod resize).
-  Each chunk holds one descriptor for its life, so a commit is refused
-  (DriverError EMFILE) before its first create when its chunks would take
-  the process to within `HOST_KEEP_FREE_DESCRIPTORS` of RLIMIT_NOFILE.
+  A commit's memory and descriptors are checked before its first create
+  (extkv.vmm.host_memory): `fallocate` would wake the OOM killer rather
+  than fail.
 - sealing: right after `fallocate` every chunk is sealed with
   `F_SEAL_SHRINK|F_SEAL_GROW`, so its size is fixed for its whole life
   whoever holds a descriptor: a peer that truncated a shared chunk would
@@ -80,20 +71,23 @@ import contextlib
 import ctypes
 import errno
 import fcntl
-import functools
 import os
-import resource
-import tempfile
-import threading
 import warnings
-from dataclasses import dataclass
-from typing import Hashable, Iterable, Iterator, NamedTuple, Sequence
+from typing import Hashable, Iterable, Iterator, NamedTuple
 
 import torch
 
-from ..errors import DriverError, OutOfMemoryError
-from .base import NO_ACCESS, READ_ONLY, READ_WRITE, Chunk, Driver, format_granularity, live_chunks
+from .base import NO_ACCESS, READ_ONLY, READ_WRITE, Chunk, Driver, format_granularity
 from .dlpack import uint8_view
+from .host_memory import (
+    PROCESS_COMMITS,
+    check_descriptors,
+    check_room,
+    driver_error as _fail,
+    kib_field,
+    machine_commits_lock,
+    read_text,
+)
 from .transaction import map_new_chunks_step_by_step
 
 PROT_NONE = 0x0
@@ -188,13 +182,6 @@ def _placehold_inherited_chunks() -> None:
 os.register_at_fork(after_in_child=_placehold_inherited_chunks)
 
 
-def _fail(call: str, size: int | None, address: int | None, code: int | None = None) -> DriverError:
-    code = ctypes.get_errno() if code is None else code
-    name = errno.errorcode.get(code, "E?")
-    error_type = OutOfMemoryError if code in (errno.ENOMEM, errno.ENOSPC) else DriverError
-    return error_type(call, code, name, size=size, address=address, detail=os.strerror(code))
-
-
 def reopen(fd: int, *, writable: bool) -> int:
     """A new open file description of the memfd behind `fd`, read-only or
     read-write; the caller owns and closes it."""
@@ -203,223 +190,6 @@ def reopen(fd: int, *, writable: bool) -> int:
     except OSError as error:
         mode = "O_RDWR" if writable else "O_RDONLY"
         raise _fail(f"open(/proc/self/fd/{fd}, {mode})", None, None, error.errno) from None
-
-
-# -- how much memory a create may take -----------------------------------------
-@dataclass(frozen=True)
-class CgroupMemoryReading:
-    """What one memory cgroup's files said.
-
-    `limit`: memory.max (v2) or memory.limit_in_bytes (v1), "max" for none;
-    `usage`: memory.current / memory.usage_in_bytes; `stat`: memory.stat, whose
-    file-cache counts the kernel reclaims before it refuses a charge ("" when
-    not read).
-    """
-
-    path: str
-    limit: str
-    usage: str
-    stat: str = ""
-
-
-@dataclass(frozen=True)
-class MemoryHeadroom:
-    """Bytes a create may take (None: nothing limits it) and what limits it."""
-
-    available: int | None
-    limited_by: str
-
-
-def _kib_field(meminfo_text: str, key: str) -> int | None:
-    for line in meminfo_text.splitlines():
-        name, _, value = line.partition(":")
-        if name == key:
-            number, *unit = value.split()
-            return int(number) * (1024 if unit == ["kB"] else 1)
-    return None
-
-
-def _reclaimable_file_cache(stat_text: str) -> int:
-    counters = dict(line.split() for line in stat_text.splitlines() if len(line.split()) == 2)
-    # v1 names the hierarchical counters total_*; v2's counters are hierarchical.
-    prefix = "total_" if "total_inactive_file" in counters else ""
-    return sum(int(counters.get(f"{prefix}{name}", 0)) for name in ("inactive_file", "active_file"))
-
-
-def host_memory_headroom(meminfo_text: str, cgroups: Sequence[CgroupMemoryReading] = ()) -> MemoryHeadroom:
-    """The most a new chunk may take: the smallest of MemAvailable (from
-    /proc/meminfo text) and, per cgroup, limit - usage + reclaimable file
-    cache (never below 0). Pure arithmetic over the readings given."""
-    candidates: list[tuple[int, str]] = []
-    mem_available = _kib_field(meminfo_text, "MemAvailable")
-    if mem_available is not None:
-        candidates.append((mem_available, f"MemAvailable {mem_available} bytes in /proc/meminfo"))
-    for cgroup in cgroups:
-        if cgroup.limit.strip() == "max":
-            continue
-        limit, usage = int(cgroup.limit), int(cgroup.usage)
-        reclaimable = _reclaimable_file_cache(cgroup.stat)
-        candidates.append(
-            (
-                max(limit - usage + reclaimable, 0),
-                f"cgroup {cgroup.path}: limit {limit} - usage {usage} + reclaimable file cache {reclaimable} bytes",
-            )
-        )
-    if not candidates:
-        return MemoryHeadroom(None, "no reading limits it")
-    available, limited_by = min(candidates)
-    return MemoryHeadroom(available, limited_by)
-
-
-@dataclass(frozen=True)
-class CgroupMemoryFiles:
-    """A memory cgroup's directory and the names of its limit and usage files."""
-
-    directory: str
-    limit: str
-    usage: str
-
-
-@functools.lru_cache(maxsize=None)
-def cgroup_memory_files() -> tuple[CgroupMemoryFiles, ...]:
-    """This process's memory cgroup and its ancestors, leaf first, with the
-    names of their limit and usage files (v2 and v1 hierarchies; levels
-    without a limit file, such as a v2 hierarchy without the memory
-    controller, are left out). Found once: processes rarely change cgroup."""
-    mounts: dict[str, tuple[str, str]] = {}  # "v2" / "v1" -> (root, mount point)
-    with open("/proc/self/mountinfo") as mountinfo:
-        for line in mountinfo:
-            left, _, right = line.partition(" - ")
-            fields, (fstype, _source, options, *_rest) = left.split(), right.split()
-            if fstype == "cgroup2":
-                mounts.setdefault("v2", (fields[3], fields[4]))
-            elif fstype == "cgroup" and "memory" in options.split(","):
-                mounts.setdefault("v1", (fields[3], fields[4]))
-    names = {"v2": ("memory.max", "memory.current"), "v1": ("memory.limit_in_bytes", "memory.usage_in_bytes")}
-    levels: list[CgroupMemoryFiles] = []
-    with open("/proc/self/cgroup") as cgroups:
-        for line in cgroups:
-            _, controllers, path = line.rstrip("\n").split(":", 2)
-            version = "v2" if controllers == "" else "v1" if "memory" in controllers.split(",") else None
-            if version not in mounts:
-                continue
-            root, mount_point = mounts[version]
-            inside = os.path.relpath(path, root)
-            if inside.startswith(".."):
-                continue  # outside what this mount shows
-            directory = os.path.normpath(os.path.join(mount_point, inside))
-            limit, usage = names[version]
-            # Up to and including the mount point: in a cgroup namespace it
-            # is the container's own cgroup, whose limit is the one that counts.
-            while True:
-                if os.path.exists(os.path.join(directory, limit)):
-                    levels.append(CgroupMemoryFiles(directory, limit, usage))
-                if directory == mount_point:
-                    break
-                directory = os.path.dirname(directory)
-    return tuple(levels)
-
-
-def _read(path: str) -> str:
-    with open(path) as file:
-        return file.read()
-
-
-def read_host_memory_headroom(size: int) -> MemoryHeadroom:
-    """`host_memory_headroom` over this machine's readings. A cgroup's
-    memory.stat is read only where `size` does not fit without its
-    reclaimable cache."""
-    readings = []
-    for files in cgroup_memory_files():
-        try:
-            limit = _read(os.path.join(files.directory, files.limit))
-            if limit.strip() == "max":
-                continue
-            usage = _read(os.path.join(files.directory, files.usage))
-            stat = ""
-            if int(limit) - int(usage) < size:
-                stat = _read(os.path.join(files.directory, "memory.stat"))
-        except OSError:
-            continue  # the cgroup went away: it limits nothing any more
-        readings.append(CgroupMemoryReading(files.directory, limit, usage, stat))
-    return host_memory_headroom(_read("/proc/meminfo"), readings)
-
-
-#: Host commits of this process, one at a time from headroom check to last create.
-_COMMITS = threading.RLock()
-#: The machine's host commits, one at a time: an flock on this file (any
-#: process may open it for reading, which is all flock needs).
-COMMITS_LOCK_PATH = os.path.join(tempfile.gettempdir(), "extkv-host-commits.lock")
-
-
-@contextlib.contextmanager
-def _machine_commits_lock() -> Iterator[None]:
-    """Hold COMMITS_LOCK_PATH exclusively; where it can be neither opened nor
-    created (another user's file in a directory that refuses it), commits of
-    other processes are not kept apart, and nothing else changes."""
-    try:
-        fd = os.open(COMMITS_LOCK_PATH, os.O_RDONLY | os.O_CLOEXEC)
-    except FileNotFoundError:
-        try:
-            fd = os.open(COMMITS_LOCK_PATH, os.O_RDONLY | os.O_CREAT | os.O_CLOEXEC, 0o644)
-        except OSError:
-            fd = None
-    except OSError:
-        fd = None
-    try:
-        if fd is not None:
-            fcntl.flock(fd, fcntl.LOCK_EX)
-        yield
-    finally:
-        if fd is not None:
-            os.close(fd)  # releases the flock
-#: What a host commit leaves free for other processes: a sixteenth of what
-#: the kernel (or the memory cgroup) could give, at most 256 MiB.
-HOST_KEEP_FREE_BYTES = 256 << 20
-
-
-#: Descriptors a host commit leaves free for the rest of the process (files,
-#: sockets, exports), below the soft RLIMIT_NOFILE.
-HOST_KEEP_FREE_DESCRIPTORS = 64
-
-
-def _check_descriptors(chunks: int, step: str) -> None:
-    """DriverError(EMFILE), before anything is created, when `chunks` new
-    memfds would leave fewer than HOST_KEEP_FREE_DESCRIPTORS free below the
-    soft limit. /proc/self/fd is listed only where the chunks this driver
-    holds and the new ones come within half the limit of it."""
-    limit, _ = resource.getrlimit(resource.RLIMIT_NOFILE)
-    if limit == resource.RLIM_INFINITY or live_chunks["host"] + chunks <= limit // 2 - HOST_KEEP_FREE_DESCRIPTORS:
-        return
-    try:
-        open_now = len(os.listdir("/proc/self/fd")) - 1  # less the one listdir opened
-    except OSError as error:
-        raise _fail(f"{step}: listdir(/proc/self/fd)", None, None, error.errno) from None
-    if open_now + chunks > limit - HOST_KEEP_FREE_DESCRIPTORS:
-        raise DriverError(
-            step, errno.EMFILE, "EMFILE",
-            detail=f"refused before creating: {chunks} new chunks need a descriptor each, {open_now} of the "
-            f"soft limit {limit} (RLIMIT_NOFILE) are open and {HOST_KEEP_FREE_DESCRIPTORS} are kept free; "
-            "raise the limit (ulimit -n, resource.setrlimit) or commit fewer, larger runs",
-        )
-
-
-def _check_room(size: int, step: str) -> None:
-    """OutOfMemoryError, before anything is allocated, when `size` bytes do
-    not fit what the kernel could give less what is kept free for others."""
-    try:
-        headroom = read_host_memory_headroom(size)
-    except OSError as error:  # EMFILE: no descriptor left to read /proc/meminfo with
-        raise _fail(f"{step}: read /proc/meminfo and cgroup limits", size, None, error.errno) from None
-    if headroom.available is None:
-        return
-    kept = min(HOST_KEEP_FREE_BYTES, headroom.available // 16)
-    if size > headroom.available - kept:
-        raise OutOfMemoryError(
-            step, errno.ENOMEM, "ENOMEM", size=size,
-            detail=f"refused before allocating: {size} bytes requested, {headroom.available} available "
-            f"({headroom.limited_by}), {kept} kept free for other processes",
-        )
 
 
 class HostDriver(Driver):
@@ -465,7 +235,7 @@ class HostDriver(Driver):
             del _MAPPED_AT[start]
 
     def _create(self, size: int) -> Chunk:
-        _check_room(size, "memfd_create+fallocate")
+        check_room(size, "memfd_create+fallocate")
         try:
             fd = os.memfd_create(MEMFD_NAME, os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
         except OSError as error:
@@ -610,10 +380,10 @@ class HostDriver(Driver):
         # of this process's threads, and of every process on the machine
         # that can open COMMITS_LOCK_PATH, check and create one after
         # another, so two cannot both pass on one reading.
-        with _COMMITS, _machine_commits_lock():
+        with PROCESS_COMMITS, machine_commits_lock():
             step = "map_new_chunks (the commit's runs together)"
-            _check_descriptors(chunks, step)
-            _check_room(size, step)
+            check_descriptors(chunks, step)
+            check_room(size, step)
             yield
 
     def _map_new_chunks(self, runs, created, give_back, zero_after) -> None:
@@ -627,8 +397,8 @@ class HostDriver(Driver):
     def memory_info(self) -> tuple[int, int]:
         """MemAvailable and MemTotal: what the kernel could give without
         swapping, and all there is."""
-        meminfo = _read("/proc/meminfo")
-        return _kib_field(meminfo, "MemAvailable"), _kib_field(meminfo, "MemTotal")
+        meminfo = read_text("/proc/meminfo")
+        return kib_field(meminfo, "MemAvailable"), kib_field(meminfo, "MemTotal")
 
     def reclaim_cache(self) -> bool:
         return False
