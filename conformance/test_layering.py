@@ -24,7 +24,8 @@ ROOT = Path(extkv.__file__).resolve().parent.parent
 
 #: Every extkv module, by layer, lowest first.
 LAYERS: list[set[str]] = [
-    {"extkv.errors", "extkv.validate", "extkv.deferred_signals", "extkv.vmm.dlpack", "extkv.vmm.torch_memory"},
+    {"extkv.errors", "extkv.validate", "extkv.deferred_signals", "extkv.vmm.dlpack", "extkv.vmm.torch_memory",
+     "extkv.vmm.witness"},
     {"extkv.vmm.base"},
     {"extkv.vmm.host_memory"},
     {"extkv.vmm.transaction"},
@@ -203,7 +204,7 @@ def test_no_private_attribute_is_reached_across_modules():
     assert not reached, "private attributes reached from another module:\n" + "\n".join(reached)
 
 
-@pytest.mark.parametrize("module", ["cache.py", "runner.py"])
+@pytest.mark.parametrize("module", ["cache.py", "runner.py", "usage.py"])
 def test_only_vmm_knows_the_device_kind(module):
     source = (ROOT / "extkv" / module).read_text()
     branches = [

@@ -2,149 +2,47 @@
 
 Theory of operation
 -------------------
-extkv's own `physical_bytes` is bookkeeping; these probes are the check on it.
-They ask the operating system or the GPU's management library what is really
-held, so a chunk extkv forgot to release, or a mapping it thinks it dropped,
-shows up as a difference.
-
-- Host: every chunk is a memfd named `extkv-chunk`; the kernel reports the pages
-  a file really holds (`st_blocks`). The probe sums them over every such file
-  the process still reaches, each file once: through an open descriptor
-  (`/proc/self/fd`) or through a mapping whose descriptor was closed
-  (`/proc/self/maps`, the file stat'ed through `/proc/self/map_files`). A
-  mapping left behind after its chunk was released holds the pages as surely
-  as an open descriptor does, so it must count.
-- CUDA: NVML's per-process used memory for this process on the device. Where
-  NVML cannot list this process (a PID namespace hides it, or the driver does
-  not report per-process usage), the probe falls back to the device-wide used
-  memory and says so in `source`; that reading includes other processes.
+extkv's own `physical_bytes` is bookkeeping; a `UsageProbe` is the check on
+it. It reads the witness the device's driver names (`Driver.usage_witness`,
+extkv.vmm.witness: the kernel's pages of extkv's memfds on the host, NVML's
+reading on a GPU), so a chunk extkv forgot to release, or a mapping it
+thinks it dropped, shows up as a difference; this module never asks which
+kind of device it reads. `read_outside_torch` subtracts what torch's caching
+allocator holds, so tensors a caller allocates through torch do not count.
 
 Readings are absolute; compare them against a baseline taken before the work.
 """
 
 from __future__ import annotations
 
-import functools
-import os
-
 import torch
 
-from .vmm import MEMFD_NAME, driver_for, torch_memory
+from .vmm import driver_for, torch_memory
+from .vmm.witness import host_chunk_bytes, open_chunk_fds
 
-_MEMFD_LINK = f"/memfd:{MEMFD_NAME}"
-
-
-def open_chunk_fds() -> list[int]:
-    """Descriptors of this process that are extkv host chunks."""
-    fds = []
-    for name in os.listdir("/proc/self/fd"):
-        try:
-            target = os.readlink(f"/proc/self/fd/{name}")
-        except OSError:  # closed between listdir and readlink
-            continue
-        if target.startswith(_MEMFD_LINK):
-            fds.append(int(name))
-    return fds
-
-
-def host_chunk_bytes() -> int:
-    """Bytes of pages the kernel holds for the extkv memfds this process
-    reaches by descriptor or by mapping, each file counted once."""
-    held: dict[tuple[int, int], int] = {}
-    for fd in open_chunk_fds():
-        try:
-            status = os.stat(f"/proc/self/fd/{fd}")
-        except OSError:  # closed meanwhile
-            continue
-        held[(status.st_dev, status.st_ino)] = status.st_blocks * 512
-    mapped_extent: dict[tuple[int, int], int] = {}
-    with open("/proc/self/maps") as maps:
-        for line in maps:
-            if _MEMFD_LINK not in line:  # most lines are libraries: skip them before splitting
-                continue
-            fields = line.split(maxsplit=5)
-            if len(fields) < 6 or not fields[5].startswith(_MEMFD_LINK):
-                continue
-            major, minor = (int(part, 16) for part in fields[3].split(":"))
-            key = (os.makedev(major, minor), int(fields[4]))
-            if key in held:
-                continue
-            try:
-                held[key] = os.stat(f"/proc/self/map_files/{fields[0]}").st_blocks * 512
-            except OSError:
-                # map_files is closed to this process (older kernels, no
-                # CAP_SYS_ADMIN): the mapped extent is what it holds at least.
-                start, end = (int(part, 16) for part in fields[0].split("-"))
-                mapped_extent[key] = mapped_extent.get(key, 0) + end - start
-    return sum(held.values()) + sum(mapped_extent.values())
-
-
-@functools.lru_cache(maxsize=None)
-def _nvml():
-    import pynvml
-
-    pynvml.nvmlInit()
-    return pynvml
-
-
-def _nvml_handle(index: int):
-    nvml = _nvml()
-    # NVML numbers GPUs physically; CUDA_VISIBLE_DEVICES renumbers them for
-    # CUDA. The UUID is the same in both worlds.
-    uuid = str(torch.cuda.get_device_properties(index).uuid)
-    if not uuid.startswith("GPU-"):
-        uuid = f"GPU-{uuid}"
-    return nvml.nvmlDeviceGetHandleByUUID(uuid)
+__all__ = ["UsageProbe", "host_chunk_bytes", "open_chunk_fds"]
 
 
 class UsageProbe:
     """Reads physical memory in use on one device, from outside extkv."""
 
     def __init__(self, device: torch.device | str):
-        self.device = torch.device(device)
-        if self.device.type == "cpu":
-            self.source = "memfd pages (/proc/self/fd and /proc/self/maps, st_blocks)"
-        elif self.device.type == "cuda":
-            index = self.device.index if self.device.index is not None else torch.cuda.current_device()
-            self.device = torch.device("cuda", index)
-            # NVML lists a process only once it holds a context on the device;
-            # creating it here also keeps its cost out of every later reading.
-            driver_for(self.device)
-            self._handle = _nvml_handle(index)
-            self.source = (
-                "NVML per-process used memory"
-                if self._process_usage() is not None
-                else "NVML device-wide used memory (this process is not in NVML's process list)"
-            )
-        else:
-            raise ValueError(f"no usage probe for device {self.device}; expected cpu or cuda:N")
+        # The driver first: a GPU's witness lists a process only once it
+        # holds a context there, and making it here keeps its cost out of
+        # every later reading.
+        driver = driver_for(device)
+        self.device = driver.device
+        self._witness = driver.usage_witness()
+        self.source: str = self._witness.source
 
     @property
     def per_process(self) -> bool:
-        return self.device.type == "cpu" or self.source.startswith("NVML per-process")
-
-    def _process_usage(self) -> int | None:
-        nvml = _nvml()
-        try:
-            processes = nvml.nvmlDeviceGetComputeRunningProcesses(self._handle)
-        except nvml.NVMLError:
-            return None
-        for process in processes:
-            if process.pid == os.getpid() and isinstance(process.usedGpuMemory, int):
-                return process.usedGpuMemory
-        return None
+        """Whether a reading counts this process alone."""
+        return self._witness.per_process
 
     def read(self) -> int:
         """Bytes in use now."""
-        if self.device.type == "cpu":
-            return host_chunk_bytes()
-        if self.per_process:
-            used = self._process_usage()
-            if used is not None:
-                return used
-            # A process with no CUDA work left may drop out of the list.
-            return 0
-        return _nvml().nvmlDeviceGetMemoryInfo(self._handle).used
+        return self._witness.read()
 
     def read_outside_torch(self) -> int:
         """Bytes in use now less what torch's caching allocator holds, so that

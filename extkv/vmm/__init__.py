@@ -14,9 +14,10 @@ import torch
 
 from .base import Chunk, Driver, live_chunks, live_reservations
 from .faults import FAULTABLE_STEPS, FaultInjectingDriver
-from .host import DEFAULT_HOST_GRANULARITY, MEMFD_NAME, HostDriver
+from .host import DEFAULT_HOST_GRANULARITY, HostDriver
 from .poison import PoisoningDriver
 from .transaction import Transaction, UnreleasedChunks, undo_failed
+from .witness import MEMFD_NAME
 
 
 

@@ -265,6 +265,11 @@ class Driver(abc.ABC):
         """A uint8 tensor over `[address, address+size)` that owns nothing."""
 
     @abc.abstractmethod
+    def usage_witness(self):
+        """What reads this device's physical usage from outside extkv
+        (extkv.vmm.witness): `source`, `per_process` and `read()`."""
+
+    @abc.abstractmethod
     def describe(self) -> dict[str, str]:
         """Facts for report headers: device name, driver version, granularity."""
 

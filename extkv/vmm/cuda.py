@@ -47,6 +47,7 @@ from .base import NO_ACCESS, READ_ONLY, READ_WRITE, Chunk, Driver, count_live_ch
 from .transaction import Transaction
 from . import torch_memory
 from .dlpack import uint8_view
+from .witness import NvmlUsage
 
 
 @functools.lru_cache(maxsize=None)
@@ -396,6 +397,9 @@ class CudaDriver(Driver):
             size=size,
         )
         return Chunk(handle=int(handle), size=size)
+
+    def usage_witness(self) -> NvmlUsage:
+        return NvmlUsage(self.device.index)
 
     def describe(self) -> dict[str, str]:
         cu = _bindings()

@@ -89,6 +89,7 @@ from .host_memory import (
     read_text,
 )
 from .transaction import map_new_chunks_step_by_step
+from .witness import MEMFD_NAME, MemfdPages, open_chunk_fds
 
 PROT_NONE = 0x0
 PROT_READ = 0x1
@@ -101,8 +102,6 @@ MAP_NORESERVE = 0x4000
 _MAP_FAILED = ctypes.c_void_p(-1).value
 
 DEFAULT_HOST_GRANULARITY = 2 << 20
-#: Name of every chunk's memfd, as /proc/self/fd and /proc/self/maps show it.
-MEMFD_NAME = "extkv-chunk"
 #: Seals every chunk carries from creation on.
 CHUNK_SEALS = fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW
 #: Not in every Python's fcntl module (Linux 5.1+).
@@ -158,25 +157,21 @@ def _placehold_inherited_chunks() -> None:
     and recommit would take a second copy), and the number stays taken, so
     an inherited object that releases its chunk closes the placeholder,
     never a file the child opened since."""
-    link = f"/memfd:{MEMFD_NAME}"
     try:
-        names = os.listdir("/proc/self/fd")
+        inherited = open_chunk_fds()
     except OSError:
         return
-    null = None
+    if not inherited:
+        return
+    null = os.open(os.devnull, os.O_RDONLY | os.O_CLOEXEC)
     try:
-        for name in names:
+        for fd in inherited:
             try:
-                if not os.readlink(f"/proc/self/fd/{name}").startswith(link):
-                    continue
-                if null is None:
-                    null = os.open(os.devnull, os.O_RDONLY | os.O_CLOEXEC)
-                os.dup2(null, int(name), inheritable=False)
+                os.dup2(null, fd, inheritable=False)
             except OSError:
-                continue  # closed meanwhile, or nothing to put in its place: the child keeps it
+                continue  # closed meanwhile
     finally:
-        if null is not None:
-            os.close(null)
+        os.close(null)
 
 
 os.register_at_fork(after_in_child=_placehold_inherited_chunks)
@@ -422,6 +417,9 @@ class HostDriver(Driver):
 
     def view(self, address: int, size: int) -> torch.Tensor:
         return uint8_view(address, size, self.device)
+
+    def usage_witness(self) -> MemfdPages:
+        return MemfdPages()
 
     def describe(self) -> dict[str, str]:
         return {

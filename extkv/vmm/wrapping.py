@@ -95,6 +95,9 @@ class WrappingDriver(Driver):
     def view(self, address: int, size: int) -> torch.Tensor:
         return self.inner.view(address, size)
 
+    def usage_witness(self):
+        return self.inner.usage_witness()
+
     def describe(self) -> dict[str, str]:
         return self.inner.describe()
 
