@@ -204,7 +204,8 @@ def test_no_private_attribute_is_reached_across_modules():
     assert not reached, "private attributes reached from another module:\n" + "\n".join(reached)
 
 
-@pytest.mark.parametrize("module", ["cache.py", "runner.py", "usage.py"])
+@pytest.mark.parametrize("module", ["tensor.py", "cache.py", "runner.py", "usage.py", "sizing.py", "layout.py",
+                                    "layout_types.py"])
 def test_only_vmm_knows_the_device_kind(module):
     source = (ROOT / "extkv" / module).read_text()
     branches = [

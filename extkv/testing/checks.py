@@ -19,6 +19,7 @@ import torch
 from ..cache import ExtensibleKVCache
 from ..tensor import ExtensibleTensor, MappedChunk
 from ..usage import UsageProbe
+from ..vmm import driver_for
 from ..vmm.base import READ_ONLY, Driver
 
 
@@ -178,8 +179,7 @@ def warm_up_kernels(device) -> None:
     (x @ x).softmax(-1).float().sum().item()
     for warm_up in _WORKLOAD_WARM_UPS:
         warm_up(device)
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
+    driver_for(device).synchronize()
 
 
 @dataclass(frozen=True)
