@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import ctypes
 import errno
+import fcntl
 import hashlib
 import json
 import math
@@ -61,7 +62,7 @@ from extkv.testing.checks import check_mapped_read_only, check_usage_matches, ma
 from extkv.testing.configs import CAPACITY, GRANULE, fill_segments
 from extkv.vmm import FaultInjectingDriver, driver_for, live_chunks, live_reservations
 from extkv.vmm.base import READ_WRITE
-from extkv.wire import PROTOCOL, receive_message, send_message
+from extkv.wire import MAX_HEADER_BYTES, PROTOCOL, receive_message, send_message
 
 #: Generous: the peer imports torch (and creates a CUDA context) before it connects.
 PEER_TIMEOUT_S = 120
@@ -891,6 +892,114 @@ def test_import_refuses_a_descriptor_that_is_not_a_sealed_memfd(kind):
                 import_segments(receiver)
     finally:
         os.close(fd)
+    assert live_counts() == counts and fd_count() == fds
+
+
+def hostile_memfd(size: int, *, allocated: bool) -> int:
+    """A memfd sealed as an extkv chunk is, `size` bytes long, with every
+    page allocated or none (sparse: nothing is allocated until read)."""
+    fd = os.memfd_create("hostile-export", os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
+    try:
+        os.ftruncate(fd, size)
+        if allocated:
+            os.posix_fallocate(fd, 0, size)
+        fcntl.fcntl(fd, fcntl.F_ADD_SEALS, fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW | fcntl.F_SEAL_SEAL)
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
+
+
+@pytest.mark.invariant(6, 8)
+def test_import_caps_what_the_exporter_announces_before_receiving_a_descriptor():
+    """A hostile exporter announces more than the peer accepts: by default
+    more than the device's total memory, or more than the caller's
+    `max_bytes`, in chunks or in segments (overlapping ones are read once
+    each). Refused on the header's word, naming both numbers, before any
+    descriptor is received; a sparse memfd within the cap is refused too,
+    before any of it is read. The wire refuses a message on its length."""
+    counts, fds = live_counts(), fd_count()
+    total = driver_for("cpu").memory_info()[1]
+    over = (total // GRANULE + 1) * GRANULE  # one granule more than all memory
+    cases = [
+        # (memfd size, allocated, header, max_bytes, refusal)
+        (
+            over,
+            False,
+            host_header([over], [(0, 0, over)]),
+            None,
+            f"the export announces {over} bytes in 1 chunk(s) and {over} committed bytes in 1 segment(s), more "
+            f"than the {total} bytes this import accepts of either (max_bytes=None: the total memory of cpu); "
+            "no descriptor was received",
+        ),
+        (
+            2 * GRANULE,
+            True,
+            host_header([2 * GRANULE], [(0, 0, 2 * GRANULE)]),
+            GRANULE,
+            f"the export announces {2 * GRANULE} bytes in 1 chunk(s) and {2 * GRANULE} committed bytes in 1 "
+            f"segment(s), more than the {GRANULE} bytes this import accepts of either (max_bytes={GRANULE})",
+        ),
+        (
+            GRANULE,
+            True,
+            host_header([GRANULE], [(0, 0, GRANULE)] * 3),
+            2 * GRANULE,
+            f"the export announces {GRANULE} bytes in 1 chunk(s) and {3 * GRANULE} committed bytes in 3 segment",
+        ),
+        (
+            4 * GRANULE,
+            False,
+            host_header([4 * GRANULE], [(0, 0, 4 * GRANULE)]),
+            None,
+            f"chunk 0 is a sparse memfd: 0 of its {4 * GRANULE} bytes are allocated",
+        ),
+    ]
+    for size, allocated, header, max_bytes, refusal in cases:
+        fd = hostile_memfd(size, allocated=allocated)
+        try:
+            sender, receiver = socket.socketpair()
+            with sender, receiver:
+                send_message(sender, header)
+                socket.send_fds(sender, [b"F"], [fd])
+                with pytest.raises(ValueError, match=re.escape(refusal)):
+                    import_segments(receiver, max_bytes=max_bytes, timeout=PEER_TIMEOUT_S)
+                if "sparse" not in refusal:
+                    # Refused on the header: its descriptor is still in the socket.
+                    _, passed, _, _ = socket.recv_fds(receiver, 1, 1)
+                    assert len(passed) == 1 and os.fstat(passed[0]).st_ino == os.fstat(fd).st_ino
+                    os.close(passed[0])
+            assert os.fstat(fd).st_blocks == (size // 512 if allocated else 0)  # nothing was read
+        finally:
+            os.close(fd)
+        assert live_counts() == counts and fd_count() == fds, refusal
+
+    # Within its cap the same kind of export imports.
+    fd = hostile_memfd(2 * GRANULE, allocated=True)
+    try:
+        sender, receiver = socket.socketpair()
+        with sender, receiver:
+            send_message(sender, host_header([2 * GRANULE], [(0, 0, 2 * GRANULE)]))
+            socket.send_fds(sender, [b"F"], [fd])
+            with import_segments(receiver, max_bytes=2 * GRANULE) as imported:
+                assert imported.digests() == [hashlib.sha256(bytes(2 * GRANULE)).hexdigest()]
+            with pytest.raises(ValueError, match=r"max_bytes must be an int >= 0 \(bytes an import may announce\), got -1"):
+                import_segments(receiver, max_bytes=-1)
+    finally:
+        os.close(fd)
+
+    # The wire reads a length prefix, never what it announces past the cap.
+    sender, receiver = socket.socketpair()
+    with sender, receiver:
+        receiver.settimeout(5)  # a reader that waited for the payload would hang
+        for length, max_bytes in ((1000, 100), (MAX_HEADER_BYTES + 1, None)):
+            sender.sendall(struct.pack(">Q", length) + b"x" * 16)
+            with pytest.raises(ValueError, match=f"message of {length} bytes announced, more than the "):
+                if max_bytes is None:
+                    import_segments(receiver, timeout=5)  # a header is at most MAX_HEADER_BYTES
+                else:
+                    receive_message(receiver, max_bytes=max_bytes)
+            assert receiver.recv(16) == b"x" * 16  # left where it was
     assert live_counts() == counts and fd_count() == fds
 
 

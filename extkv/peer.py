@@ -18,9 +18,20 @@ this peer grants itself read access only unless the header says writable.
 
 What arrives comes from another process and is checked before it is used:
 every wait on the socket is bounded (`timeout`, DEFAULT_PEER_TIMEOUT_S by
-default), the header is validated field by field (extkv.wire), and a host
-descriptor must be a sealed memfd (a regular file is refused: its owner could
-truncate it under the mapping).
+default), the header is at most wire.MAX_HEADER_BYTES and validated field by
+field (extkv.wire), and a host descriptor must be a sealed memfd (a regular
+file is refused: its owner could truncate it under the mapping).
+
+The exporter's word does not decide this process's memory. Before any
+descriptor is received, the chunks' sizes together, and the segments'
+committed bytes together (what `digests()` reads), must each be at most
+`max_bytes`: by default the importing device's total memory
+(`Driver.memory_info()`), since no export of physical memory is larger;
+a caller that knows what to expect passes less. A host memfd must have
+every page allocated (`st_blocks`), as each extkv chunk has from its
+creation: reading a sparse one would allocate its holes here, as much as it
+announces. An exporter that punches holes after the import can still do
+that, up to `max_bytes`.
 
 `run_peer(path)` is the whole peer as a process (`extkv peer --peer PATH`):
 connect, import, answer with the sha256 of each segment's committed bytes,
@@ -40,7 +51,7 @@ import torch
 from . import validate
 from .errors import DriverError, StateError
 from .vmm import Chunk, Driver, HostDriver, Transaction, UnreleasedChunks, cuda_usable, driver_for
-from .wire import ExportHeader, receive_fds, receive_message, send_message, socket_timeout
+from .wire import MAX_HEADER_BYTES, ExportHeader, receive_fds, receive_message, send_message, socket_timeout
 
 #: Seconds the peer waits on its socket (each wait) before giving up.
 DEFAULT_PEER_TIMEOUT_S = 120.0
@@ -135,10 +146,19 @@ class ImportedSegments:
 
 
 def import_segments(
-    sock: socket.socket, *, driver: Driver | None = None, timeout: float | None = DEFAULT_PEER_TIMEOUT_S
+    sock: socket.socket,
+    *,
+    driver: Driver | None = None,
+    timeout: float | None = DEFAULT_PEER_TIMEOUT_S,
+    max_bytes: int | None = None,
 ) -> ImportedSegments:
     """Receive what `SegmentExportConnector.export_to` sends on the other end
     of `sock` and map it here.
+
+    `max_bytes` caps what the export may announce, for its chunks together
+    and for its segments' committed bytes together (None: the importing
+    device's total memory); a header that announces more is refused with a
+    ValueError naming both numbers, before any descriptor is received.
 
     `driver` overrides the driver chosen from the header (a fault injector in
     tests); it must be of the exporter's kind and granularity. Each wait on
@@ -151,18 +171,55 @@ def import_segments(
     if driver is not None and not isinstance(driver, Driver):
         raise ValueError(f"driver must be an extkv Driver or None, got {driver!r}")
     timeout = validate.timeout("timeout", timeout)
+    if max_bytes is not None:
+        max_bytes = validate.integer("max_bytes", max_bytes, what="bytes an import may announce")
     previous = sock.gettimeout()
     sock.settimeout(socket_timeout(timeout))
     try:
-        header = ExportHeader.from_message(receive_message(sock))
+        header = ExportHeader.from_message(receive_message(sock, max_bytes=MAX_HEADER_BYTES))
+        driver = _driver_for_header(header, driver)
+        _check_announced_bytes(header, driver, max_bytes)
         fds = receive_fds(sock, len(header.chunk_sizes))
     finally:
         sock.settimeout(previous)
     try:
-        return _map_imported(_driver_for_header(header, driver), fds, header)
+        return _map_imported(driver, fds, header)
     finally:
         for fd in fds:
             os.close(fd)
+
+
+def _check_announced_bytes(header: ExportHeader, driver: Driver, max_bytes: int | None) -> None:
+    """Refuse a header that announces more than `max_bytes` (None: the
+    device's total memory) of chunks, or of committed bytes to read."""
+    if max_bytes is None:
+        cap, source = driver.memory_info()[1], f"max_bytes=None: the total memory of {driver.device}"
+    else:
+        cap, source = max_bytes, f"max_bytes={max_bytes}"
+    chunk_bytes = sum(header.chunk_sizes)
+    # Segments may overlap in one chunk: each overlap is read again.
+    segment_bytes = sum(segment.committed_bytes for segment in header.segments)
+    if chunk_bytes > cap or segment_bytes > cap:
+        raise ValueError(
+            f"the export announces {chunk_bytes} bytes in {len(header.chunk_sizes)} chunk(s) and {segment_bytes} "
+            f"committed bytes in {len(header.segments)} segment(s), more than the {cap} bytes this import accepts "
+            f"of either ({source}); no descriptor was received"
+        )
+
+
+def _check_allocated(driver: Driver, fd: int, index: int) -> None:
+    """Refuse a host memfd (`fd`, which the driver has imported) with holes:
+    each page of one this process reads would be allocated then, in its
+    memory cgroup."""
+    if driver.kind != "host":
+        return  # CUDA physical memory exists once created
+    status = os.fstat(fd)
+    allocated = status.st_blocks * 512
+    if allocated < status.st_size:
+        raise ValueError(
+            f"chunk {index} is a sparse memfd: {allocated} of its {status.st_size} bytes are allocated (an extkv "
+            "chunk has all of them); reading it would allocate the rest in this process"
+        )
 
 
 def _driver_for_header(header: ExportHeader, driver: Driver | None) -> Driver:
@@ -219,9 +276,10 @@ def _map_imported(driver: Driver, fds: list[int], header: ExportHeader) -> Impor
         with Transaction() as transaction:
             reservation = driver.reserve(reserved_bytes)
             transaction.push(driver.free_reservation, reservation, reserved_bytes)
-            for fd, size, placement in zip(fds, header.chunk_sizes, placements):
+            for index, (fd, size, placement) in enumerate(zip(fds, header.chunk_sizes, placements)):
                 chunk = driver.import_fd(fd, size)
                 transaction.push(unreleased.release, chunk)
+                _check_allocated(driver, fd, index)
                 address = reservation + placement
                 driver.map(address, chunk)
                 transaction.push(driver.unmap, address, size)
@@ -244,17 +302,19 @@ def _map_imported(driver: Driver, fds: list[int], header: ExportHeader) -> Impor
     return imported
 
 
-def run_peer(socket_path: str, timeout: float = DEFAULT_PEER_TIMEOUT_S) -> None:
+def run_peer(socket_path: str, timeout: float = DEFAULT_PEER_TIMEOUT_S, *, max_bytes: int | None = None) -> None:
     """Connect to an exporter listening at `socket_path`, import its segments,
     answer with their sha256 digests, and clean up. On failure the exporter is
-    told why before the error propagates. `timeout` is as `import_segments`
-    takes it."""
+    told why before the error propagates. `timeout` and `max_bytes` are as
+    `import_segments` takes them."""
     timeout = validate.timeout("timeout", timeout)
+    if max_bytes is not None:
+        validate.integer("max_bytes", max_bytes, what="bytes an import may announce")
     with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as sock:
         sock.settimeout(socket_timeout(timeout))
         sock.connect(socket_path)
         try:
-            with import_segments(sock, timeout=timeout) as imported:
+            with import_segments(sock, timeout=timeout, max_bytes=max_bytes) as imported:
                 digests = imported.digests()
         except Exception as error:
             try:

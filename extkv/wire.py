@@ -23,11 +23,15 @@ The header (`ExportHeader`) describes what the descriptors hold:
   segment, `chunk` indexing `chunks` (null when nothing is committed).
 
 What arrives comes from another process and is checked before it is used:
-a message is at most MAX_MESSAGE_BYTES of JSON that must not nest deeper
-than the parser can go, every geometry field of a header is validated, and
-reading stops exactly at the byte that carries descriptors, since a read
-past it would make the kernel drop them. Waits are bounded by the socket's
-own timeout, which the caller sets.
+a message is at most `max_bytes` of JSON (MAX_MESSAGE_BYTES unless the
+reader says less; a peer reads a header of MAX_HEADER_BYTES at most),
+refused on its length prefix before a byte of it is read, and received at
+most _RECEIVE_PIECE_BYTES at a time, so that memory follows what arrives,
+never what the prefix announces. It must not nest deeper than the parser
+can go, every geometry field of a header is validated, and reading stops
+exactly at the byte that carries descriptors, since a read past it would
+make the kernel drop them. Waits are bounded by the socket's own timeout,
+which the caller sets.
 
 The exporter (extkv.connector) and the peer (extkv.peer) both build on this
 module; neither imports the other.
@@ -54,6 +58,13 @@ PROTOCOL = "extkv-segments/2"
 MAX_FDS_PER_MESSAGE = 253
 #: A header is a few hundred bytes per segment; anything near this is garbage.
 MAX_MESSAGE_BYTES = 64 << 20
+#: The most a peer reads of a header: about 20 bytes per chunk and 70 per
+#: segment, so room for tens of thousands of segments. Parsed, JSON takes
+#: several times its size in Python objects.
+MAX_HEADER_BYTES = 4 << 20
+#: A message is received at most this many bytes at a time: `recv(n)`
+#: allocates n bytes before any arrives.
+_RECEIVE_PIECE_BYTES = 1 << 20
 #: The longest one wait put on a socket: its timeout refuses more than about
 #: 9.2e9 s (OverflowError), and 31 years are as good as forever.
 LONGEST_WAIT_S = 1e9
@@ -177,11 +188,13 @@ def send_message(sock: socket.socket, message: dict) -> None:
     sock.sendall(_LENGTH.pack(len(payload)) + payload)
 
 
-def receive_message(sock: socket.socket) -> dict:
-    """Receive one message sent by `send_message`."""
+def receive_message(sock: socket.socket, *, max_bytes: int = MAX_MESSAGE_BYTES) -> dict:
+    """Receive one message sent by `send_message`: a ValueError, before any
+    of it is read, when its length prefix announces more than `max_bytes`."""
+    max_bytes = validate.integer("max_bytes", max_bytes)
     (length,) = _LENGTH.unpack(_receive_exactly(sock, _LENGTH.size))
-    if length > MAX_MESSAGE_BYTES:
-        raise ValueError(f"message of {length} bytes announced, more than the {MAX_MESSAGE_BYTES} allowed")
+    if length > max_bytes:
+        raise ValueError(f"message of {length} bytes announced, more than the {max_bytes} allowed (max_bytes)")
     payload = _receive_exactly(sock, length)
     try:
         message = json.loads(payload)
@@ -199,7 +212,7 @@ def _receive_exactly(sock: socket.socket, count: int) -> bytes:
     # byte carrying descriptors would make the kernel drop them.
     received = bytearray()
     while len(received) < count:
-        part = sock.recv(count - len(received))
+        part = sock.recv(min(count - len(received), _RECEIVE_PIECE_BYTES))
         if not part:
             raise ConnectionError(f"connection closed after {len(received)} of {count} bytes")
         received += part
