@@ -36,6 +36,7 @@ import subprocess
 import sys
 import tempfile
 import threading
+import time
 from pathlib import Path
 
 import pytest
@@ -52,7 +53,7 @@ from extkv.connector import (
     listen_privately,
     peer_credentials,
 )
-from extkv.errors import DriverError, ExtkvError, StateError
+from extkv.errors import DeadlineExceededError, DriverError, ExtkvError, StateError
 from extkv.layout import (
     KVCacheLayout,
     granule_block_alignment,
@@ -253,14 +254,14 @@ def peers(tmp_path_factory):
     zygote.close()
 
 
-def run_peer_with(send, peers: PeerZygote | None) -> tuple[dict, int, str]:
+def run_peer_with(send, peers: PeerZygote | None, *, timeout: float = PEER_TIMEOUT_S) -> tuple[dict, int, str]:
     """Start a peer process (forked from `peers`, or with None the
-    `python -m extkv peer` command in a fresh interpreter), let `send(sock)`
-    talk to it, and return its reply, exit status and stderr. Every wait is
-    bounded: a hang fails."""
+    `python -m extkv peer` command in a fresh interpreter) with `--timeout
+    timeout`, let `send(sock)` talk to it, and return its reply, exit status
+    and stderr. Every wait is bounded: a hang fails."""
     with listen_privately() as listener:
         listener.socket.settimeout(PEER_TIMEOUT_S)
-        argv = ["peer", "--peer", listener.path, "--timeout", str(PEER_TIMEOUT_S)]
+        argv = ["peer", "--peer", listener.path, "--timeout", str(timeout)]
         peer = CommandLinePeer(argv) if peers is None else peers.start(argv)
         try:
             try:
@@ -1064,7 +1065,10 @@ def test_timeouts_take_inf_as_no_limit_and_refuse_what_is_no_duration(build, con
         for timeout in (math.inf, 1e300, 10**400, None, 60):
             connector.export_to(sender)
             with import_segments(receiver, timeout=timeout) as imported:
-                assert imported.digests() == expected, timeout
+                assert imported.digests(timeout=timeout) == expected, timeout
+                for refused in NOT_TIMEOUTS:
+                    with pytest.raises(ValueError, match=no_timeout("timeout", refused)):
+                        imported.digests(timeout=refused)
             assert receiver.gettimeout() is None, timeout
         for timeout in NOT_TIMEOUTS:
             with pytest.raises(ValueError, match=no_timeout("timeout", timeout)):
@@ -1101,6 +1105,105 @@ def test_timeouts_take_inf_as_no_limit_and_refuse_what_is_no_duration(build, con
             thread.join(PEER_TIMEOUT_S)
     assert not failures and reply == {"digests": expected}
     assert live_counts() == counts and fd_count() == fds
+
+
+def message_bytes(message: dict) -> bytes:
+    """`message` as `send_message` puts it on the wire."""
+    payload = json.dumps(message).encode()
+    return struct.pack(">Q", len(payload)) + payload
+
+
+#: A paced exporter's bytes are this far apart: far below any timeout of a
+#: single wait, while a header of a few hundred bytes takes seconds.
+PACE_S = 0.02
+
+
+def paced_send(sock: socket.socket, payload: bytes, fd: int) -> bool:
+    """Send `payload` one byte every PACE_S, then `fd`, as an exporter that
+    keeps each of the peer's waits short and the whole import long. False
+    when the peer hung up first."""
+    try:
+        for i in range(len(payload)):
+            sock.send(payload[i : i + 1])
+            time.sleep(PACE_S)
+        socket.send_fds(sock, [b"F"], [fd])
+    except OSError:
+        return False
+    return True
+
+
+@pytest.mark.invariant(6, 8)
+def test_an_import_and_its_digests_are_over_within_their_timeouts():
+    """An exporter that sends its header a byte at a time keeps every wait
+    short; the import still gives up once its timeout has passed, naming how
+    far it got, not when the last byte arrives. So do digests."""
+    counts, fds = live_counts(), fd_count()
+    header = message_bytes(host_header([GRANULE], [(0, 0, GRANULE)]))
+    assert len(header) * PACE_S > 4  # paced, the header alone takes seconds
+    memfd = hostile_memfd(GRANULE, allocated=True)
+    sender, receiver = socket.socketpair()
+    try:
+        exporter = threading.Thread(target=paced_send, args=(sender, header, memfd))
+        started = time.monotonic()
+        exporter.start()
+        try:
+            with pytest.raises(DeadlineExceededError) as raised:
+                import_segments(receiver, timeout=0.5).close()
+            elapsed = time.monotonic() - started
+        finally:
+            receiver.close()  # the exporter's next byte meets a peer that hung up
+            exporter.join(PEER_TIMEOUT_S)
+        assert re.fullmatch(
+            rf"import_segments \(receiving the export\) was not over within the 0.5 s allowed "
+            rf"\(received \d+ of the {len(header) - 8} bytes of the header\)",
+            str(raised.value),
+        ), str(raised.value)
+        assert isinstance(raised.value, TimeoutError) and isinstance(raised.value, ExtkvError)
+        assert 0.5 <= elapsed < 2, f"gave up after {elapsed:.2f} s"
+
+        # Given at once, the same export imports; its digests get a deadline of their own.
+        at_once, importer = socket.socketpair()
+        with at_once, importer:
+            at_once.sendall(header)
+            socket.send_fds(at_once, [b"F"], [memfd])
+            with import_segments(importer, timeout=PEER_TIMEOUT_S) as imported:
+                with pytest.raises(
+                    DeadlineExceededError,
+                    match=rf"^digests\(\) was not over within the 1e-09 s allowed \(hashed 0 of the {GRANULE} bytes of segment 0\)$",
+                ):
+                    imported.digests(timeout=1e-9)
+                assert imported.digests(timeout=PEER_TIMEOUT_S) == [hashlib.sha256(bytes(GRANULE)).hexdigest()]
+    finally:
+        sender.close()
+        os.close(memfd)
+    assert live_counts() == counts and fd_count() == fds
+
+
+@pytest.mark.invariant(8)
+def test_the_peer_process_is_over_within_its_timeout_however_the_exporter_paces_it(peers):
+    """`extkv peer --timeout 1` against an exporter that paces its header:
+    the peer tells the exporter it gave up, and why, a second after it
+    started, not after the header's last byte."""
+    header = message_bytes(host_header([GRANULE], [(0, 0, GRANULE)]))
+    memfd = hostile_memfd(GRANULE, allocated=True)
+    took = []
+
+    def send(sock):
+        started = time.monotonic()
+        assert not paced_send(sock, header, memfd), "the peer took the whole paced export"
+        took.append(time.monotonic() - started)
+
+    try:
+        reply, returncode, stderr = run_peer_with(send, peers, timeout=1)
+    finally:
+        os.close(memfd)
+    assert returncode == 1, stderr
+    assert re.fullmatch(
+        r"DeadlineExceededError: the peer of \S+ was not over within the 1 s allowed "
+        r"\(received \d+ of the \d+ bytes of the header\)",
+        reply["error"],
+    ), reply
+    assert took[0] < len(header) * PACE_S / 2, f"the peer hung up {took[0]:.2f} s into the export"
 
 
 @pytest.mark.invariant(6)

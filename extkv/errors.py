@@ -55,3 +55,9 @@ class OutOfMemoryError(DriverError):
 
 class StateError(ExtkvError, RuntimeError):
     """An operation is not legal in the object's current state (e.g. freed)."""
+
+
+class DeadlineExceededError(ExtkvError, TimeoutError):
+    """An exchange with another process (or a digest) was not over within
+    its timeout. The message names the exchange, the timeout and how far it
+    got; a `TimeoutError`, so callers that catch the builtin still work."""

@@ -17,8 +17,8 @@ be mapped read-only, and on CUDA, where a descriptor carries no access mode,
 this peer grants itself read access only unless the header says writable.
 
 What arrives comes from another process and is checked before it is used:
-every wait on the socket is bounded (`timeout`, DEFAULT_PEER_TIMEOUT_S by
-default), the header is at most wire.MAX_HEADER_BYTES and validated field by
+the whole import is over within `timeout` seconds (DEFAULT_PEER_TIMEOUT_S by
+default), however the exporter paces its bytes, the header is at most wire.MAX_HEADER_BYTES and validated field by
 field (extkv.wire), and a host descriptor must be a sealed memfd (a regular
 file is refused: its owner could truncate it under the mapping).
 
@@ -33,9 +33,14 @@ creation: reading a sparse one would allocate its holes here, as much as it
 announces. An exporter that punches holes after the import can still do
 that, up to `max_bytes`.
 
+Nor does it decide this process's time. `digests(timeout=)` is over within
+its timeout: segments are hashed DIGEST_PIECE_BYTES at a time (copied to the
+host piece by piece from a GPU, so a digest takes that much host memory
+whatever the segments' size), and the deadline is checked between pieces.
+
 `run_peer(path)` is the whole peer as a process (`extkv peer --peer PATH`):
 connect, import, answer with the sha256 of each segment's committed bytes,
-clean up. A failure is answered with `error_reply`, which names the error's
+clean up, all of it within one `timeout`. A failure is answered with `error_reply`, which names the error's
 type and what failed, never an address of this process.
 """
 
@@ -51,21 +56,34 @@ import torch
 from . import validate
 from .errors import DriverError, StateError
 from .vmm import Chunk, Driver, HostDriver, Transaction, UnreleasedChunks, cuda_usable, driver_for
-from .wire import MAX_HEADER_BYTES, ExportHeader, receive_fds, receive_message, send_message, socket_timeout
+from .wire import MAX_HEADER_BYTES, Deadline, ExportHeader, receive_fds, receive_message, send_message
 
-#: Seconds the peer waits on its socket (each wait) before giving up.
+#: Seconds one import may take (`import_segments`), and the whole peer
+#: (`run_peer`: connect, import, digests, reply).
 DEFAULT_PEER_TIMEOUT_S = 120.0
+#: Bytes hashed at a time; from a GPU, the host memory a digest takes.
+DIGEST_PIECE_BYTES = 64 << 20
+#: How long a failed peer tries to tell the exporter why: a few hundred
+#: bytes, which a live exporter's socket takes at once.
+_ERROR_REPLY_WAIT_S = 1.0
 
 
-def sha256_hex(tensor: torch.Tensor) -> str:
-    """sha256 (hex) of a tensor's bytes in logical order, on any device."""
-    host = tensor.detach().cpu().contiguous()
-    nbytes = host.numel() * host.element_size()
-    if nbytes == 0:
-        return hashlib.sha256().hexdigest()
-    # Hashed in place through the buffer protocol: no numpy, no extra copy of
-    # a host tensor. `host` stays referenced until hashing is done.
-    return hashlib.sha256((ctypes.c_ubyte * nbytes).from_address(host.data_ptr())).hexdigest()
+def sha256_hex(tensor: torch.Tensor, *, deadline: Deadline | None = None, name: str = "the tensor") -> str:
+    """sha256 (hex) of a tensor's bytes in logical order, on any device,
+    hashed DIGEST_PIECE_BYTES at a time; with a `deadline`, checked before
+    each piece (DeadlineExceededError naming `name` and how far it got)."""
+    flat = tensor.detach().contiguous().reshape(-1).view(torch.uint8)
+    total = flat.numel()
+    hasher = hashlib.sha256()
+    for start in range(0, total, DIGEST_PIECE_BYTES):
+        if deadline is not None:
+            deadline.left(f"hashed {start} of the {total} bytes of {name}")
+        # A view of host memory; from a GPU, a copy of this piece only.
+        piece = flat[start : start + DIGEST_PIECE_BYTES].cpu()
+        # Hashed in place through the buffer protocol: no numpy, no extra
+        # copy. `piece` stays referenced until hashing is done.
+        hasher.update((ctypes.c_ubyte * piece.numel()).from_address(piece.data_ptr()))
+    return hasher.hexdigest()
 
 
 class ImportedSegments:
@@ -104,10 +122,14 @@ class ImportedSegments:
     def segment_sizes(self) -> list[int]:
         return [view.numel() for view in self.views]
 
-    def digests(self) -> list[str]:
-        """sha256 (hex) of each segment's committed bytes."""
+    def digests(self, *, timeout: float | None = None) -> list[str]:
+        """sha256 (hex) of each segment's committed bytes, all of them within
+        `timeout` seconds (None or inf: no limit), or DeadlineExceededError."""
         self._require_open("digests")
-        return [sha256_hex(view) for view in self.views]
+        return self._digests(Deadline(validate.timeout("timeout", timeout), "digests()"))
+
+    def _digests(self, deadline: Deadline) -> list[str]:
+        return [sha256_hex(view, deadline=deadline, name=f"segment {i}") for i, view in enumerate(self.views)]
 
     def close(self) -> None:
         """Unmap, release and free everything. Idempotent; if a driver step
@@ -161,10 +183,12 @@ def import_segments(
     ValueError naming both numbers, before any descriptor is received.
 
     `driver` overrides the driver chosen from the header (a fault injector in
-    tests); it must be of the exporter's kind and granularity. Each wait on
-    `sock` gives up after `timeout` seconds (`TimeoutError`; None or inf
-    waits forever); the socket's own timeout is restored afterwards. The received
-    descriptors are closed before this returns, on success or failure.
+    tests); it must be of the exporter's kind and granularity. The header and
+    the descriptors must all have arrived within `timeout` seconds, however
+    the exporter paces them (DeadlineExceededError, a TimeoutError, naming
+    how far they got; None or inf waits forever); the socket's own timeout
+    is restored afterwards. The received descriptors are closed before this
+    returns, on success or failure.
     """
     if not isinstance(sock, socket.socket) or sock.family != socket.AF_UNIX:
         raise ValueError(f"import_segments needs a connected AF_UNIX socket to receive file descriptors, got {sock!r}")
@@ -173,13 +197,17 @@ def import_segments(
     timeout = validate.timeout("timeout", timeout)
     if max_bytes is not None:
         max_bytes = validate.integer("max_bytes", max_bytes, what="bytes an import may announce")
+    return _import(sock, driver, Deadline(timeout, "import_segments (receiving the export)"), max_bytes)
+
+
+def _import(sock: socket.socket, driver: Driver | None, deadline: Deadline, max_bytes: int | None) -> ImportedSegments:
     previous = sock.gettimeout()
-    sock.settimeout(socket_timeout(timeout))
     try:
-        header = ExportHeader.from_message(receive_message(sock, max_bytes=MAX_HEADER_BYTES))
+        message = receive_message(sock, max_bytes=MAX_HEADER_BYTES, deadline=deadline, what="the header")
+        header = ExportHeader.from_message(message)
         driver = _driver_for_header(header, driver)
         _check_announced_bytes(header, driver, max_bytes)
-        fds = receive_fds(sock, len(header.chunk_sizes))
+        fds = receive_fds(sock, len(header.chunk_sizes), deadline=deadline)
     finally:
         sock.settimeout(previous)
     try:
@@ -310,17 +338,22 @@ def run_peer(socket_path: str, timeout: float = DEFAULT_PEER_TIMEOUT_S, *, max_b
     timeout = validate.timeout("timeout", timeout)
     if max_bytes is not None:
         validate.integer("max_bytes", max_bytes, what="bytes an import may announce")
+    # One deadline for all of it: an exporter that paces its bytes, or
+    # announces much to hash, keeps this process no longer.
+    deadline = Deadline(timeout, f"the peer of {socket_path}")
     with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as sock:
-        sock.settimeout(socket_timeout(timeout))
+        sock.settimeout(deadline.left("connecting"))
         sock.connect(socket_path)
         try:
-            with import_segments(sock, timeout=timeout, max_bytes=max_bytes) as imported:
-                digests = imported.digests()
+            with _import(sock, None, deadline, max_bytes) as imported:
+                digests = imported._digests(deadline)
+            sock.settimeout(deadline.left("replying"))
         except Exception as error:
+            sock.settimeout(_ERROR_REPLY_WAIT_S)
             try:
                 send_message(sock, {"error": error_reply(error)})
             except OSError:
-                pass  # the exporter is gone; the original error is what matters
+                pass  # the exporter is gone or not reading; the original error is what matters
             raise
         send_message(sock, {"digests": digests})
 

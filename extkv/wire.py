@@ -30,8 +30,14 @@ most _RECEIVE_PIECE_BYTES at a time, so that memory follows what arrives,
 never what the prefix announces. It must not nest deeper than the parser
 can go, every geometry field of a header is validated, and reading stops
 exactly at the byte that carries descriptors, since a read past it would
-make the kernel drop them. Waits are bounded by the socket's own timeout,
-which the caller sets.
+make the kernel drop them.
+
+Waits are bounded in one of two ways. Given a `Deadline`, a function waits
+for each recv only as long as the deadline leaves, so the whole exchange,
+however the other side paces its bytes (one every second keeps every single
+wait short), is over by then or raises DeadlineExceededError naming how far
+it got. Without one, each wait is bounded by the socket's own timeout, which
+the caller sets.
 
 The exporter (extkv.connector) and the peer (extkv.peer) both build on this
 module; neither imports the other.
@@ -44,12 +50,14 @@ import json
 import os
 import socket
 import struct
+import time
 from dataclasses import dataclass
 from typing import NamedTuple, Sequence
 
 import torch
 
 from . import validate
+from .errors import DeadlineExceededError
 from .vmm import Driver
 
 #: Names the wire format; a peer refuses any other.
@@ -169,10 +177,35 @@ class ExportHeader:
         )
 
 
-def socket_timeout(seconds: float | None) -> float | None:
-    """What to give `socket.settimeout` for a wait of `seconds` (None: no
-    limit), as `validate.timeout` returns them."""
-    return None if seconds is None else min(seconds, LONGEST_WAIT_S)
+class Deadline:
+    """When one whole exchange must be over: `seconds` after this is made
+    (as `validate.timeout` returns them; None: never). `what` names the
+    exchange in the DeadlineExceededError."""
+
+    def __init__(self, seconds: float | None, what: str):
+        self.seconds = seconds
+        self.what = what
+        self._end = None if seconds is None else time.monotonic() + seconds
+
+    def left(self, progress: str = "") -> float | None:
+        """The timeout for the next wait: what is left, or None for no limit;
+        DeadlineExceededError (naming `progress`) once nothing is."""
+        if self._end is None:
+            return None
+        left = self._end - time.monotonic()
+        if left <= 0:
+            raise self.exceeded(progress)
+        return min(left, LONGEST_WAIT_S)
+
+    def exceeded(self, progress: str = "") -> DeadlineExceededError:
+        done = f" ({progress})" if progress else ""
+        return DeadlineExceededError(f"{self.what} was not over within the {self.seconds:g} s allowed{done}")
+
+
+def _wait(sock: socket.socket, deadline: Deadline | None, progress: str) -> None:
+    """Give the next wait on `sock` what `deadline` leaves of it."""
+    if deadline is not None:
+        sock.settimeout(deadline.left(progress))
 
 
 def _cuda_uuid(device: torch.device) -> str | None:
@@ -188,14 +221,18 @@ def send_message(sock: socket.socket, message: dict) -> None:
     sock.sendall(_LENGTH.pack(len(payload)) + payload)
 
 
-def receive_message(sock: socket.socket, *, max_bytes: int = MAX_MESSAGE_BYTES) -> dict:
+def receive_message(
+    sock: socket.socket, *, max_bytes: int = MAX_MESSAGE_BYTES, deadline: Deadline | None = None, what: str = "a message"
+) -> dict:
     """Receive one message sent by `send_message`: a ValueError, before any
-    of it is read, when its length prefix announces more than `max_bytes`."""
+    of it is read, when its length prefix announces more than `max_bytes`.
+    With a `deadline`, the socket's timeout is left at what it left; `what`
+    names the message in a DeadlineExceededError."""
     max_bytes = validate.integer("max_bytes", max_bytes)
-    (length,) = _LENGTH.unpack(_receive_exactly(sock, _LENGTH.size))
+    (length,) = _LENGTH.unpack(_receive_exactly(sock, _LENGTH.size, deadline, f"the length of {what}"))
     if length > max_bytes:
         raise ValueError(f"message of {length} bytes announced, more than the {max_bytes} allowed (max_bytes)")
-    payload = _receive_exactly(sock, length)
+    payload = _receive_exactly(sock, length, deadline, what)
     try:
         message = json.loads(payload)
     except ValueError as error:
@@ -207,12 +244,19 @@ def receive_message(sock: socket.socket, *, max_bytes: int = MAX_MESSAGE_BYTES) 
     return message
 
 
-def _receive_exactly(sock: socket.socket, count: int) -> bytes:
+def _receive_exactly(sock: socket.socket, count: int, deadline: Deadline | None, what: str) -> bytes:
     # Exactly `count` bytes and not one more: a plain recv that reached the
     # byte carrying descriptors would make the kernel drop them.
     received = bytearray()
     while len(received) < count:
-        part = sock.recv(min(count - len(received), _RECEIVE_PIECE_BYTES))
+        progress = f"received {len(received)} of the {count} bytes of {what}"
+        _wait(sock, deadline, progress)
+        try:
+            part = sock.recv(min(count - len(received), _RECEIVE_PIECE_BYTES))
+        except socket.timeout:
+            if deadline is None:
+                raise
+            raise deadline.exceeded(progress) from None
         if not part:
             raise ConnectionError(f"connection closed after {len(received)} of {count} bytes")
         received += part
@@ -228,16 +272,24 @@ def send_fds(sock: socket.socket, fds: Sequence[int]) -> None:
             raise ConnectionError(f"sending descriptors {start}..{start + len(batch) - 1} failed")
 
 
-def receive_fds(sock: socket.socket, count: int) -> list[int]:
+def receive_fds(sock: socket.socket, count: int, *, deadline: Deadline | None = None) -> list[int]:
     """`count` descriptors sent by `send_fds`; the caller closes them. On
-    failure, those received so far are closed here."""
+    failure, those received so far are closed here. `deadline` is as
+    `receive_message` takes it."""
     fds: list[int] = []
     try:
         while len(fds) < count:
             expected = min(MAX_FDS_PER_MESSAGE, count - len(fds))
-            data, ancillary, flags, _ = sock.recvmsg(
-                1, socket.CMSG_SPACE(expected * array.array("i").itemsize), socket.MSG_CMSG_CLOEXEC
-            )
+            progress = f"received {len(fds)} of the {count} descriptors"
+            _wait(sock, deadline, progress)
+            try:
+                data, ancillary, flags, _ = sock.recvmsg(
+                    1, socket.CMSG_SPACE(expected * array.array("i").itemsize), socket.MSG_CMSG_CLOEXEC
+                )
+            except socket.timeout:
+                if deadline is None:
+                    raise
+                raise deadline.exceeded(progress) from None
             batch = array.array("i")
             for level, kind, payload in ancillary:
                 if level == socket.SOL_SOCKET and kind == socket.SCM_RIGHTS:
