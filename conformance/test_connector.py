@@ -45,6 +45,7 @@ import torch
 import extkv
 from extkv.cache import ExtensibleKVCache
 from extkv.connector import (
+    DEFAULT_EXPORT_TIMEOUT_S,
     KVConnector,
     PeerRefusedError,
     SegmentExportConnector,
@@ -1063,7 +1064,8 @@ def test_timeouts_take_inf_as_no_limit_and_refuse_what_is_no_duration(build, con
     sender, receiver = socket.socketpair()
     with sender, receiver:
         for timeout in (math.inf, 1e300, 10**400, None, 60):
-            connector.export_to(sender)
+            connector.export_to(sender, timeout=timeout)
+            assert sender.gettimeout() is None, timeout
             with import_segments(receiver, timeout=timeout) as imported:
                 assert imported.digests(timeout=timeout) == expected, timeout
                 for refused in NOT_TIMEOUTS:
@@ -1073,9 +1075,11 @@ def test_timeouts_take_inf_as_no_limit_and_refuse_what_is_no_duration(build, con
         for timeout in NOT_TIMEOUTS:
             with pytest.raises(ValueError, match=no_timeout("timeout", timeout)):
                 import_segments(receiver, timeout=timeout)
+            with pytest.raises(ValueError, match=no_timeout("timeout", timeout)):
+                connector.export_to(sender, timeout=timeout)
         receiver.setblocking(False)
         with pytest.raises(BlockingIOError):
-            receiver.recv(1)  # each import read its export to the end
+            receiver.recv(1)  # each import read its export to the end; a refused export sent nothing
     assert live_counts() == counts and fd_count() == fds
 
     # The peer's whole run (what `extkv peer --timeout inf` calls), in a thread.
@@ -1251,6 +1255,103 @@ def test_export_refuses_a_peer_it_does_not_allow_and_sends_nothing(build, peers,
     assert reply == {"error": "ConnectionError: connection closed after 0 of 8 bytes"}, stderr
     assert connector.is_registered
     connector.close()
+
+
+def fill_send_buffer(sock: socket.socket) -> None:
+    """Send zeros until `sock` takes no more: what a peer that stopped
+    reading leaves there, so that the next send has to wait for it."""
+    sock.setblocking(False)
+    try:
+        while True:
+            sock.send(bytes(1 << 16))
+    except BlockingIOError:
+        pass
+    finally:
+        sock.setblocking(True)
+
+
+class SilentPeer:
+    """A forked process that connects to `path`, then reads nothing until
+    it is killed (`kill()`, idempotent)."""
+
+    def __init__(self, path: str):
+        self.pid = os.fork()
+        if self.pid == 0:
+            try:
+                with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as sock:
+                    sock.connect(path)
+                    time.sleep(PEER_TIMEOUT_S)
+            finally:
+                os._exit(0)
+
+    def kill(self) -> None:
+        if self.pid is not None:
+            os.kill(self.pid, signal.SIGKILL)
+            os.waitpid(self.pid, 0)
+            self.pid = None
+
+
+def export_in_a_thread(connector: SegmentExportConnector, sock: socket.socket, **arguments) -> tuple[threading.Thread, list]:
+    """Start `connector.export_to(sock, **arguments)` in a thread; the list
+    gets what it raised (None when it returned)."""
+    outcome: list = []
+
+    def export():
+        try:
+            connector.export_to(sock, **arguments)
+        except BaseException as error:
+            outcome.append(error)
+        else:
+            outcome.append(None)
+
+    thread = threading.Thread(target=export, daemon=True)
+    thread.start()
+    return thread, outcome
+
+
+@pytest.mark.invariant(8)
+def test_export_to_a_peer_that_never_reads_gives_up_within_its_timeout(build, connector, peers):
+    """A peer process that connects and reads nothing cannot hold the
+    exporter: export_to gives up once its timeout has passed, naming the
+    peer, closes every descriptor it exported, restores the socket's
+    timeout, and the next peer is served."""
+    assert DEFAULT_EXPORT_TIMEOUT_S == 60
+    kv_cache = build.cache_for("padded", KVCacheLayout.LBHNC, device=HOST)
+    kv_cache.commit(300, defragment=True)
+    fill_segments(kv_cache, seed=13)
+    connector.register_kv_caches(kv_cache)
+    with listen_privately() as listener:
+        listener.socket.settimeout(PEER_TIMEOUT_S)
+        peer = SilentPeer(listener.path)
+        try:
+            with listener.accept() as connection:
+                fill_send_buffer(connection)
+                connection.settimeout(PEER_TIMEOUT_S)  # each wait's own bound, longer than the test
+                fds = fd_count()
+                started = time.monotonic()
+                thread, outcome = export_in_a_thread(connector, connection, timeout=0.5)
+                thread.join(10)
+                elapsed = time.monotonic() - started
+                if thread.is_alive():
+                    peer.kill()  # its end closes, and the stuck send fails
+                    thread.join(PEER_TIMEOUT_S)
+                    raise AssertionError(f"export_to still waited for a peer that never reads after {elapsed:.1f} s")
+                (error,) = outcome
+                assert isinstance(error, DeadlineExceededError) and isinstance(error, TimeoutError), repr(error)
+                assert re.fullmatch(
+                    rf"export_to the peer \(pid {peer.pid}, uid {os.getuid()}\) was not over within the 0.5 s "
+                    r"allowed \(sent \d+ of the \d+ bytes of the header\); the peer does not read what it is "
+                    r"sent: the export is incomplete and the socket mid-message, close it \(the connector stays "
+                    r"registered for the next peer\)",
+                    str(error),
+                ), str(error)
+                assert 0.5 <= elapsed < 5, f"gave up after {elapsed:.2f} s"
+                assert fd_count() == fds  # the exported descriptors are closed
+                assert connection.gettimeout() == PEER_TIMEOUT_S  # restored
+        finally:
+            peer.kill()
+    assert connector.is_registered
+    assert peer_digests(connector, peers) == digests_here(kv_cache)
 
 
 @pytest.mark.invariant(6, 8)

@@ -27,6 +27,13 @@ memory changes afterwards (released, recommitted, grown), `export_to` refuses
 with `StaleRegistrationError` instead of exporting chunks that no longer back
 the segments; `restore_kv_caches()` registers the current mapping.
 
+A peer does not decide the exporter's time: the whole send of one export
+(header and descriptors) is over within `timeout` (DEFAULT_EXPORT_TIMEOUT_S
+by default), however slowly the peer reads, or `export_to` raises
+DeadlineExceededError naming the peer. What was sent by then is incomplete
+and the socket mid-message: the caller closes it. The exported descriptors
+are closed either way, and the connector stays registered for the next peer.
+
 Trust (a peer receives only what it is given and cannot harm the exporter):
 - Who: before sending anything, `export_to` reads the connected peer's
   credentials (`SO_PEERCRED`: pid, uid, gid, taken by the kernel at connect
@@ -58,11 +65,15 @@ from typing import Iterable, Protocol, Sequence, runtime_checkable
 
 from . import validate
 from .cache import ExtensibleKVCache
-from .errors import ExtkvError, StateError
+from .errors import DeadlineExceededError, ExtkvError, StateError
 from .layout import KVCacheConfig
 from .tensor import ExtensibleTensor, MappedChunk
 from .vmm import Driver
-from .wire import ExportHeader, SegmentPlacement, send_fds, send_message
+from .wire import Deadline, ExportHeader, SegmentPlacement, send_fds, send_message
+
+#: Seconds one export may take to send, header and descriptors. A peer that
+#: reads takes them at once: only one that stopped reading meets this.
+DEFAULT_EXPORT_TIMEOUT_S = 60.0
 
 
 class SegmentNotContiguousError(ExtkvError, ValueError):
@@ -211,12 +222,19 @@ class SegmentExportConnector:
         self._kv_cache = None
         self._state = _State.CLOSED
 
-    def export_to(self, sock: socket.socket) -> None:
+    def export_to(self, sock: socket.socket, *, timeout: float | None = DEFAULT_EXPORT_TIMEOUT_S) -> None:
         """Send the registered segments to the process at the other end of
         `sock` (a connected AF_UNIX stream socket): the header, then one
         exported descriptor per distinct chunk, read-only unless
         `writable_exports`. The descriptors exported here are closed before
         returning, whether or not sending succeeded.
+
+        The whole send is over within `timeout` seconds, however slowly the
+        peer reads (DeadlineExceededError, a TimeoutError, naming the peer and
+        how far it got: close the socket, which is left mid-message). None
+        sets no limit of its own: each wait is then bounded by the socket's
+        timeout, if it has one; inf is None. The socket's timeout is restored
+        afterwards.
 
         Raises `PeerRefusedError`, having sent nothing, when the peer's
         credentials are not allowed.
@@ -224,7 +242,8 @@ class SegmentExportConnector:
         self._require("export_to")
         if sock.family != socket.AF_UNIX:
             raise ValueError(f"export_to needs an AF_UNIX socket to pass file descriptors, got family {sock.family!r}")
-        self._check_peer(sock)
+        timeout = validate.timeout("timeout", timeout)
+        pid, uid, _ = self._check_peer(sock)
         assert self._kv_cache is not None
         buffer = self._kv_cache.buffer
         driver = buffer.driver
@@ -237,13 +256,25 @@ class SegmentExportConnector:
                 header, chunks = _export_header(driver, self._registrations, self.writable_exports)
                 for mapped in chunks:
                     fds.append(driver.export_fd(mapped.chunk, writable=self.writable_exports))
-            send_message(sock, header.to_message())
-            send_fds(sock, fds)
+            # From the first byte sent: waiting for the lock is no peer's doing.
+            deadline = None if timeout is None else Deadline(timeout, f"export_to the peer (pid {pid}, uid {uid})")
+            previous = sock.gettimeout()
+            try:
+                send_message(sock, header.to_message(), deadline=deadline, what="the header")
+                send_fds(sock, fds, deadline=deadline)
+            except DeadlineExceededError as error:
+                raise DeadlineExceededError(
+                    f"{error}; the peer does not read what it is sent: the export is incomplete and the socket "
+                    "mid-message, close it (the connector stays registered for the next peer)"
+                ) from None
+            finally:
+                sock.settimeout(previous)
         finally:
             for fd in fds:
                 os.close(fd)
 
-    def _check_peer(self, sock: socket.socket) -> None:
+    def _check_peer(self, sock: socket.socket) -> tuple[int, int, int]:
+        """The peer's (pid, uid, gid), once they are allowed."""
         pid, uid, gid = peer_credentials(sock)
         refused = []
         if uid not in self.allowed_uids:
@@ -254,6 +285,7 @@ class SegmentExportConnector:
             raise PeerRefusedError(
                 f"export_to refused the peer (pid {pid}, uid {uid}, gid {gid}): {'; '.join(refused)}; nothing was sent"
             )
+        return pid, uid, gid
 
     def _check_current(self, buffer: ExtensibleTensor) -> None:
         """Refuse a registration whose chunks no longer back the segments."""

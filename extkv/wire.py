@@ -33,11 +33,12 @@ exactly at the byte that carries descriptors, since a read past it would
 make the kernel drop them.
 
 Waits are bounded in one of two ways. Given a `Deadline`, a function waits
-for each recv only as long as the deadline leaves, so the whole exchange,
-however the other side paces its bytes (one every second keeps every single
-wait short), is over by then or raises DeadlineExceededError naming how far
-it got. Without one, each wait is bounded by the socket's own timeout, which
-the caller sets.
+for each send or recv only as long as the deadline leaves, so the whole
+exchange, however the other side paces its reading or its bytes (one every
+second keeps every single wait short), is over by then or raises
+DeadlineExceededError naming how far it got; the exporter sends under one
+and so does the peer receive. Without one, each wait is bounded by the
+socket's own timeout, which the caller sets.
 
 The exporter (extkv.connector) and the peer (extkv.peer) both build on this
 module; neither imports the other.
@@ -215,10 +216,23 @@ def _cuda_uuid(device: torch.device) -> str | None:
 
 
 # -- messages -------------------------------------------------------------------
-def send_message(sock: socket.socket, message: dict) -> None:
-    """Send one length-prefixed JSON message."""
+def send_message(
+    sock: socket.socket, message: dict, *, deadline: Deadline | None = None, what: str = "a message"
+) -> None:
+    """Send one length-prefixed JSON message; `deadline` and `what` are as
+    `receive_message` takes them."""
     payload = json.dumps(message).encode()
-    sock.sendall(_LENGTH.pack(len(payload)) + payload)
+    data = memoryview(_LENGTH.pack(len(payload)) + payload)
+    sent = 0
+    while sent < len(data):
+        progress = f"sent {sent} of the {len(data)} bytes of {what}"
+        _wait(sock, deadline, progress)
+        try:
+            sent += sock.send(data[sent:])
+        except socket.timeout:
+            if deadline is None:
+                raise
+            raise deadline.exceeded(progress) from None
 
 
 def receive_message(
@@ -264,11 +278,20 @@ def _receive_exactly(sock: socket.socket, count: int, deadline: Deadline | None,
 
 
 # -- descriptors ----------------------------------------------------------------
-def send_fds(sock: socket.socket, fds: Sequence[int]) -> None:
-    """Send `fds` (still the caller's to close) in batches the kernel takes."""
+def send_fds(sock: socket.socket, fds: Sequence[int], *, deadline: Deadline | None = None) -> None:
+    """Send `fds` (still the caller's to close) in batches the kernel takes;
+    `deadline` is as `receive_message` takes it."""
     for start in range(0, len(fds), MAX_FDS_PER_MESSAGE):
         batch = fds[start : start + MAX_FDS_PER_MESSAGE]
-        if socket.send_fds(sock, [b"F"], batch) != 1:
+        progress = f"sent {start} of the {len(fds)} descriptors"
+        _wait(sock, deadline, progress)
+        try:
+            sent = socket.send_fds(sock, [b"F"], batch)
+        except socket.timeout:
+            if deadline is None:
+                raise
+            raise deadline.exceeded(progress) from None
+        if sent != 1:
             raise ConnectionError(f"sending descriptors {start}..{start + len(batch) - 1} failed")
 
 
