@@ -47,6 +47,7 @@ from extkv.cache import ExtensibleKVCache
 from extkv.connector import (
     DEFAULT_EXPORT_TIMEOUT_S,
     KVConnector,
+    PeerDisconnectedError,
     PeerRefusedError,
     SegmentExportConnector,
     SegmentNotContiguousError,
@@ -1352,6 +1353,68 @@ def test_export_to_a_peer_that_never_reads_gives_up_within_its_timeout(build, co
             peer.kill()
     assert connector.is_registered
     assert peer_digests(connector, peers) == digests_here(kv_cache)
+
+
+@pytest.mark.invariant(8)
+def test_a_peer_that_hangs_up_mid_export_is_named_and_the_next_is_served(build, connector, peers):
+    """A peer process that dies while export_to waits to send it the header
+    is a PeerDisconnectedError (a ConnectionError) naming its pid and what
+    was being sent, not a bare BrokenPipeError; every exported descriptor is
+    closed and the next peer reads the cache. Nor does a hang-up kill an
+    exporter that does not ignore SIGPIPE, as Python does."""
+    kv_cache = build.cache_for("padded", KVCacheLayout.LBHNC, device=HOST)
+    kv_cache.commit(300, defragment=True)
+    fill_segments(kv_cache, seed=14)
+    connector.register_kv_caches(kv_cache)
+    with listen_privately() as listener:
+        listener.socket.settimeout(PEER_TIMEOUT_S)
+        peer = SilentPeer(listener.path)
+        try:
+            with listener.accept() as connection:
+                fill_send_buffer(connection)  # export_to has to wait for the peer to read
+                fds = fd_count()
+                thread, outcome = export_in_a_thread(connector, connection, timeout=PEER_TIMEOUT_S)
+                time.sleep(0.2)  # into the wait (a hang-up before it is refused the same way)
+                pid = peer.pid
+                peer.kill()
+                thread.join(PEER_TIMEOUT_S)
+                (error,) = outcome
+                assert isinstance(error, PeerDisconnectedError), repr(error)
+                assert isinstance(error, ConnectionError) and isinstance(error, ExtkvError)
+                assert re.fullmatch(
+                    rf"export_to: the peer \(pid {pid}, uid {os.getuid()}\) hung up while the header was being "
+                    r"sent \((BrokenPipeError|ConnectionResetError): \[Errno \d+\] [\w ]+\); the export is "
+                    r"incomplete \(the connector stays registered for the next peer\)",
+                    str(error),
+                ), str(error)
+                assert fd_count() == fds
+        finally:
+            peer.kill()
+    assert connector.is_registered
+    assert peer_digests(connector, peers) == digests_here(kv_cache)
+
+    # An exporter where SIGPIPE kills (its default action), forked: the
+    # hang-up is the same error there, and the exporter lives on. Its cache
+    # has nothing committed: the header is all there is to send.
+    empty = SegmentExportConnector()
+    empty.register_kv_caches(build.cache_for("padded", KVCacheLayout.LBHNC, device=HOST))
+    mine, theirs = socket.socketpair()
+    theirs.close()
+    with mine:
+        child = os.fork()
+        if child == 0:
+            code = 1
+            try:
+                signal.signal(signal.SIGPIPE, signal.SIG_DFL)
+                try:
+                    empty.export_to(mine)
+                except PeerDisconnectedError:
+                    code = 0
+            finally:
+                os._exit(code)
+    empty.close()
+    _, status = os.waitpid(child, 0)
+    assert os.waitstatus_to_exitcode(status) == 0, f"the exporter exited with {os.waitstatus_to_exitcode(status)}"
 
 
 @pytest.mark.invariant(6, 8)

@@ -33,6 +33,11 @@ by default), however slowly the peer reads, or `export_to` raises
 DeadlineExceededError naming the peer. What was sent by then is incomplete
 and the socket mid-message: the caller closes it. The exported descriptors
 are closed either way, and the connector stays registered for the next peer.
+A peer that hangs up before the export is sent whole is a
+`PeerDisconnectedError` naming it and what was being sent, with the same
+cleanup; never SIGPIPE, even in a process that does not ignore it (every
+send is MSG_NOSIGNAL). `export_to` returns once the kernel took every byte
+and descriptor: whether the peer imports them is for its reply to say.
 
 Trust (a peer receives only what it is given and cannot harm the exporter):
 - Who: before sending anything, `export_to` reads the connected peer's
@@ -88,6 +93,11 @@ class StaleRegistrationError(StateError):
 class PeerRefusedError(ExtkvError, PermissionError):
     """The process at the other end of the socket is not allowed to receive
     the export."""
+
+
+class PeerDisconnectedError(ExtkvError, ConnectionError):
+    """The process at the other end of the socket hung up before the export
+    was sent whole."""
 
 
 @runtime_checkable
@@ -237,7 +247,9 @@ class SegmentExportConnector:
         afterwards.
 
         Raises `PeerRefusedError`, having sent nothing, when the peer's
-        credentials are not allowed.
+        credentials are not allowed, and `PeerDisconnectedError` (a
+        ConnectionError) naming the peer when it hangs up before everything
+        was sent.
         """
         self._require("export_to")
         if sock.family != socket.AF_UNIX:
@@ -259,9 +271,17 @@ class SegmentExportConnector:
             # From the first byte sent: waiting for the lock is no peer's doing.
             deadline = None if timeout is None else Deadline(timeout, f"export_to the peer (pid {pid}, uid {uid})")
             previous = sock.gettimeout()
+            sending = "the header"
             try:
                 send_message(sock, header.to_message(), deadline=deadline, what="the header")
+                sending = f"the {len(fds)} descriptor(s)"
                 send_fds(sock, fds, deadline=deadline)
+            except ConnectionError as error:  # EPIPE, ECONNRESET, or the wire's own
+                raise PeerDisconnectedError(
+                    f"export_to: the peer (pid {pid}, uid {uid}) hung up while {sending} was being sent "
+                    f"({type(error).__name__}: {error}); the export is incomplete (the connector stays registered "
+                    "for the next peer)"
+                ) from None
             except DeadlineExceededError as error:
                 raise DeadlineExceededError(
                     f"{error}; the peer does not read what it is sent: the export is incomplete and the socket "

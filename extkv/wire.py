@@ -38,7 +38,9 @@ exchange, however the other side paces its reading or its bytes (one every
 second keeps every single wait short), is over by then or raises
 DeadlineExceededError naming how far it got; the exporter sends under one
 and so does the peer receive. Without one, each wait is bounded by the
-socket's own timeout, which the caller sets.
+socket's own timeout, which the caller sets. Every send is MSG_NOSIGNAL: a
+peer that hung up is an EPIPE error, never a SIGPIPE that kills a process
+which does not ignore it.
 
 The exporter (extkv.connector) and the peer (extkv.peer) both build on this
 module; neither imports the other.
@@ -228,7 +230,9 @@ def send_message(
         progress = f"sent {sent} of the {len(data)} bytes of {what}"
         _wait(sock, deadline, progress)
         try:
-            sent += sock.send(data[sent:])
+            # MSG_NOSIGNAL: a peer that hung up is an EPIPE error here, never
+            # a SIGPIPE that kills a process which does not ignore it.
+            sent += sock.send(data[sent:], socket.MSG_NOSIGNAL)
         except socket.timeout:
             if deadline is None:
                 raise
@@ -286,7 +290,7 @@ def send_fds(sock: socket.socket, fds: Sequence[int], *, deadline: Deadline | No
         progress = f"sent {start} of the {len(fds)} descriptors"
         _wait(sock, deadline, progress)
         try:
-            sent = socket.send_fds(sock, [b"F"], batch)
+            sent = socket.send_fds(sock, [b"F"], batch, socket.MSG_NOSIGNAL)
         except socket.timeout:
             if deadline is None:
                 raise
