@@ -206,7 +206,9 @@ class Deadline:
 
 
 def _wait(sock: socket.socket, deadline: Deadline | None, progress: str) -> None:
-    """Give the next wait on `sock` what `deadline` leaves of it."""
+    """Give the next wait on `sock` what `deadline` leaves of it. Called
+    before the `try` around that wait, so the TimeoutError caught there is
+    the socket's, never the deadline's own."""
     if deadline is not None:
         sock.settimeout(deadline.left(progress))
 
@@ -233,7 +235,7 @@ def send_message(
             # MSG_NOSIGNAL: a peer that hung up is an EPIPE error here, never
             # a SIGPIPE that kills a process which does not ignore it.
             sent += sock.send(data[sent:], socket.MSG_NOSIGNAL)
-        except socket.timeout:
+        except TimeoutError:
             if deadline is None:
                 raise
             raise deadline.exceeded(progress) from None
@@ -271,7 +273,7 @@ def _receive_exactly(sock: socket.socket, count: int, deadline: Deadline | None,
         _wait(sock, deadline, progress)
         try:
             part = sock.recv(min(count - len(received), _RECEIVE_PIECE_BYTES))
-        except socket.timeout:
+        except TimeoutError:
             if deadline is None:
                 raise
             raise deadline.exceeded(progress) from None
@@ -291,7 +293,7 @@ def send_fds(sock: socket.socket, fds: Sequence[int], *, deadline: Deadline | No
         _wait(sock, deadline, progress)
         try:
             sent = socket.send_fds(sock, [b"F"], batch, socket.MSG_NOSIGNAL)
-        except socket.timeout:
+        except TimeoutError:
             if deadline is None:
                 raise
             raise deadline.exceeded(progress) from None
@@ -313,7 +315,7 @@ def receive_fds(sock: socket.socket, count: int, *, deadline: Deadline | None = 
                 data, ancillary, flags, _ = sock.recvmsg(
                     1, socket.CMSG_SPACE(expected * array.array("i").itemsize), socket.MSG_CMSG_CLOEXEC
                 )
-            except socket.timeout:
+            except TimeoutError:
                 if deadline is None:
                     raise
                 raise deadline.exceeded(progress) from None
