@@ -18,9 +18,10 @@ this peer grants itself read access only unless the header says writable.
 
 What arrives comes from another process and is checked before it is used:
 the whole import is over within `timeout` seconds (DEFAULT_PEER_TIMEOUT_S by
-default), however the exporter paces its bytes, the header is at most wire.MAX_HEADER_BYTES and validated field by
-field (extkv.wire), and a host descriptor must be a sealed memfd (a regular
-file is refused: its owner could truncate it under the mapping).
+default) however the exporter paces its bytes, the header is at most
+wire.MAX_HEADER_BYTES and validated field by field (extkv.wire), and a host
+descriptor must be a sealed memfd (a regular file is refused: its owner
+could truncate it under the mapping).
 
 The exporter's word does not decide this process's memory. Before any
 descriptor is received, the chunks' sizes together, and the segments'
@@ -40,8 +41,9 @@ whatever the segments' size), and the deadline is checked between pieces.
 
 `run_peer(path)` is the whole peer as a process (`extkv peer --peer PATH`):
 connect, import, answer with the sha256 of each segment's committed bytes,
-clean up, all of it within one `timeout`. A failure is answered with `error_reply`, which names the error's
-type and what failed, never an address of this process.
+clean up, all of it within one `timeout`. A failure is answered with
+`error_reply`, which names the error's type and what failed, never an
+address of this process.
 """
 
 from __future__ import annotations
