@@ -12,8 +12,10 @@ failure paths with the fault-injecting driver.
 Invariant 8 (exports cannot harm the exporter) is tested against real peers:
 a forked process that attacks the descriptors it received (truncate, punch,
 write, map writable, reopen through /proc), peers whose credentials the
-connector refuses, and hand-made exports a careful peer must refuse (nested
-JSON, files that are not sealed memfds, silence).
+connector refuses, peers that connect and never read or die mid-export, and
+hand-made exports a careful peer must refuse (nested JSON, files that are
+not sealed memfds, sparse memfds, more bytes than the peer accepts, silence,
+a header paced a byte at a time to outlast the peer's timeout).
 """
 
 from __future__ import annotations
