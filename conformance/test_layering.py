@@ -49,6 +49,13 @@ LAYERS: list[set[str]] = [
     # can add modules without touching each other's line.
     {"extkv.testing.harness", "extkv.testing.timeline"},
     {"extkv.testing.benchmarking"},
+    {"extkv.testing.stress.base", "extkv.testing.stress.tally", "extkv.testing.stress.timeline",
+     "extkv.testing.stress.reclaim"},
+    {"extkv.testing.stress.bounds", "extkv.testing.stress.child", "extkv.testing.stress.faultable"},
+    {"extkv.testing.stress.walk", "extkv.testing.stress.faults", "extkv.testing.stress.pressure",
+     "extkv.testing.stress.threads", "extkv.testing.stress.crashes"},
+    {"extkv.testing.stress.under_pressure", "extkv.testing.stress.processes", "extkv.testing.stress.warm_up",
+     "extkv.testing.stress.__main__"},
     {"extkv.testing.stress"},
     {"extkv.reporting.rundir"},
     {"extkv.reporting.machine", "extkv.reporting.plots", "extkv.reporting.verdict"},

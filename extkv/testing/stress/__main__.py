@@ -1,0 +1,81 @@
+"""The child processes of stress runs: `python -m extkv.testing.stress
+walk|pressure|crash-child ...`.
+
+- `walk`: one endurance walk (extkv.testing.stress.walk); prints its tally
+  as JSON on its last line, and exits 1 when the walk failed.
+- `pressure`: the pressure process (extkv.testing.stress.pressure), told on
+  stdin what memory to hold and free.
+- `crash-child`: the crash child (extkv.testing.stress.crashes): commits,
+  defragments and exports until it is killed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+
+import torch
+
+from ...layout import KVCacheLayout
+from .base import warmed_probe
+from .crashes import crash_child_main
+from .pressure import pressure_main
+from .tally import StressTally
+from .walk import FULL_CHECK_EVERY, run_walk
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m extkv.testing.stress", description="child processes of stress runs")
+    commands = parser.add_subparsers(dest="command", required=True)
+    walk_command = commands.add_parser("walk", help="one endurance walk; prints its tally as JSON")
+    walk_command.add_argument("--device", default="cpu")
+    walk_command.add_argument("--kind", default="full")
+    walk_command.add_argument("--layout", default="LBHNC", choices=[layout.name for layout in KVCacheLayout])
+    walk_command.add_argument("--seed", type=int, default=0)
+    bound = walk_command.add_mutually_exclusive_group(required=True)
+    bound.add_argument("--seconds", type=float)
+    bound.add_argument("--steps", type=int)
+    walk_command.add_argument("--full-check-every", type=int, default=FULL_CHECK_EVERY)
+    walk_command.add_argument("--least-steps", type=int, default=1, help="with --seconds: steps the walk runs however short they are")
+    walk_command.add_argument(
+        "--shared-device", action="store_true",
+        help="other processes use the device: compare the usage probe only where it reads this process alone",
+    )
+    pressure_command = commands.add_parser("pressure", help="hold and free memory as told on stdin")
+    pressure_command.add_argument("--device", default="cpu")
+    crash_command = commands.add_parser("crash-child", help="commit, defragment and export until killed")
+    crash_command.add_argument("--device", default="cpu")
+    crash_command.add_argument("--seed", type=int, default=0)
+    args = parser.parse_args(argv)
+    torch.set_num_threads(int(os.environ.get("EXTKV_TORCH_THREADS", "1")))
+    device = torch.device(args.device)
+    if args.command == "pressure":
+        pressure_main(device)
+        return 0
+    if args.command == "crash-child":
+        crash_child_main(device, args.seed)
+        return 0
+    tally = StressTally()
+    until = None if args.seconds is None else time.monotonic() + args.seconds
+    status = 0
+    probe = warmed_probe(device)
+    try:
+        run_walk(
+            device, args.kind, KVCacheLayout[args.layout], args.seed, tally, until=until, steps=args.steps,
+            full_check_every=args.full_check_every, probe=probe,
+            usage_checks=probe.per_process or not args.shared_device,
+            least=lambda ran: ran >= args.least_steps, least_what="the least it was given",
+            workload=f"walk process ({args.kind}-{args.layout})",
+        )
+    except Exception as error:  # recorded in the tally, which the parent reads
+        print(f"walk failed: {error!r}", file=sys.stderr, flush=True)
+        status = 1
+    print(json.dumps(tally.to_json()), flush=True)
+    return status
+
+
+if __name__ == "__main__":
+    sys.exit(main())

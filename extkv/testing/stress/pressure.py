@@ -1,0 +1,192 @@
+"""The pressure process: a second process holding real memory as told.
+
+Theory of operation
+-------------------
+`PressureProcess` starts `pressure_main` in a child process on a device and
+tells it, a line at a time, to hold or free real memory there: memfd pages
+on the host (fallocate'd, so the kernel really gives them; named
+PRESSURE_MEMFD_NAME, not extkv's, so no probe counts them), torch
+allocations on a GPU. It holds a given amount (`hold`), fills the device
+down to a given free amount (`fill`), releases, or cycles take, hold, free
+in a thread of its own. The workloads that meet its pressure are
+extkv.testing.stress.under_pressure's.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import threading
+
+import torch
+
+from ... import vmm
+from .child import ChildProcess
+
+
+#: Pieces a pressure process holds (`hold`), and the smallest it tries when
+#: filling (`fill` asks for the whole gap at once and halves what the device
+#: refuses): small enough to leave little unused when the device is nearly full.
+HOST_PRESSURE_PIECE = 64 << 20
+GPU_PRESSURE_PIECE = 256 << 20
+#: The largest piece of a GPU fill.
+GPU_FILL_PIECE = 8 << 30
+#: Name of the pressure process's memfds (not extkv's, so no probe counts them).
+PRESSURE_MEMFD_NAME = "extkv-stress-pressure"
+
+
+def host_pressure_bound() -> int:
+    """The most a host pressure process holds: an eighth of the machine's
+    memory, at most 2 GiB, well below what the machine has."""
+    _, total = vmm.device_memory_info("cpu")
+    return min(2 << 30, total // 8)
+
+
+class MemoryHolder:
+    """Real memory held by the pressure process: memfd pages on the host
+    (fallocate'd, so the kernel really gives them), torch allocations on a GPU."""
+
+    def __init__(self, device: torch.device):
+        self.device = device
+        self.pieces: list = []
+        self.held = 0
+
+    def _take(self, size: int) -> bool:
+        """Allocate one piece; False when the device has no more."""
+        if self.device.type == "cpu":
+            fd = os.memfd_create(PRESSURE_MEMFD_NAME, os.MFD_CLOEXEC)
+            try:
+                os.posix_fallocate(fd, 0, size)
+            except OSError:
+                os.close(fd)
+                return False
+            self.pieces.append(fd)
+        else:
+            try:
+                self.pieces.append(torch.empty(size, dtype=torch.uint8, device=self.device))
+            except torch.OutOfMemoryError:
+                return False
+        self.held += size
+        return True
+
+    def hold(self, nbytes: int) -> int:
+        """Hold about `nbytes` more (whole pieces); returns what is held."""
+        piece = HOST_PRESSURE_PIECE if self.device.type == "cpu" else GPU_PRESSURE_PIECE
+        target = self.held + nbytes
+        while self.held < target and self._take(min(piece, target - self.held)):
+            pass
+        return self.held
+
+    def fill(self, leave: int) -> int:
+        """Allocate until the device's free memory is at most `leave` bytes,
+        in pieces of at most GPU_FILL_PIECE that each fit what is free, a
+        piece the device refuses halved down to the smallest piece. On a
+        141 GB H200 that is about 17 allocations a fill, where pieces of
+        256 MiB were about 540. Measured there: asking for the whole gap at
+        once (135.29 GiB of 139.29 free) is refused, and a fill that went on
+        with halved pieces after that refusal was not given back by
+        `release`: the device still read 4 GiB free 3 s later. Pieces of at
+        most 8 GiB come back at `release`."""
+        smallest = HOST_PRESSURE_PIECE if self.device.type == "cpu" else GPU_PRESSURE_PIECE
+        largest = HOST_PRESSURE_PIECE if self.device.type == "cpu" else GPU_FILL_PIECE
+        while True:
+            free, _ = vmm.device_memory_info(self.device)
+            if free <= leave:
+                return self.held
+            piece = min(free - leave, largest)
+            while not self._take(piece):
+                if piece <= smallest:
+                    return self.held
+                piece = max(piece // 2, smallest)
+
+    def release(self) -> None:
+        for piece in self.pieces:
+            if self.device.type == "cpu":
+                os.close(piece)
+        self.pieces = []
+        self.held = 0
+        if self.device.type == "cuda":
+            torch.cuda.empty_cache()
+
+
+def pressure_main(device: torch.device) -> None:
+    """The pressure process: one command a line on stdin, one answer a line
+    on stdout.
+
+    hold N        hold N more bytes             -> held <bytes held>
+    fill L        allocate until L bytes free   -> held <bytes held>
+    release       free everything               -> released
+    cycle MODE N SECONDS  in a thread: hold N (MODE hold) or fill to N free
+                  (MODE fill) for SECONDS, release for SECONDS, again -> cycling
+    cycles        cycles completed so far       -> cycles <cycles>
+    stop          end the cycle, release        -> stopped <cycles>
+    quit          exit
+    """
+    holder = MemoryHolder(device)
+    stop = threading.Event()
+    cycler: threading.Thread | None = None
+    cycles = 0
+
+    def cycle(mode: str, amount: int, seconds: float) -> None:
+        nonlocal cycles
+        while not stop.is_set():
+            holder.hold(amount) if mode == "hold" else holder.fill(amount)
+            stop.wait(seconds)
+            holder.release()
+            cycles += 1
+            stop.wait(seconds)
+
+    def answer(text: str) -> None:
+        print(text, flush=True)
+
+    answer("ready")
+    for line in sys.stdin:
+        command, *arguments = line.split()
+        if command == "hold":
+            answer(f"held {holder.hold(int(arguments[0]))}")
+        elif command == "fill":
+            answer(f"held {holder.fill(int(arguments[0]))}")
+        elif command == "release":
+            holder.release()
+            answer("released")
+        elif command == "cycle":
+            stop.clear()
+            cycler = threading.Thread(target=cycle, args=(arguments[0], int(arguments[1]), float(arguments[2])), daemon=True)
+            cycler.start()
+            answer("cycling")
+        elif command == "cycles":
+            answer(f"cycles {cycles}")
+        elif command == "stop":
+            stop.set()
+            if cycler is not None:
+                cycler.join()
+            holder.release()
+            answer(f"stopped {cycles}")
+        elif command == "quit":
+            break
+        else:
+            answer(f"error: unknown command {command!r}")
+
+
+class PressureProcess(ChildProcess):
+    """`pressure_main` in a child process on `device`."""
+
+    def __init__(self, device: torch.device | str):
+        super().__init__(["pressure", "--device", str(device)])
+        ready = self.line()
+        if ready != "ready":
+            self.kill()
+            raise AssertionError(f"pressure process said {ready!r}, expected 'ready'")
+
+    def held(self, command: str) -> int:
+        reply = self.ask(command)
+        if not reply.startswith("held "):
+            raise AssertionError(f"pressure process answered {command!r} with {reply!r}")
+        return int(reply.split()[1])
+
+    def cycles(self) -> int:
+        """Cycles (take, hold, free) the pressure process completed so far."""
+        reply = self.ask("cycles")
+        if not reply.startswith("cycles "):
+            raise AssertionError(f"pressure process answered 'cycles' with {reply!r}")
+        return int(reply.split()[1])

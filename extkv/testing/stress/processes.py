@@ -1,0 +1,72 @@
+"""Several endurance walks at once, each in a child process on one device.
+
+Theory of operation
+-------------------
+`run_walk_processes` starts walk processes (`python -m extkv.testing.stress
+walk ...`), each on its own case of CACHE_MACHINE_CASES and its own seed,
+beside each other on the device. Each checks its own cache and its own
+leaks, comparing the usage probe only where the probe reads that process
+alone, and prints its tally as JSON, which joins the parent's. On a GPU,
+NVML's used memory must be back once they are gone.
+"""
+
+from __future__ import annotations
+
+import json
+
+import torch
+
+from ..stateful import CACHE_MACHINE_CASES
+from .base import CHILD_TIMEOUT_S
+from .child import ChildProcess
+from .reclaim import nvml_used, wait_for_gpu_memory
+from .tally import StressTally
+from .walk import FULL_CHECK_EVERY
+
+
+def run_walk_processes(
+    device: torch.device | str,
+    count: int,
+    seed: int,
+    tally: StressTally,
+    *,
+    seconds: float | None = None,
+    steps: int | None = None,
+    full_check_every: int = FULL_CHECK_EVERY,
+    least_steps: int = 1,
+) -> None:
+    """`count` walks at once for `seconds` or `steps`, each in a child process
+    on `device`, each on its own case of CACHE_MACHINE_CASES; their tallies
+    join `tally`. `seconds` is a floor for `least_steps` steps of each walk.
+    Each child checks its own leaks; on a GPU, NVML's used memory must be
+    back after."""
+    device = torch.device(device)
+    gpu_before = nvml_used(device) if device.type == "cuda" else 0
+    children = []
+    for index in range(count):
+        kind, layout = CACHE_MACHINE_CASES[index % len(CACHE_MACHINE_CASES)]
+        children.append(
+            ChildProcess([
+                "walk", "--device", str(device), "--kind", kind, "--layout", layout.name, "--seed", str(seed + index),
+                *(["--seconds", str(seconds), "--least-steps", str(least_steps)] if steps is None else ["--steps", str(steps)]),
+                "--full-check-every", str(full_check_every), "--shared-device",
+            ])
+        )
+    failures = []
+    try:
+        for index, child in enumerate(children):
+            result = child.line((seconds or 0) + CHILD_TIMEOUT_S)
+            child.process.wait(CHILD_TIMEOUT_S)
+            child_tally = StressTally.from_json(json.loads(result))
+            tally.add(child_tally)
+            tally.events["walk processes sharing the device"] += 1
+            if child.process.returncode != 0:
+                failures.append(f"walk process {index} (exit {child.process.returncode}): {child_tally.failures}")
+    finally:
+        for child in children:
+            child.close()
+    if failures:
+        raise AssertionError("; ".join(failures))
+    if device.type == "cuda":
+        wait_for_gpu_memory(device, gpu_before, "after the walk processes ended")
+        tally.checks["GPU memory back after the walk processes (NVML)"] += 1
