@@ -246,8 +246,9 @@ def receive_message(
 ) -> dict:
     """Receive one message sent by `send_message`: a ValueError, before any
     of it is read, when its length prefix announces more than `max_bytes`.
-    With a `deadline`, the socket's timeout is left at what it left; `what`
-    names the message in a DeadlineExceededError."""
+    With a `deadline`, each wait is given what it leaves, through the
+    socket's timeout (the caller restores its own); `what` names the message
+    in a DeadlineExceededError."""
     max_bytes = validate.integer("max_bytes", max_bytes)
     (length,) = _LENGTH.unpack(_receive_exactly(sock, _LENGTH.size, deadline, f"the length of {what}"))
     if length > max_bytes:
