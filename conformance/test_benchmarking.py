@@ -35,12 +35,20 @@ from extkv.reporting.bench import (
     HALVES_MIN_ROUNDS, TARGETS, BenchRun, CaseResult, Entry, ScalingTarget, Target, carryover, evaluate,
     evaluate_scaling, halves, ratio,
 )
+from extkv.benchmarking import clocks
+from extkv.benchmarking.contenders import CONTENDERS, AllocCopyStore, Contender, CopyStore, PlainStore, UpfrontStore
+from extkv.benchmarking.geometry import GEOMETRIES
+from extkv.benchmarking.primitives import primitives_for
+from extkv.benchmarking.raw import GranuleStore, RawStore
+from extkv.benchmarking.store import Unsupported
 from extkv.testing import benchmarking
 from extkv.testing.children import python_c
-from extkv.testing.benchmarking import CONTENDERS, GEOMETRIES, PROFILES, Case, Contender, catalogue, interleave, round_order
+from extkv.testing.benchmarking import PROFILES, Case, catalogue, interleave, round_order
 from extkv.testing.checks import check_all_equal
-from extkv.vmm import baselines
+from extkv.usage import open_chunk_fds
+from extkv.vmm.base import READ_WRITE
 from extkv.vmm.dlpack import uint8_view
+from extkv.vmm.poison import PoisoningDriver
 
 KiB, MiB = 1 << 10, 1 << 20
 POISON = 0xA5
@@ -57,22 +65,18 @@ GROWTH = (0.19, 0.6, 1.0)
 
 
 def poisoned_store(store_class, device, geometry: str):
+    """`store_class` over the device's own driver, every new chunk of it
+    filled with POISON (vmm's PoisoningDriver)."""
     strides, capacity = STORE_GEOMETRIES[geometry]
-    primitives = baselines.PoisoningPrimitives(baselines.primitives_for(device), POISON)
-    return store_class(device, strides, capacity, primitives=primitives)
+    return store_class(device, strides, capacity, primitives=PoisoningDriver(vmm.driver_for(device), POISON))
 
 
 def open_raw_fds() -> int:
-    links = []
-    for name in os.listdir("/proc/self/fd"):
-        try:
-            links.append(os.readlink(f"/proc/self/fd/{name}"))
-        except OSError:
-            continue
-    return sum(link.startswith(f"/memfd:{baselines.RAW_MEMFD_NAME}") for link in links)
+    """Chunk memfds this process holds: the raw sequence's are the host driver's own."""
+    return len(open_chunk_fds())
 
 
-def granule_chunks(store: baselines.RawStore, segment: int) -> list:
+def granule_chunks(store: RawStore, segment: int) -> list:
     """Which chunk backs each granule of a segment's capacity, read back from
     the driver or kernel (None: unmapped)."""
     g = store.prims.granularity
@@ -81,7 +85,7 @@ def granule_chunks(store: baselines.RawStore, segment: int) -> list:
     return vmm.driver_for(store.device).chunks_at([start + i * g for i in range(-(-capacity // g))])
 
 
-def check_segment(store: baselines.RawStore, segment: int, committed: int, marked: int) -> None:
+def check_segment(store: RawStore, segment: int, committed: int, marked: int) -> None:
     """Granules up to the committed end mapped and writable, none after; the
     first `marked` bytes still hold MARK, the rest of the committed bytes
     read zero, and the mapped bytes past them still hold the poison."""
@@ -92,8 +96,9 @@ def check_segment(store: baselines.RawStore, segment: int, committed: int, marke
     assert all(owner is not None for owner in owners[:used]), f"segment {segment}: unmapped granules below {mapped} bytes: {owners}"
     assert all(owner is None for owner in owners[used:]), f"segment {segment}: granules mapped past {mapped} bytes: {owners}"
     start = store.base + store.offsets[segment]
-    for offset in range(0, mapped, g):
-        assert store.prims.access(start + offset) == "rw", f"segment {segment}: no read/write access at +{offset}"
+    accesses = vmm.driver_for(store.device).accesses_at(range(start, start + mapped, g))
+    for offset, access in zip(range(0, mapped, g), accesses):
+        assert access == READ_WRITE, f"segment {segment}: {access} at +{offset}, not read/write access"
     view = uint8_view(start, mapped, store.device)
     check_all_equal(view[:marked], MARK, f"segment {segment}: bytes committed before this commit")
     check_all_equal(view[marked:committed], 0, f"segment {segment}: bytes this commit added")
@@ -101,7 +106,7 @@ def check_segment(store: baselines.RawStore, segment: int, committed: int, marke
 
 
 @pytest.mark.parametrize("geometry", sorted(STORE_GEOMETRIES))
-@pytest.mark.parametrize("store_class", [baselines.RawStore, baselines.GranuleStore], ids=["raw", "per_granule"])
+@pytest.mark.parametrize("store_class", [RawStore, GranuleStore], ids=["raw", "per_granule"])
 def test_raw_sequences_map_grant_and_zero_exactly_the_new_bytes(device, store_class, geometry):
     fds_before = open_raw_fds()
     store = poisoned_store(store_class, device, geometry)
@@ -116,7 +121,7 @@ def test_raw_sequences_map_grant_and_zero_exactly_the_new_bytes(device, store_cl
             for i, stride in enumerate(store.strides):
                 check_segment(store, i, blocks * stride, previous[i])
                 owners = [o for o in granule_chunks(store, i) if o is not None]
-                if store_class is baselines.GranuleStore:
+                if store_class is GranuleStore:
                     assert len(set(owners)) == len(owners), f"segment {i}: a handle backs several granules"
                 else:
                     assert len(set(owners)) == len(store.chunks[i]), (
@@ -135,7 +140,7 @@ def test_raw_sequences_map_grant_and_zero_exactly_the_new_bytes(device, store_cl
 
 
 def test_raw_sequence_is_one_chunk_per_segment_per_commit(device):
-    store = poisoned_store(baselines.RawStore, device, "three-segments")
+    store = poisoned_store(RawStore, device, "three-segments")
     store.open()
     try:
         for step in range(1, 5):
@@ -151,7 +156,7 @@ def test_raw_sequence_is_one_chunk_per_segment_per_commit(device):
 
 @pytest.mark.parametrize("geometry", sorted(STORE_GEOMETRIES))
 def test_raw_preserving_defragment_keeps_every_byte_on_one_chunk_per_segment(device, geometry):
-    store = poisoned_store(baselines.RawStore, device, geometry)
+    store = poisoned_store(RawStore, device, geometry)
     store.open()
     try:
         for step in range(1, 9):
@@ -171,7 +176,7 @@ def test_raw_preserving_defragment_keeps_every_byte_on_one_chunk_per_segment(dev
 
 
 def test_raw_shrink_and_recommit_map_exactly_and_read_zero(device):
-    store = poisoned_store(baselines.RawStore, device, "three-segments")
+    store = poisoned_store(RawStore, device, "three-segments")
     store.open()
     try:
         store.grow(store.capacity_blocks)
@@ -205,13 +210,13 @@ def opened(store):
 def test_torch_baselines_do_the_work_they_stand_for(device):
     strides, capacity = STORE_GEOMETRIES["three-segments"]
     total = sum(strides) * capacity
-    with opened(baselines.PlainStore(device, strides, capacity)) as plain:
+    with opened(PlainStore(device, strides, capacity)) as plain:
         plain.grow(capacity // 2)
         plain.buffer[: sum(strides) * (capacity // 2)].fill_(MARK)
         plain.grow(capacity)
         check_all_equal(plain.buffer[: sum(strides) * (capacity // 2)], MARK, "memset: bytes committed before")
         check_all_equal(plain.buffer[sum(strides) * (capacity // 2) : total], 0, "memset: new bytes")
-    with opened(baselines.AllocCopyStore(device, strides, capacity)) as grown:
+    with opened(AllocCopyStore(device, strides, capacity)) as grown:
         grown.grow(capacity // 3)
         kept = grown.buffer.clone().fill_(MARK)
         grown.buffer.copy_(kept)
@@ -222,28 +227,28 @@ def test_torch_baselines_do_the_work_they_stand_for(device):
             check_all_equal(grown.buffer[at : at + old], MARK, f"allocate-copy: kept bytes of stride {stride}")
             check_all_equal(grown.buffer[at + old : at + new], 0, f"allocate-copy: new bytes of stride {stride}")
             at += new
-    with opened(baselines.CopyStore(device, strides, capacity)) as copied:
+    with opened(CopyStore(device, strides, capacity)) as copied:
         copied.grow(capacity)
         copied.defragment(preserve=True)
         check_all_equal(copied.target, copied.source, "copy: target after the copy")
-    with opened(baselines.UpfrontStore(device, strides, capacity)) as upfront:
+    with opened(UpfrontStore(device, strides, capacity)) as upfront:
         upfront.grow(capacity)
         assert upfront.buffer.numel() == total
         check_all_equal(upfront.buffer, 0, "up-front allocation")
-        with pytest.raises(baselines.Unsupported, match="cannot grow"):
+        with pytest.raises(Unsupported, match="cannot grow"):
             upfront.grow(capacity)
 
 
-class RecordingPrimitives(baselines.PoisoningPrimitives):
-    """The device's own calls, with every fill and copy recorded."""
+class RecordingDriver(PoisoningDriver):
+    """The device's own driver, with every zero and copy recorded."""
 
     def __init__(self, device):
-        super().__init__(baselines.primitives_for(device), POISON)
-        self.fills, self.copies = [], []
+        super().__init__(vmm.driver_for(device), POISON)
+        self.zeros, self.copies = [], []
 
-    def fill(self, address, size, value):
-        self.fills.append((address, size, value))
-        super().fill(address, size, value)
+    def zero(self, address, size):
+        self.zeros.append((address, size))
+        super().zero(address, size)
 
     def copy(self, destination, source, size):
         self.copies.append((destination, source, size))
@@ -257,37 +262,32 @@ def test_torch_baselines_zero_and_copy_with_the_calls_extkv_uses(device):
     27% slower than cuMemsetD8Async on the H200."""
     strides, capacity = STORE_GEOMETRIES["three-segments"]
     per_block, half = sum(strides), capacity // 2
-    recorder = RecordingPrimitives(device)
-    with opened(baselines.PlainStore(device, strides, capacity, primitives=recorder)) as plain:
+    recorder = RecordingDriver(device)
+    with opened(PlainStore(device, strides, capacity, primitives=recorder)) as plain:
         plain.grow(half)
         plain.grow(capacity)
         base = plain.buffer.data_ptr()
-        assert recorder.fills == [(base, per_block * half, 0), (base + per_block * half, per_block * (capacity - half), 0)]
-    recorder.fills.clear()
-    with opened(baselines.AllocCopyStore(device, strides, capacity, primitives=recorder)) as grown:
+        assert recorder.zeros == [(base, per_block * half), (base + per_block * half, per_block * (capacity - half))]
+    recorder.zeros.clear()
+    with opened(AllocCopyStore(device, strides, capacity, primitives=recorder)) as grown:
         grown.grow(half)
-        first = [size for _, size, _ in recorder.fills]
+        first = [size for _, size in recorder.zeros]
         grown.grow(capacity)
-        second = [size for _, size, _ in recorder.fills[len(first) :]]
+        second = [size for _, size in recorder.zeros[len(first) :]]
         assert first == [stride * half for stride in strides], first
         assert second == [stride * (capacity - half) for stride in strides], second
         base, at = grown.buffer.data_ptr(), 0
-        for stride, (address, _, value) in zip(strides, recorder.fills[len(first) :]):
-            assert (address - base, value) == (at + stride * half, 0)
+        for stride, (address, _) in zip(strides, recorder.zeros[len(first) :]):
+            assert address - base == at + stride * half
             at += stride * capacity
-    recorder.fills.clear()
-    with opened(baselines.UpfrontStore(device, strides, capacity, primitives=recorder)) as upfront:
+    recorder.zeros.clear()
+    with opened(UpfrontStore(device, strides, capacity, primitives=recorder)) as upfront:
         upfront.grow(capacity)
-        assert recorder.fills == [(upfront.buffer.data_ptr(), per_block * capacity, 0)]
-    with opened(baselines.CopyStore(device, strides, capacity, primitives=recorder)) as copied:
+        assert recorder.zeros == [(upfront.buffer.data_ptr(), per_block * capacity)]
+    with opened(CopyStore(device, strides, capacity, primitives=recorder)) as copied:
         copied.grow(half)
         copied.defragment(preserve=True)
         assert recorder.copies == [(copied.target.data_ptr(), copied.source.data_ptr(), per_block * half)]
-
-
-def test_poisoning_needs_a_non_zero_byte():
-    with pytest.raises(ValueError, match="non-zero byte"):
-        baselines.PoisoningPrimitives(baselines.primitives_for(torch.device("cpu")), 0)
 
 
 # -- the engine ----------------------------------------------------------------------
@@ -384,7 +384,7 @@ def test_readings_with_evicted_caches_interleave_both_sizes_in_equal_numbers(dev
         assert all(seconds > 0 for seconds in readings[pair]), (pair, readings[pair])
 
 
-class _FailingClockedStore(benchmarking.ClockedRawStore):
+class _FailingClockedStore(clocks.ClockedRawStore):
     def grow(self, blocks: int) -> None:
         raise RuntimeError("planted failure")
 
@@ -436,7 +436,7 @@ def test_a_step_clock_counts_its_eviction_as_driver_time_not_extkv_time(device):
         while time.thread_time() - start < burn:
             pass
 
-    clock = benchmarking.DriverClock(vmm.driver_for(device))
+    clock = clocks.DriverClock(vmm.driver_for(device))
     clock.evict = evict
     geometry = GEOMETRIES["blhnc1"]
     cache = ExtensibleKVCache(geometry.config(4), clock, geometry.layout)
@@ -471,7 +471,7 @@ def test_caches_are_evicted_in_the_operations_steps_only(device, monkeypatch):
 
 def test_a_clocked_round_runs_pinned_to_one_cpu_and_lets_go_after():
     allowed = os.sched_getaffinity(0)
-    with benchmarking.pinned_to_this_cpu():
+    with clocks.pinned_to_this_cpu():
         pinned = os.sched_getaffinity(0)
     assert len(pinned) == 1 and pinned <= allowed, (pinned, allowed)
     assert os.sched_getaffinity(0) == allowed
@@ -481,9 +481,9 @@ def test_the_cache_evictor_writes_twice_the_largest_cache_sysfs_states(tmp_path)
     for index, size in enumerate(["48K", "2048K", "307200K"]):
         (tmp_path / f"index{index}").mkdir()
         (tmp_path / f"index{index}" / "size").write_text(size + "\n")
-    assert benchmarking.largest_cpu_cache_bytes(tmp_path) == 300 * MiB
-    assert benchmarking.largest_cpu_cache_bytes(tmp_path / "absent") == benchmarking.CacheEvictor.FALLBACK_CACHE_BYTES
-    evictor = benchmarking.CacheEvictor(cache_bytes=1 * MiB)
+    assert clocks.largest_cpu_cache_bytes(tmp_path) == 300 * MiB
+    assert clocks.largest_cpu_cache_bytes(tmp_path / "absent") == clocks.CacheEvictor.FALLBACK_CACHE_BYTES
+    evictor = clocks.CacheEvictor(cache_bytes=1 * MiB)
     evictor()
     first = evictor._buffer.raw
     evictor()
@@ -497,7 +497,7 @@ def test_the_partial_map_probe_answers_from_the_driver(device):
     """On Linux, mmap maps any part of a memfd; the H200's driver (580,
     CUDA 13.0) answers CUDA_ERROR_NOT_SUPPORTED for part of a chunk. Either
     way the probe says what the driver answered and leaves nothing behind."""
-    primitives = baselines.primitives_for(device)
+    primitives = primitives_for(device)
     supported, how = primitives.probe_partial_map()
     assert isinstance(supported, bool) and how, (supported, how)
     if device.type == "cpu":
@@ -510,7 +510,7 @@ def test_the_partial_access_probe_answers_from_the_driver(device):
     """On Linux, mprotect changes any page-aligned part of a mapping; the
     H200's driver answers CUDA_ERROR_INVALID_VALUE for part of a chunk
     mapped whole. Either way the probe leaves nothing mapped or created."""
-    primitives = baselines.primitives_for(device)
+    primitives = primitives_for(device)
     fds_before = open_raw_fds() if device.type == "cpu" else None
     supported, how = primitives.probe_partial_access()
     assert isinstance(supported, bool) and how, (supported, how)
@@ -581,7 +581,7 @@ def test_a_costly_peers_rounds_use_none_of_its_cases_seconds():
     assert run(lambda name: name != "allocate_copy") == {"extkv": 5, "raw": 5, "allocate_copy": 2}
 
 
-class _FailingStore(baselines.RawStore):
+class _FailingStore(RawStore):
     def grow(self, blocks: int) -> None:
         raise RuntimeError("planted failure")
 

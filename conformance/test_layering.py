@@ -30,7 +30,7 @@ LAYERS: list[set[str]] = [
     {"extkv.vmm.host_memory"},
     {"extkv.vmm.transaction"},
     {"extkv.vmm.wrapping", "extkv.vmm.host", "extkv.vmm.cuda"},
-    {"extkv.vmm.faults", "extkv.vmm.poison", "extkv.vmm.baselines"},
+    {"extkv.vmm.faults", "extkv.vmm.poison"},
     {"extkv.vmm"},
     {"extkv.tensor", "extkv.layout_types", "extkv.sizing", "extkv.usage", "extkv.wire"},
     {"extkv.layout", "extkv.peer"},
@@ -48,6 +48,11 @@ LAYERS: list[set[str]] = [
     # One line per owner, so that work on checks, benchmarks and stress runs
     # can add modules without touching each other's line.
     {"extkv.testing.harness", "extkv.testing.timeline"},
+    {"extkv.benchmarking", "extkv.benchmarking.geometry", "extkv.benchmarking.primitives"},
+    {"extkv.benchmarking.store"},
+    {"extkv.benchmarking.raw"},
+    {"extkv.benchmarking.clocks"},
+    {"extkv.benchmarking.contenders"},
     {"extkv.testing.benchmarking"},
     {"extkv.testing.stress.base", "extkv.testing.stress.tally", "extkv.testing.stress.timeline",
      "extkv.testing.stress.reclaim"},

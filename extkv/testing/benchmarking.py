@@ -78,8 +78,6 @@ outlasts the next allocations, so a round is read beside its predecessors).
 from __future__ import annotations
 
 import contextlib
-import ctypes
-import functools
 import gc
 import json
 import os
@@ -95,396 +93,18 @@ from typing import Callable, Iterator, Sequence, TypeVar
 import torch
 
 from .. import vmm
-from ..cache import ExtensibleKVCache
-from ..layout import (
-    FullAttentionSpec,
-    KVCacheConfig,
-    KVCacheGroupSpec,
-    KVCacheLayout,
-    KVCacheSpec,
-    MLAAttentionSpec,
-    build_kv_cache_config,
-    kv_cache_segments,
-    pad_kv_cache_segments,
-)
-from ..vmm import baselines, driver_for
-from ..vmm.wrapping import WrappingDriver
-from ..vmm.baselines import Store, Unsupported
-from .configs import GRANULE
+from ..benchmarking.clocks import StepClock, cache_evictor, largest_cpu_cache_bytes, pinned_to_this_cpu
+from ..benchmarking.contenders import CONTENDERS, FLOORS, HEADLINE_CONTENDERS, PROCESS_ENVIRONMENT, Contender, ExtkvStore
+from ..benchmarking.geometry import GEOMETRIES, GiB, MiB, size_label
+from ..benchmarking.primitives import clock_note, primitives_for
+from ..benchmarking.raw import RawStore
+from ..benchmarking.store import Store, Unsupported
 from .work import python_instructions
-
-KiB, MiB, GiB = 1 << 10, 1 << 20, 1 << 30
-_libc = ctypes.CDLL(None)
 
 #: File the engine writes into the run directory.
 CASES_FILE = "bench_cases.json"
 #: File pytest-benchmark writes (`--benchmark-json`).
 BENCH_JSON = "bench.json"
-
-
-def size_label(num_bytes: int) -> str:
-    """"32GiB", "256MiB", "31.4GiB": bytes in three significant digits."""
-    unit, name = (GiB, "GiB") if num_bytes >= GiB else (MiB, "MiB") if num_bytes >= MiB else (KiB, "KiB")
-    return f"{num_bytes / unit:.3g}{name}"
-
-
-# -- geometries ----------------------------------------------------------------------
-@dataclass(frozen=True)
-class Geometry:
-    """A KV cache shape: one group of `layers` layers of `spec` in `layout`."""
-
-    name: str
-    what: str
-    spec: KVCacheSpec
-    layers: int
-    layout: KVCacheLayout
-    #: Layer regions start on granules (`pad_kv_cache_segments`).
-    padded: bool = False
-
-    def config(self, capacity_blocks: int) -> KVCacheConfig:
-        groups = [KVCacheGroupSpec(layer_names=[f"layers.{i}" for i in range(self.layers)], kv_cache_spec=self.spec)]
-        config = build_kv_cache_config(groups, capacity_blocks, self.layout)
-        return pad_kv_cache_segments(config, self.layout, GRANULE) if self.padded else config
-
-    def strides(self) -> list[int]:
-        """Bytes per block of each segment."""
-        return list(_strides(self))
-
-    @property
-    def segments(self) -> int:
-        return len(self.strides())
-
-    @property
-    def bytes_per_block(self) -> int:
-        return sum(self.strides())
-
-
-@functools.lru_cache(maxsize=None)
-def _strides(geometry: Geometry) -> tuple[int, ...]:
-    return tuple(kv_cache_segments(geometry.config(1), geometry.layout)[1])
-
-
-_LLAMA = FullAttentionSpec(block_size=16, num_kv_heads=8, head_size=128, dtype=torch.bfloat16)
-_NARROW_HEADS = FullAttentionSpec(block_size=16, num_kv_heads=32, head_size=32, dtype=torch.bfloat16)
-_MLA = MLAAttentionSpec(block_size=16, head_size=576, dtype=torch.bfloat16)
-_LLAMA_WORDS = "32 layers x 8 KV heads x 128, bf16, 16-token blocks (2 MiB per block)"
-
-GEOMETRIES: dict[str, Geometry] = {
-    g.name: g
-    for g in [
-        Geometry("blhnc1", f"{_LLAMA_WORDS}, BLHNC: 1 segment (block-outermost)", _LLAMA, 32, KVCacheLayout.BLHNC),
-        Geometry("lbhnc32", f"{_LLAMA_WORDS}, LBHNC: 32 segments (layer-outermost)", _LLAMA, 32, KVCacheLayout.LBHNC),
-        Geometry("lhbnc256", f"{_LLAMA_WORDS}, LHBNC: 256 segments (layer, head)", _LLAMA, 32, KVCacheLayout.LHBNC),
-        Geometry(
-            "lhbnc1024",
-            "32 layers x 32 KV heads x 32, bf16, 16-token blocks (2 MiB per block), LHBNC: 1,024 segments",
-            _NARROW_HEADS,
-            32,
-            KVCacheLayout.LHBNC,
-        ),
-        Geometry(
-            "mla61",
-            "61 MLA layers (latent 576, bf16, 16-token blocks), LBHNC padded to granules: 61 segments",
-            _MLA,
-            61,
-            KVCacheLayout.LBHNC,
-            padded=True,
-        ),
-    ]
-}
-
-
-# -- extkv as a store -------------------------------------------------------------------
-class CacheEvictor:
-    """Writes a host buffer twice the size of the CPU's largest cache, so
-    that whatever ran before it no longer sits in any cache.
-
-    Why: a large driver call (a 64 GiB create or access grant) walks the
-    driver's page bookkeeping and leaves the CPU caches and TLB cold, so
-    the Python after it runs several times slower than after a 64 MiB call
-    (on the H200's host, 1.3-1.9x over a one-segment commit, for the raw
-    sequence's fixed four calls too). Evicting inside every driver step puts
-    the Python after each step in the same cold state at every size: what
-    is left to grow with the bytes is extkv's own work."""
-
-    #: Where sysfs cannot say (or the machine has no cache hierarchy there).
-    FALLBACK_CACHE_BYTES = 64 * MiB
-
-    def __init__(self, cache_bytes: int | None = None):
-        self.cache_bytes = largest_cpu_cache_bytes() if cache_bytes is None else cache_bytes
-        self.size = 2 * self.cache_bytes
-        self._buffer = ctypes.create_string_buffer(self.size)
-        self._value = 0
-
-    def __call__(self) -> None:
-        # A new value each time: every line gets data it did not hold, so
-        # no store can be dropped as silent.
-        self._value = (self._value + 1) & 0xFF
-        ctypes.memset(self._buffer, self._value, self.size)
-
-
-def largest_cpu_cache_bytes(sysfs: Path = Path("/sys/devices/system/cpu/cpu0/cache")) -> int:
-    """The largest cache of cpu0 in bytes, as sysfs states it ("307200K"),
-    or `CacheEvictor.FALLBACK_CACHE_BYTES` where it states none."""
-    units = {"K": KiB, "M": MiB, "G": GiB}
-    sizes = []
-    for size_file in sorted(sysfs.glob("index*/size")):
-        try:
-            text = size_file.read_text().strip()
-        except OSError:
-            continue
-        if text[:-1].isdigit() and text[-1:] in units:
-            sizes.append(int(text[:-1]) * units[text[-1]])
-        elif text.isdigit():
-            sizes.append(int(text))
-    return max(sizes, default=CacheEvictor.FALLBACK_CACHE_BYTES)
-
-
-@functools.lru_cache(maxsize=1)
-def cache_evictor() -> CacheEvictor:
-    """The process's one evictor (its buffer is hundreds of MiB)."""
-    return CacheEvictor()
-
-
-class _StepClock:
-    """Sums up the thread CPU time spent inside the steps it runs
-    (`cpu_seconds`); with `evict`, calls it at the end of every step, inside
-    the step's time."""
-
-    #: A class default: the first step's `+=` gives each clock its own.
-    cpu_seconds: float = 0.0
-    evict: Callable[[], None] | None = None
-
-    def _timed(self, step: Callable, *args):
-        start = time.thread_time()
-        try:
-            return step(*args)
-        finally:
-            if self.evict is not None:
-                self.evict()
-            self.cpu_seconds += time.thread_time() - start
-
-    @contextlib.contextmanager
-    def _timed_context(self, context: contextlib.AbstractContextManager):
-        """`context`, with its entering and leaving timed as steps."""
-        self._timed(context.__enter__)
-        try:
-            yield
-        finally:
-            self._timed(context.__exit__, None, None, None)
-
-
-class DriverClock(_StepClock, WrappingDriver):
-    """The real driver, with the thread CPU time spent inside its steps
-    summed up: a commit's CPU time minus this is extkv's own bookkeeping,
-    which must not grow with the bytes committed (the driver's does). Like
-    every wrapper it maps a commit's runs step by step (so each step can be
-    timed), not in the inner driver's own loop, if it has one."""
-
-    def _reserve(self, size):
-        return self._timed(self.inner._reserve, size)
-
-    def _free_reservation(self, address, size):
-        self._timed(self.inner._free_reservation, address, size)
-
-    def _create(self, size):
-        return self._timed(self.inner._create, size)
-
-    def _release(self, chunk):
-        self._timed(self.inner._release, chunk)
-
-    def _map(self, address, chunk):
-        self._timed(self.inner._map, address, chunk)
-
-    def _set_access(self, address, size, writable):
-        self._timed(self.inner._set_access, address, size, writable)
-
-    def _unmap(self, address, size):
-        self._timed(self.inner._unmap, address, size)
-
-    def _zero(self, address, size):
-        self._timed(self.inner._zero, address, size)
-
-    def _copy(self, destination, source, size):
-        self._timed(self.inner._copy, destination, source, size)
-
-    def synchronize(self):
-        self._timed(self.inner.synchronize)
-
-    def batch(self):
-        # Entering and leaving a batch is driver setup (CUDA: a context push
-        # and pop, the current stream looked up), not extkv's bookkeeping.
-        return self._timed_context(self.inner.batch())
-
-
-class PrimitivesClock(_StepClock, baselines.Primitives):
-    """The raw sequence's calls, with the thread CPU time inside them summed
-    up as `DriverClock` does for extkv: the raw sequence's CPU time outside
-    its driver calls is the yardstick for extkv's own (what the machine adds
-    around driver calls, such as caches a large call evicted, shows in both)."""
-
-    def __init__(self, inner: baselines.Primitives):
-        self.inner = inner
-        self.device = inner.device
-        self.granularity = inner.granularity
-
-    def active(self):
-        return self._timed_context(self.inner.active())
-
-    def reserve(self, size):
-        return self._timed(self.inner.reserve, size)
-
-    def free(self, address, size):
-        self._timed(self.inner.free, address, size)
-
-    def create(self, size):
-        return self._timed(self.inner.create, size)
-
-    def map(self, address, size, handle):
-        self._timed(self.inner.map, address, size, handle)
-
-    def set_access(self, address, size):
-        self._timed(self.inner.set_access, address, size)
-
-    def fill(self, address, size, value):
-        self._timed(self.inner.fill, address, size, value)
-
-    def access(self, address):
-        return self._timed(self.inner.access, address)
-
-    def copy(self, destination, source, size):
-        self._timed(self.inner.copy, destination, source, size)
-
-    def unmap(self, address, size):
-        self._timed(self.inner.unmap, address, size)
-
-    def release(self, handle):
-        self._timed(self.inner.release, handle)
-
-    def synchronize(self):
-        self._timed(self.inner.synchronize)
-
-
-class ClockedRawStore(baselines.RawStore):
-    """The raw sequence on clocked primitives (`PrimitivesClock`)."""
-
-    def __init__(self, device: torch.device, strides: list[int], capacity_blocks: int):
-        self.clock = PrimitivesClock(baselines.primitives_for(device))
-        super().__init__(device, strides, capacity_blocks, primitives=self.clock)
-
-    def driver_cpu_seconds(self) -> float | None:
-        return self.clock.cpu_seconds
-
-
-class ExtkvStore(Store):
-    """extkv's ExtensibleKVCache, driven through its public API."""
-
-    what = "extkv: ExtensibleKVCache (commit, shrink, defragment, release_physical, recommit)"
-
-    def __init__(self, device: torch.device, geometry: Geometry, capacity_blocks: int, *, clocked: bool = False):
-        self.geometry = geometry
-        self.config = geometry.config(capacity_blocks)
-        super().__init__(device, list(kv_cache_segments(self.config, geometry.layout)[1]), capacity_blocks)
-        self.cache: ExtensibleKVCache | None = None
-        #: With the driver's steps timed (`DriverClock`), for extkv's own CPU
-        #: time; a clocked round is never a timed one (see `interleave`).
-        self.clocked = clocked
-        self.clock: DriverClock | None = None
-
-    def open(self) -> None:
-        driver = driver_for(self.device)
-        if self.clocked:
-            self.clock = driver = DriverClock(driver)
-        self.cache = ExtensibleKVCache(self.config, driver, self.geometry.layout)
-
-    def driver_cpu_seconds(self) -> float | None:
-        return None if self.clock is None else self.clock.cpu_seconds
-
-    def grow(self, blocks: int) -> None:
-        self.cache.commit(blocks)
-        self.blocks = self.cache.num_committed_blocks
-
-    def shrink(self, blocks: int) -> None:
-        self.cache.commit(blocks, shrink=True)
-        self.blocks = self.cache.num_committed_blocks
-
-    def defragment(self, preserve: bool) -> None:
-        self.cache.commit(self.cache.num_committed_blocks, defragment=True, preserve_contents=preserve)
-
-    def release(self) -> None:
-        self.cache.release_physical()
-
-    def recommit(self) -> None:
-        self.cache.recommit()
-
-    def views(self) -> list[torch.Tensor]:
-        return [self.cache.buffer.segment_view(i) for i in range(len(self.strides))]
-
-    def synchronize(self) -> None:
-        self.cache.buffer.driver.synchronize()
-
-    def close(self) -> None:
-        super().close()
-        if self.cache is not None:
-            self.cache.free()
-            self.cache = None
-
-
-# -- contenders ---------------------------------------------------------------------------
-@dataclass(frozen=True)
-class Contender:
-    """Who does the work: `role` is subject (extkv), baseline (the floors a
-    target is stated against) or peer (other designs)."""
-
-    name: str
-    role: str
-    store: type[Store]
-    what: str = ""
-    #: Rounds are capped at the profile's `costly_rounds` (a slow peer).
-    costly: bool = False
-    #: Replay only: the cache grows to all blocks after the graph is captured.
-    grown_after_capture: bool = False
-
-    @property
-    def process(self) -> str:
-        return self.store.process
-
-    def describe(self) -> str:
-        return self.what or self.store.what
-
-    def make(self, device: torch.device, geometry: Geometry, capacity_blocks: int, *, clocked: bool = False) -> Store:
-        if self.store is ExtkvStore:
-            return ExtkvStore(device, geometry, capacity_blocks, clocked=clocked)
-        if clocked and self.store is baselines.RawStore:
-            return ClockedRawStore(device, geometry.strides(), capacity_blocks)
-        return self.store(device, geometry.strides(), capacity_blocks)
-
-
-CONTENDERS: dict[str, Contender] = {
-    c.name: c
-    for c in [
-        Contender("extkv", "subject", ExtkvStore),
-        Contender(
-            "extkv_grown",
-            "subject",
-            ExtkvStore,
-            what="extkv, the graph replayed after the cache grew from N/8 to N blocks in 7 commits",
-            grown_after_capture=True,
-        ),
-        Contender("raw", "baseline", baselines.RawStore),
-        Contender("memset", "baseline", baselines.PlainStore),
-        Contender("copy", "baseline", baselines.CopyStore),
-        Contender("per_granule", "peer", baselines.GranuleStore, costly=True),
-        Contender("upfront", "peer", baselines.UpfrontStore),
-        # A round of 32 GiB costs it 0.2 s in 8 steps and 3 s in 64, against
-        # milliseconds for extkv (H200, session 12): uncapped, it took a
-        # quarter to a third of each headline growth's seconds and left the
-        # 64-step growths 3 rounds of extkv and the raw sequence.
-        Contender("allocate_copy", "peer", baselines.AllocCopyStore, costly=True),
-        Contender("expandable", "peer", baselines.ExpandableStore),
-        Contender("tms", "peer", baselines.TmsStore),
-    ]
-}
 
 
 # -- cases ----------------------------------------------------------------------------------
@@ -611,16 +231,6 @@ OPERATIONS: dict[str, Operation] = {
                   _prepare_captured, lambda store, case: store.replay(case.replays)),
     ]
 }
-
-#: Contenders of an operation where a case names no others (scaling series).
-FLOORS = {
-    "commit": ("extkv", "raw", "memset"),
-    "grow8": ("extkv", "raw", "memset"),
-    "release": ("extkv", "raw"),
-    "recommit": ("extkv", "raw", "memset"),
-    "defrag_preserve": ("extkv", "raw", "copy"),
-}
-
 
 # -- profiles -------------------------------------------------------------------------------
 #: What `Profile.is_headline_reading` selects, in the words the report uses.
@@ -798,18 +408,18 @@ def catalogue(profile: Profile) -> list[Case]:
     for geometry in profile.fresh_geometries:
         add("commit", geometry, headline, FLOORS["commit"], state="fresh")
     for geometry in profile.headline_geometries:
-        add("commit", geometry, headline, ("extkv", "raw", "memset", "upfront", "per_granule", "expandable"))
-        add("grow8", geometry, headline, ("extkv", "raw", "memset", "per_granule", "allocate_copy", "expandable"))
-        add("recommit", geometry, headline, ("extkv", "raw", "memset", "tms"))
-        add("release", geometry, headline, ("extkv", "raw", "per_granule", "tms", "expandable"))
-        add("defrag_preserve", geometry, headline, FLOORS["defrag_preserve"])
+        add("commit", geometry, headline, HEADLINE_CONTENDERS["commit"])
+        add("grow8", geometry, headline, HEADLINE_CONTENDERS["grow8"])
+        add("recommit", geometry, headline, HEADLINE_CONTENDERS["recommit"])
+        add("release", geometry, headline, HEADLINE_CONTENDERS["release"])
+        add("defrag_preserve", geometry, headline, HEADLINE_CONTENDERS["defrag_preserve"])
     # The two scaling readings of the performance issue: commit against
     # segments and against bytes.
     for geometry in profile.segment_series:
         add("commit", geometry, headline, FLOORS["commit"])
     for total in profile.byte_series:
         add("commit", "blhnc1", total, FLOORS["commit"])
-    add("replay", profile.headline_geometries[0], headline, ("extkv", "extkv_grown", "memset"), replays=profile.replays)
+    add("replay", profile.headline_geometries[0], headline, HEADLINE_CONTENDERS["replay"], replays=profile.replays)
     for geometry in profile.segment_series:
         for op, contenders in FLOORS.items():
             add(op, geometry, headline, contenders)
@@ -818,14 +428,14 @@ def catalogue(profile: Profile) -> list[Case]:
             add(op, "blhnc1", total, FLOORS[op])
     for geometry in profile.headline_geometries:
         if profile.grow64:
-            add("grow64", geometry, headline, ("extkv", "raw", "memset", "allocate_copy"))
-        add("shrink", geometry, headline, ("extkv", "raw"))
-        add("defrag_discard", geometry, headline, ("extkv", "raw"))
+            add("grow64", geometry, headline, HEADLINE_CONTENDERS["grow64"])
+        add("shrink", geometry, headline, HEADLINE_CONTENDERS["shrink"])
+        add("defrag_discard", geometry, headline, HEADLINE_CONTENDERS["defrag_discard"])
         if GEOMETRIES[geometry].segments <= 32:
             # One block per commit zeroes each segment's share of the block
             # separately; at 256 segments that is 256,000 zeroes a round.
             per_block_bytes = profile.per_block_blocks * GEOMETRIES[geometry].bytes_per_block
-            add("per_block", geometry, per_block_bytes, ("extkv", "raw", "memset"),
+            add("per_block", geometry, per_block_bytes, HEADLINE_CONTENDERS["per_block"],
                 capacity_blocks=headline // GEOMETRIES[geometry].bytes_per_block)
     for geometry in profile.extra_geometries:
         for op, contenders in FLOORS.items():
@@ -900,7 +510,7 @@ def _prepare_and_time(
     operation.prepare(store, case, contender)
     store.synchronize()
     clock = getattr(store, "clock", None) if evict_caches else None
-    if evict_caches and not isinstance(clock, _StepClock):
+    if evict_caches and not isinstance(clock, StepClock):
         raise ValueError(f"evicting caches needs a clocked store, got {type(store).__name__}")
     # No collection here: a full one costs 80 ms with torch loaded, more than
     # many rounds; disabled, none lands inside the timed part.
@@ -932,27 +542,7 @@ def counts_own_cpu(case: Case, contender: Contender) -> bool:
     every driver step costs microseconds per step (a thread-time read is a
     system call), which would weigh on the timed round that the ratios
     against the raw sequence come from."""
-    return contender.store in (ExtkvStore, baselines.RawStore) and case.op == "commit" and case.state == "recycled"
-
-
-@contextlib.contextmanager
-def pinned_to_this_cpu() -> Iterator[None]:
-    """The calling thread kept on the CPU it runs on, then let go again. A
-    clocked round is pinned: a move to another core mid-round would put the
-    Python after a driver step on that core's cold caches, in some rounds
-    and not others (on the H200's host, pinned and with the caches evicted,
-    a one-segment commit's own CPU read 1.00x from 64 MiB to 64 GiB where
-    unpinned it read 1.06x)."""
-    cpu = _libc.sched_getcpu() if hasattr(os, "sched_setaffinity") else -1
-    if cpu < 0:
-        yield
-        return
-    allowed = os.sched_getaffinity(0)
-    os.sched_setaffinity(0, {cpu})
-    try:
-        yield
-    finally:
-        os.sched_setaffinity(0, allowed)
+    return contender.store in (ExtkvStore, RawStore) and case.op == "commit" and case.state == "recycled"
 
 
 def time_round(
@@ -1220,8 +810,8 @@ class Engine:
         self._batches: dict[str, dict[str, dict[str, Measurement]]] = {}
         #: `interleave_evicted` over both ends of the byte series, once run.
         self._evicted: dict[tuple[str, str], list[float] | BaseException] | None = None
-        self.clocks = [baselines.clock_note(self.device)]
-        primitives = baselines.primitives_for(self.device)
+        self.clocks = [clock_note(self.device)]
+        primitives = primitives_for(self.device)
         supported, how = primitives.probe_partial_map()
         #: Whether the driver maps part of a chunk: where not, the raw
         #: sequence's one chunk per segment per commit is the fewest calls.
@@ -1358,7 +948,7 @@ class Engine:
             "seconds": remaining,
             "jobs": [{"case": case.id, "contenders": names} for case, names in jobs],
         }
-        environment = {**os.environ, **baselines.PROCESS_ENVIRONMENT.get(process, {})}
+        environment = {**os.environ, **PROCESS_ENVIRONMENT.get(process, {})}
         package_root = str(Path(__file__).resolve().parents[2])
         environment["PYTHONPATH"] = os.pathsep.join(filter(None, [package_root, environment.get("PYTHONPATH")]))
         with tempfile.TemporaryDirectory(prefix="extkv-bench-") as scratch:
@@ -1403,7 +993,7 @@ class Engine:
     def finish(self) -> Path:
         """Write `bench_cases.json` into the run directory: the run's facts
         and every case, measured or not."""
-        self.clocks.append(baselines.clock_note(self.device))
+        self.clocks.append(clock_note(self.device))
         cases = []
         for case in self.cases:
             results = self._results.get(case.id)

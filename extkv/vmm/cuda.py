@@ -58,8 +58,13 @@ def _bindings():
     return driver
 
 
-def _check(call: str, result, *, size: int | None = None, address: int | None = None):
-    """Unpack a cuda-python result tuple, raising DriverError on failure."""
+def check_result(call: str, result, *, size: int | None = None, address: int | None = None):
+    """Unpack a cuda-python result tuple: None, its one value, or a tuple of
+    its values; on a failing CUresult raise DriverError naming `call`, the
+    code, the size and the address (OutOfMemoryError for
+    CUDA_ERROR_OUT_OF_MEMORY). Every bindings call of this driver is checked
+    here, and so are the benchmarks' raw CUDA calls, so that both fail in
+    the same words."""
     cu = _bindings()
     status, *values = result
     if status != cu.CUresult.CUDA_SUCCESS:
@@ -76,8 +81,10 @@ def _posix_fd_handle_type():
     return _bindings().CUmemAllocationHandleType.CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR
 
 
-def _allocation_prop(index: int):
-    """Pinned device memory on device `index`, exportable as a POSIX fd."""
+def allocation_prop(index: int):
+    """Pinned device memory on device `index`, exportable as a POSIX fd: the
+    properties of every chunk this driver creates (a raw sequence measured
+    against it creates its chunks with the same)."""
     cu = _bindings()
     prop = cu.CUmemAllocationProp()
     prop.type = cu.CUmemAllocationType.CU_MEM_ALLOCATION_TYPE_PINNED
@@ -87,10 +94,11 @@ def _allocation_prop(index: int):
     return prop
 
 
-def _granularity(prop) -> int:
+def allocation_granularity(prop) -> int:
+    """The minimum granularity of allocations with properties `prop`."""
     cu = _bindings()
     option = cu.CUmemAllocationGranularity_flags.CU_MEM_ALLOC_GRANULARITY_MINIMUM
-    return int(_check("cuMemGetAllocationGranularity", cu.cuMemGetAllocationGranularity(prop, option)))
+    return int(check_result("cuMemGetAllocationGranularity", cu.cuMemGetAllocationGranularity(prop, option)))
 
 
 _ALREADY_ACTIVE = contextlib.nullcontext()
@@ -118,14 +126,14 @@ class _ThreadState(threading.local):
 
 def _push_context(driver: "CudaDriver") -> None:
     result = driver._cu.cuCtxPushCurrent(driver._context)
-    result[0] == 0 or _check("cuCtxPushCurrent", result)
+    result[0] == 0 or check_result("cuCtxPushCurrent", result)
     driver._thread.pushed = True
 
 
 def _pop_context(driver: "CudaDriver") -> None:
     driver._thread.pushed = False
     result = driver._cu.cuCtxPopCurrent()
-    result[0] == 0 or _check("cuCtxPopCurrent", result)
+    result[0] == 0 or check_result("cuCtxPopCurrent", result)
 
 
 # Context managers below are classes, not generators: a commit opens one per
@@ -196,10 +204,10 @@ class CudaDriver(Driver):
         # torch's runtime owns the primary context; initializing torch's CUDA
         # state first means we share it rather than create a second one.
         torch.cuda.init()
-        _check("cuInit", cu.cuInit(0))
-        self._cu_device = _check("cuDeviceGet", cu.cuDeviceGet(index))
-        self._context = _check("cuDevicePrimaryCtxRetain", cu.cuDevicePrimaryCtxRetain(self._cu_device))
-        self._prop = _allocation_prop(index)
+        check_result("cuInit", cu.cuInit(0))
+        self._cu_device = check_result("cuDeviceGet", cu.cuDeviceGet(index))
+        self._context = check_result("cuDevicePrimaryCtxRetain", cu.cuDevicePrimaryCtxRetain(self._cu_device))
+        self._prop = allocation_prop(index)
         access = cu.CUmemAccessDesc()
         access.location.type = cu.CUmemLocationType.CU_MEM_LOCATION_TYPE_DEVICE
         access.location.id = index
@@ -219,7 +227,7 @@ class CudaDriver(Driver):
             int(flags.CU_MEM_ACCESS_FLAGS_PROT_READ): READ_ONLY,
             int(flags.CU_MEM_ACCESS_FLAGS_PROT_NONE): NO_ACCESS,
         }
-        self.granularity = _granularity(self._prop)
+        self.granularity = allocation_granularity(self._prop)
         self._current_stream = _raw_stream_lookup()
         self._thread = _ThreadState()
 
@@ -250,7 +258,7 @@ class CudaDriver(Driver):
                 result = function(*args)
         if result[0] == 0 and len(result) <= 2:
             return result[1] if len(result) == 2 else None
-        return _check(name, result, size=size, address=address)
+        return check_result(name, result, size=size, address=address)
 
     def _map_new_chunks(self, runs, created: list[Chunk], give_back: Callable[[Chunk], object], zero_after) -> None:
         # The step-by-step sequence (`map_new_chunks_step_by_step`) goes
@@ -275,24 +283,24 @@ class CudaDriver(Driver):
             with Transaction() as undo:
                 for address, size, zero in runs:
                     result = create(size, prop, 0)
-                    result[0] == 0 or _check("cuMemCreate", result, size=size)
+                    result[0] == 0 or check_result("cuMemCreate", result, size=size)
                     chunk = Chunk(int(result[1]), size)
                     count_live_chunks(kind, 1)
                     undo.push(give_back, chunk)
                     # The handle as an int: the bindings take it faster than their own type.
                     result = map_(address, size, 0, chunk.handle, 0)
-                    result[0] == 0 or _check("cuMemMap", result, size=size, address=address)
+                    result[0] == 0 or check_result("cuMemMap", result, size=size, address=address)
                     undo.push(self.unmap, address, size)
                     result = grant(address, size, writable, 1)
-                    result[0] == 0 or _check("cuMemSetAccess", result, size=size, address=address)
+                    result[0] == 0 or check_result("cuMemSetAccess", result, size=size, address=address)
                     created.append(chunk)
                     undo.settle()
                     for low, count in zero:
                         result = memset(low, 0, count, stream)
-                        result[0] == 0 or _check("cuMemsetD8Async", result, size=count, address=low)
+                        result[0] == 0 or check_result("cuMemsetD8Async", result, size=count, address=low)
             for low, count in zero_after:
                 result = memset(low, 0, count, stream)
-                result[0] == 0 or _check("cuMemsetD8Async", result, size=count, address=low)
+                result[0] == 0 or check_result("cuMemsetD8Async", result, size=count, address=low)
         finally:
             if pushed_here:
                 _pop_context(self)
@@ -352,7 +360,7 @@ class CudaDriver(Driver):
             if status != cu.CUresult.CUDA_SUCCESS:
                 return None
             identity = int(handle)
-            _check("cuMemRelease (retained handle)", cu.cuMemRelease(handle), address=address)
+            check_result("cuMemRelease (retained handle)", cu.cuMemRelease(handle), address=address)
         return identity
 
     def _access_at(self, address: int) -> str | None:
@@ -364,8 +372,8 @@ class CudaDriver(Driver):
             status, handle = cu.cuMemRetainAllocationHandle(address)
             if status != cu.CUresult.CUDA_SUCCESS:
                 return None
-            _check("cuMemRelease (retained handle)", cu.cuMemRelease(handle), address=address)
-            flags = int(_check("cuMemGetAccess", cu.cuMemGetAccess(self._location, address), address=address))
+            check_result("cuMemRelease (retained handle)", cu.cuMemRelease(handle), address=address)
+            flags = int(check_result("cuMemGetAccess", cu.cuMemGetAccess(self._location, address), address=address))
         # Flags outside the three a mapping can have fail every comparison.
         return self._access_names.get(flags, f"unknown access flags {flags:#x}")
 
@@ -403,7 +411,7 @@ class CudaDriver(Driver):
 
     def describe(self) -> dict[str, str]:
         cu = _bindings()
-        version = int(_check("cuDriverGetVersion", cu.cuDriverGetVersion()))
+        version = int(check_result("cuDriverGetVersion", cu.cuDriverGetVersion()))
         return {
             "device": f"{self.device} {torch.cuda.get_device_name(self.device)}",
             "driver": f"CUDA driver API {version // 1000}.{version % 1000 // 10}",
@@ -414,5 +422,5 @@ class CudaDriver(Driver):
 def query_granularity(index: int) -> int:
     """Minimum VMM granularity of CUDA device `index`, without creating a
     context (report headers use it in processes that run no GPU work)."""
-    _check("cuInit", _bindings().cuInit(0))
-    return _granularity(_allocation_prop(index))
+    check_result("cuInit", _bindings().cuInit(0))
+    return allocation_granularity(allocation_prop(index))

@@ -187,6 +187,27 @@ def reopen(fd: int, *, writable: bool) -> int:
         raise _fail(f"open(/proc/self/fd/{fd}, {mode})", None, None, error.errno) from None
 
 
+def create_memfd(size: int) -> int:
+    """A chunk's memfd: `size` bytes whose pages exist (`fallocate`), mode
+    0600, sealed at that size (CHUNK_SEALS); the caller owns the descriptor.
+    No check that the pages fit: the driver's create checks that first
+    (`check_room`), and a raw sequence measured against the driver makes
+    the same file without it. DriverError (OutOfMemoryError for ENOMEM and
+    ENOSPC) where the kernel refuses."""
+    try:
+        fd = os.memfd_create(MEMFD_NAME, os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
+    except OSError as error:
+        raise _fail("memfd_create", size, None, error.errno) from None
+    try:
+        os.fchmod(fd, 0o600)
+        os.posix_fallocate(fd, 0, size)
+        fcntl.fcntl(fd, fcntl.F_ADD_SEALS, CHUNK_SEALS)
+    except OSError as error:
+        os.close(fd)
+        raise _fail("memfd_create+fallocate+seal", size, None, error.errno) from None
+    return fd
+
+
 class HostDriver(Driver):
     """Linux virtual memory backed by memfd chunks."""
 
@@ -231,18 +252,7 @@ class HostDriver(Driver):
 
     def _create(self, size: int) -> Chunk:
         check_room(size, "memfd_create+fallocate")
-        try:
-            fd = os.memfd_create(MEMFD_NAME, os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
-        except OSError as error:
-            raise _fail("memfd_create", size, None, error.errno) from None
-        try:
-            os.fchmod(fd, 0o600)
-            os.posix_fallocate(fd, 0, size)
-            fcntl.fcntl(fd, fcntl.F_ADD_SEALS, CHUNK_SEALS)
-        except OSError as error:
-            os.close(fd)
-            raise _fail("memfd_create+fallocate+seal", size, None, error.errno) from None
-        return Chunk(handle=fd, size=size)
+        return Chunk(handle=create_memfd(size), size=size)
 
     def _release(self, chunk: Chunk) -> None:
         aside = _SET_ASIDE.pop(chunk.handle, None)
