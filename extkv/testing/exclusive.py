@@ -38,7 +38,7 @@ from typing import Iterator
 MACHINE_LOCK = "machine.lock"
 #: Set to "1" while a test holds its device alone, so that a workload can
 #: take the CPUs the device's other workers are not using then
-#: (extkv.testing.stress.host_compare_threads).
+#: (extkv.testing.stress.under_pressure.host_compare_threads).
 ALONE_VARIABLE = "EXTKV_ALONE_ON_DEVICE"
 
 
