@@ -35,15 +35,18 @@ from extkv.reporting.bench import (
     HALVES_MIN_ROUNDS, TARGETS, BenchRun, CaseResult, Entry, ScalingTarget, Target, carryover, evaluate,
     evaluate_scaling, halves, ratio,
 )
-from extkv.benchmarking import clocks
+from extkv.benchmarking import clocks, engine as bench_engine, measure
+from extkv.benchmarking.cases import HEADLINE_READINGS, OPERATIONS, PROFILES, Case, catalogue
 from extkv.benchmarking.contenders import CONTENDERS, AllocCopyStore, Contender, CopyStore, PlainStore, UpfrontStore
+from extkv.benchmarking.engine import CASES_FILE, Engine
 from extkv.benchmarking.geometry import GEOMETRIES
+from extkv.benchmarking.measure import interleave
+from extkv.benchmarking.playback import BENCH_JSON, PLAYBACK_TIMER
 from extkv.benchmarking.primitives import primitives_for
 from extkv.benchmarking.raw import GranuleStore, RawStore
+from extkv.benchmarking.rounds import in_rounds, round_order
 from extkv.benchmarking.store import Unsupported
-from extkv.testing import benchmarking
 from extkv.testing.children import python_c
-from extkv.testing.benchmarking import PROFILES, Case, catalogue, interleave, round_order
 from extkv.testing.checks import check_all_equal
 from extkv.usage import open_chunk_fds
 from extkv.vmm.base import READ_WRITE
@@ -374,7 +377,7 @@ def test_readings_with_evicted_caches_interleave_both_sizes_in_equal_numbers(dev
     other left as often as the other way round."""
     small, large = one_segment_commit(2), one_segment_commit(8)
     order: list[tuple[str, str]] = []
-    readings = benchmarking.interleave_evicted(
+    readings = measure.interleave_evicted(
         (small, large), ("extkv", "raw"), device, rounds=4, case_seconds=600.0, order_log=order
     )
     pairs = [(case.id, name) for case in (small, large) for name in ("extkv", "raw")]
@@ -393,7 +396,7 @@ def test_a_pair_that_fails_with_evicted_caches_keeps_its_error_and_leaves_the_ro
     monkeypatch.setitem(CONTENDERS, "broken_baseline", Contender("broken_baseline", "baseline", _FailingClockedStore))
     small, large = one_segment_commit(2), one_segment_commit(4)
     order: list[tuple[str, str]] = []
-    readings = benchmarking.interleave_evicted(
+    readings = measure.interleave_evicted(
         (small, large), ("raw", "broken_baseline"), torch.device("cpu"), rounds=2, case_seconds=600.0, order_log=order
     )
     for case in (small, large):
@@ -405,15 +408,15 @@ def test_a_pair_that_fails_with_evicted_caches_keeps_its_error_and_leaves_the_ro
 
 def test_the_engine_reads_both_ends_of_the_byte_series_in_one_interleaved_pass(tmp_path, monkeypatch):
     passes: list[tuple[str, ...]] = []
-    real_pass = benchmarking.interleave_evicted
+    real_pass = measure.interleave_evicted
 
     def counted_pass(cases, *args, **kwargs):
         passes.append(tuple(case.id for case in cases))
         return real_pass(cases, *args, **kwargs)
 
-    monkeypatch.setattr(benchmarking, "interleave_evicted", counted_pass)
+    monkeypatch.setattr(bench_engine, "interleave_evicted", counted_pass)
     profile = PROFILES["quick"]
-    engine = benchmarking.Engine(profile, "cpu", tmp_path, rounds=2, warm=False, log=lambda line: None)
+    engine = Engine(profile, "cpu", tmp_path, rounds=2, warm=False, log=lambda line: None)
     ends = [case for case in engine.cases if profile.is_bytes_flatness_end(case)]
     assert sorted(case.bytes for case in ends) == [min(profile.byte_series), max(profile.byte_series)], ends
     for case in ends:
@@ -457,15 +460,15 @@ def test_caches_are_evicted_in_the_operations_steps_only(device, monkeypatch):
     """Setup and teardown (reserve, unmap, release, free) are no part of the
     reading: evicting there would only cost time."""
     evictions = []
-    monkeypatch.setattr(benchmarking, "cache_evictor", lambda: lambda: evictions.append(1))
+    monkeypatch.setattr(measure, "cache_evictor", lambda: lambda: evictions.append(1))
     case = Case("commit", "blhnc1", 4, 4, ("extkv", "raw"))
     for name in ("extkv", "raw"):
         evictions.clear()
-        benchmarking.time_round(case, CONTENDERS[name], device, clocked=True, evict_caches=True)
+        measure.time_round(case, CONTENDERS[name], device, clocked=True, evict_caches=True)
         # One run: (batch,) create, map, access grant, zero.
         assert 4 <= len(evictions) <= 6, (name, len(evictions))
     with pytest.raises(ValueError, match="evicting caches needs a clocked store, got PlainStore"):
-        benchmarking.time_round(Case("commit", "blhnc1", 4, 4, ("memset",)), CONTENDERS["memset"], device,
+        measure.time_round(Case("commit", "blhnc1", 4, 4, ("memset",)), CONTENDERS["memset"], device,
                                 evict_caches=True)
 
 
@@ -541,7 +544,7 @@ def test_headline_readings_take_the_profiles_headline_rounds_unless_rounds_are_g
     assert {(case.op, case.bytes) for case in small} == {
         (op, size) for op in ("commit", "grow8", "release") for size in (64 * MiB, 256 * MiB, 1 << 30)
     }
-    engine = benchmarking.Engine(profile, "cpu", tmp_path, warm=False, log=lambda line: None)
+    engine = Engine(profile, "cpu", tmp_path, warm=False, log=lambda line: None)
     growth = [case for case in headline if case.op == "grow8"]
     assert engine.rounds_for(headline[0]) == (profile.headline_rounds, profile.headline_case_seconds) == (21, 20.0)
     assert {engine.rounds_for(case) for case in growth} == {(61, 45.0)}, growth
@@ -549,7 +552,7 @@ def test_headline_readings_take_the_profiles_headline_rounds_unless_rounds_are_g
     # Small commits are headline readings too: their seconds, the small cases' rounds.
     assert {engine.rounds_for(case) for case in small} == {(61, profile.case_seconds), (61, 20.0), (61, 45.0)}
     assert engine.rounds_for(next(case for case in small if case.op == "commit")) == (61, 20.0)
-    given = benchmarking.Engine(profile, "cpu", tmp_path, rounds=3, warm=False, log=lambda line: None)
+    given = Engine(profile, "cpu", tmp_path, rounds=3, warm=False, log=lambda line: None)
     assert {given.rounds_for(case) for case in [headline[0], growth[0], other, *small]} == {(3, profile.case_seconds)}
 
 
@@ -568,7 +571,7 @@ def test_a_costly_peers_rounds_use_none_of_its_cases_seconds():
 
     def run(charged) -> Counter:
         now, ran = [0.0], Counter()
-        rounds = benchmarking.in_rounds(
+        rounds = in_rounds(
             list(takes), lambda name: ran[name] < caps[name], rounds=9, case_seconds=8.0, charged=charged,
             clock=lambda: now[0],
         )
@@ -608,13 +611,13 @@ def test_every_profile_lays_out_a_runnable_catalogue(profile):
         assert set(case.contenders) <= set(CONTENDERS), case
         assert case.blocks >= 1 and case.capacity_blocks >= case.blocks, case
         if any(CONTENDERS[name].process != "main" for name in case.contenders):
-            assert benchmarking.OPERATIONS[case.op].pivot in case.contenders, case
+            assert OPERATIONS[case.op].pivot in case.contenders, case
 
 
 # -- the report's arithmetic ----------------------------------------------------------------
 def result(op: str, entries: dict[str, Entry], *, segment_bytes: int = 1 << 30, **facts) -> CaseResult:
     return CaseResult(
-        {"case": f"{op}-x", "op": op, "pivot": benchmarking.OPERATIONS[op].pivot, "contenders": list(entries),
+        {"case": f"{op}-x", "op": op, "pivot": OPERATIONS[op].pivot, "contenders": list(entries),
          "smallest_segment_bytes": segment_bytes, "geometry": "blhnc1", "state": "recycled", "segments": 1,
          "bytes": 1 << 30, **facts},
         entries,
@@ -820,12 +823,12 @@ def write_one_case_run(run_dir: Path, order, walls, instructions=None, **facts_e
              "elapsed_seconds": 1.0, "budget_seconds": 2.0, "clocks": ["c"], "cpu_time": "thread_time",
              "cases": [case_facts], **facts_extra}
     run_dir.mkdir(parents=True, exist_ok=True)
-    (run_dir / benchmarking.CASES_FILE).write_text(json.dumps(facts))
+    (run_dir / CASES_FILE).write_text(json.dumps(facts))
     benchmarks = [{"name": f"test_bench[{case_facts['case']}-{name}]",
                    "extra_info": {"case": case_facts["case"], "contender": name, "process": "main", "cpu": wall,
                                   "python_instructions": (instructions or {}).get(name)},
                    "stats": {"data": wall}} for name, wall in walls.items()]
-    (run_dir / benchmarking.BENCH_JSON).write_text(json.dumps({"benchmarks": benchmarks}))
+    (run_dir / BENCH_JSON).write_text(json.dumps({"benchmarks": benchmarks}))
     return run_dir
 
 
@@ -867,7 +870,9 @@ def test_a_scaling_reading_the_run_did_not_count_says_so():
 
 # -- pytest-benchmark records what the engine measured ----------------------------------------------
 RECORDING_TEST = """
-from extkv.testing.benchmarking import Case, Measurement, record
+from extkv.benchmarking.cases import Case
+from extkv.benchmarking.measure import Measurement
+from extkv.benchmarking.playback import record
 
 def test_recorded(benchmark):
     record(benchmark, Case("commit", "blhnc1", 2, 2, ("extkv",)), Measurement("extkv", "main", wall=[0.5, 0.25, 0.125], cpu=[0.1, 0.1, 0.1]))
@@ -888,7 +893,7 @@ def run_pytest_benchmark(tmp_path: Path, *options: str) -> subprocess.CompletedP
 
 
 def test_pytest_benchmark_records_the_measured_rounds(tmp_path):
-    finished = run_pytest_benchmark(tmp_path, f"--benchmark-timer={benchmarking.PLAYBACK_TIMER}")
+    finished = run_pytest_benchmark(tmp_path, f"--benchmark-timer={PLAYBACK_TIMER}")
     assert finished.returncode == 0, finished.stdout + finished.stderr
     (recorded,) = json.loads((tmp_path / "bench.json").read_text())["benchmarks"]
     assert recorded["stats"]["data"] == [0.5, 0.25, 0.125]
@@ -903,7 +908,7 @@ def test_recording_without_the_playback_clock_is_refused(tmp_path):
 
 def test_engine_measures_fresh_cases_in_a_new_process_and_records_every_case(tmp_path):
     lines: list[str] = []
-    engine = benchmarking.Engine(PROFILES["quick"], "cpu", tmp_path, rounds=2, log=lines.append, warm=False)
+    engine = Engine(PROFILES["quick"], "cpu", tmp_path, rounds=2, log=lines.append, warm=False)
     fresh = next(case for case in engine.cases if case.state == "fresh")
     recycled = next(case for case in engine.cases if case.op == "release" and case.state == "recycled")
     for case, rounds in ((fresh, {1}), (recycled, {1, 2})):  # a loaded machine may spend the case's seconds in one
@@ -939,12 +944,12 @@ def test_the_rounds_line_names_the_headline_readings_its_run_recorded(tmp_path):
     }
 
     def rendered(run_facts: dict) -> str:
-        (tmp_path / benchmarking.CASES_FILE).write_text(json.dumps(run_facts))
+        (tmp_path / CASES_FILE).write_text(json.dumps(run_facts))
         return bench_section(tmp_path)
 
-    recorded = rendered({**facts, "headline_readings": benchmarking.HEADLINE_READINGS,
+    recorded = rendered({**facts, "headline_readings": HEADLINE_READINGS,
                          "costly_contenders": ["per_granule", "allocate_copy"], "costly_rounds_uncharged": True})
-    assert f"({benchmarking.HEADLINE_READINGS}) <= 21 rounds within 20 s" in recorded
+    assert f"({HEADLINE_READINGS}) <= 21 rounds within 20 s" in recorded
     assert "using none of them; per_granule and allocate_copy <= 2;" in recorded, recorded
     earlier = rendered(facts)
     assert "(its headline cases, and the smallest and largest one-segment commit) <= 21 rounds" in earlier

@@ -48,12 +48,14 @@ LAYERS: list[set[str]] = [
     # One line per owner, so that work on checks, benchmarks and stress runs
     # can add modules without touching each other's line.
     {"extkv.testing.harness", "extkv.testing.timeline"},
-    {"extkv.benchmarking", "extkv.benchmarking.geometry", "extkv.benchmarking.primitives"},
+    {"extkv.benchmarking", "extkv.benchmarking.geometry", "extkv.benchmarking.primitives", "extkv.benchmarking.rounds"},
     {"extkv.benchmarking.store"},
     {"extkv.benchmarking.raw"},
     {"extkv.benchmarking.clocks"},
     {"extkv.benchmarking.contenders"},
-    {"extkv.testing.benchmarking"},
+    {"extkv.benchmarking.cases"},
+    {"extkv.benchmarking.measure"},
+    {"extkv.benchmarking.engine", "extkv.benchmarking.playback"},
     {"extkv.testing.stress.base", "extkv.testing.stress.tally", "extkv.testing.stress.timeline",
      "extkv.testing.stress.reclaim"},
     {"extkv.testing.stress.bounds", "extkv.testing.stress.child", "extkv.testing.stress.faultable"},

@@ -1,7 +1,7 @@
 """Benchmarks of extkv's KV cache against raw driver sequences and peers.
 
 One test per (case, contender) of the profile's catalogue
-(extkv.testing.benchmarking.catalogue, parametrized by reports/conftest.py),
+(extkv.benchmarking.cases.catalogue, parametrized by reports/conftest.py),
 in priority order. The session's
 engine measures a case's contenders together, interleaved, the first time
 one of them is asked for; each test hands its contender's rounds to
@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import pytest
 
-from extkv.testing.benchmarking import record
+from extkv.benchmarking.playback import record
 
 
 def test_bench(benchmark, bench_engine, bench_case, contender):

@@ -1,5 +1,5 @@
 """pytest wiring of the benchmarks (`extkv bench` runs them; see
-extkv.testing.benchmarking for how they measure).
+extkv.benchmarking for how they measure).
 
 Options choose the run: `--extkv-bench-profile` (gpu, host, quick; default
 gpu where a CUDA GPU is usable, else host), `--extkv-bench-device`,
@@ -18,7 +18,8 @@ import pytest
 
 from extkv import vmm
 from extkv.testing import harness
-from extkv.testing.benchmarking import PROFILES, Engine, catalogue
+from extkv.benchmarking.cases import PROFILES, catalogue
+from extkv.benchmarking.engine import Engine
 
 
 def pytest_configure(config):

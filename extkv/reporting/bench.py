@@ -45,7 +45,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
 
-from ..testing.benchmarking import BENCH_JSON, CASES_FILE, size_label
+from ..benchmarking.engine import CASES_FILE
+from ..benchmarking.geometry import size_label
+from ..benchmarking.playback import BENCH_JSON
 from .rundir import read_json_object, save_figure
 
 MiB = 1 << 20

@@ -10,7 +10,7 @@ Two phases, each announced by a progress line and timed:
    GPU is usable (one is enough), else on the host driver with the `host`
    profile, whose sizes fit a small machine; `--quick` runs the `quick`
    profile (tiny sizes, two rounds) for CI. The engine
-   (extkv.testing.benchmarking) prints a line per case; pytest-benchmark
+   (extkv.benchmarking.engine) prints a line per case; pytest-benchmark
    writes `<run>/bench.json` with extkv's playback clock as its timer, and
    the engine `<run>/bench_cases.json`.
 2. The report: `render_report(<run>)` writes `summary.md` with the bench
@@ -34,7 +34,7 @@ import time
 from pathlib import Path
 
 from .. import vmm
-from ..testing.benchmarking import BENCH_JSON, PLAYBACK_TIMER
+from ..benchmarking.playback import BENCH_JSON, PLAYBACK_TIMER
 from . import render_report
 from .check_run import add_report_dir_argument, installed_suite_options
 from .machine import machine_facts, write_machine_facts

@@ -36,7 +36,8 @@ import statistics
 from pathlib import Path
 from typing import Sequence
 
-from ..testing.benchmarking import BENCH_JSON, CASES_FILE
+from ..benchmarking.engine import CASES_FILE
+from ..benchmarking.playback import BENCH_JSON
 from .machine import MACHINE_FILE, read_machine_facts
 from .rundir import read_json_object, write_text
 
