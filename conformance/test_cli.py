@@ -268,7 +268,7 @@ def test_peer_with_a_bad_socket_path_or_timeout_says_why_without_a_traceback(tmp
         bound.listen()  # connects, then hears nothing
         assert cli.main(["peer", "--peer", path, "--timeout", "0.2"]) == 1
         err = capsys.readouterr().err
-        assert err.startswith(f"extkv peer: {path}: TimeoutError: ") and err.count("\n") == 1, err
+        assert err.startswith(f"extkv peer: {path}: DeadlineExceededError: ") and err.count("\n") == 1, err
 
 
 def test_pool_into_a_directory_whose_own_files_cannot_be_read_says_which(tmp_path, capsys):

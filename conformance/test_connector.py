@@ -64,7 +64,7 @@ from extkv.layout import (
 )
 from extkv.peer import import_segments, run_peer
 from extkv.testing.checks import check_mapped_read_only, check_usage_matches, maps_permissions
-from extkv.testing.configs import CAPACITY, GRANULE, fill_segments
+from extkv.testing.configs import CAPACITY, GRANULE, config_for, fill_segments
 from extkv.vmm import FaultInjectingDriver, driver_for, live_chunks, live_reservations
 from extkv.vmm.base import READ_WRITE
 from extkv.wire import MAX_HEADER_BYTES, PROTOCOL, receive_message, send_message
@@ -1396,10 +1396,8 @@ def test_a_peer_that_hangs_up_mid_export_is_named_and_the_next_is_served(build, 
     assert peer_digests(connector, peers) == digests_here(kv_cache)
 
     # An exporter where SIGPIPE kills (its default action), forked: the
-    # hang-up is the same error there, and the exporter lives on. Its cache
-    # has nothing committed: the header is all there is to send.
-    empty = SegmentExportConnector()
-    empty.register_kv_caches(build.cache_for("padded", KVCacheLayout.LBHNC, device=HOST))
+    # hang-up is the same error there, and the exporter lives on. A forked
+    # child's copy of a cache is not its own, so it makes its cache there.
     mine, theirs = socket.socketpair()
     theirs.close()
     with mine:
@@ -1408,13 +1406,16 @@ def test_a_peer_that_hangs_up_mid_export_is_named_and_the_next_is_served(build, 
             code = 1
             try:
                 signal.signal(signal.SIGPIPE, signal.SIG_DFL)
+                kv_cache = ExtensibleKVCache(config_for("full", KVCacheLayout.LBHNC, 8), HOST, KVCacheLayout.LBHNC)
+                kv_cache.commit(4, defragment=True)
+                exporter = SegmentExportConnector()
+                exporter.register_kv_caches(kv_cache)
                 try:
-                    empty.export_to(mine)
+                    exporter.export_to(mine)
                 except PeerDisconnectedError:
                     code = 0
             finally:
                 os._exit(code)
-    empty.close()
     _, status = os.waitpid(child, 0)
     assert os.waitstatus_to_exitcode(status) == 0, f"the exporter exited with {os.waitstatus_to_exitcode(status)}"
 
@@ -1515,3 +1516,26 @@ def test_runner_with_a_registering_connector_defragments_and_exports(device, pee
     finally:
         connector.close()
         runner.free()
+
+
+@pytest.mark.invariant(8)
+def test_a_forked_child_cannot_export_its_parents_cache(build, connector):
+    """A forked child's copy of a cache maps none of the parent's memory (its
+    descriptors name /dev/null): its export is refused by name, not a
+    driver error from sealing /dev/null."""
+    kv_cache = build.cache_for("full", KVCacheLayout.LBHNC, device=HOST)
+    kv_cache.commit(4, defragment=True)
+    connector.register_kv_caches(kv_cache)
+    mine, theirs = socket.socketpair()
+    with mine, theirs:
+        child = os.fork()
+        if child == 0:
+            code = 1
+            try:
+                connector.export_to(mine)
+            except StaleRegistrationError as error:
+                code = 0 if "forked child's copy" in str(error) else 2
+            finally:
+                os._exit(code)
+        _, status = os.waitpid(child, 0)
+    assert os.waitstatus_to_exitcode(status) == 0, f"the child's export exited with {os.waitstatus_to_exitcode(status)}"

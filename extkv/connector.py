@@ -70,11 +70,12 @@ from typing import Iterable, Protocol, Sequence, runtime_checkable
 
 from . import validate
 from .cache import ExtensibleKVCache
+from .deferred_signals import deferred_signals
 from .errors import DeadlineExceededError, ExtkvError, StateError
 from .layout import KVCacheConfig
 from .tensor import ExtensibleTensor, MappedChunk
 from .vmm import Driver
-from .wire import Deadline, ExportHeader, SegmentPlacement, send_fds, send_message
+from .wire import Deadline, ExportHeader, SegmentPlacement, close_all, send_fds, send_message
 
 #: Seconds one export may take to send, header and descriptors. A peer that
 #: reads takes them at once: only one that stopped reading meets this.
@@ -263,7 +264,9 @@ class SegmentExportConnector:
         try:
             # Held while checking and exporting, so that no other thread's
             # commit remaps the segments in between; not while the peer reads.
-            with buffer.lock:
+            # Signal handlers deferred too: an interrupt between an export
+            # and its record would leak the descriptor.
+            with deferred_signals(), buffer.lock:
                 self._check_current(buffer)
                 header, chunks = _export_header(driver, self._registrations, self.writable_exports)
                 for mapped in chunks:
@@ -290,8 +293,7 @@ class SegmentExportConnector:
             finally:
                 sock.settimeout(previous)
         finally:
-            for fd in fds:
-                os.close(fd)
+            close_all(fds)
 
     def _check_peer(self, sock: socket.socket) -> tuple[int, int, int]:
         """The peer's (pid, uid, gid), once they are allowed."""
@@ -311,6 +313,11 @@ class SegmentExportConnector:
         """Refuse a registration whose chunks no longer back the segments."""
         if buffer.is_freed:
             raise StaleRegistrationError("the registered KV cache was freed; register a live cache")
+        if buffer.is_inherited:
+            raise StaleRegistrationError(
+                "the registered KV cache is a forked child's copy: its memory is the parent's and not mapped here; "
+                "export from the process that made it"
+            )
         if buffer.is_broken:
             raise StaleRegistrationError(
                 "the registered KV cache is broken (a failed step's undo failed: its chunks are no longer known to "

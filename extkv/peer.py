@@ -56,9 +56,10 @@ import socket
 import torch
 
 from . import validate
+from .deferred_signals import deferred_signals
 from .errors import DriverError, StateError
 from .vmm import Chunk, Driver, HostDriver, Transaction, UnreleasedChunks, cuda_usable, driver_for
-from .wire import MAX_HEADER_BYTES, Deadline, ExportHeader, receive_fds, receive_message, send_message
+from .wire import MAX_HEADER_BYTES, Deadline, ExportHeader, close_all, receive_fds, receive_message, send_message
 
 #: Seconds one import may take (`import_segments`), and the whole peer
 #: (`run_peer`: connect, import, digests, reply).
@@ -203,20 +204,23 @@ def import_segments(
 
 
 def _import(sock: socket.socket, driver: Driver | None, deadline: Deadline, max_bytes: int | None) -> ImportedSegments:
-    previous = sock.gettimeout()
+    fds: list[int] = []
     try:
-        message = receive_message(sock, max_bytes=MAX_HEADER_BYTES, deadline=deadline, what="the header")
-        header = ExportHeader.from_message(message)
-        driver = _driver_for_header(header, driver)
-        _check_announced_bytes(header, driver, max_bytes)
-        fds = receive_fds(sock, len(header.chunk_sizes), deadline=deadline)
+        previous = sock.gettimeout()
+        try:
+            message = receive_message(sock, max_bytes=MAX_HEADER_BYTES, deadline=deadline, what="the header")
+            header = ExportHeader.from_message(message)
+            driver = _driver_for_header(header, driver)
+            _check_announced_bytes(header, driver, max_bytes)
+            receive_fds(sock, len(header.chunk_sizes), fds, deadline=deadline)
+        finally:
+            sock.settimeout(previous)
+        # Mapping waits for no one: a signal handler that raises runs after
+        # it, never between an import's step and its undo.
+        with deferred_signals():
+            return _map_imported(driver, fds, header)
     finally:
-        sock.settimeout(previous)
-    try:
-        return _map_imported(driver, fds, header)
-    finally:
-        for fd in fds:
-            os.close(fd)
+        close_all(fds)
 
 
 def _check_announced_bytes(header: ExportHeader, driver: Driver, max_bytes: int | None) -> None:

@@ -60,6 +60,7 @@ from typing import NamedTuple, Sequence
 import torch
 
 from . import validate
+from .deferred_signals import deferred_signals
 from .errors import DeadlineExceededError
 from .vmm import Driver
 
@@ -302,16 +303,18 @@ def send_fds(sock: socket.socket, fds: Sequence[int], *, deadline: Deadline | No
             raise ConnectionError(f"sending descriptors {start}..{start + len(batch) - 1} failed")
 
 
-def receive_fds(sock: socket.socket, count: int, *, deadline: Deadline | None = None) -> list[int]:
-    """`count` descriptors sent by `send_fds`; the caller closes them. On
-    failure, those received so far are closed here. `deadline` is as
+def receive_fds(sock: socket.socket, count: int, fds: list[int], *, deadline: Deadline | None = None) -> None:
+    """Receive `count` descriptors sent by `send_fds` into `fds`, which the
+    caller owns and closes, on success or failure: a descriptor is in it
+    from the moment the kernel hands it over, with signal handlers deferred
+    in between, so no interrupt can drop one. `deadline` is as
     `receive_message` takes it."""
-    fds: list[int] = []
-    try:
-        while len(fds) < count:
-            expected = min(MAX_FDS_PER_MESSAGE, count - len(fds))
-            progress = f"received {len(fds)} of the {count} descriptors"
-            _wait(sock, deadline, progress)
+    wanted = len(fds) + count
+    while len(fds) < wanted:
+        expected = min(MAX_FDS_PER_MESSAGE, wanted - len(fds))
+        progress = f"received {count - (wanted - len(fds))} of the {count} descriptors"
+        _wait(sock, deadline, progress)
+        with deferred_signals():
             try:
                 data, ancillary, flags, _ = sock.recvmsg(
                     1, socket.CMSG_SPACE(expected * array.array("i").itemsize), socket.MSG_CMSG_CLOEXEC
@@ -325,12 +328,15 @@ def receive_fds(sock: socket.socket, count: int, *, deadline: Deadline | None = 
                 if level == socket.SOL_SOCKET and kind == socket.SCM_RIGHTS:
                     batch.frombytes(payload[: len(payload) - len(payload) % batch.itemsize])
             fds.extend(batch)
-            if not data:
-                raise ConnectionError(f"connection closed after {len(fds)} of {count} descriptors")
-            if flags & socket.MSG_CTRUNC or len(batch) != expected:
-                raise ConnectionError(f"expected {expected} descriptors in one message, received {len(batch)}")
-    except BaseException:
-        for fd in fds:
-            os.close(fd)
-        raise
-    return fds
+        if not data:
+            raise ConnectionError(f"connection closed after {count - (wanted - len(fds))} of {count} descriptors")
+        if flags & socket.MSG_CTRUNC or len(batch) != expected:
+            raise ConnectionError(f"expected {expected} descriptors in one message, received {len(batch)}")
+
+
+def close_all(fds: list[int]) -> None:
+    """Close every descriptor of `fds` and empty it, signal handlers
+    deferred, so that an interrupt cannot leave some open."""
+    with deferred_signals():
+        while fds:
+            os.close(fds.pop())
