@@ -31,10 +31,6 @@ import torch
 
 from extkv import vmm
 from extkv.cache import ExtensibleKVCache
-from extkv.reporting.bench import (
-    HALVES_MIN_ROUNDS, TARGETS, BenchRun, CaseResult, Entry, ScalingTarget, Target, carryover, evaluate,
-    evaluate_scaling, halves, ratio,
-)
 from extkv.benchmarking import clocks, engine as bench_engine, measure
 from extkv.benchmarking.cases import HEADLINE_READINGS, OPERATIONS, PROFILES, Case, catalogue
 from extkv.benchmarking.contenders import CONTENDERS, AllocCopyStore, Contender, CopyStore, PlainStore, UpfrontStore
@@ -44,8 +40,12 @@ from extkv.benchmarking.measure import interleave
 from extkv.benchmarking.playback import BENCH_JSON, PLAYBACK_TIMER
 from extkv.benchmarking.primitives import primitives_for
 from extkv.benchmarking.raw import GranuleStore, RawStore
+from extkv.benchmarking.results import BenchRun, CaseResult, Entry, carryover, ratio
 from extkv.benchmarking.rounds import in_rounds, round_order
 from extkv.benchmarking.store import Unsupported
+from extkv.benchmarking.targets import (
+    HALVES_MIN_ROUNDS, TARGETS, ScalingTarget, Target, evaluate, evaluate_scaling, halves,
+)
 from extkv.testing.children import python_c
 from extkv.testing.checks import check_all_equal
 from extkv.usage import open_chunk_fds
@@ -834,7 +834,7 @@ def write_one_case_run(run_dir: Path, order, walls, instructions=None, **facts_e
 
 def one_case_section(tmp_path, order, walls, **facts_extra) -> str:
     """The bench section rendered from a run of `write_one_case_run`."""
-    from extkv.reporting.bench import bench_section
+    from extkv.benchmarking.report import bench_section
 
     return bench_section(write_one_case_run(tmp_path, order, walls, **facts_extra))
 
@@ -934,7 +934,7 @@ def test_the_rounds_line_names_the_headline_readings_its_run_recorded(tmp_path):
     """A report rendered again later describes the run as it was: which
     cases took the headline rounds comes from the run's facts, and a run
     that recorded none is described by what the engine did before."""
-    from extkv.reporting.bench import bench_section
+    from extkv.benchmarking.report import bench_section
 
     facts = {
         "profile": "gpu", "profile_what": "w", "device": "cuda:0", "device_description": {}, "host": "h", "torch": "t",
@@ -958,8 +958,9 @@ def test_the_rounds_line_names_the_headline_readings_its_run_recorded(tmp_path):
 
 # -- pooled runs ------------------------------------------------------------------------------
 def test_pooled_runs_read_as_one_run_of_every_round_in_run_order(tmp_path):
-    from extkv.reporting.bench import bench_section, load
-    from extkv.reporting.pool import pool
+    from extkv.benchmarking.report import bench_section
+    from extkv.benchmarking.results import load
+    from extkv.benchmarking.pool import pool
 
     # The first run alone reads 1.25x (raw's one fast round), the second
     # 0.80x (extkv's); pooled, each side's least round is 0.8: 1.00x.
@@ -979,7 +980,7 @@ def test_pooled_runs_read_as_one_run_of_every_round_in_run_order(tmp_path):
     assert row.met is True and row.ratio_min == pytest.approx(1.0), row
     assert row.split_in_time == (pytest.approx(1.25), pytest.approx(0.8)), "the halves in time set run against run"
     section = bench_section(pooled)
-    assert "Pooled (extkv.reporting.pool): the rounds of 2 runs" in section and "a (1 s), b (3 s)" in section
+    assert "Pooled (extkv pool): the rounds of 2 runs" in section and "a (1 s), b (3 s)" in section
     assert "differ in elapsed" not in section and "differ in" not in section, "summed facts are no difference"
 
 
@@ -990,7 +991,7 @@ def test_pooled_runs_read_as_one_run_of_every_round_in_run_order(tmp_path):
                                        "instructions there and 741 in a"),
 ])
 def test_runs_of_other_code_or_another_machine_are_not_pooled(tmp_path, change, words):
-    from extkv.reporting.pool import pool
+    from extkv.benchmarking.pool import pool
 
     walls = {"extkv": [1.0] * 6, "raw": [1.0] * 6}
     first = write_one_case_run(tmp_path / "a", ["extkv", "raw"] * 6, walls, instructions={"extkv": 741})
@@ -1002,7 +1003,7 @@ def test_runs_of_other_code_or_another_machine_are_not_pooled(tmp_path, change, 
 
 
 def test_pooling_needs_two_runs_and_a_directory_of_its_own(tmp_path):
-    from extkv.reporting.pool import pool
+    from extkv.benchmarking.pool import pool
 
     run = write_one_case_run(tmp_path / "a", ["extkv", "raw"], {"extkv": [1.0], "raw": [1.0]})
     with pytest.raises(ValueError, match="needs two or more run directories, got 1"):
@@ -1019,6 +1020,6 @@ def test_extkv_pool_writes_the_pooled_report_or_says_why_not(tmp_path, capsys):
     walls = {"extkv": [1.0] * 6, "raw": [1.0] * 6}
     runs = [str(write_one_case_run(tmp_path / name, ["extkv", "raw"] * 6, walls)) for name in ("a", "b")]
     assert main(["pool", str(tmp_path / "pooled"), *runs]) == 0
-    assert "Pooled (extkv.reporting.pool)" in (tmp_path / "pooled" / "summary.md").read_text()
+    assert "Pooled (extkv pool)" in (tmp_path / "pooled" / "summary.md").read_text()
     assert main(["pool", str(tmp_path / "again"), runs[0]]) == 2
     assert "extkv pool: pooling needs two or more run directories, got 1" in capsys.readouterr().err

@@ -363,7 +363,7 @@ def test_pool_writes_its_files_anew_in_a_directory_that_holds_symlinks(tmp_path)
     """Each file `pool` writes (the pooled results, machine.json) replaces a
     symlink planted at its name in the pooled directory, and leaves the
     file it points to, outside, as it was."""
-    from extkv.reporting.pool import pool
+    from extkv.benchmarking.pool import pool
 
     runs = []
     for name in ("a", "b"):

@@ -15,7 +15,7 @@
 - `extkv report DIR`: render a run directory's report again from its raw
   results (JSON, JUnit XML).
 - `extkv pool OUT_DIR RUN_DIR RUN_DIR ...`: one bench report over the rounds
-  of several runs of one code on one machine (extkv.reporting.pool).
+  of several runs of one code on one machine (extkv.benchmarking.pool).
 - `extkv peer --peer SOCKET_PATH [--timeout S]`: the receiving side of a
   `SegmentExportConnector`, as a process of its own (extkv.peer): import the
   exported segments, reply with the sha256 of each segment's committed bytes,
@@ -41,10 +41,11 @@ from pathlib import Path
 import torch
 
 from . import vmm
+from .benchmarking import run as bench_run
+from .benchmarking.pool import pool
 from .errors import ExtkvError
 from .peer import DEFAULT_PEER_TIMEOUT_S, run_peer
-from .reporting import bench_run, check_run, render_report, stress_run
-from .reporting.pool import pool
+from .reporting import check_run, render_report, stress_run
 from .reporting.rundir import checkout_root
 from .testing import facts
 

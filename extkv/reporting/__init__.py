@@ -11,8 +11,8 @@ again later (`extkv report DIR`) from the same files.
 The summary is its sections, in order: the machine (from the check results,
 or `machine.json` of a run without them), the check (extkv.reporting.summary,
 with a memory-timeline plot per device drawn by extkv.reporting.plots), then
-the bench and stress sections, each of which returns None when the directory
-holds none of its results.
+the bench section (extkv.benchmarking.report) and the stress section, each
+of which returns None when the directory holds none of its results.
 """
 
 from __future__ import annotations
@@ -20,7 +20,6 @@ from __future__ import annotations
 from pathlib import Path
 
 from ..testing.timeline import TIMELINE_GLOB, Timeline
-from .bench import bench_section
 from .machine import machine_section, read_machine_facts
 from .plots import matplotlib_missing, plot_timeline
 from .rundir import write_text
@@ -48,6 +47,11 @@ def render_report(run_dir: Path) -> Path:
             for timeline, path in timelines
         ]
         sections.append(check_section(check, drawn, plots_skipped))
+    # Imported here: the bench section (extkv.benchmarking.report) reads its
+    # files through this package's rundir, so importing it while this
+    # package loads would load the two packages in a circle.
+    from ..benchmarking.report import bench_section
+
     found = [section for section in (bench_section(run_dir), stress_section(run_dir)) if section is not None]
     if check is None and not found:
         raise ValueError(

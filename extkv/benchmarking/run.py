@@ -14,7 +14,7 @@ Two phases, each announced by a progress line and timed:
    writes `<run>/bench.json` with extkv's playback clock as its timer, and
    the engine `<run>/bench_cases.json`.
 2. The report: `render_report(<run>)` writes `summary.md` with the bench
-   section (extkv.reporting.bench) and its plots; the machine's facts come
+   section (extkv.benchmarking.report) and its plots; the machine's facts come
    from `machine.json`, written before phase 1. With `--quick` the run fails
    unless the summary holds the bench section: CI's proof that a report
    renders, not a claim about speed.
@@ -34,14 +34,14 @@ import time
 from pathlib import Path
 
 from .. import vmm
-from ..benchmarking.playback import BENCH_JSON, PLAYBACK_TIMER
-from . import render_report
-from .check_run import add_report_dir_argument, installed_suite_options
-from .machine import machine_facts, write_machine_facts
+from ..reporting import render_report
+from ..reporting.check_run import add_report_dir_argument, installed_suite_options
+from ..reporting.machine import machine_facts, write_machine_facts
+from ..reporting.rundir import RunDirectoryInUse, checkout_root, prepare_run_directory, suite_directory
+from .playback import BENCH_JSON, PLAYBACK_TIMER
 
 #: Files of an earlier bench that --overwrite removes from --report-dir.
 BENCH_FILES = ("bench*.json", "bench*.png", "bench.log", "summary.md")
-from .rundir import RunDirectoryInUse, checkout_root, prepare_run_directory, suite_directory
 
 #: The heading bench_section writes; --quick checks the summary has it.
 BENCH_HEADING = "## Benchmarks"

@@ -36,10 +36,10 @@ import statistics
 from pathlib import Path
 from typing import Sequence
 
-from ..benchmarking.engine import CASES_FILE
-from ..benchmarking.playback import BENCH_JSON
-from .machine import MACHINE_FILE, read_machine_facts
-from .rundir import read_json_object, write_text
+from ..reporting.machine import MACHINE_FILE, read_machine_facts
+from ..reporting.rundir import read_json_object, write_text
+from .engine import CASES_FILE
+from .playback import BENCH_JSON
 
 #: Facts that must be equal in every run pooled.
 SAME_IN_EVERY_RUN = ("profile", "device", "device_description", "granularity", "torch", "host", "headline_bytes")

@@ -1,0 +1,299 @@
+"""The bench section of a report: every case as ratios, targets met or missed.
+
+Theory of operation
+-------------------
+`bench_section(run_dir)` renders what `extkv bench` left in a run directory
+(extkv.benchmarking.results) as the Markdown of `summary.md`: how the run
+was measured (profile, machine, rounds, clocks, what the driver's probes
+answered, every contender in the words its run recorded), the headline
+readings at a glance, every target row with its verdict
+(extkv.benchmarking.targets), what ran before the rounds of a missed commit
+target, the scaling plots (extkv.benchmarking.plots) and every case with
+every contender. extkv.reporting.render_report puts it beside the check and
+stress sections.
+"""
+
+from __future__ import annotations
+
+import statistics
+from pathlib import Path
+
+from .geometry import size_label
+from .plots import plot
+from .results import BenchRun, CaseResult, Entry, carryover, load, ratio
+from .targets import ScalingRow, TargetRow, evaluate, evaluate_scaling, fewest_calls_reason
+
+
+def _pooled_lines(facts: dict) -> list[str]:
+    runs = facts.get("pooled_from")
+    if not runs:
+        return []
+    named = ", ".join(f"{run['run']} ({run['elapsed_seconds']:.0f} s)" for run in runs)
+    return [f"Pooled (extkv pool): the rounds of {len(runs)} runs of this code, profile and machine, case by "
+            f"case, each run's rounds in the order they ran: {named}. The round limits above are per run"
+            + (f", as the first run recorded them (the runs' facts differ in {', '.join(facts['pooled_differences'])})"
+               if facts.get("pooled_differences") else "")
+            + "; the earlier and later halves of a case's rounds mostly set one run against the other."]
+
+
+def _driver_probe_lines(facts: dict) -> list[str]:
+    lines = []
+    for key, what in (("partial_map", "Maps part of a chunk"), ("partial_access", "Grants access over part of a chunk")):
+        probe = facts.get(key)
+        if probe:
+            answer = {True: "yes", False: "no", None: "not probed"}[probe["supported"]]
+            lines.append(f"{what} (probed at the start of the run): {answer} ({probe['how']}).")
+    return lines
+
+
+def _seconds(value: float) -> str:
+    if value >= 1:
+        return f"{value:.3g} s"
+    if value >= 1e-3:
+        return f"{value * 1e3:.3g} ms"
+    return f"{value * 1e6:.3g} us"
+
+
+def _times(entry: Entry) -> str:
+    return f"{_seconds(min(entry.wall))} / {_seconds(statistics.median(entry.wall))}"
+
+
+def _ratio(value: float | None) -> str:
+    return "-" if value is None else f"{value:.2f}x"
+
+
+def _mark(met: bool | None) -> str:
+    return {True: "met", False: "MISSED", None: "n/a"}[met]
+
+
+def _case_words(case: CaseResult, granularity: int = 0) -> str:
+    """"commit lbhnc32 (32 seg) 32GiB recycled"; marked where a segment
+    commits less than a granule (see the note in `_facts_lines`)."""
+    f = case.facts
+    small = " [segments < granule]" if f["smallest_segment_bytes"] < granularity else ""
+    return f"{f['op']} {f['geometry']} ({f['segments']} seg) {size_label(f['bytes'])} {f['state']}{small}"
+
+
+#: What the headline readings were in runs that did not record it (before the
+#: segment series' commit joined them).
+_EARLIER_HEADLINE_READINGS = "its headline cases, and the smallest and largest one-segment commit"
+
+
+def _contender_lines(run: BenchRun) -> list[str]:
+    """What each contender that ran is, in the words its run recorded: a
+    floor's words say how it was measured (until session 12 the memset floor
+    was torch's zero_, a slower kernel than the memset extkv zeroes with)."""
+    described = run.facts.get("contenders") or {}
+    ran = dict.fromkeys(name for case in run.cases for name in case.facts.get("contenders", ()))
+    lines = [f"  - *{name}*: {described[name]['what']}" for name in ran if name in described]
+    return ["- Contenders:", *lines] if lines else []
+
+
+def _facts_lines(run: BenchRun) -> list[str]:
+    f = run.facts
+    device = f["device_description"]
+    measured = sum(1 for c in run.cases for _ in c.entries)
+    missing = sum(1 for c in run.cases for _ in c.missing)
+    lines = [
+        f"Profile **{f['profile']}** ({f['profile_what']}) on {device.get('device', f['device'])} "
+        f"({device.get('driver', '')}, granularity {device.get('granularity', '?')}), host {f['host']}, torch {f['torch']}.",
+        f"{len(run.cases)} cases; {measured} (case, contender) pairs measured, {missing} not. "
+        f"Rounds per case <= {f['rounds']} (a case stops adding rounds once it has used {f['case_seconds']:g} s, "
+        + ("at the end of that round, the rounds of its costly peers using none of them; "
+           if f.get("costly_rounds_uncharged") else "after two, or after one that alone took that long; ")
+        + f"{' and '.join(f.get('costly_contenders', ['one handle per granule']))} <= {f['costly_rounds']}"
+        + (f"; the cases issue 10 is read on ({f.get('headline_readings', _EARLIER_HEADLINE_READINGS)}) "
+           f"<= {f['headline_rounds']} rounds within {f['headline_case_seconds']:g} s"
+           + (f", the 8-step growths among them <= {f['growth_headline_rounds']} rounds within "
+              f"{f['growth_headline_case_seconds']:g} s" if f.get("growth_headline_rounds") else "")
+           + ", their least round being what a verdict reads"
+           if f.get("headline_rounds") else "")
+        + (f"; cases of at most {size_label(f['small_case_bytes'])} >= {f['small_case_rounds']} rounds, "
+           "within their seconds" if f.get("small_case_rounds") else "")
+        + "); "
+        f"measuring took {f['elapsed_seconds']:.0f} s of a "
+        f"{f['budget_seconds']:.0f} s budget.",
+        *_pooled_lines(f),
+        "Clocks: " + "; at the end: ".join(dict.fromkeys(f["clocks"])) + ".",
+        *_driver_probe_lines(f),
+        "",
+        "How it was measured:",
+        *_contender_lines(run),
+        "- Contenders of a case run interleaved, one round each per round, in the orders of a Williams design, so "
+        "each meets the driver state every other one leaves equally often (a plain rotation would give each the same "
+        "predecessor every round); each round is setup (untimed), the operation up to a device synchronize (timed), "
+        "teardown that gives the memory back (untimed).",
+        "- *recycled*: memory a previous round released. *fresh*: a new process per case, each contender once, all "
+        "keeping their memory until the last has run, so each meets never-used memory.",
+        f"- Host CPU time: {f['cpu_time']}.",
+        "- ratio = extkv / contender, minimum over rounds of each (min) and median of each (median); verdicts use the "
+        "minima. A peer in another process is compared through the case's pivot measured in both processes: "
+        "(extkv / pivot here) / (peer / pivot there).",
+        "- *[segments < granule]*: a segment commits less than one granule. The raw sequence (one chunk per segment) "
+        "starts every segment on a granule of its own, so it maps more bytes than extkv, whose neighbouring segments "
+        "share granules; a defragment there may have nothing to move. Such cases occur only at the host and smoke "
+        "sizes.",
+    ]
+    if run.bench_json_problem:
+        lines.append(f"- **{run.bench_json_problem}**")
+    return lines
+
+
+def _targets_table(rows: list[TargetRow], granularity: int) -> list[str]:
+    lines = ["| target | case | extkv (min / median) | baseline (min / median) | rounds | ratio min | ratio median | "
+             "bound | verdict |",
+             "|---|---|---|---|---|---|---|---|---|"]
+    for row in rows:
+        subject, baseline = row.case.entries.get(row.target.subject), row.case.entries.get(row.target.baseline)
+        rounds = " / ".join(dict.fromkeys(str(len(entry.wall)) for entry in (subject, baseline) if entry)) or "-"
+        lines.append(
+            f"| {row.target.key} | {_case_words(row.case, granularity)} | {_times(subject) if subject else '-'} | "
+            f"{(row.target.baseline + ' ' + _times(baseline)) if baseline else row.target.baseline + ' -'} | "
+            f"{rounds} | {_ratio(row.ratio_min)} | {_ratio(row.ratio_median)} | {row.target.bound_words()} | "
+            f"{row.words} |"
+        )
+    return lines
+
+
+def _issue10_table(run: BenchRun, rows: list[TargetRow], scaling: list[ScalingRow]) -> list[str]:
+    """The readings the performance issue is closed on, one row each."""
+    geometries = [g for g in ("blhnc1", "lbhnc32", "lhbnc256") if any(c.facts["geometry"] == g for c in run.cases)]
+    readings = [
+        ("commit vs raw, one shot, fresh", "commit-raw", "commit", "fresh"),
+        ("commit vs raw, one shot, recycled", "commit-raw", "commit", "recycled"),
+        ("commit vs raw, 8 steps", "commit-raw", "grow8", "recycled"),
+        ("recommit vs raw", "commit-raw", "recommit", "recycled"),
+        ("commit vs memset (segments >= 512 MiB)", "commit-memset", "commit", "recycled"),
+        ("8 steps vs memset (segments >= 512 MiB)", "commit-memset", "grow8", "recycled"),
+        ("preserving defragment vs create + copy", "defrag-create-copy", "defrag_preserve", "recycled"),
+    ]
+    headline = run.facts.get("headline_bytes")
+    header = "| reading | " + " | ".join(f"{g} ({_segments(run, g)} seg)" for g in geometries) + " |"
+    lines = [header, "|---|" + "---|" * len(geometries)]
+    for words, key, op, state in readings:
+        cells = []
+        for geometry in geometries:
+            found = [
+                r for r in rows
+                if r.target.key == key and r.case.facts["op"] == op and r.case.facts["geometry"] == geometry
+                and r.case.facts["state"] == state and (headline is None or r.case.facts["bytes"] == headline)
+            ]
+            if not found or found[0].ratio_min is None:
+                cells.append("n/a")
+                continue
+            shown = found[0].target.shown
+            alone = "" if found[0].raw_alone is None else f"; raw alone {shown(found[0].raw_alone)}"
+            split = "" if found[0].split is None else f"; halves {' / '.join(map(shown, found[0].split))}"
+            if found[0].split_in_time is not None:
+                split += f"; earlier / later {' / '.join(map(shown, found[0].split_in_time))}"
+            cells.append(f"{shown(found[0].ratio_min)} ({_mark(found[0].met)}{alone}{split})")
+        lines.append(f"| {words} | " + " | ".join(cells) + " |")
+    lines.append("")
+    if any(row.raw_alone is not None for row in rows):
+        fewest_calls = fewest_calls_reason(run)
+        lines.append("- *raw alone*: where extkv misses a bound, the raw sequence's own ratio to the same baseline: "
+                     "what the driver's calls alone cost. Where that misses the bound too, the calls the driver "
+                     "requires miss it whoever makes them."
+                     + (f" The raw sequence makes the fewest calls the geometry allows: {fewest_calls}."
+                        if fewest_calls else ""))
+    if any(row.split is not None for row in rows):
+        lines.append("- *halves*: the same ratio over the even-numbered and over the odd-numbered rounds alone, where "
+                     "one half meets the bound and the other does not: the verdict rests on a round or two.")
+    if any(row.split_in_time is not None for row in rows):
+        lines.append("- *earlier / later*: the same ratio over the first and over the second half of the rounds alone, "
+                     "where one half meets the bound and the other does not: the verdict rests on a stretch of rounds "
+                     "in a row, which met a state of the machine the other half did not.")
+    for row in scaling:
+        sizes = (
+            f"{_case_words(row.near)} -> {_case_words(row.far)}" if row.near is not None and row.far is not None else ""
+        )
+        lines.append(f"- {row.target.what}: **{row.words}** (bound <= {row.target.bound:g}x; {sizes})")
+    if run.facts["device"] == "cpu":
+        lines.append("- On the host driver the CPU zeroes the memory itself, so its CPU time grows with the bytes by "
+                     "nature; these readings are for a GPU run, where zeroing is the device's work.")
+    return lines
+
+
+def _carryover_lines(rows: list[TargetRow], granularity: int) -> list[str]:
+    """For each commit-raw target missed, extkv's and the raw sequence's
+    least round by whose round ran one and two before it."""
+    missed = [row for row in rows if row.target.key == "commit-raw" and row.met is False and row.case.facts.get("order")]
+    if not missed:
+        return []
+    names = list(dict.fromkeys(name for row in missed for name in row.case.facts["order"]))
+    lines = ["### What ran before the commit-raw targets missed", "",
+             "A release leaves driver state behind that outlasts the allocations after it, so a round's time depends "
+             "on whose rounds ran before it (each gave its memory back at its end). Least wall time of the rounds "
+             "whose predecessor one (lag 1) or two (lag 2) rounds before was each contender, and how many rounds.", "",
+             "| case | contender | lag | " + " | ".join(f"after {name}" for name in names) + " |",
+             "|---|---|---|" + "---|" * len(names)]
+    for row in missed:
+        for lag in (1, 2):
+            by = carryover(row.case, lag)
+            for name in ("extkv", "raw"):
+                cells = [f"{_seconds(min(by[name][before]))} ({len(by[name][before])})"
+                         if before in by.get(name, {}) else "-" for before in names]
+                lines.append(f"| {_case_words(row.case, granularity)} | {name} | {lag} | " + " | ".join(cells) + " |")
+    return lines + [""]
+
+
+def _segments(run: BenchRun, geometry: str) -> int:
+    return next(c.facts["segments"] for c in run.cases if c.facts["geometry"] == geometry)
+
+
+def _every_case_table(run: BenchRun, rows: list[TargetRow]) -> list[str]:
+    granularity = run.facts["granularity"]
+    verdicts: dict[tuple[str, str], list[str]] = {}
+    for row in rows:
+        # On the row of the contender the target compares extkv with.
+        where = row.target.baseline if row.target.subject == "extkv" else row.target.subject
+        verdicts.setdefault((row.case.id, where), []).append(f"{row.target.key}: {_mark(row.met)}")
+    lines = []
+    for op in dict.fromkeys(c.facts["op"] for c in run.cases):
+        cases = [c for c in run.cases if c.facts["op"] == op]
+        lines += ["", f"#### {op}: {cases[0].facts['op_what']}", "",
+                  "| case | contender | wall min / median | CPU min | extkv / this (min / median) | targets |",
+                  "|---|---|---|---|---|---|"]
+        for case in cases:
+            per_commit = case.facts["commits"] if case.facts["op"] == "per_block" else 1
+            for name in case.facts["contenders"]:
+                entry = case.entries.get(name)
+                if entry is None:
+                    status, reason = case.missing.get(name, ("not run", ""))
+                    lines.append(f"| {_case_words(case, granularity)} | {name} | {status}: {reason} | | | |")
+                    continue
+                times = _times(entry)
+                if per_commit > 1:
+                    times += f" (per commit {_seconds(min(entry.wall) / per_commit)})"
+                # extkv_grown's row compares it with extkv (the replay target).
+                subject, against = ("extkv_grown", "extkv") if name == "extkv_grown" else ("extkv", name)
+                ratios = "" if name == "extkv" else (
+                    f"{_ratio(ratio(case, subject, against, 'min'))} / {_ratio(ratio(case, subject, against, 'median'))}"
+                    + (" (extkv_grown / extkv)" if subject == "extkv_grown" else "")
+                )
+                lines.append(
+                    f"| {_case_words(case, granularity)} | {name} | {times} | {_seconds(min(entry.cpu))} | {ratios} | "
+                    f"{', '.join(verdicts.get((case.id, name), []))} |"
+                )
+    return lines
+
+
+def bench_section(run_dir: Path) -> str | None:
+    """Markdown for the bench results in `run_dir` (plots written beside it), or None when there are none."""
+    run = load(Path(run_dir))
+    if run is None:
+        return None
+    rows = evaluate(run)
+    scaling = evaluate_scaling(run)
+    met = sum(1 for r in rows if r.met)
+    missed = sum(1 for r in rows if r.met is False)
+    lines = ["## Benchmarks", "", *_facts_lines(run), "",
+             "### Issue 10 at a glance (headline size, ratio of minima)", "", *_issue10_table(run, rows, scaling), "",
+             f"### Targets ({met} met, {missed} missed, {len(rows) - met - missed} not measured)", "",
+             *_targets_table(rows, run.facts["granularity"]), "",
+             *_carryover_lines(rows, run.facts["granularity"])]
+    paths, why_not = plot(run, run_dir)
+    lines += ["### Scaling", ""]
+    lines += [f"![{path.stem}]({path.name})" for path in paths] or [why_not]
+    lines += ["", "### Every case", *_every_case_table(run, rows), ""]
+    return "\n".join(lines)
