@@ -318,7 +318,6 @@ class Engine:
             "small_case_bytes": self.profile.small_case_bytes,
             "costly_rounds": self.profile.costly_rounds,
             "costly_contenders": [name for name, contender in CONTENDERS.items() if contender.costly],
-            "costly_rounds_uncharged": True,
             "budget_seconds": self.budget_seconds,
             "elapsed_seconds": self.elapsed(),
             "cpu_time": (

@@ -130,7 +130,7 @@ def _pooled_facts(run_dirs: list[Path], runs: list[tuple[dict, list[dict]]]) -> 
             if pooled is None:
                 cases[case["case"]] = copy.deepcopy(case)
                 continue
-            pooled["order"] = pooled.get("order", []) + case.get("order", [])
+            pooled["order"] = pooled["order"] + case["order"]
             for name, outcome in case["results"].items():
                 if pooled["results"].get(name, {}).get("status") != "measured":
                     pooled["results"][name] = outcome

@@ -32,7 +32,7 @@ def _pooled_lines(facts: dict) -> list[str]:
     return [f"Pooled (extkv pool): the rounds of {len(runs)} runs of this code, profile and machine, case by "
             f"case, each run's rounds in the order they ran: {named}. The round limits above are per run"
             + (f", as the first run recorded them (the runs' facts differ in {', '.join(facts['pooled_differences'])})"
-               if facts.get("pooled_differences") else "")
+               if facts["pooled_differences"] else "")
             + "; the earlier and later halves of a case's rounds mostly set one run against the other."]
 
 
@@ -74,17 +74,11 @@ def _case_words(case: CaseResult, granularity: int = 0) -> str:
     return f"{f['op']} {f['geometry']} ({f['segments']} seg) {size_label(f['bytes'])} {f['state']}{small}"
 
 
-#: What the headline readings were in runs that did not record it (before the
-#: segment series' commit joined them).
-_EARLIER_HEADLINE_READINGS = "its headline cases, and the smallest and largest one-segment commit"
-
-
 def _contender_lines(run: BenchRun) -> list[str]:
     """What each contender that ran is, in the words its run recorded: a
-    floor's words say how it was measured (until session 12 the memset floor
-    was torch's zero_, a slower kernel than the memset extkv zeroes with)."""
+    floor's words say how it was measured (which memset, which copy)."""
     described = run.facts.get("contenders") or {}
-    ran = dict.fromkeys(name for case in run.cases for name in case.facts.get("contenders", ()))
+    ran = dict.fromkeys(name for case in run.cases for name in case.facts["contenders"])
     lines = [f"  - *{name}*: {described[name]['what']}" for name in ran if name in described]
     return ["- Contenders:", *lines] if lines else []
 
@@ -99,10 +93,9 @@ def _facts_lines(run: BenchRun) -> list[str]:
         f"({device.get('driver', '')}, granularity {device.get('granularity', '?')}), host {f['host']}, torch {f['torch']}.",
         f"{len(run.cases)} cases; {measured} (case, contender) pairs measured, {missing} not. "
         f"Rounds per case <= {f['rounds']} (a case stops adding rounds once it has used {f['case_seconds']:g} s, "
-        + ("at the end of that round, the rounds of its costly peers using none of them; "
-           if f.get("costly_rounds_uncharged") else "after two, or after one that alone took that long; ")
-        + f"{' and '.join(f.get('costly_contenders', ['one handle per granule']))} <= {f['costly_rounds']}"
-        + (f"; the cases issue 10 is read on ({f.get('headline_readings', _EARLIER_HEADLINE_READINGS)}) "
+        "at the end of that round, the rounds of its costly peers using none of them; "
+        f"{' and '.join(f.get('costly_contenders', ())) or 'the costly peers'} <= {f['costly_rounds']}"
+        + (f"; the headline readings ({f['headline_readings']}) "
            f"<= {f['headline_rounds']} rounds within {f['headline_case_seconds']:g} s"
            + (f", the 8-step growths among them <= {f['growth_headline_rounds']} rounds within "
               f"{f['growth_headline_case_seconds']:g} s" if f.get("growth_headline_rounds") else "")
@@ -140,37 +133,44 @@ def _facts_lines(run: BenchRun) -> list[str]:
 
 
 def _targets_table(rows: list[TargetRow], granularity: int) -> list[str]:
-    lines = ["| target | case | extkv (min / median) | baseline (min / median) | rounds | ratio min | ratio median | "
+    lines = ["| target | case | extkv (min / median) | against (min / median) | rounds | ratio min | ratio median | "
              "bound | verdict |",
              "|---|---|---|---|---|---|---|---|---|"]
     for row in rows:
         subject, baseline = row.case.entries.get(row.target.subject), row.case.entries.get(row.target.baseline)
         rounds = " / ".join(dict.fromkeys(str(len(entry.wall)) for entry in (subject, baseline) if entry)) or "-"
         lines.append(
-            f"| {row.target.key} | {_case_words(row.case, granularity)} | {_times(subject) if subject else '-'} | "
+            f"| {row.target.name} | {_case_words(row.case, granularity)} | {_times(subject) if subject else '-'} | "
             f"{(row.target.baseline + ' ' + _times(baseline)) if baseline else row.target.baseline + ' -'} | "
             f"{rounds} | {_ratio(row.ratio_min)} | {_ratio(row.ratio_median)} | {row.target.bound_words()} | "
             f"{row.words} |"
         )
-    return lines
+    stated = dict.fromkeys(row.target for row in rows)
+    return lines + [""] + [f"- *{target.name}*: {target.what}." for target in stated]
 
 
-def _issue10_table(run: BenchRun, rows: list[TargetRow], scaling: list[ScalingRow]) -> list[str]:
-    """The readings the performance issue is closed on, one row each."""
+#: Heading of the headline readings, and their rows: (words, target, operation, memory).
+_HEADLINE_HEADING = ("Commit against the raw driver and memset, defragment against create + copy "
+                     "(headline size, ratio of minima)")
+_HEADLINE_ROWS = [
+    ("one commit against the raw sequence, fresh memory", "commit-raw", "commit", "fresh"),
+    ("one commit against the raw sequence, recycled memory", "commit-raw", "commit", "recycled"),
+    ("8 commits against the raw sequence", "commit-raw", "grow8", "recycled"),
+    ("recommit against the raw sequence", "commit-raw", "recommit", "recycled"),
+    ("one commit against memset (segments >= 512 MiB)", "commit-memset", "commit", "recycled"),
+    ("8 commits against memset (segments >= 512 MiB)", "commit-memset", "grow8", "recycled"),
+    ("preserving defragment against create + copy", "defrag-create-copy", "defrag_preserve", "recycled"),
+]
+
+
+def _headline_table(run: BenchRun, rows: list[TargetRow], scaling: list[ScalingRow]) -> list[str]:
+    """The headline readings, one row each, a column per headline geometry;
+    the scaling readings below."""
     geometries = [g for g in ("blhnc1", "lbhnc32", "lhbnc256") if any(c.facts["geometry"] == g for c in run.cases)]
-    readings = [
-        ("commit vs raw, one shot, fresh", "commit-raw", "commit", "fresh"),
-        ("commit vs raw, one shot, recycled", "commit-raw", "commit", "recycled"),
-        ("commit vs raw, 8 steps", "commit-raw", "grow8", "recycled"),
-        ("recommit vs raw", "commit-raw", "recommit", "recycled"),
-        ("commit vs memset (segments >= 512 MiB)", "commit-memset", "commit", "recycled"),
-        ("8 steps vs memset (segments >= 512 MiB)", "commit-memset", "grow8", "recycled"),
-        ("preserving defragment vs create + copy", "defrag-create-copy", "defrag_preserve", "recycled"),
-    ]
     headline = run.facts.get("headline_bytes")
     header = "| reading | " + " | ".join(f"{g} ({_segments(run, g)} seg)" for g in geometries) + " |"
     lines = [header, "|---|" + "---|" * len(geometries)]
-    for words, key, op, state in readings:
+    for words, key, op, state in _HEADLINE_ROWS:
         cells = []
         for geometry in geometries:
             found = [
@@ -215,13 +215,13 @@ def _issue10_table(run: BenchRun, rows: list[TargetRow], scaling: list[ScalingRo
 
 
 def _carryover_lines(rows: list[TargetRow], granularity: int) -> list[str]:
-    """For each commit-raw target missed, extkv's and the raw sequence's
-    least round by whose round ran one and two before it."""
-    missed = [row for row in rows if row.target.key == "commit-raw" and row.met is False and row.case.facts.get("order")]
+    """For each missed commit against the raw sequence, extkv's and the raw
+    sequence's least round by whose round ran one and two before it."""
+    missed = [row for row in rows if row.target.key == "commit-raw" and row.met is False and row.case.facts["order"]]
     if not missed:
         return []
     names = list(dict.fromkeys(name for row in missed for name in row.case.facts["order"]))
-    lines = ["### What ran before the commit-raw targets missed", "",
+    lines = [f"### What ran before each missed {missed[0].target.name}", "",
              "A release leaves driver state behind that outlasts the allocations after it, so a round's time depends "
              "on whose rounds ran before it (each gave its memory back at its end). Least wall time of the rounds "
              "whose predecessor one (lag 1) or two (lag 2) rounds before was each contender, and how many rounds.", "",
@@ -247,7 +247,7 @@ def _every_case_table(run: BenchRun, rows: list[TargetRow]) -> list[str]:
     for row in rows:
         # On the row of the contender the target compares extkv with.
         where = row.target.baseline if row.target.subject == "extkv" else row.target.subject
-        verdicts.setdefault((row.case.id, where), []).append(f"{row.target.key}: {_mark(row.met)}")
+        verdicts.setdefault((row.case.id, where), []).append(f"{row.target.name}: {_mark(row.met)}")
     lines = []
     for op in dict.fromkeys(c.facts["op"] for c in run.cases):
         cases = [c for c in run.cases if c.facts["op"] == op]
@@ -288,7 +288,7 @@ def bench_section(run_dir: Path) -> str | None:
     met = sum(1 for r in rows if r.met)
     missed = sum(1 for r in rows if r.met is False)
     lines = ["## Benchmarks", "", *_facts_lines(run), "",
-             "### Issue 10 at a glance (headline size, ratio of minima)", "", *_issue10_table(run, rows, scaling), "",
+             f"### {_HEADLINE_HEADING}", "", *_headline_table(run, rows, scaling), "",
              f"### Targets ({met} met, {missed} missed, {len(rows) - met - missed} not measured)", "",
              *_targets_table(rows, run.facts["granularity"]), "",
              *_carryover_lines(rows, run.facts["granularity"])]

@@ -137,12 +137,12 @@ def ratio(case: CaseResult, subject: str, baseline: str, statistic: str) -> floa
 
 def carryover(case: CaseResult, lag: int) -> dict[str, dict[str, list[float]]]:
     """Wall times of each contender's rounds in `case` by whose round ran
-    `lag` rounds before it, from the order the run recorded (none before
-    session 10): contender -> predecessor -> seconds. A round whose
-    predecessor belongs to the case before is left out."""
+    `lag` rounds before it, from the order the run recorded: contender ->
+    predecessor -> seconds. A round whose predecessor belongs to the case
+    before is left out."""
     by: dict[str, dict[str, list[float]]] = {}
     seen: dict[str, int] = {}
-    order = case.facts.get("order") or []
+    order = case.facts["order"]
     for position, name in enumerate(order):
         index = seen[name] = seen.get(name, -1) + 1
         entry = case.entries.get(name)

@@ -40,9 +40,11 @@ class Target:
     """`subject` over `baseline` in every case of `ops` (and, where set, only
     where each segment commits at least `min_segment_bytes`): at most
     `bound`; with `speedup`, stated as baseline over subject at least
-    1/bound; with `two_sided`, within `bound - 1` of 1 either way."""
+    1/bound; with `two_sided`, within `bound - 1` of 1 either way. `name`
+    says in a reader's words what it compares, `what` the whole promise."""
 
     key: str
+    name: str
     what: str
     ops: frozenset[str]
     baseline: str
@@ -97,19 +99,25 @@ class Target:
 
 
 TARGETS: list[Target] = [
-    Target("commit-raw", "commit and recommit within 1.05x of the raw sequence (same geometry, same steps)",
-           COMMIT_OPS, "raw", 1.05),
-    Target("commit-memset", "commit and recommit within 1.15x of memset, segments of 512 MiB and more",
+    Target("commit-raw", "commit against the raw driver sequence",
+           "commit and recommit within 1.05x of the raw sequence (same geometry, same steps)", COMMIT_OPS, "raw", 1.05),
+    Target("commit-memset", "commit against memset",
+           "commit and recommit within 1.15x of memset, segments of 512 MiB and more",
            COMMIT_OPS - {"per_block"}, "memset", 1.15, min_segment_bytes=512 * MiB),
-    Target("defrag-create-copy", "preserving defragment within 1.5x of the raw create + device copy",
+    Target("defrag-create-copy", "preserving defragment against create + device copy",
+           "preserving defragment within 1.5x of the raw create + device copy",
            frozenset({"defrag_preserve"}), "raw", 1.5),
-    Target("release-raw", "release within 1.1x of raw unmap + release", frozenset({"release"}), "raw", 1.1),
-    Target("release-tms", "release no slower than torch_memory_saver's pause", frozenset({"release"}), "tms", 1.0),
-    Target("growth-granule", "growth at least 20x faster than one handle per granule",
+    Target("release-raw", "release against the raw unmap + release", "release within 1.1x of raw unmap + release",
+           frozenset({"release"}), "raw", 1.1),
+    Target("release-tms", "release against torch_memory_saver's pause",
+           "release no slower than torch_memory_saver's pause", frozenset({"release"}), "tms", 1.0),
+    Target("growth-granule", "growth against one handle per granule",
+           "growth at least 20x faster than one handle per granule",
            GROWTH_OPS, "per_granule", 1 / 20, speedup=True),
-    Target("growth-expandable", "growth at least 5x faster than torch expandable_segments",
-           GROWTH_OPS, "expandable", 1 / 5, speedup=True),
-    Target("replay-unchanged", "graph replay time unchanged by growth (grown vs not grown, +-5%)",
+    Target("growth-expandable", "growth against torch expandable segments",
+           "growth at least 5x faster than torch expandable_segments", GROWTH_OPS, "expandable", 1 / 5, speedup=True),
+    Target("replay-unchanged", "graph replay after growth against before it",
+           "graph replay time unchanged by growth (grown vs not grown, +-5%)",
            frozenset({"replay"}), "extkv", 1.05, subject="extkv_grown", two_sided=True),
 ]
 
@@ -135,14 +143,14 @@ class ScalingTarget:
 
 SCALING_TARGETS: list[ScalingTarget] = [
     ScalingTarget("cpu-flat-in-bytes", "extkv's host CPU time per commit outside driver calls flat in the granule count "
-                  "(one segment, smallest vs largest size; issue 10: within 10%)", "bytes", 1.10),
+                  "(one segment, smallest vs largest size; within 10%)", "bytes", 1.10),
     ScalingTarget("cpu-flat-in-bytes-evicted", "extkv's host CPU time per commit outside driver calls flat in the "
                   "granule count, with the CPU caches evicted inside every driver step, so the Python after each "
                   "step starts from the same cold caches at both sizes, and the two sizes measured interleaved "
                   "round by round (the same cases and bound)", "bytes", 1.10,
                   reading="own_cpu_evicted"),
     ScalingTarget("cpu-linear-in-segments", "extkv's host CPU time per commit outside driver calls linear in segments "
-                  "(1,024 vs 256 segments, same bytes; issue 10: at most 4.5x)", "segments", 4.5, near="lhbnc256",
+                  "(1,024 vs 256 segments, same bytes; at most 4.5x)", "segments", 4.5, near="lhbnc256",
                   far="lhbnc1024"),
     ScalingTarget("work-flat-in-bytes", "extkv's Python work per commit (bytecode instructions) flat in the granule "
                   "count (the same cases and bound)", "bytes", 1.10, reading="python_instructions"),
@@ -216,14 +224,14 @@ def halves(case: CaseResult, subject: str, baseline: str, *, in_time: bool = Fal
     earlier and the later half of the rounds, where both ran in one
     process and each has `HALVES_MIN_ROUNDS` rounds (else None). Two halves
     of one run that disagree about a verdict show it rests on a round or
-    two, not on a difference every round repeats. On the H200 (runs 10,
-    10b and 11), a case's two halves differed by 7-12% on average; those
-    of a tenth percentile by 5-36% (less than the minima's in run 11
-    only), those of the median by 29-85%: verdicts stay on the minima.
-    Lucky rounds can come in a row, which the even and odd halves share
-    between them: in run 13 the raw sequence's two fastest 32-segment
-    commits (8.66 ms, its others 9.4 ms or more) were its second and third,
-    when the memset floor too ran 7.55 ms against 8.3 ms in later rounds."""
+    two, not on a difference every round repeats. Over three H200 runs, a
+    case's two halves differed by 7-12% on average; those of a tenth
+    percentile by 5-36% (less than the minima's in one run only), those of
+    the median by 29-85%: verdicts stay on the minima. Lucky rounds can
+    come in a row, which the even and odd halves share between them: in
+    one H200 run the raw sequence's two fastest 32-segment commits (8.66
+    ms, its others 9.4 ms or more) were its second and third, when the
+    memset floor too ran 7.55 ms against 8.3 ms in later rounds."""
     first, second = case.entries.get(subject), case.entries.get(baseline)
     if first is None or second is None or first.process != second.process:
         return None
