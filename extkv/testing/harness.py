@@ -37,6 +37,11 @@ before collection, so nothing has initialized CUDA yet when it pins.
   H200)`: in an xdist worker `cuda:0` is the worker's pinned GPU) or `host`,
   its xdist worker and any planted defect on its report's user_properties,
   which extkv.testing.record folds into the run's results.
+- `@pytest.mark.harness` marks a test of extkv's own checking, reporting or
+  tooling rather than of the cache: it proves no invariant, and the counts
+  per invariant (read from `invariant` markers alone) leave it out. Every
+  conformance test carries `invariant`, `planted_defect` or `harness`
+  (conformance/test_invariants_doc.py).
 - The `build` fixture makes ExtensibleTensors and ExtensibleKVCaches and
   frees them after the test, even when it fails, before the leak check runs.
 """
@@ -80,6 +85,8 @@ MARKERS = {
     "runs last, and with --extkv-lock-dir alone (extkv.testing.exclusive)",
     "planted_defect(name)": "plants a defect in a broken implementation; the check under test must flag it",
     "invariant(n, ...)": "proves invariant(s) n (1-8, docs/INVARIANTS.md); counted per device",
+    "harness": "checks extkv's own checking, reporting or command-line tooling (verdicts, reports, the harness, "
+    "docs/INVARIANTS.md, the README commands), not an invariant of the cache; counted under no invariant",
 }
 #: The invariants by number, in a few words each.
 INVARIANTS = {number: invariant.words for number, invariant in INVARIANT_TABLE.items()}
