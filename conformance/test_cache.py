@@ -228,6 +228,7 @@ def test_release_and_recommit_zero_at_same_addresses(cache, usage):
     check_usage_matches(usage, baseline, [cache.buffer])
 
 
+@pytest.mark.invariant(1)
 def test_committed_views_and_tensors_agree_with_the_reservation(case, cache):
     _, layout, config = case
     n = 123
@@ -284,6 +285,7 @@ def test_committed_views_refuse_a_stale_block_count(case, cache):
     check_unchanged(cache, before)
 
 
+@pytest.mark.invariant(5)
 @given(num_bytes=st.integers(-(1 << 20), 80 << 20))
 def test_blocks_within_is_the_largest_fit(num_bytes):
     config = config_for("mixed", KVCacheLayout.LBHNC)
@@ -299,6 +301,7 @@ def test_blocks_within_is_the_largest_fit(num_bytes):
         kv_cache.free()
 
 
+@pytest.mark.invariant(5)
 @given(a=st.integers(0, CAPACITY), b=st.integers(0, CAPACITY))
 def test_physical_bytes_for_is_monotone_and_granular(a, b):
     kv_cache = ExtensibleKVCache(config_for("full", KVCacheLayout.LBNHC), "cpu", KVCacheLayout.LBNHC)
@@ -385,6 +388,7 @@ def _cuda_fractions() -> list[float] | None:
     return [torch.cuda.get_per_process_memory_fraction(i) for i in range(torch.cuda.device_count())]
 
 
+@pytest.mark.invariant(5)
 def test_torch_memory_limit_is_set_and_lifted(cache, device):
     """On CUDA the cap is torch's own: its per-process fraction says so, and
     an allocation past it fails until the cap is lifted. On the host torch

@@ -284,6 +284,7 @@ def enters(directory: Path, exclusive: bool, gpu_id: str | None, release: thread
     return entered
 
 
+@pytest.mark.harness
 def test_an_exclusive_test_waits_for_the_tests_of_its_device_only(tmp_path):
     """flock locks of two descriptors conflict within one process too, so threads stand in for workers."""
     host_running, gpu_running, done = threading.Event(), threading.Event(), threading.Event()
@@ -318,6 +319,7 @@ def test_the_terminal_ends_with_the_slowest_tests_the_report_its_plots_and_the_v
     assert lines[-1].startswith("CERTIFIED cuda:0")
 
 
+@pytest.mark.harness
 def test_reports_name_the_extkv_build_and_torch_cuda():
     facts = machine_facts()
     assert facts["extkv"] and facts["torch_cuda"], facts
@@ -327,6 +329,7 @@ def test_reports_name_the_extkv_build_and_torch_cuda():
         assert facts["extkv_commit"] and f"at commit {facts['extkv_commit']}" in section
 
 
+@pytest.mark.harness
 def test_every_invariant_has_words_and_a_statement():
     assert sorted(INVARIANTS) == list(range(1, 9))
     assert all(invariant.words and invariant.statement.endswith(".") for invariant in INVARIANTS.values())

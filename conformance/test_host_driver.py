@@ -292,6 +292,7 @@ def test_usage_counts_a_released_chunk_while_it_stays_mapped(driver):
         driver.free_reservation(base, 2 * g)
 
 
+@pytest.mark.invariant(5)
 def test_headroom_is_mem_available_without_cgroup_limits():
     assert host_memory_headroom(MEMINFO) == MemoryHeadroom(
         MEM_AVAILABLE, f"MemAvailable {MEM_AVAILABLE} bytes in /proc/meminfo"
@@ -301,6 +302,7 @@ def test_headroom_is_mem_available_without_cgroup_limits():
     assert host_memory_headroom("MemTotal: 1 kB\n") == MemoryHeadroom(None, "no reading limits it")
 
 
+@pytest.mark.invariant(5)
 def test_headroom_is_the_tightest_cgroup_limit_less_usage_plus_reclaimable_cache():
     leaf = CgroupMemoryReading("/sys/fs/cgroup/a/b", "max\n", "400000000\n")
     parent = CgroupMemoryReading("/sys/fs/cgroup/a", "536870912\n", "436870912\n")
@@ -324,6 +326,7 @@ def test_headroom_is_the_tightest_cgroup_limit_less_usage_plus_reclaimable_cache
     assert host_memory_headroom(MEMINFO, [loose]).available == MEM_AVAILABLE
 
 
+@pytest.mark.invariant(5)
 def test_this_machine_has_a_headroom_below_its_memory():
     with open("/proc/meminfo") as meminfo:
         total = int(next(line for line in meminfo if line.startswith("MemTotal:")).split()[1]) * 1024

@@ -1,11 +1,15 @@
 """docs/INVARIANTS.md, the page that says what `extkv check` certifies, held
 to the code: for each invariant the test modules it names are exactly those
 whose tests carry that invariant's marker, and its table of what each kind of
-device can prove is extkv.testing.invariants.DEVICE_KINDS."""
+device can prove is extkv.testing.invariants.DEVICE_KINDS. So that those
+lists are whole, every test of the suite says what it is for: it proves
+invariants (`invariant`), plants a defect (`planted_defect`) or checks extkv's
+own tooling (`harness`)."""
 
 from __future__ import annotations
 
 import ast
+import importlib
 import re
 from pathlib import Path
 
@@ -14,7 +18,15 @@ import pytest
 from extkv.reporting.rundir import checkout_root
 from extkv.testing.invariants import DEVICE_KINDS, INVARIANTS
 
+pytestmark = pytest.mark.harness
+
 CONFORMANCE = Path(__file__).resolve().parent
+#: The markers that say what a test is for: one of them on every test.
+PURPOSE_MARKERS = ("invariant", "planted_defect", "harness")
+#: Modules whose tests do not all carry a purpose marker yet, left out of
+#: test_every_test_says_what_it_is_for; each name goes once its module's
+#: tests are marked (the test says when).
+NOT_YET_MARKED = {"test_benchmarking.py", "test_cli.py", "test_connector.py", "test_reporting.py"}
 
 
 def marked_invariants(path: Path) -> set[int]:
@@ -53,3 +65,48 @@ def test_the_page_says_which_device_kind_proves_which(page):
     for number, cells in rows.items():
         said = [cell.strip().startswith("yes") for cell in cells.split("|")]
         assert said == [int(number) not in kind.cannot for kind in DEVICE_KINDS.values()], f"row {number}: {cells}"
+
+
+def _names(marks) -> set[str]:
+    if not isinstance(marks, (list, tuple)):
+        marks = [marks]
+    return {mark.name for mark in marks}
+
+
+def carries_a_purpose(function, module_marks: set[str]) -> bool:
+    """Whether every test `function` generates carries a purpose marker: on
+    the function or its module, or on every parameter of one parametrize."""
+    marks = getattr(function, "pytestmark", [])
+    if (module_marks | _names(marks)) & set(PURPOSE_MARKERS):
+        return True
+    for mark in marks:
+        if mark.name == "parametrize" and len(mark.args) > 1:
+            values = list(mark.args[1])
+            if values and all(_names(getattr(value, "marks", ())) & set(PURPOSE_MARKERS) for value in values):
+                return True
+    return False
+
+
+def unmarked_tests(path: Path) -> list[str]:
+    """`module::test` of each top-level test function of the module at `path`
+    that carries no purpose marker."""
+    tree = ast.parse(path.read_text())
+    names = [
+        node.name for node in tree.body
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) and node.name.startswith("test")
+    ]
+    package = __name__.rpartition(".")[0]
+    module = importlib.import_module(f"{package}.{path.stem}" if package else path.stem)
+    module_marks = _names(getattr(module, "pytestmark", []))
+    return [f"{path.name}::{name}" for name in names if not carries_a_purpose(getattr(module, name), module_marks)]
+
+
+def test_every_test_says_what_it_is_for():
+    paths = sorted(CONFORMANCE.glob("test_*.py"))
+    assert NOT_YET_MARKED <= {path.name for path in paths}, sorted(NOT_YET_MARKED - {path.name for path in paths})
+    unmarked = [test for path in paths if path.name not in NOT_YET_MARKED for test in unmarked_tests(path)]
+    assert not unmarked, (
+        f"{len(unmarked)} tests carry none of the markers {', '.join(PURPOSE_MARKERS)}:\n" + "\n".join(unmarked)
+    )
+    marked = sorted(path.name for path in paths if path.name in NOT_YET_MARKED and not unmarked_tests(path))
+    assert not marked, f"every test of {marked} carries a purpose marker now: take them out of NOT_YET_MARKED"

@@ -69,6 +69,7 @@ def all_views(config, layout, buffer, kernel_block_sizes=None):
 # Layout enum
 
 
+@pytest.mark.invariant(1)
 @pytest.mark.parametrize(
     "layout, block_outermost, layer_compact, block_compact, heads_outside, heads_before_tokens",
     [
@@ -91,6 +92,7 @@ def test_layout_properties(
     assert KVCacheLayout(layout.name) is layout
 
 
+@pytest.mark.invariant(1)
 def test_layout_members_are_exactly_the_six():
     assert [m.name for m in KVCacheLayout] == [
         "LBHNC", "LBNHC", "LHBNC", "BLHNC", "BLNHC", "BHLNC"
@@ -101,6 +103,7 @@ def test_layout_members_are_exactly_the_six():
 # Specs
 
 
+@pytest.mark.invariant(1)
 @pytest.mark.parametrize(
     "spec, page",
     [
@@ -126,12 +129,14 @@ def test_page_size_bytes(spec, page):
     assert spec.page_size_bytes == page
 
 
+@pytest.mark.invariant(1)
 def test_has_layer_views():
     assert FULL.has_layer_views is True
     assert MLA.has_layer_views is True
     assert MambaStateSpec(4, ((2,),), torch.float32).has_layer_views is False
 
 
+@pytest.mark.invariant(6)
 def test_specs_are_frozen_and_hashable():
     with pytest.raises(AttributeError):
         FULL.block_size = 8  # type: ignore[misc]
@@ -200,6 +205,7 @@ def test_invalid_group_and_config_raise():
         KVCacheConfig(num_blocks=-1, kv_cache_tensors=[], kv_cache_groups=[])
 
 
+@pytest.mark.invariant(1)
 def test_config_is_mutable_and_tensor_replaceable():
     config = build_kv_cache_config([KVCacheGroupSpec(["a"], FULL)], 4, L.LBHNC)
     config.num_blocks = 2
@@ -208,6 +214,7 @@ def test_config_is_mutable_and_tensor_replaceable():
     assert (tensor.size, tensor.block_stride) == (7, 256)
 
 
+@pytest.mark.invariant(3, 6)
 def test_round_up():
     assert round_up(0, 4) == 0
     assert round_up(1, 4) == 4
@@ -238,6 +245,7 @@ GEOMETRY = {
 }
 
 
+@pytest.mark.invariant(1, 3)
 @pytest.mark.parametrize("layout", ALL_LAYOUTS)
 def test_builder_geometry_full_attention(layout):
     config = build_kv_cache_config([KVCacheGroupSpec(names("l", 3), FULL)], 5, layout)
@@ -265,6 +273,7 @@ MLA_GEOMETRY = {
 }
 
 
+@pytest.mark.invariant(1, 3)
 @pytest.mark.parametrize("layout", ALL_LAYOUTS)
 def test_builder_geometry_mla(layout):
     config = build_kv_cache_config([KVCacheGroupSpec(["m0", "m1"], MLA)], 4, layout)
@@ -301,6 +310,7 @@ MIXED = {
 }
 
 
+@pytest.mark.invariant(1, 3)
 @pytest.mark.parametrize("layout", sorted(MIXED, key=lambda m: m.name))
 def test_builder_mixed_page_sizes_get_separate_regions(layout):
     groups = [KVCacheGroupSpec(["a0", "a1"], FULL), KVCacheGroupSpec(names("m", 3), MLA)]
@@ -347,6 +357,7 @@ def test_builder_lhbnc_rejects_mixed_head_slabs():
     assert len(kv_cache_segments(config, L.LBHNC)[0]) == 2
 
 
+@pytest.mark.invariant(1)
 @pytest.mark.parametrize("layout", ALL_LAYOUTS)
 def test_builder_groups_with_equal_pages_alias(layout):
     # Group 1 (2 layers) aliases the first two of group 0's 3 regions.
@@ -369,6 +380,7 @@ def test_builder_groups_with_equal_pages_alias(layout):
         )
 
 
+@pytest.mark.invariant(1)
 def test_builder_hybrid_state_aliases_attention_when_padded():
     state = MambaStateSpec(4, ((4, 8),), torch.int16, page_size_padded=256)
     groups = [KVCacheGroupSpec(["attn0", "attn1"], FULL), KVCacheGroupSpec(["ssm0"], state)]
@@ -459,6 +471,7 @@ def check_view_addresses(layout, spec, config, buffer, kernel=None):
     return checked
 
 
+@pytest.mark.invariant(1)
 @pytest.mark.parametrize("layout", ALL_LAYOUTS)
 def test_full_attention_views_land_at_formula_addresses(layout):
     config = build_kv_cache_config([KVCacheGroupSpec(names("l", 3), FULL)], 3, layout)
@@ -470,6 +483,7 @@ def test_full_attention_views_land_at_formula_addresses(layout):
     assert checked == 3 * 3 * 64
 
 
+@pytest.mark.invariant(1)
 @pytest.mark.parametrize("layout", ALL_LAYOUTS)
 def test_views_tile_the_allocation_exactly_once(layout):
     groups = [KVCacheGroupSpec(names("l", 3), FULL)]
@@ -494,6 +508,7 @@ def test_views_tile_the_allocation_exactly_once(layout):
     )
 
 
+@pytest.mark.invariant(1)
 @pytest.mark.parametrize("layout", ALL_LAYOUTS)
 def test_block_marker_lands_at_offset_plus_strides(layout):
     """Block b of layer l begins at offset + l*layer_stride + b*block_stride."""
@@ -519,6 +534,7 @@ def test_block_marker_lands_at_offset_plus_strides(layout):
                 )
 
 
+@pytest.mark.invariant(1)
 def test_mla_view_shape_and_addresses():
     config = build_kv_cache_config([KVCacheGroupSpec(["m0", "m1"], MLA)], 3, L.BLHNC)
     buffer = torch.zeros(alloc_size(config), dtype=torch.uint8)
@@ -530,6 +546,7 @@ def test_mla_view_shape_and_addresses():
     assert buffer[address : address + 4].view(torch.int32).item() == 99
 
 
+@pytest.mark.invariant(1)
 def test_views_are_typed_and_alias_bfloat16():
     spec = FullAttentionSpec(4, 2, 8, torch.bfloat16)
     config = build_kv_cache_config([KVCacheGroupSpec(["a"], spec)], 2, L.LBNHC)
@@ -543,6 +560,7 @@ def test_views_are_typed_and_alias_bfloat16():
     assert got == 1.5
 
 
+@pytest.mark.invariant(1)
 def test_views_over_a_segment_slice_honour_its_start():
     """committed_views passes one segment's storage; offsets are relative to it."""
     config = build_kv_cache_config([KVCacheGroupSpec(["a", "b"], FULL)], 3, L.LBHNC)
@@ -559,6 +577,7 @@ def test_views_over_a_segment_slice_honour_its_start():
     assert int((big != 0).sum()) == 1  # 42 fits in the low byte
 
 
+@pytest.mark.invariant(1)
 def test_state_layers_get_the_raw_buffer():
     state = MambaStateSpec(4, ((4, 8),), torch.int16, page_size_padded=256)
     groups = [KVCacheGroupSpec(["attn"], FULL), KVCacheGroupSpec(["ssm0"], state)]
@@ -574,6 +593,7 @@ def test_state_layers_get_the_raw_buffer():
 BIG_BLOCK = FullAttentionSpec(block_size=8, num_kv_heads=2, head_size=4, dtype=torch.int32)
 
 
+@pytest.mark.invariant(1)
 @pytest.mark.parametrize("layout", [L.LBHNC, L.LBNHC, L.LHBNC])
 def test_kernel_block_split(layout):
     config = build_kv_cache_config([KVCacheGroupSpec(["a", "b"], BIG_BLOCK)], 3, layout)
@@ -600,6 +620,7 @@ def test_kernel_block_split_needs_contiguous_blocks(layout):
     assert len(create_kv_cache_views(buffer, BIG_BLOCK, 3, layout, tensor, kernel_block_size=8)) == 2
 
 
+@pytest.mark.invariant(1)
 def test_kernel_block_split_single_layer_block_outermost():
     """One layer alone has contiguous blocks even when blocks are outermost."""
     config = build_kv_cache_config([KVCacheGroupSpec(["a"], BIG_BLOCK)], 3, L.BLHNC)
@@ -644,6 +665,7 @@ def test_view_invalid_input_raises():
 # Group lookup
 
 
+@pytest.mark.invariant(1, 6)
 def test_layer_spec_for_tensor_and_kernel_block_size():
     groups = [KVCacheGroupSpec(["a0", "a1"], FULL), KVCacheGroupSpec(["m0"], MLA)]
     config = build_kv_cache_config(groups, 2, L.LBHNC)
@@ -697,6 +719,7 @@ def test_segments_invalid_configs_raise():
 # Padding
 
 
+@pytest.mark.invariant(3)
 def test_padding_puts_every_region_on_a_granule():
     # Full layers: 5 blocks * 256 = 1280 B regions; MLA: 5 * 128 = 640 B.
     groups = [
@@ -732,6 +755,7 @@ def test_padding_puts_every_region_on_a_granule():
     assert again.kv_cache_tensors == padded.kv_cache_tensors
 
 
+@pytest.mark.invariant(1, 3)
 def test_padded_views_alias_their_regions():
     config = build_kv_cache_config([KVCacheGroupSpec(names("l", 3), FULL)], 3, L.LBNHC)
     padded = pad_kv_cache_segments(config, L.LBNHC, 1024)
@@ -744,6 +768,7 @@ def test_padded_views_alias_their_regions():
         assert touched == 0, f"a view wrote {touched} bytes of region {region}'s padding"
 
 
+@pytest.mark.invariant(3)
 @pytest.mark.parametrize("layout", [L.BLHNC, L.BLNHC, L.BHLNC])
 def test_padding_block_outermost_is_identity(layout):
     config = build_kv_cache_config([KVCacheGroupSpec(names("l", 3), FULL)], 3, layout)
@@ -771,6 +796,7 @@ def test_padding_invalid_input_raises():
 # Granule alignment: reference facts
 
 
+@pytest.mark.invariant(3)
 @pytest.mark.parametrize(
     "num_blocks, strides, expected_alignment, expected_blocks",
     [
@@ -788,6 +814,7 @@ def test_granule_alignment_reference_facts(num_blocks, strides, expected_alignme
     assert granule_aligned_blocks(num_blocks, strides, granule) == expected_blocks
 
 
+@pytest.mark.invariant(3)
 def test_granule_alignment_is_an_lcm_not_a_max():
     # Granule 12: stride 4 needs 3 blocks, stride 6 needs 2; both need 6.
     assert granule_block_alignment([4], 12) == 3
@@ -812,6 +839,7 @@ granules = st.sampled_from([4 * KiB, 64 * KiB, 2 * MiB])
 strides_st = st.lists(st.integers(1, 8 * MiB), min_size=1, max_size=6)
 
 
+@pytest.mark.invariant(3)
 @settings(max_examples=300, deadline=None)
 @given(num_blocks=st.integers(0, 1 << 20), strides=strides_st, granule=granules)
 def test_granule_aligned_blocks_properties(num_blocks, strides, granule):
@@ -827,6 +855,7 @@ def test_granule_aligned_blocks_properties(num_blocks, strides, granule):
         )
 
 
+@pytest.mark.invariant(3)
 @settings(max_examples=200, deadline=None)
 @given(strides=st.lists(st.integers(1, 64 * KiB), min_size=1, max_size=3), granule=st.sampled_from([4 * KiB, 64 * KiB]))
 def test_granule_block_alignment_is_the_smallest(strides, granule):
@@ -885,6 +914,7 @@ def models(draw):
     return groups
 
 
+@pytest.mark.invariant(1, 3, 6)
 @settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(groups=models(), num_blocks=st.integers(1, 4), layout=st.sampled_from(ALL_LAYOUTS), pad=st.booleans())
 def test_built_configs_segment_and_tile(groups, num_blocks, layout, pad):

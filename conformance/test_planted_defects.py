@@ -12,10 +12,10 @@ test file under pytest inside the test (`pytester`, in this process, with
 outcome; what the defect kept is released for real afterwards, so this
 file's own leak check still sees nothing left.
 
-Every defect test carries `@pytest.mark.planted_defect(name)` (the
-sanity tests carry none: they run with the suite's other tests), and each
-runs on the host driver and on each CUDA device (`device`): every defect is
-made of the driver protocol's own steps.
+Every defect test carries `@pytest.mark.planted_defect(name)`; each sanity
+test carries instead the invariant its check guards, and runs with the
+suite's other tests. Each runs on the host driver and on each CUDA device
+(`device`): every defect is made of the driver protocol's own steps.
 """
 
 from __future__ import annotations
@@ -86,6 +86,7 @@ def test_unzeroed_new_and_recommitted_bytes_are_flagged(device, build):
     assert broken.inner.poisoned_chunks == 2  # the first commit's chunk, then the recommit's
 
 
+@pytest.mark.invariant(1, 4)
 def test_zeroing_check_passes_over_poisoned_memory(device, build):
     poisoned = PoisoningDriver(driver_for(device))
     tensor = build.tensor(4 * poisoned.granularity, device=poisoned)
@@ -123,6 +124,7 @@ def test_one_bookkept_chunk_over_two_driver_chunks_is_flagged(device, build):
         check_readback_matches_bookkeeping(tensor)
 
 
+@pytest.mark.invariant(3)
 def test_mapping_checks_pass_on_the_real_driver(device, build):
     real = driver_for(device)
     g = real.granularity
@@ -185,6 +187,7 @@ def test_a_leak_in_a_stress_walk_reaches_the_pooled_tally(device, usage):
     assert pooled.leaks == tally.leaks and pooled.to_json()["leaks"] == tally.leaks
 
 
+@pytest.mark.invariant(5)
 def test_a_stress_walk_on_the_real_driver_tallies_no_leak(device, usage):
     tally = StressTally()
     walk_until_freed(driver_for(device), usage, tally)
@@ -240,6 +243,7 @@ def test_the_harness_flags_a_test_that_leaks(device, pytester, name, pattern):
     result.stdout.fnmatch_lines([pattern.replace("DEVICE", str(device))])
 
 
+@pytest.mark.invariant(5)
 def test_the_harness_passes_a_test_that_leaks_nothing(device, pytester):
     result = run_under_harness(pytester, driver_for(device))
     result.assert_outcomes(passed=1)
@@ -264,6 +268,7 @@ def test_misreported_usage_is_flagged_by_the_witness(device, usage, name, missta
         tensor.free()
 
 
+@pytest.mark.invariant(5)
 def test_usage_witness_agrees_with_the_real_tensor(device, usage, build):
     baseline = usage.read_outside_torch()
     tensor = build.tensor(4 * driver_for(device).granularity)
@@ -303,6 +308,7 @@ def test_an_export_that_changes_a_byte_is_flagged_by_check_unchanged(device, bui
     export_checked(build, make("byte-changed-by-export", driver_for(device)), check=flagged)
 
 
+@pytest.mark.invariant(8)
 def test_check_unchanged_passes_around_a_real_export(device, build):
     export_checked(build, driver_for(device), check=check_unchanged)
 
@@ -338,6 +344,7 @@ def test_an_import_mapped_read_write_is_flagged(device, build):
     import_read_only(build, broken, broken, check=flagged)
 
 
+@pytest.mark.invariant(8)
 def test_read_only_check_passes_on_a_real_import_and_the_read_back_tells_modes_apart(device, build):
     real = driver_for(device)
 
@@ -351,6 +358,7 @@ def test_read_only_check_passes_on_a_real_import_and_the_read_back_tells_modes_a
     import_read_only(build, real, real, check=passes)
 
 
+@pytest.mark.invariant(8)
 def test_access_read_back_follows_each_step(device):
     real = driver_for(device)
     g = real.granularity
@@ -387,6 +395,7 @@ def test_the_interrupt_run_flags_operations_a_signal_can_stop_half_way(device):
 
 
 # -- the zoo is covered -------------------------------------------------------------------------
+@pytest.mark.harness
 def test_every_planted_defect_is_planted_by_a_test():
     """Each defect of `planted.DEFECTS` has a test here, and each test's
     marker names a known defect."""

@@ -223,11 +223,13 @@ def check_committable_blocks(reports: list[dict]) -> None:
         assert report["stored"] == report["agreed"], f"rank {rank} stored {report['stored']}"
 
 
+@pytest.mark.invariant(6)
 @pytest.mark.timeout(60)
 def test_gloo_min_over_ranks_of_explicit_values(tmp_path):
     check_explicit_values(run_ranks(tmp_path, "gloo", "explicit_values"), "gloo")
 
 
+@pytest.mark.invariant(5)
 @pytest.mark.timeout(60)
 def test_gloo_ranks_agree_on_committable_blocks(tmp_path):
     check_committable_blocks(run_ranks(tmp_path, "gloo", "committable_blocks"))
@@ -239,12 +241,14 @@ def nccl_environment(monkeypatch):
     monkeypatch.setenv("NCCL_NVLS_ENABLE", "0")
 
 
+@pytest.mark.invariant(6)
 @pytest.mark.multi_gpu(2)
 @pytest.mark.timeout(60)
 def test_nccl_min_over_ranks_of_explicit_values(tmp_path, nccl_environment):
     check_explicit_values(run_ranks(tmp_path, "nccl", "explicit_values"), "nccl")
 
 
+@pytest.mark.invariant(5)
 @pytest.mark.multi_gpu(2)
 @pytest.mark.timeout(60)
 def test_nccl_ranks_agree_on_committable_blocks(tmp_path, nccl_environment):
@@ -252,12 +256,14 @@ def test_nccl_ranks_agree_on_committable_blocks(tmp_path, nccl_environment):
 
 
 # -- one process, no process group ----------------------------------------------
+@pytest.mark.invariant(6)
 def test_single_rank_min_is_the_value():
     assert not dist.is_initialized()
     for value in (0, 1, 12345, (1 << 63) - 1):
         assert min_over_ranks(value) == value
 
 
+@pytest.mark.invariant(5)
 def test_single_rank_agrees_with_itself(device, caplog):
     assert not dist.is_initialized()
     _, total_memory = device_memory_info(device)

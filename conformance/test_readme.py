@@ -29,6 +29,8 @@ import pytest
 
 import extkv
 
+pytestmark = pytest.mark.harness
+
 ROOT = Path(extkv.__file__).resolve().parent.parent
 README = ROOT / "README.md"
 CI = ROOT / ".ci" / "run"

@@ -213,6 +213,7 @@ def new_weights(runner: ReferenceModelRunner, seed: int) -> dict[str, torch.Tens
     return {name: torch.randn(p.shape, generator=generator).to(p.dtype) for name, p in runner.model.state_dict().items()}
 
 
+@pytest.mark.invariant(1)
 def test_weight_update_with_enough_free_memory_keeps_the_cache(device, runners):
     runner = runners(device, CAPACITY)
     runner.allocate_kv_cache()
@@ -279,6 +280,7 @@ def test_weight_update_that_cannot_fit_fails_before_changing_anything(device, ru
     assert kv_cache.torch_memory_limit == 1 << 40, "a refused update must leave torch's cap alone"
 
 
+@pytest.mark.invariant(4, 5)
 @pytest.mark.gpu
 @pytest.mark.exclusive  # fills the GPU until a layer cannot be staged
 def test_weight_update_on_a_full_gpu_borrows_the_cache(runners):
@@ -349,6 +351,7 @@ class RecordingConnector:
         return [call[0] for call in self.calls]
 
 
+@pytest.mark.invariant(1)
 @pytest.mark.parametrize("registers", [False, True], ids=["plain-connector", "registering-connector"])
 def test_extend_hands_the_connector_the_committed_geometry(device, runners, registers):
     connector = RecordingConnector(registers_kv_cache_memory=registers)
@@ -382,6 +385,7 @@ def test_extend_hands_the_connector_the_committed_geometry(device, runners, regi
     assert allocated.num_blocks == CAPACITY
 
 
+@pytest.mark.invariant(1, 6)
 def test_extend_past_the_capacity_describes_what_was_committed(device, runners):
     connector = RecordingConnector()
     runner = runners(device, CAPACITY, connector=connector)
@@ -395,6 +399,7 @@ def test_extend_past_the_capacity_describes_what_was_committed(device, runners):
     )
 
 
+@pytest.mark.invariant(1)
 def test_extend_registers_a_segment_export_connector_with_the_committed_config(device, runners):
     connector = SegmentExportConnector()
     try:
@@ -606,6 +611,7 @@ def lendable_runner(runners, device, **kwargs):
     return runner, HugeLayerModel(device_memory_info(device)[1])
 
 
+@pytest.mark.invariant(5, 6)
 @pytest.mark.parametrize("connector_kind", ["unregistered-segment-export", "failing-restore"])
 def test_weight_update_puts_the_torch_cap_back_when_the_connector_cannot_restore(device, runners, connector_kind):
     if connector_kind == "unregistered-segment-export":
@@ -623,6 +629,7 @@ def test_weight_update_puts_the_torch_cap_back_when_the_connector_cannot_restore
     connector.close()
 
 
+@pytest.mark.invariant(5, 6)
 def test_weight_update_puts_the_torch_cap_back_when_the_body_raises(device, runners):
     connector = RecordingConnector()
     runner, huge = lendable_runner(runners, device, connector=connector)
@@ -636,6 +643,7 @@ def test_weight_update_puts_the_torch_cap_back_when_the_body_raises(device, runn
     assert kv_cache.physical_bytes == held and connector.operations == ["unregister", "restore"]
 
 
+@pytest.mark.invariant(6)
 def test_weight_update_puts_the_torch_cap_back_when_the_recommit_fails(device, build):
     faulty = FaultInjectingDriver(driver_for(device))
     kv_cache = build.cache_for("padded", KVCacheLayout.LBHNC, device=faulty)

@@ -26,6 +26,7 @@ from extkv.sizing import (
 KiB, MiB, GiB = 1 << 10, 1 << 20, 1 << 30
 
 
+@pytest.mark.invariant(5)
 def test_constants():
     assert KV_CACHE_MARGIN_FLOOR_BYTES == GiB
     assert KV_CACHE_MARGIN_FRACTION == 0.75
@@ -69,6 +70,7 @@ MEASURE_CASES = [
 ]
 
 
+@pytest.mark.invariant(5)
 @pytest.mark.parametrize("init_free, free, committed, requested, peak, expected", MEASURE_CASES)
 def test_measure_kv_cache_bytes_table(init_free, free, committed, requested, peak, expected):
     got = measure_kv_cache_bytes(
@@ -81,6 +83,7 @@ def test_measure_kv_cache_bytes_table(init_free, free, committed, requested, pea
     assert got == expected
 
 
+@pytest.mark.invariant(5)
 def test_measure_kv_cache_bytes_custom_margin():
     # floor 0, fraction 0: no margin; min(10-0, 10-0)=10, -1 peak -> 9 GiB
     common = dict(init_free_memory=10 * GiB, free_memory=10 * GiB, committed_bytes=0,
@@ -104,6 +107,7 @@ def test_measure_kv_cache_bytes_keywords_only():
 memory = st.integers(0, 200 * GiB)
 
 
+@pytest.mark.invariant(5)
 @settings(max_examples=300, deadline=None)
 @given(init_free=memory, free=memory, committed=memory, requested=memory, peak=st.integers(0, 20 * GiB))
 def test_measure_kv_cache_bytes_properties(init_free, free, committed, requested, peak):
@@ -179,17 +183,20 @@ COMMITTABLE_CASES = [
 ]
 
 
+@pytest.mark.invariant(5)
 @pytest.mark.parametrize("free, physical, reserved, expected", COMMITTABLE_CASES)
 def test_committable_bytes_table(free, physical, reserved, expected):
     assert committable_bytes(free, physical, reserved) == expected
 
 
+@pytest.mark.invariant(5)
 def test_committable_bytes_custom_fractions():
     # reserve max(0, int(100 * 0.5)) = 50; margin max(0, int(50 * 0.5)) = 25; 100-25-50
     assert committable_bytes(100, 0, 0, warmup_reserve_fraction=0.5,
                              margin_floor_bytes=0, margin_fraction=0.5) == 25
 
 
+@pytest.mark.invariant(5)
 @settings(max_examples=300, deadline=None)
 @given(free=memory, physical=memory, reserved=st.integers(0, 40 * GiB))
 def test_committable_bytes_properties(free, physical, reserved):
@@ -229,6 +236,7 @@ def test_committable_bytes_invalid_input_raises(args, kwargs, match):
 # Physical footprint of a commit, and blocks within a budget
 
 
+@pytest.mark.invariant(5)
 def test_segment_physical_bytes():
     g = 2 * MiB
     assert segment_physical_bytes(0, [64 * KiB, 96 * KiB], g) == 0
@@ -239,6 +247,7 @@ def test_segment_physical_bytes():
     assert segment_physical_bytes(5, [4 * MiB] * 3, g) == 60 * MiB
 
 
+@pytest.mark.invariant(5)
 def test_blocks_within():
     strides, g = [64 * KiB, 96 * KiB], 2 * MiB
     # 4 MiB is one granule per segment: 96 KiB * n <= 2 MiB -> n <= 21
@@ -251,6 +260,7 @@ def test_blocks_within():
     assert blocks_within(0, strides, g, 1000) == 0
 
 
+@pytest.mark.invariant(5)
 @settings(max_examples=300, deadline=None)
 @given(
     num_bytes=st.integers(-MiB, 64 * MiB),
@@ -293,6 +303,7 @@ def test_footprint_invalid_input_raises(call, match):
 # Torch's cap and the weight-update peak
 
 
+@pytest.mark.invariant(5, 6)
 def test_torch_memory_limit_bytes():
     # left free = 10 - 6 growth - 1 IPC - 0.25 non-torch = 2.75 GiB; cap 5 + 2.75
     assert torch_memory_limit_bytes(
@@ -318,6 +329,7 @@ def test_torch_memory_limit_bytes():
         torch_memory_limit_bytes(free_memory=0, memory_reserved=None, kv_growth_bytes=0)
 
 
+@pytest.mark.invariant(5, 6)
 def test_weight_update_peak_bytes():
     assert weight_update_peak_bytes(3 * GiB) == 6 * GiB
     assert weight_update_peak_bytes(0) == 0
@@ -325,6 +337,7 @@ def test_weight_update_peak_bytes():
         weight_update_peak_bytes(-1)
 
 
+@pytest.mark.invariant(5, 6)
 def test_segment_physical_bytes_counts_shared_granules_once():
     g = 2 * MiB
     # Two segments of 1.5 granules end to end share granule 1.

@@ -174,6 +174,7 @@ def test_several_processes_on_one_device(device):
     assert sorted(short["ran"] for short in tally.short_bounds) == [f"{PROCESS_WALK_STEPS} steps (the least it was given)"] * 2, tally.short_bounds
 
 
+@pytest.mark.harness
 def test_a_spent_bound_gives_no_test_seconds():
     """The nightly suite's shares: by weight of what is left, none once it is
     spent (a workload's floor, not a least number of seconds, keeps a test
@@ -187,6 +188,7 @@ def test_a_spent_bound_gives_no_test_seconds():
         share_of_bound(10.0, 0.0, 4.0)
 
 
+@pytest.mark.harness
 def test_a_floor_runs_the_least_past_its_deadline():
     ran = 0
     floor = Floor(time.monotonic() - 1.0, lambda: ran >= 3)
@@ -203,6 +205,7 @@ def test_a_floor_runs_the_least_past_its_deadline():
     assert ran == 10 and not counted.too_short
 
 
+@pytest.mark.harness
 def test_the_report_names_each_bound_too_short(tmp_path):
     """A test whose least outlasted its share is named in the stress
     section, with what it ran, in how long, of what share."""

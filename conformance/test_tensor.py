@@ -160,6 +160,7 @@ def test_pipelined_chunk_bytes_takes_only_a_positive_int(build, granule, value):
     assert t.pipelined_chunk_bytes == 1 << 30
 
 
+@pytest.mark.invariant(3)
 def test_a_run_inside_one_segment_is_never_cut(build, granule):
     t = build.tensor(8 * granule, segment_capacities=[6 * granule, 2 * granule])
     t.pipelined_chunk_bytes = granule
@@ -183,6 +184,7 @@ def test_shared_granule_grown_by_second_segment_is_not_remapped(build, granule):
     assert after.readback == before.readback, "the driver reads back other chunks than before"
 
 
+@pytest.mark.invariant(3)
 def test_one_chunk_per_maximal_run(build, granule):
     t = build.tensor(12 * granule, segment_capacities=[4 * granule] * 3)
     t.resize_segments_([granule, granule, granule])
@@ -265,6 +267,7 @@ def test_usage_equals_physical_bytes_after_every_step(build, granule, usage):
     assert usage.read_outside_torch() == baseline
 
 
+@pytest.mark.invariant(1)
 def test_segment_view_storage_spans_exactly_committed_bytes(build, granule):
     t = build.tensor(4 * granule, segment_capacities=[granule, 3 * granule])
     t.resize_segments_([123, granule + 7])
@@ -274,6 +277,7 @@ def test_segment_view_storage_spans_exactly_committed_bytes(build, granule):
     assert t.segment_view(0).dtype == torch.uint8
 
 
+@pytest.mark.invariant(5)
 def test_zero_size_tensor_reserves_one_granule(build, granule):
     t = build.tensor(0)
     assert t.reserved_bytes == granule
@@ -344,6 +348,7 @@ def test_freed_tensor_refuses_work_and_free_is_idempotent(device, granule):
             call()
 
 
+@pytest.mark.invariant(5)
 def test_context_manager_frees(device, granule):
     reservations = _nonzero(live_reservations)
     with ExtensibleTensor(granule, device=device) as t:
@@ -431,6 +436,7 @@ def test_growth_after_a_release_failed_part_way_maps_the_gap_it_left(build, devi
     assert t.physical_bytes == 0 and t.mapped_chunks == []
 
 
+@pytest.mark.invariant(5, 6)
 def test_out_of_memory_create_reclaims_cache_and_retries_once(build, device, granule):
     faulty = FaultInjectingDriver(driver_for(device), {"create": 1}, out_of_memory=True)
     t = build.tensor(2 * granule, device=faulty)
@@ -484,12 +490,14 @@ def small_granule_driver(device):
     return HostDriver(granularity=4096) if device.type == "cpu" else driver_for(device)
 
 
+@pytest.mark.invariant(3)
 def test_a_commits_python_work_does_not_grow_with_its_granule_count(small_granule_driver):
     _commit_work(small_granule_driver, 1, 1)  # first-use work (imports, caches) is not the commit's
     work = {granules: _commit_work(small_granule_driver, 1, granules) for granules in (1, 16, 1024)}
     assert work[1] == work[16] == work[1024], f"bytecode instructions per commit by granule count: {work}"
 
 
+@pytest.mark.invariant(3)
 def test_a_commits_python_work_grows_linearly_with_its_segment_count(small_granule_driver):
     _commit_work(small_granule_driver, 1, 1)
     work = {segments: _commit_work(small_granule_driver, segments, 1) for segments in (256, 1024)}
@@ -506,6 +514,7 @@ class _FinalizedCycle:
         sum(i for i in range(50))
 
 
+@pytest.mark.harness
 def test_the_instruction_count_holds_no_finalizer_a_collection_would_run():
     """A count is of the operation alone: garbage waiting for the collector
     (what earlier tests leave) must not add its finalizers' Python."""
@@ -521,6 +530,7 @@ def test_the_instruction_count_holds_no_finalizer_a_collection_would_run():
     assert with_garbage == alone, f"{with_garbage} instructions with garbage waiting vs {alone} without"
 
 
+@pytest.mark.invariant(1, 3)
 def test_map_new_chunks_maps_each_run_then_zeroes_exactly_its_ranges(driver, granule, device):
     """The one-call commit path of the bare driver (on CUDA its own loop, not
     the step-by-step one wrappers take), with ranges zeroed after the runs in
@@ -557,6 +567,7 @@ def test_map_new_chunks_maps_each_run_then_zeroes_exactly_its_ranges(driver, gra
         driver.free_reservation(address, 3 * granule)
 
 
+@pytest.mark.invariant(5, 6)
 def test_map_new_chunks_failure_keeps_finished_runs_and_gives_back_the_failing_chunk(driver, granule):
     address = driver.reserve(2 * granule)
     chunks_before = live_chunks[driver.kind]
@@ -583,6 +594,7 @@ def test_map_new_chunks_failure_keeps_finished_runs_and_gives_back_the_failing_c
     assert live_chunks[driver.kind] == chunks_before
 
 
+@pytest.mark.invariant(6)
 def test_map_new_chunks_refuses_a_size_off_the_granularity_before_creating_anything(driver, granule):
     address = driver.reserve(2 * granule)
     chunks_before = live_chunks[driver.kind]
@@ -611,6 +623,7 @@ def test_create_free_cycles_return_everything_to_baseline(device, granule, usage
     assert usage.read_outside_torch() == baseline
 
 
+@pytest.mark.invariant(6)
 def test_views_survive_interpreter_teardown(device):
     """Views alive at exit are destroyed after Python's modules are gone; their
     deleter must not need the interpreter."""
@@ -843,6 +856,7 @@ def _print_full_view(device: str, granule: int, printed) -> None:
     printed.send(text.getvalue())
 
 
+@pytest.mark.invariant(6)
 def test_full_view_repr_reads_nothing(device, granule):
     """The full view spans unmapped pages; printing it must not touch them
     (it killed the process with SIGSEGV on the host)."""
@@ -926,6 +940,7 @@ class _StepLog(FaultInjectingDriver):
         super()._release(chunk)
 
 
+@pytest.mark.invariant(4)
 def test_release_gives_each_chunk_back_as_soon_as_it_is_unmapped(build, device, granule):
     """The raw driver sequence's order: what a release leaves in the driver
     outlasts the allocations after it, so benchmark contenders must leave
@@ -1006,6 +1021,7 @@ def test_defragment_segments_refuses_bad_arguments_and_changes_nothing(build, de
     check_unchanged(t, before)
 
 
+@pytest.mark.invariant(3)
 def test_mapped_chunk_at_names_the_chunk_holding_an_address(build, granule):
     t = build.tensor(4 * granule)
     t.resize_segments_([granule])
@@ -1017,6 +1033,7 @@ def test_mapped_chunk_at_names_the_chunk_holding_an_address(build, granule):
     assert t.mapped_chunk_at(t.base - 1) is None and t.mapped_chunk_at(t.base + 4 * granule) is None
 
 
+@pytest.mark.invariant(1)
 def test_driver_zero_and_copy_touch_exactly_their_range(device, driver, granule):
     """Driver.zero, Driver.zero_ranges and Driver.copy, which a commit and a
     defragmentation use in place of tensor views: each writes its ranges and

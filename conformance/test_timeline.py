@@ -68,6 +68,7 @@ def load_error(path) -> str:
     return message
 
 
+@pytest.mark.harness
 def test_a_timeline_file_that_write_did_not_write_is_refused_by_name(tmp_path):
     written = Timeline(
         device="host", source="probe", samples=[(0.0, 0), (0.5, 4096)],

@@ -50,6 +50,7 @@ def expect_bytes(tensor, start: int, end: int, value: int, what: str) -> None:
     check_all_equal(tensor.full_view()[start:end], value, f"{what} [{start:#x}, {end:#x})")
 
 
+@pytest.mark.harness
 def test_poisoning_driver_takes_a_non_zero_byte(device):
     inner = driver_for(device)
     for pattern in (0, 256, -1, True, 1.5):
