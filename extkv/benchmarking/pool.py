@@ -11,6 +11,9 @@ the same code, profile and machine are the same experiment repeated, so
 ran, the runs in the order given: every round is still interleaved with its
 case's other contenders as its run ran it, the even and odd halves keep their
 meaning, and the earlier and later halves now mostly set run against run.
+pytest-benchmark's own compare sets runs side by side; it does not join
+their rounds into one run whose verdicts read them all, which is what this
+module does.
 
 A pooled directory holds what a run's does (`bench_cases.json`,
 `bench.json`, `machine.json`), so `extkv report` renders it like any run;

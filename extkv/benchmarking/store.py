@@ -9,7 +9,9 @@ commit adds, so each does the work extkv's commit does. Verbs: `open`
 (untimed setup: reserve or allocate), `grow(blocks)`, `shrink(blocks)`,
 `defragment(preserve)`, `release`, `recommit`, `capture`/`replay` (a CUDA
 graph that reads the committed bytes), `close` (untimed: everything given
-back). A store that has no such verb raises `Unsupported`, and a store that
+back). `capture` records a CUDA graph that sums every committed byte
+(`CapturedRead`), so a replay reads the memory as a model's kernels would.
+A store that has no such verb raises `Unsupported`, and a store that
 cannot run on a device says why in `unsupported_reason`: the benchmark
 reports it as not run, with that reason, instead of dropping it.
 """
@@ -28,7 +30,6 @@ class Unsupported(Exception):
     """This contender cannot do this here; the message says why."""
 
 
-# -- CUDA graphs ----------------------------------------------------------------
 class CapturedRead:
     """A CUDA graph that reads every byte of `views` (a sum per view, as int64)."""
 
@@ -55,7 +56,6 @@ class CapturedRead:
             self.graph.replay()
 
 
-# -- stores ---------------------------------------------------------------------
 class Store(abc.ABC):
     """One contender's memory for a KV geometry.
 
