@@ -151,6 +151,23 @@ def deferred_signals() -> _Deferral:
     return _DEFERRAL
 
 
+def run_deferred(function, *args):
+    """`function(*args)` with signal handlers deferred, for a step that must
+    run once begun (closing descriptors a caller owns). A handler can still
+    raise as the deferral is entered, before it holds (at the call itself);
+    then `function` runs undeferred before that exception propagates, so a
+    single interrupt never skips it."""
+    entered = False
+    try:
+        with _DEFERRAL:
+            entered = True
+            return function(*args)
+    except BaseException:
+        if not entered:
+            function(*args)
+        raise
+
+
 def deferring() -> bool:
     """Whether the calling thread is inside a deferral (off the main thread:
     never, since no handler can interrupt it)."""

@@ -56,10 +56,19 @@ import socket
 import torch
 
 from . import validate
-from .deferred_signals import deferred_signals
+from .deferred_signals import deferred_signals, run_deferred
 from .errors import DriverError, StateError
 from .vmm import Chunk, Driver, HostDriver, Transaction, UnreleasedChunks, cuda_usable, driver_for
-from .wire import MAX_HEADER_BYTES, Deadline, ExportHeader, close_all, receive_fds, receive_message, send_message
+from .wire import (
+    MAX_HEADER_BYTES,
+    Deadline,
+    ExportHeader,
+    close_all,
+    close_each as _close_each,
+    receive_fds,
+    receive_message,
+    send_message,
+)
 
 #: Seconds one import may take (`import_segments`), and the whole peer
 #: (`run_peer`: connect, import, digests, reply).
@@ -135,8 +144,12 @@ class ImportedSegments:
         return [sha256_hex(view, deadline=deadline, name=f"segment {i}") for i, view in enumerate(self.views)]
 
     def close(self) -> None:
-        """Unmap, release and free everything. Idempotent; if a driver step
+        """Unmap, release and free everything, signal handlers deferred (an
+        unmap and its record are one step). Idempotent; if a driver step
         fails, what was undone stays undone and a retry continues."""
+        run_deferred(self._close)
+
+    def _close(self) -> None:
         if self._closed:
             return
         self.views = []
@@ -204,7 +217,7 @@ def import_segments(
 
 
 def _import(sock: socket.socket, driver: Driver | None, deadline: Deadline, max_bytes: int | None) -> ImportedSegments:
-    fds: list[int] = []
+    fds: list[int] = []  # the received descriptors, this function's to close
     try:
         previous = sock.gettimeout()
         try:
@@ -215,12 +228,27 @@ def _import(sock: socket.socket, driver: Driver | None, deadline: Deadline, max_
             receive_fds(sock, len(header.chunk_sizes), fds, deadline=deadline)
         finally:
             sock.settimeout(previous)
-        # Mapping waits for no one: a signal handler that raises runs after
-        # it, never between an import's step and its undo.
-        with deferred_signals():
-            return _map_imported(driver, fds, header)
-    finally:
+    except BaseException:
         close_all(fds)
+        raise
+    # Mapping waits for no one: signal handlers are deferred over it and the
+    # closing of the received descriptors, so none raises between an
+    # import's step and its undo. Nothing runs between the import and the
+    # return that could raise and drop it; a handler that raises at the
+    # deferral's end closes it, since the caller never gets it.
+    imported = None
+    try:
+        with deferred_signals():
+            try:
+                imported = _map_imported(driver, fds, header)
+            finally:
+                _close_each(fds)
+        return imported
+    except BaseException:
+        close_all(fds)  # where the deferral's entry itself was interrupted
+        if imported is not None:
+            imported.close()
+        raise
 
 
 def _check_announced_bytes(header: ExportHeader, driver: Driver, max_bytes: int | None) -> None:

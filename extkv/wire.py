@@ -60,7 +60,7 @@ from typing import NamedTuple, Sequence
 import torch
 
 from . import validate
-from .deferred_signals import deferred_signals
+from .deferred_signals import deferred_signals, run_deferred
 from .errors import DeadlineExceededError
 from .vmm import Driver
 
@@ -337,6 +337,10 @@ def receive_fds(sock: socket.socket, count: int, fds: list[int], *, deadline: De
 def close_all(fds: list[int]) -> None:
     """Close every descriptor of `fds` and empty it, signal handlers
     deferred, so that an interrupt cannot leave some open."""
-    with deferred_signals():
-        while fds:
-            os.close(fds.pop())
+    run_deferred(close_each, fds)
+
+
+def close_each(fds: list[int]) -> None:
+    """Close every descriptor of `fds` and empty it (see `close_all`)."""
+    while fds:
+        os.close(fds.pop())

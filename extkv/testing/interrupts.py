@@ -5,9 +5,10 @@ Theory of operation
 Ctrl-C, pytest-timeout's signal method and serving frameworks' SIGTERM
 handlers raise from a signal handler, so the exception can surface between
 any two bytecodes of the main thread. `run_interrupted` drives a tensor and
-a KV cache through every state-changing operation (creation, growth, shrink,
-preserving and discarding defragmentation, release, recommit, free) and arms
-`setitimer(ITIMER_REAL)` before each at a random delay drawn from the
+a KV cache through every state-changing operation (creation, growth,
+shrink, preserving and discarding defragmentation, release, recommit, free,
+and an export to an import in this process, either side on the interrupted
+thread) and arms `setitimer(ITIMER_REAL)` before each at a random delay drawn from the
 durations it has measured, so interrupts land anywhere inside operations;
 the SIGALRM handler raises `Interrupted`, a BaseException as
 KeyboardInterrupt is, which no `except Exception` can swallow.
@@ -41,9 +42,12 @@ from __future__ import annotations
 
 import collections
 import contextlib
+import gc
 import os
 import random
 import signal
+import socket
+import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -53,8 +57,10 @@ import torch
 
 from .. import vmm
 from ..cache import ExtensibleKVCache
+from ..connector import SegmentExportConnector
 from ..deferred_signals import deferred_signals
 from ..layout import KVCacheLayout
+from ..peer import ImportedSegments, import_segments
 from ..tensor import ExtensibleTensor
 from ..usage import open_chunk_fds
 from .checks import check_readback_matches_bookkeeping
@@ -81,6 +87,8 @@ class InterruptTally:
     interrupts: int = 0
     inside: int = 0
     broken: int = 0
+    #: Imports the workload's own code dropped between return and close.
+    dropped_by_the_caller: int = 0
     operations: collections.Counter = field(default_factory=collections.Counter)
     interrupted: collections.Counter = field(default_factory=collections.Counter)
     problems: list[str] = field(default_factory=list)
@@ -88,6 +96,7 @@ class InterruptTally:
     def as_dict(self) -> dict:
         return {
             "steps": self.steps, "interrupts": self.interrupts, "inside": self.inside, "broken": self.broken,
+            "dropped_by_the_caller": self.dropped_by_the_caller,
             "operations": dict(self.operations), "interrupted": dict(self.interrupted), "problems": self.problems[:20],
             "problem_count": len(self.problems),
         }
@@ -138,7 +147,61 @@ def _operations(objects: _Objects, rng: random.Random) -> dict[str, Callable[[],
         "cache release_physical": lambda: objects.cache.release_physical(),
         "cache recommit": lambda: objects.cache.recommit(),
         "cache free": lambda: objects.cache.free(),
+        "cache export": lambda: _exchange(objects.cache, main_exports=True),
+        "cache import": lambda: _exchange(objects.cache, main_exports=False),
     }
+
+
+#: Seconds either side of an exchange may take: the other side of one the
+#: interrupt stopped is woken by a shutdown at once.
+EXCHANGE_TIMEOUT_S = 30.0
+
+
+def _exchange(cache: ExtensibleKVCache, *, main_exports: bool) -> None:
+    """Export the cache to an import in this process, one side on this
+    (the interrupted) thread, the other on a thread of its own; the import
+    is closed at once. The export needs one chunk per segment: the
+    defragment is part of the operation."""
+    cache.commit(max(cache.num_committed_blocks, 1), defragment=True)
+    connector = SegmentExportConnector()
+    sender, receiver = socket.socketpair()
+    try:
+        connector.register_kv_caches(cache)
+
+        def export() -> None:
+            connector.export_to(sender, timeout=EXCHANGE_TIMEOUT_S)
+
+        def import_and_close() -> None:
+            import_segments(receiver, timeout=EXCHANGE_TIMEOUT_S).close()
+
+        mine, theirs = (export, import_and_close) if main_exports else (import_and_close, export)
+        failures: list[BaseException] = []
+
+        def other_side() -> None:
+            try:
+                theirs()
+            except Exception as error:  # noqa: BLE001 - the interrupted side's doing, or reported below
+                failures.append(error)
+
+        thread = threading.Thread(target=other_side, daemon=True)
+        thread.start()
+        try:
+            mine()
+        except BaseException:
+            for end in (sender, receiver):
+                end.shutdown(socket.SHUT_RDWR)
+            raise
+        finally:
+            # The other side must be over before anything is checked: an
+            # interrupt here waits for the join.
+            with deferred_signals():
+                thread.join(EXCHANGE_TIMEOUT_S)
+        if failures:
+            raise failures[0]
+    finally:
+        sender.close()
+        receiver.close()
+        connector.close()
 
 
 def _legal(name: str, objects: _Objects) -> bool:
@@ -220,11 +283,13 @@ def run_interrupted(
 
     def interrupt(number, frame) -> None:
         tally.interrupts += 1
+        landed_in[:] = [getattr(frame.f_code, "co_qualname", frame.f_code.co_name) if frame is not None else ""]
         filename = frame.f_code.co_filename if frame is not None else ""
         if filename.startswith(_EXTKV_DIR) and not filename.startswith(_TESTING_DIR):
             tally.inside += 1
         raise Interrupted()
 
+    landed_in: list[str] = []
     previous = signal.signal(signal.SIGALRM, interrupt)
     try:
         while tally.inside < inside_target and tally.steps < max_steps and not (stop_at_problem and tally.problems):
@@ -242,6 +307,8 @@ def run_interrupted(
                 durations[name] = 0.8 * durations[name] + 0.2 * (time.perf_counter() - started)
             except Interrupted:
                 tally.interrupted[name] += 1
+                if landed_in[0].endswith(("import_and_close", "ImportedSegments.close")):
+                    _close_dropped_imports(tally)
             except Exception as error:  # noqa: BLE001 - any other error is a finding
                 tally.problems.append(f"step {tally.steps}, {name}: {type(error).__name__}: {error}")
             try:
@@ -262,6 +329,19 @@ def run_interrupted(
     if left != baseline:
         tally.problems.append(f"after free: (reservations, host chunks, memfds) {left}, at the start {baseline}")
     return tally
+
+
+def _close_dropped_imports(tally: InterruptTally) -> None:
+    """An interrupt in this module's `import_and_close`, after
+    `import_segments` returned and before `close()` began, drops the
+    import: the window every call that returns a resource leaves its caller
+    (at the call of `close` itself, before its first line, too). Close what
+    was dropped there; the workload holds no other import, so every one
+    still open is such."""
+    for candidate in gc.get_objects():
+        if type(candidate) is ImportedSegments and "closed" not in repr(candidate):
+            candidate.close()
+            tally.dropped_by_the_caller += 1
 
 
 def _free_quietly(target, tally: InterruptTally) -> None:
