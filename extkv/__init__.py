@@ -9,12 +9,13 @@ or is released for sleep and recommitted.
 from .cache import ExtensibleKVCache, measure_kv_cache_blocks
 from .connector import (
     KVConnector,
+    PeerDisconnectedError,
     PeerRefusedError,
     SegmentExportConnector,
     SegmentNotContiguousError,
     listen_privately,
 )
-from .errors import DriverError, ExtkvError, OutOfMemoryError, StateError
+from .errors import DeadlineExceededError, DriverError, ExtkvError, OutOfMemoryError, StateError
 from .layout import (
     FullAttentionSpec,
     KVCacheConfig,
@@ -73,6 +74,7 @@ __all__ = [
     "build_kv_cache_config",
     "committable_bytes",
     "create_kv_cache_views",
+    "DeadlineExceededError",
     "device_memory_info",
     "Driver",
     "driver_for",
@@ -88,7 +90,6 @@ __all__ = [
     "granule_block_alignment",
     "HostDriver",
     "import_segments",
-    "make_undumpable",
     "kv_cache_lent_for_weight_update",
     "KV_CACHE_MARGIN_FLOOR_BYTES",
     "KV_CACHE_MARGIN_FRACTION",
@@ -98,6 +99,7 @@ __all__ = [
     "KVCacheConfig",
     "KVCacheGroupSpec",
     "KVCacheLayout",
+    "make_undumpable",
     "KVCacheSpec",
     "KVCacheTensor",
     "KVConnector",
@@ -114,6 +116,7 @@ __all__ = [
     "num_committable_kv_blocks",
     "OutOfMemoryError",
     "pad_kv_cache_segments",
+    "PeerDisconnectedError",
     "PeerRefusedError",
     "ReferenceModelRunner",
     "registers_kv_cache_memory",
