@@ -301,6 +301,7 @@ def live_counts() -> tuple[dict, dict]:
     return nonzero(live_chunks), nonzero(live_reservations)
 
 
+@pytest.mark.invariant(8)
 def test_segment_export_connector_is_a_kv_connector():
     connector = SegmentExportConnector()
     assert isinstance(connector, KVConnector)
@@ -666,6 +667,7 @@ def test_peer_cannot_truncate_punch_or_write_a_read_only_export(build, connector
     connector.close()
 
 
+@pytest.mark.invariant(5, 6)
 @pytest.mark.parametrize("step, nth", [("reserve", 1), ("import", 2), ("map", 3), ("set_access", 1)])
 def test_failed_import_undoes_every_step(device, build, connector, step, nth):
     kv_cache = build.cache_for("padded", KVCacheLayout.LBHNC)  # three chunks
@@ -688,6 +690,7 @@ def test_failed_import_undoes_every_step(device, build, connector, step, nth):
         assert live_counts() == counts and fd_count() == fds
 
 
+@pytest.mark.invariant(5, 6)
 def test_failed_import_attempts_every_undo_and_raises_the_first_failure(build, connector):
     """An undo step that fails stops none of the others, and the step that
     failed first is what the caller sees; the undo's failure is a note on it.
@@ -710,6 +713,7 @@ def test_failed_import_attempts_every_undo_and_raises_the_first_failure(build, c
         assert note.startswith("while undoing: unmap (injected fault at call 2) failed: INJECTED_FAULT (-1)")
 
 
+@pytest.mark.invariant(5, 8)
 def test_failed_export_sends_nothing_and_closes_what_it_exported(device, build, connector):
     faulty = FaultInjectingDriver(driver_for(device))
     kv_cache = build.cache_for("padded", KVCacheLayout.LBHNC, device=faulty)
@@ -1008,6 +1012,7 @@ def test_import_caps_what_the_exporter_announces_before_receiving_a_descriptor()
     assert live_counts() == counts and fd_count() == fds
 
 
+@pytest.mark.invariant(8)
 def test_peer_error_reply_names_no_address(peers):
     """The peer's mmap of a write-only descriptor fails with a DriverError
     that names the address; the reply says what failed, not where."""
