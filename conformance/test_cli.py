@@ -39,6 +39,9 @@ import pytest
 import extkv
 from extkv import cli
 
+#: Every test here checks extkv's own tooling: benchmarks, reports, the command line.
+pytestmark = pytest.mark.harness
+
 ROOT = Path(extkv.__file__).resolve().parent.parent
 #: Subcommands that hand what they do not know to pytest.
 PYTEST_COMMANDS = ("check", "bench", "stress")

@@ -23,10 +23,6 @@ pytestmark = pytest.mark.harness
 CONFORMANCE = Path(__file__).resolve().parent
 #: The markers that say what a test is for: one of them on every test.
 PURPOSE_MARKERS = ("invariant", "planted_defect", "harness")
-#: Modules whose tests do not all carry a purpose marker yet, left out of
-#: test_every_test_says_what_it_is_for; each name goes once its module's
-#: tests are marked (the test says when).
-NOT_YET_MARKED = {"test_benchmarking.py", "test_cli.py", "test_reporting.py"}
 
 
 def marked_invariants(path: Path) -> set[int]:
@@ -103,10 +99,7 @@ def unmarked_tests(path: Path) -> list[str]:
 
 def test_every_test_says_what_it_is_for():
     paths = sorted(CONFORMANCE.glob("test_*.py"))
-    assert NOT_YET_MARKED <= {path.name for path in paths}, sorted(NOT_YET_MARKED - {path.name for path in paths})
-    unmarked = [test for path in paths if path.name not in NOT_YET_MARKED for test in unmarked_tests(path)]
+    unmarked = [test for path in paths for test in unmarked_tests(path)]
     assert not unmarked, (
         f"{len(unmarked)} tests carry none of the markers {', '.join(PURPOSE_MARKERS)}:\n" + "\n".join(unmarked)
     )
-    marked = sorted(path.name for path in paths if path.name in NOT_YET_MARKED and not unmarked_tests(path))
-    assert not marked, f"every test of {marked} carries a purpose marker now: take them out of NOT_YET_MARKED"

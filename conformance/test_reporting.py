@@ -30,6 +30,9 @@ from extkv.reporting.summary import HOST_LABEL as SUMMARY_HOST_LABEL
 from extkv.testing.harness import INVARIANTS
 from extkv.testing.record import DEVICE_PROPERTY, HOST_LABEL, INVARIANTS_PROPERTY, RECORD_FORMAT
 
+#: Every test here checks extkv's own tooling: benchmarks, reports, the command line.
+pytestmark = pytest.mark.harness
+
 CONFORMANCE = Path(__file__).resolve().parent
 #: Real conformance tests for the first run: invariant 5 on the host
 #: (and a skipped or run cuda:0), invariant 6 on the host.
