@@ -284,3 +284,22 @@ def test_pool_into_a_directory_whose_own_files_cannot_be_read_says_which(tmp_pat
     assert cli.main(["pool", str(out), *runs]) == 2
     err = capsys.readouterr().err
     assert err == f"extkv pool: {out / 'check-fifo.json'}: not a regular file\n", err
+
+
+def test_reference_runs_check_bench_and_stress_into_one_directory(tmp_path, capsys):
+    """`extkv reference` is three runs a user could type, into one directory
+    each replacing only its own files; a stress bound of no time is refused
+    before anything runs."""
+    from extkv.reporting import reference_run
+
+    planned = reference_run.steps(tmp_path, 2.5, ["-x"])
+    assert [name for name, _ in planned] == ["check", "bench", "stress"]
+    for name, command in planned:
+        assert command[1:4] == ["-m", "extkv", name], command
+        assert command[-4:] == ["--report-dir", str(tmp_path), "--overwrite", "-x"], command
+    assert planned[2][1][4:6] == ["--minutes", "2.5"], planned[2][1]
+    assert cli.main(["reference", "--stress-minutes", "0", "--report-dir", str(tmp_path)]) == 2
+    assert "--stress-minutes must be > 0, got 0.0" in capsys.readouterr().err
+    assert not any(tmp_path.iterdir()), "a refused reference wrote files"
+    facts = {"gpus": [{"name": "NVIDIA H200"}]}
+    assert reference_run.reference_directory(facts).parts[-3:] == ("reports", "reference", "h200")

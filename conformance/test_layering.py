@@ -75,6 +75,7 @@ LAYERS: list[set[str]] = [
     {"extkv.reporting.check_run"},
     {"extkv.benchmarking.run"},
     {"extkv.reporting.stress_run"},
+    {"extkv.reporting.reference_run"},
     {"extkv.cli"},
     {"extkv", "extkv.__main__"},
 ]

@@ -12,6 +12,9 @@
   to a baseline measured in the same run; writes a report.
 - `extkv stress --minutes M [--seed S]`: the nightly stress run (`stress/`);
   writes a report.
+- `extkv reference [--stress-minutes M]`: check, bench and stress into this
+  machine kind's reference directory, reports/reference/<kind>
+  (extkv.reporting.reference_run).
 - `extkv report DIR`: render a run directory's report again from its raw
   results (JSON, JUnit XML).
 - `extkv pool OUT_DIR RUN_DIR RUN_DIR ...`: one bench report over the rounds
@@ -45,7 +48,7 @@ from .benchmarking import run as bench_run
 from .benchmarking.pool import pool
 from .errors import ExtkvError
 from .peer import DEFAULT_PEER_TIMEOUT_S, run_peer
-from .reporting import check_run, render_report, stress_run
+from .reporting import check_run, reference_run, render_report, stress_run
 from .reporting.rundir import checkout_root
 from .testing import facts
 
@@ -261,8 +264,15 @@ def main(argv: list[str] | None = None) -> int:
         )
         module.add_arguments(command)
         command.set_defaults(run=module.run)
+    reference = add(
+        "reference",
+        "re-make this machine kind's reference run: check, bench and stress into reports/reference/<kind>; "
+        "other arguments go to pytest",
+    )
+    reference_run.add_arguments(reference)
+    reference.set_defaults(run=reference_run.run)
     report = add("report", "render a run directory's summary.md and plots again from its raw results")
-    report.add_argument("run_dir", metavar="DIR", help="a run directory, e.g. reports/2026-11-30-myhost-h200")
+    report.add_argument("run_dir", metavar="DIR", help="a run directory, e.g. reports/runs/2026-11-30-myhost-h200")
     report.set_defaults(run=_report)
     pooled = add("pool", "write one bench report over the rounds of several runs of one code on one machine")
     pooled.add_argument("out_dir", metavar="OUT_DIR", help="where the pooled run goes (not one of the runs)")
@@ -282,7 +292,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     peer.set_defaults(run=_peer)
     args, extra = parser.parse_known_args(argv)
-    if extra and args.command not in _PYTEST_COMMANDS:
+    if extra and args.command not in (*_PYTEST_COMMANDS, "reference"):
         parser.error(f"unrecognized arguments: {' '.join(extra)}")
     return args.run(args, extra)
 

@@ -6,7 +6,8 @@ Every run gets a directory of its own, `reports/runs/<YYYY-MM-DD>-<host>-<gpus>/
 (`h200`, `2xh200`, or `host` without a GPU), with `-2`, `-3`, ... added
 while that name holds files, so a run never mixes its results with another
 run's nor replaces them. `reports/runs/` is git-ignored: the curated
-reference runs are the directories committed under `reports/` itself. The
+reference runs, one per machine kind, are committed under
+`reports/reference/<kind>/` (`extkv reference` makes them). The
 root is the checkout's `reports/runs/` when extkv runs from a source
 checkout (an editable install), else `./reports/runs` under the current
 directory. A directory the user names (`--report-dir`) must be empty or

@@ -1,0 +1,82 @@
+"""`extkv reference [--stress-minutes M] [--report-dir DIR]`: re-make this
+machine kind's reference run.
+
+Theory of operation
+-------------------
+The reference runs committed under `reports/reference/<kind>/` (`host`,
+`h200`, `2xh200`: the run directories' GPU slug) are what a reader of the
+project compares a machine against: one commit's full check, benchmarks and
+stress run on one machine, in one directory. This command makes one the
+only way it is made: `extkv check`, `extkv bench` and `extkv stress
+--minutes M` run one after another, each as a process of its own (as a user
+runs them), into the same directory with `--overwrite`, so each replaces
+its own files and leaves the others'; then `summary.md` is rendered once
+over all three. Every step runs even when one before failed, so a failing
+check still leaves its benchmarks and stress results to read; the exit
+status is the first non-zero one. Extra arguments go to all three pytest
+runs (narrowing them makes the check say `partial run`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from .machine import machine_facts
+from .rundir import checkout_root, gpu_slug
+from . import render_report
+
+#: Minutes the stress step takes: long enough that every stress test gets
+#: its share of the bound (a 1-minute run leaves 6 of 14 tests short).
+DEFAULT_STRESS_MINUTES = 5.0
+
+
+def reference_directory(facts: dict) -> Path:
+    """`reports/reference/<gpus>` of the checkout (of the current directory
+    for an installed extkv)."""
+    root = checkout_root()
+    return (root if root is not None else Path.cwd()) / "reports" / "reference" / gpu_slug(facts)
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--stress-minutes", type=float, default=DEFAULT_STRESS_MINUTES,
+        help="minutes for the stress step (default %(default)s)",
+    )
+    parser.add_argument(
+        "--report-dir", type=Path, default=None,
+        help="where the reference goes (default: reports/reference/<this machine's GPUs, or host>)",
+    )
+
+
+def steps(report_dir: Path, stress_minutes: float, pytest_args: list[str]) -> list[tuple[str, list[str]]]:
+    """(name, command) of each step, in order."""
+    common = ["--report-dir", str(report_dir), "--overwrite", *pytest_args]
+    extkv = [sys.executable, "-m", "extkv"]
+    return [
+        ("check", [*extkv, "check", *common]),
+        ("bench", [*extkv, "bench", *common]),
+        ("stress", [*extkv, "stress", "--minutes", f"{stress_minutes:g}", *common]),
+    ]
+
+
+def run(args: argparse.Namespace, pytest_args: list[str]) -> int:
+    if not args.stress_minutes > 0:
+        print(f"extkv reference: --stress-minutes must be > 0, got {args.stress_minutes}", file=sys.stderr)
+        return 2
+    report_dir = (args.report_dir or reference_directory(machine_facts())).resolve()
+    report_dir.mkdir(parents=True, exist_ok=True)
+    status, started = 0, time.monotonic()
+    for name, command in steps(report_dir, args.stress_minutes, pytest_args):
+        print(f"extkv reference: {name} -> {report_dir}", flush=True)
+        code = subprocess.call(command)
+        print(f"extkv reference: {name} exited {code}", flush=True)
+        status = status or code
+    summary = render_report(report_dir)
+    held = sum(path.stat().st_size for path in report_dir.rglob("*") if path.is_file())
+    print(f"extkv reference: {summary} ({held / 2**20:.1f} MiB in {report_dir}, "
+          f"{time.monotonic() - started:.0f} s); exit {status}")
+    return status
