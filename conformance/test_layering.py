@@ -42,7 +42,9 @@ LAYERS: list[set[str]] = [
      "extkv.testing.work", "extkv.testing.invariants"},
     {"extkv.testing.facts", "extkv.testing.children"},
     {"extkv.testing.record", "extkv.testing.exclusive"},
-    {"extkv.testing.stateful"},
+    {"extkv.testing.models", "extkv.testing.choices"},
+    {"extkv.testing.modelled_cache"},
+    {"extkv.testing.machines"},
     {"extkv.testing.planted"},
     {"extkv.testing.interrupts"},
     # One line per owner, so that work on checks, benchmarks and stress runs

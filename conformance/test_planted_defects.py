@@ -39,9 +39,11 @@ from extkv.testing.checks import (
     readback_one_chunk_per_segment,
     snapshot,
 )
+from extkv.testing.choices import SeededChoices
 from extkv.testing.configs import fill_segments
 from extkv.testing.interrupts import run_in_child
-from extkv.testing.stateful import LeakFound, ModelledCache, SeededChoices
+from extkv.testing.modelled_cache import ModelledCache
+from extkv.testing.models import LeakFound
 from extkv.testing.stress import StressTally, walk
 from extkv.vmm import PoisoningDriver, driver_for
 from extkv.vmm.base import NO_ACCESS, READ_ONLY, READ_WRITE

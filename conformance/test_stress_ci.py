@@ -24,7 +24,7 @@ from hypothesis import settings
 from hypothesis.stateful import run_state_machine_as_test
 
 from extkv import KVCacheLayout
-from extkv.testing.stateful import CACHE_MACHINE_CASES, endurance_machine
+from extkv.testing.machines import CACHE_MACHINE_CASES, endurance_machine
 from extkv.reporting.stress import stress_section
 from extkv.testing.stress import (
     HOST_STRESS_GRANULE,

@@ -1,4 +1,4 @@
-"""Hypothesis state machines (extkv.testing.stateful) drive a real
+"""Hypothesis state machines (extkv.testing.machines) drive a real
 ExtensibleTensor and a real ExtensibleKVCache beside plain-Python models,
 over poisoned memory, checking every invariant after each step.
 
@@ -13,7 +13,7 @@ import pytest
 import torch
 from hypothesis.stateful import run_state_machine_as_test
 
-from extkv.testing.stateful import CACHE_MACHINE_CASES, TENSOR_MACHINE_SEGMENTS, cache_machine, tensor_machine
+from extkv.testing.machines import CACHE_MACHINE_CASES, TENSOR_MACHINE_SEGMENTS, cache_machine, tensor_machine
 from extkv.vmm import HostDriver, PoisoningDriver, driver_for
 
 POISON = 0xA5

@@ -4,7 +4,7 @@ over poisoned memory, on each case of CACHE_MACHINE_CASES.
 - The seeded walk (extkv.testing.stress.walk) runs hundreds of operations a
   second with the checks each operation could break after every step and
   every invariant every FULL_CHECK_EVERY steps.
-- The Hypothesis state machine (extkv.testing.stateful.endurance_machine)
+- The Hypothesis state machine (extkv.testing.machines.endurance_machine)
   checks every invariant after every step and shrinks a failure to a short
   script; batches of examples run, each with its own seed, until the test's
   share of the time bound is spent. A failure's text carries Hypothesis's
@@ -18,7 +18,7 @@ from hypothesis import HealthCheck, seed, settings
 from hypothesis.reporting import with_reporter
 from hypothesis.stateful import run_state_machine_as_test
 
-from extkv.testing.stateful import CACHE_MACHINE_CASES, endurance_machine
+from extkv.testing.machines import CACHE_MACHINE_CASES, endurance_machine
 from extkv.testing.stress import WALK_EPISODE_OPERATIONS, Floor, run_walk, stress_driver, walked_through, warmed_probe
 
 pytestmark = [pytest.mark.stress, pytest.mark.invariant(1, 3, 4, 5)]

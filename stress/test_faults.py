@@ -16,7 +16,7 @@ import time
 
 import pytest
 
-from extkv.testing.stateful import CACHE_MACHINE_CASES
+from extkv.testing.machines import CACHE_MACHINE_CASES
 from extkv.testing.stress import HOST_STRESS_GRANULE, OPERATIONS, enumerate_faults, warmed_probe
 from extkv.vmm import FAULTABLE_STEPS, HostDriver, driver_for
 

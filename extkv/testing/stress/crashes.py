@@ -27,7 +27,8 @@ from ...connector import SegmentExportConnector, listen_privately
 from ...layout import KVCacheLayout
 from ...peer import import_segments, sha256_hex
 from ..configs import config_for, fill_segments
-from ..stateful import ContentMismatch, LeakFound, capacity_for
+from ..modelled_cache import capacity_for
+from ..models import ContentMismatch, LeakFound
 from .base import CHILD_TIMEOUT_S, stress_driver
 from .child import ChildProcess
 from .reclaim import host_memfds_of, nvml_process_used, nvml_used, processes_reaching, wait_for_gpu_memory

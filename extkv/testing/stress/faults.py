@@ -28,7 +28,9 @@ from ...peer import sha256_hex
 from ...usage import UsageProbe, open_chunk_fds
 from ...vmm import FAULTABLE_STEPS, Driver, FaultInjectingDriver, PoisoningDriver
 from ..checks import check_readback_matches_bookkeeping, readback_one_chunk_per_segment
-from ..stateful import CACHE_MACHINE_CASES, ContentMismatch, LeakFound, capacity_for
+from ..machines import CACHE_MACHINE_CASES
+from ..modelled_cache import capacity_for
+from ..models import ContentMismatch, LeakFound
 from .faultable import OPERATIONS, FaultableOperation, Scene
 from .tally import StressTally
 

@@ -16,7 +16,7 @@ import json
 
 import torch
 
-from ..stateful import CACHE_MACHINE_CASES
+from ..machines import CACHE_MACHINE_CASES
 from .base import CHILD_TIMEOUT_S
 from .child import ChildProcess
 from .reclaim import nvml_used, wait_for_gpu_memory

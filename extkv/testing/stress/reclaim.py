@@ -22,7 +22,7 @@ import time
 import torch
 
 from ... import vmm
-from ..stateful import LeakFound
+from ..models import LeakFound
 
 
 def host_memfds_of(pid: int) -> dict[tuple[int, int], int]:

@@ -18,7 +18,7 @@ from __future__ import annotations
 import collections
 from dataclasses import dataclass, field
 
-from ..stateful import ContentMismatch, LeakFound
+from ..models import ContentMismatch, LeakFound
 
 
 @dataclass

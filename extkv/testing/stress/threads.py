@@ -26,7 +26,8 @@ from ...cache import ExtensibleKVCache
 from ...layout import KVCacheLayout
 from ..checks import check_readback_matches_bookkeeping
 from ..configs import config_for
-from ..stateful import ContentMismatch, LeakFound, capacity_for
+from ..modelled_cache import capacity_for
+from ..models import ContentMismatch, LeakFound
 from .base import stress_driver, warmed_probe
 from .bounds import Floor
 from .tally import StressTally

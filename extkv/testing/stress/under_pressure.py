@@ -38,7 +38,7 @@ from ...vmm.wrapping import WrappingDriver
 from .. import exclusive
 from ..checks import check_readback_matches_bookkeeping, check_unchanged, snapshot
 from ..configs import config_for
-from ..stateful import ContentMismatch
+from ..models import ContentMismatch
 from .base import warmed_probe
 from .bounds import Floor
 from .pressure import PressureProcess, host_pressure_bound

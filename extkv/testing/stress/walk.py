@@ -3,7 +3,7 @@
 Theory of operation
 -------------------
 `walk` drives a `ModelledCache`, the cache beside its plain-Python model
-(extkv.testing.stateful), through random operations picked by
+(extkv.testing.modelled_cache), through random operations picked by
 WALK_WEIGHTS. Hypothesis's per-step cost caps a state machine at tens of
 steps a second; the walk runs the same operations at hundreds. Each step
 runs the checks its operation alone could break (counts, sizes, the bytes
@@ -33,7 +33,9 @@ from ...errors import OutOfMemoryError
 from ...layout import KVCacheLayout
 from ...usage import UsageProbe
 from ...vmm import Driver
-from ..stateful import LeakFound, ModelledCache, SeededChoices
+from ..choices import SeededChoices
+from ..modelled_cache import ModelledCache
+from ..models import LeakFound
 from .base import CHILD_TIMEOUT_S, stress_driver, warmed_probe
 from .bounds import Floor
 from .tally import StressTally

@@ -23,7 +23,8 @@ from ... import vmm
 from ...layout import KVCacheLayout
 from ...usage import UsageProbe
 from ..checks import register_workload_warm_up
-from ..stateful import ModelledCache, SeededChoices
+from ..choices import SeededChoices
+from ..modelled_cache import ModelledCache
 from .base import stress_driver
 from .tally import StressTally
 from .threads import row_states, write_thread_patterns
