@@ -11,7 +11,9 @@ and leaves one chunk per segment; the torch baselines zero, copy and keep
 what they say. Then the engine: contenders interleave in rotated order, and
 one that cannot run or fails is recorded with the reason. Then the report's
 arithmetic: ratios (also across processes, through pivots) and verdicts.
-Finally pytest-benchmark really records the rounds the engine measured.
+Finally pytest-benchmark really records the rounds the engine measured,
+and `extkv bench` saves them in its storage, where its compare sets two
+runs side by side and its regression gate fails a run.
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ import gc
 import json
 import os
 import subprocess
+import sys
 import textwrap
 import time
 from collections import Counter
@@ -906,6 +909,59 @@ def test_pytest_benchmark_records_the_measured_rounds(tmp_path):
 def test_recording_without_the_playback_clock_is_refused(tmp_path):
     finished = run_pytest_benchmark(tmp_path)
     assert finished.returncode != 0 and "playback clock" in finished.stdout, finished.stdout
+
+
+# -- run against run: pytest-benchmark's storage, compare and gate -------------------------------
+def extkv_bench_quick(tmp_path: Path, run: str, *arguments: str) -> subprocess.CompletedProcess:
+    """`extkv bench --quick` on the host driver into tmp_path/RUN, saving into
+    tmp_path/storage: its recycled cases only (a fresh case starts a process
+    of its own), which are sixty benchmarks."""
+    # Not distributed (pytest-benchmark disables itself under xdist), and on
+    # the host driver whatever GPUs the machine has.
+    environment = {name: value for name, value in os.environ.items() if not name.startswith("PYTEST_XDIST")}
+    environment["CUDA_VISIBLE_DEVICES"] = ""
+    argv = ["bench", "--quick", "--report-dir", str(tmp_path / run), "--benchmark-storage", str(tmp_path / "storage"),
+            "-k", "recycled", *arguments]
+    return python_c(f"import sys; from extkv.cli import main; sys.exit(main({argv!r}))", tmp_path / run, environment)
+
+
+def pytest_benchmark_cli(tmp_path: Path, *arguments: str) -> str:
+    """`pytest-benchmark --storage tmp_path/storage ARGUMENTS...`: what it printed."""
+    code = ("import sys; from pytest_benchmark.cli import main; "
+            f"sys.argv = ['pytest-benchmark', '--storage', {str(tmp_path / 'storage')!r}, *{list(arguments)!r}]; main()")
+    # In tmp_path: the command imports a conftest.py of its working directory.
+    finished = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, capture_output=True, text=True, timeout=120)
+    assert finished.returncode == 0, finished.stdout + finished.stderr
+    return finished.stdout
+
+
+def test_runs_share_a_storage_that_compare_sets_side_by_side_and_a_gate_fails_a_run(tmp_path):
+    first = extkv_bench_quick(tmp_path, "a")
+    assert first.returncode == 0, first.stdout[-4000:] + first.stderr[-4000:]
+    # 0%: no benchmark may read any slower, nor spread any wider, than in the
+    # run before; of sixty benchmarks of two noisy rounds, some always do.
+    second = extkv_bench_quick(tmp_path, "b", "--benchmark-compare", "--benchmark-compare-fail", "min:0%", "stddev:0%")
+    said = second.stdout + second.stderr
+    assert second.returncode != 0 and "Performance has regressed" in said, said[-4000:]
+    assert (tmp_path / "b" / "summary.md").is_file(), "a run the gate fails is still reported"
+
+    saved = sorted((tmp_path / "storage").glob("*/*.json"))
+    assert [path.name for path in saved] == ["0001_a.json", "0002_b.json"], f"the gated run is saved all the same: {saved}"
+    names = []
+    for run, path in zip("ab", saved):
+        stored = {bench["name"]: bench["stats"]["data"] for bench in json.loads(path.read_text())["benchmarks"]}
+        cases = json.loads((tmp_path / run / CASES_FILE).read_text())["cases"]
+        measured = {f"test_bench[{case['case']}-{name}]": result["wall"] for case in cases
+                    for name, result in case["results"].items() if result["status"] == "measured"}
+        assert stored == measured, f"{path.name} does not hold the rounds the engine measured in {run}"
+        names.append(sorted(stored))
+    assert names[0] == names[1] and len(names[0]) >= 40, names
+
+    listed = pytest_benchmark_cli(tmp_path, "list")
+    assert [Path(line).name for line in listed.split()] == ["0001_a.json", "0002_b.json"], listed
+    compared = pytest_benchmark_cli(tmp_path, "compare", "--group-by=name", "--columns=min")
+    for name in names[0]:
+        assert f"{name} (0001_a)" in compared and f"{name} (0002_b)" in compared, f"{name} not compared:\n{compared}"
 
 
 def test_engine_measures_fresh_cases_in_a_new_process_and_records_every_case(tmp_path):

@@ -8,6 +8,11 @@ gpu where a CUDA GPU is usable, else host), `--extkv-bench-device`,
 Every test that takes `bench_case` runs once per (case, contender) of the
 profile's catalogue. One session-scoped engine measures each case once and
 writes bench_cases.json when the session ends.
+
+The machine_info pytest-benchmark saves leaves out the CPU's clock of the
+moment: it is no fact of the machine, and a compared run whose machine_info
+differs makes pytest-benchmark warn of another machine (and stop, where the
+storage lies outside pytest's working directory: extkv.benchmarking.run).
 """
 
 from __future__ import annotations
@@ -24,6 +29,15 @@ from extkv.benchmarking.engine import Engine
 
 def pytest_configure(config):
     harness.activate(config)
+
+
+#: Fields of py-cpuinfo's answer that read the current clock, which frequency scaling moves run to run.
+MOMENTARY_CPU_FIELDS = ("hz_actual", "hz_actual_friendly")
+
+
+def pytest_benchmark_update_machine_info(config, machine_info):
+    for name in MOMENTARY_CPU_FIELDS:
+        machine_info.get("cpu", {}).pop(name, None)
 
 
 def pytest_addoption(parser):

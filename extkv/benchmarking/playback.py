@@ -10,6 +10,13 @@ contender) whose `stats.data` are the interleaved wall times, with the
 case, the CPU times and any pivot in `extra_info`. `record` checks that the
 timer really was the playback clock: pytest-benchmark timing the playback
 itself would record nothing the engine measured.
+
+The same benchmarks, rounds included, are what `extkv bench` saves in
+pytest-benchmark's storage (extkv.benchmarking.run), so that its `compare`
+and `--benchmark-compare-fail` set run against run the very rounds the
+report reads. pytest-benchmark cannot measure them itself: it runs one
+benchmark's rounds back to back, and a case's contenders must interleave
+round by round in one process (extkv.benchmarking.rounds).
 """
 
 from __future__ import annotations

@@ -12,7 +12,8 @@ Two phases, each announced by a progress line and timed:
    profile (tiny sizes, two rounds) for CI. The engine
    (extkv.benchmarking.engine) prints a line per case; pytest-benchmark
    writes `<run>/bench.json` with extkv's playback clock as its timer, and
-   the engine `<run>/bench_cases.json`.
+   saves the run in its storage (below); the engine writes
+   `<run>/bench_cases.json`.
 2. The report: `render_report(<run>)` writes `summary.md` with the bench
    section (extkv.benchmarking.report) and its plots; the machine's facts come
    from `machine.json`, written before phase 1. With `--quick` the run fails
@@ -23,6 +24,45 @@ The run directory is a new `reports/runs/<date>-<host>-<gpus>/` (extkv.reporting
 unless `--report-dir` names one. `--rounds N` caps the rounds of every case.
 Other arguments go to pytest (`extkv bench -k commit`). Device settings
 (clocks) are never changed: the report says they were not pinned.
+
+Run against run: pytest-benchmark's storage and compare
+--------------------------------------------------------
+Comparing runs is pytest-benchmark's job, and it does it. Every run is
+saved in its storage, rounds included (`--benchmark-save-data`), under the
+run directory's name: by default in `reports/runs/.benchmarks/<profile>/`
+whatever `--report-dir` says, so that runs written anywhere join one
+history; else in the directory `--benchmark-storage` names. One storage per
+profile, because `--benchmark-compare` without a number compares with the
+latest run saved, and a run of another profile measures other cases. What
+it stores is what the engine measured (extkv.benchmarking.playback), so its
+figures are the report's.
+
+`pytest-benchmark --storage DIR list` lists the saved runs and `compare`
+sets them side by side, benchmark by benchmark (one per case and
+contender; `--group-by=name` puts each one's runs together, and recent
+releases' `--between=min` gives a column per run). `--benchmark-compare
+--benchmark-compare-fail=min:10%`, handed to pytest like any argument
+`extkv bench` does not know, fails the run where a benchmark's least round
+is over 10% slower than in the latest run saved: a nightly gate. The run is
+saved all the same, so the next night compares with it; on a storage with
+no run yet, pytest-benchmark stops with a usage error. The gate compares
+absolute times, so a slower driver or machine trips it as a slower extkv
+does. Keep a storage under the directory pytest runs in (the checkout; the
+current directory for an installed extkv): where a compared run's
+machine_info differs, pytest-benchmark names the storage relative to that
+directory in its warning, and stops with a ValueError where it cannot.
+
+What extkv's own code still does, because pytest-benchmark cannot: it runs
+one benchmark's rounds back to back, test after test, while a verdict needs
+a case's contenders interleaved round by round in one process in a Williams
+order (extkv.benchmarking.rounds), so that drift and the driver state a
+round leaves behind weigh on every contender alike; so the engine measures
+and pytest-benchmark only records. A verdict is a ratio inside one run
+(extkv against the raw sequence, through pivots for peers in processes of
+their own), which no benchmark compared with itself across runs gives; and
+compare sets runs side by side, but never joins their rounds into one run
+whose verdicts read them all, which `extkv pool` does
+(extkv.benchmarking.pool).
 """
 
 from __future__ import annotations
@@ -37,7 +77,14 @@ from .. import vmm
 from ..reporting import render_report
 from ..reporting.check_run import add_report_dir_argument, installed_suite_options
 from ..reporting.machine import machine_facts, write_machine_facts
-from ..reporting.rundir import RunDirectoryInUse, checkout_root, prepare_run_directory, suite_directory
+from ..reporting.rundir import (
+    RunDirectoryInUse,
+    checkout_root,
+    prepare_run_directory,
+    reports_root,
+    slug,
+    suite_directory,
+)
 from .playback import BENCH_JSON, PLAYBACK_TIMER
 
 #: Files of an earlier bench that --overwrite removes from --report-dir.
@@ -46,15 +93,34 @@ BENCH_FILES = ("bench*.json", "bench*.png", "bench.log", "summary.md")
 #: The heading bench_section writes; --quick checks the summary has it.
 BENCH_HEADING = "## Benchmarks"
 
+#: pytest-benchmark's storage, under reports/runs/ unless --benchmark-storage names one.
+STORAGE_DIRECTORY = ".benchmarks"
+
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """Options of `extkv bench`; other arguments go to pytest."""
     parser.add_argument("--quick", action="store_true", help="smoke run: tiny sizes, two rounds; fails unless the report renders")
     add_report_dir_argument(parser)
     parser.add_argument("--rounds", type=int, default=None, metavar="N", help="at most N rounds per case (default: the profile's)")
+    parser.add_argument(
+        "--benchmark-storage", metavar="DIR", default=None,
+        help="pytest-benchmark's storage that every run is saved in, for `pytest-benchmark --storage DIR compare` "
+        "and --benchmark-compare (default: reports/runs/.benchmarks/<profile>)",
+    )
 
 
-def pytest_command(suite: Path, run_dir: Path, profile: str, device: str, rounds: int | None) -> list[str]:
+def benchmark_storage(chosen: str | None, profile: str) -> str:
+    """Where pytest-benchmark saves the run: `chosen` (a directory, or a
+    pytest-benchmark storage URI), else reports/runs/.benchmarks/<profile>."""
+    if chosen is None:
+        return str(reports_root().resolve() / STORAGE_DIRECTORY / profile)
+    if "://" in chosen:
+        return chosen
+    # Absolute: pytest runs in the checkout, not where the user typed it.
+    return str(Path(chosen).absolute())
+
+
+def pytest_command(suite: Path, run_dir: Path, profile: str, device: str, rounds: int | None, storage: str) -> list[str]:
     """The pytest command of the measuring phase."""
     command = [sys.executable, "-m", "pytest", str(suite), "-q", "-s", "-o", "python_files=bench_*.py"]
     command += installed_suite_options(suite)
@@ -62,6 +128,10 @@ def pytest_command(suite: Path, run_dir: Path, profile: str, device: str, rounds
         f"--benchmark-json={run_dir / BENCH_JSON}",
         f"--benchmark-timer={PLAYBACK_TIMER}",
         "--benchmark-quiet",  # the report is the table; one line per case is the progress
+        f"--benchmark-storage={storage}",
+        # Named after the run directory, so that a saved run leads to its report.
+        f"--benchmark-save={slug(run_dir.name) or 'run'}",
+        "--benchmark-save-data",
         f"--extkv-bench-profile={profile}",
         f"--extkv-bench-device={device}",
         f"--extkv-bench-dir={run_dir}",
@@ -94,11 +164,13 @@ def run(args: argparse.Namespace, pytest_args: list[str]) -> int:
     where = f"cuda:0 ({facts['gpus'][0]['label']})" if gpu else f"the host driver ({facts['no_gpu_reason']})"
     print(f"extkv bench: profile {profile} on {where}; results in {run_dir}", flush=True)
 
-    command = pytest_command(suite_directory("reports"), run_dir, profile, device, args.rounds) + pytest_args
+    storage = benchmark_storage(args.benchmark_storage, profile)
+    command = pytest_command(suite_directory("reports"), run_dir, profile, device, args.rounds, storage) + pytest_args
     started = _phase(1, "measuring (a line per case)", command)
     status = subprocess.call(command, cwd=checkout_root() or Path.cwd())
     print(f"extkv bench [1/2] {'done' if status == 0 else f'FAILED (exit status {status})'} "
-          f"in {time.monotonic() - started:.0f} s", flush=True)
+          f"in {time.monotonic() - started:.0f} s; pytest-benchmark's storage {storage} "
+          f"(`pytest-benchmark --storage {storage} compare` sets its runs side by side)", flush=True)
 
     started = _phase(2, "report")
     try:
