@@ -303,3 +303,22 @@ def test_reference_runs_check_bench_and_stress_into_one_directory(tmp_path, caps
     assert not any(tmp_path.iterdir()), "a refused reference wrote files"
     facts = {"gpus": [{"name": "NVIDIA H200"}]}
     assert reference_run.reference_directory(facts).parts[-3:] == ("reports", "reference", "h200")
+
+
+@pytest.mark.parametrize("drop", ["device_description", "cases", "elapsed_seconds"])
+def test_report_and_pool_of_results_missing_a_field_say_which_in_one_line(tmp_path, capsys, drop):
+    """Valid JSON of the wrong shape (a field the report reads is missing)
+    is one line naming the run and the field, exit status 2, for
+    `extkv report` and `extkv pool` alike."""
+    a, b = bench_run(tmp_path / "a"), bench_run(tmp_path / "b")
+    for run in (a, b):
+        facts = json.loads((run / "bench_cases.json").read_text())
+        del facts[drop]
+        (run / "bench_cases.json").write_text(json.dumps(facts))
+    assert cli.main(["report", str(a)]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"extkv report: {a}: bench results not as extkv writes them (no field '{drop}')"), err
+    assert err.count("\n") == 1 and "Traceback" not in err, err
+    assert cli.main(["pool", str(tmp_path / "out"), str(a), str(b)]) == 2
+    err = capsys.readouterr().err
+    assert "bench results not as extkv writes them (no field" in err and err.count("\n") == 1, err

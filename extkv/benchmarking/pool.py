@@ -40,7 +40,7 @@ from pathlib import Path
 from typing import Sequence
 
 from ..reporting.machine import MACHINE_FILE, read_machine_facts
-from ..reporting.rundir import read_json_object, write_text
+from ..reporting.rundir import read_json_object, results_as_written, write_text
 from .engine import CASES_FILE
 from .playback import BENCH_JSON
 
@@ -73,7 +73,10 @@ def pool(run_dirs: Sequence[Path], out_dir: Path) -> Path:
                     f"{run_dir} is {earlier} again: a run pooled with itself would count each of its rounds "
                     "twice; name each run directory once"
                 )
-    runs = [_read(run_dir) for run_dir in run_dirs]
+    runs = []
+    for run_dir in run_dirs:
+        with results_as_written(run_dir, "bench results"):
+            runs.append(_read(run_dir))
     first_facts = runs[0][0]
     for run_dir, (facts, _) in zip(run_dirs[1:], runs[1:]):
         for key in SAME_IN_EVERY_RUN:
@@ -81,8 +84,9 @@ def pool(run_dirs: Sequence[Path], out_dir: Path) -> Path:
                 raise ValueError(
                     f"{run_dir} ran on another {key} than {run_dirs[0]}: {facts.get(key)!r}, not {first_facts.get(key)!r}"
                 )
-    facts = _pooled_facts(run_dirs, runs)
-    benchmarks = _pooled_benchmarks(run_dirs, [benchmarks for _, benchmarks in runs])
+    with results_as_written(f"the runs {', '.join(map(str, run_dirs))}", "bench results"):
+        facts = _pooled_facts(run_dirs, runs)
+        benchmarks = _pooled_benchmarks(run_dirs, [benchmarks for _, benchmarks in runs])
     machine = read_machine_facts(run_dirs[0])
     out_dir.mkdir(parents=True, exist_ok=True)
     # Written anew (write_text), never through an entry already at a name

@@ -22,7 +22,7 @@ from pathlib import Path
 from ..testing.timeline import TIMELINE_GLOB, Timeline
 from .machine import machine_section, read_machine_facts
 from .plots import matplotlib_missing, plot_timeline
-from .rundir import write_text
+from .rundir import results_as_written, write_text
 from .stress import stress_section
 from .summary import check_section, load_check
 
@@ -34,25 +34,30 @@ def render_report(run_dir: Path) -> Path:
     run_dir = Path(run_dir)
     if not run_dir.is_dir():
         raise FileNotFoundError(f"{run_dir}: no such run directory")
-    check = load_check(run_dir)
-    facts = check["machine"] if check is not None else read_machine_facts(run_dir)
-    sections = [f"# extkv report: {run_dir.name}\n"]
-    if facts is not None:
-        sections.append(machine_section(facts, check["worker_gpus"] if check is not None else None))
-    if check is not None:
-        timelines = [(Timeline.load(path), path) for path in sorted(run_dir.glob(TIMELINE_GLOB))]
-        plots_skipped = matplotlib_missing() if timelines else None
-        drawn = [
-            (timeline, None if plots_skipped else plot_timeline(timeline, path.with_suffix(".png")).name)
-            for timeline, path in timelines
-        ]
-        sections.append(check_section(check, drawn, plots_skipped))
+    with results_as_written(run_dir, "check results and machine facts"):
+        check = load_check(run_dir)
+        facts = check["machine"] if check is not None else read_machine_facts(run_dir)
+        sections = [f"# extkv report: {run_dir.name}\n"]
+        if facts is not None:
+            sections.append(machine_section(facts, check["worker_gpus"] if check is not None else None))
+        if check is not None:
+            timelines = [(Timeline.load(path), path) for path in sorted(run_dir.glob(TIMELINE_GLOB))]
+            plots_skipped = matplotlib_missing() if timelines else None
+            drawn = [
+                (timeline, None if plots_skipped else plot_timeline(timeline, path.with_suffix(".png")).name)
+                for timeline, path in timelines
+            ]
+            sections.append(check_section(check, drawn, plots_skipped))
     # Imported here: the bench section (extkv.benchmarking.report) reads its
     # files through this package's rundir, so importing it while this
     # package loads would load the two packages in a circle.
     from ..benchmarking.report import bench_section
 
-    found = [section for section in (bench_section(run_dir), stress_section(run_dir)) if section is not None]
+    with results_as_written(run_dir, "bench results"):
+        bench = bench_section(run_dir)
+    with results_as_written(run_dir, "stress results"):
+        stress = stress_section(run_dir)
+    found = [section for section in (bench, stress) if section is not None]
     if check is None and not found:
         raise ValueError(
             f"{run_dir}: no results to report: expected check.json (extkv check), or bench or stress results"

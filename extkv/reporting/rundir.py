@@ -27,6 +27,7 @@ that name with a new file rather than writing through what is there.
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import importlib.util
 import json
@@ -36,7 +37,7 @@ import shutil
 import stat
 from collections import Counter
 from pathlib import Path
-from typing import BinaryIO, Callable
+from typing import BinaryIO, Callable, Iterator
 
 #: Suite directory in a checkout -> the package it is installed as.
 SUITE_PACKAGES = {"conformance": "extkv_conformance", "reports": "extkv_benchmarks", "stress": "extkv_stress"}
@@ -73,6 +74,19 @@ def read_json(path: Path) -> object:
     # RecursionError: arrays or objects nested past the parser's depth.
     except (ValueError, RecursionError) as error:
         raise ValueError(f"{path}: not JSON ({error})") from None
+
+
+@contextlib.contextmanager
+def results_as_written(where: Path | str, what: str) -> Iterator[None]:
+    """Turn the errors a results file of the wrong shape raises in the code
+    that reads it (a missing field, a list where a number was written) into
+    one ValueError naming `where` and `what` was read: a run directory may
+    come from anyone, and a KeyError from deep in a renderer names neither."""
+    try:
+        yield
+    except (KeyError, TypeError, IndexError, AttributeError) as error:
+        detail = f"no field {error}" if isinstance(error, KeyError) else f"{type(error).__name__}: {error}"
+        raise ValueError(f"{where}: {what} not as extkv writes them ({detail})") from None
 
 
 def read_json_object(path: Path) -> dict:
