@@ -283,7 +283,7 @@ def test_pool_into_a_directory_whose_own_files_cannot_be_read_says_which(tmp_pat
     os.mkfifo(out / "check-fifo.json")
     assert cli.main(["pool", str(out), *runs]) == 2
     err = capsys.readouterr().err
-    assert err == f"extkv pool: {out / 'check-fifo.json'}: not a regular file\n", err
+    assert err == f"extkv pool: {out / 'check-fifo.json'}: not a regular file, expected a results file\n", err
 
 
 def test_reference_runs_check_bench_and_stress_into_one_directory(tmp_path, capsys):

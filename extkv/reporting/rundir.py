@@ -34,10 +34,11 @@ import json
 import os
 import re
 import shutil
-import stat
 from collections import Counter
 from pathlib import Path
 from typing import BinaryIO, Callable, Iterator
+
+from ..files import read_regular_file
 
 #: Suite directory in a checkout -> the package it is installed as.
 SUITE_PACKAGES = {"conformance": "extkv_conformance", "reports": "extkv_benchmarks", "stress": "extkv_stress"}
@@ -56,18 +57,7 @@ def read_json(path: Path) -> object:
     read, never through a symlink, and at most MOST_RESULT_BYTES of it: a
     FIFO named like a results file would block the read, a link to
     /dev/zero never end it."""
-    path = Path(path)
-    try:
-        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
-    except OSError as error:
-        raise ValueError(f"{path}: cannot be read as a results file ({error.strerror})") from None
-    with os.fdopen(fd, "rb") as file:
-        status = os.fstat(file.fileno())
-        if not stat.S_ISREG(status.st_mode):
-            raise ValueError(f"{path}: not a regular file")
-        if status.st_size > MOST_RESULT_BYTES:
-            raise ValueError(f"{path}: {status.st_size} bytes, more than a results file has ({MOST_RESULT_BYTES})")
-        data = file.read(MOST_RESULT_BYTES + 1)
+    data = read_regular_file(Path(path), MOST_RESULT_BYTES, "a results file")
     try:
         return json.loads(data)
     # ValueError: also an integer of more digits than Python converts;

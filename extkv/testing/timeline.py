@@ -32,10 +32,8 @@ from __future__ import annotations
 
 import json
 import math
-import os
 import re
 import reprlib
-import stat
 import threading
 import time
 from dataclasses import asdict, dataclass, field
@@ -45,6 +43,7 @@ import torch
 
 from .. import vmm
 from ..cache import ExtensibleKVCache
+from ..files import read_regular_file
 from ..layout import FullAttentionSpec, KVCacheGroupSpec, KVCacheLayout, build_kv_cache_config
 from ..usage import UsageProbe
 
@@ -130,7 +129,7 @@ class Timeline:
         """Read a file `write` wrote; ValueError naming the file and what
         it lacks otherwise."""
         path = Path(path)
-        data = _read_timeline_file(path)
+        data = read_regular_file(path, MOST_TIMELINE_BYTES, "a memory timeline")
         try:
             document = json.loads(data)
         except (ValueError, RecursionError) as error:  # nested past the parser's depth: RecursionError
@@ -170,28 +169,6 @@ class Timeline:
             samples=[(float(seconds), int(used)) for seconds, used in samples],
             marks=marks,
         )
-
-
-def _read_timeline_file(path: Path) -> bytes:
-    """The bytes of the timeline file `path`. A report directory may come
-    from anyone, so only a regular file is read, never through a symlink,
-    and at most MOST_TIMELINE_BYTES: a FIFO named like a timeline would
-    block the read, a link to /dev/zero never end it. ValueError naming
-    the file otherwise."""
-    try:
-        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
-    except OSError as error:
-        raise ValueError(f"{path}: cannot be read as a memory timeline ({error.strerror})") from None
-    with os.fdopen(fd, "rb") as file:
-        status = os.fstat(file.fileno())
-        if not stat.S_ISREG(status.st_mode):
-            raise ValueError(f"{path}: not a regular file, expected a memory timeline")
-        if status.st_size > MOST_TIMELINE_BYTES:
-            raise ValueError(
-                f"{path}: {status.st_size} bytes, more than a memory timeline holds ({MOST_TIMELINE_BYTES})"
-            )
-        # Bounded even if the file grows after the fstat.
-        return file.read(MOST_TIMELINE_BYTES + 1)
 
 
 def _is_seconds(value: object) -> bool:
