@@ -60,6 +60,7 @@ from .sizing import (
     torch_memory_limit_bytes,
     weight_update_peak_bytes,
 )
+from .sleep import SleepController
 from .tensor import ExtensibleTensor, MappedChunk
 from .usage import UsageProbe
 from .vmm import Driver, FaultInjectingDriver, HostDriver, device_memory_info, driver_for
@@ -125,6 +126,7 @@ __all__ = [
     "segment_physical_bytes",
     "SegmentExportConnector",
     "SegmentNotContiguousError",
+    "SleepController",
     "StateError",
     "torch_memory_limit_bytes",
     "UsageProbe",

@@ -1,0 +1,416 @@
+"""SleepController: the sleep and wake words engines use, over extkv caches.
+
+Theory of operation
+-------------------
+Engines put their GPU memory to sleep in one of two vocabularies. vLLM's
+`LLM.sleep(level=1|2)` / `wake_up(tags=[...])` works on tagged allocations
+of its `CuMemAllocator` (tags "weights" and "kv_cache"); torch_memory_saver's
+`pause(tag)` / `resume(tag)` works on what was allocated inside
+`region(tag=...)`. Both keep virtual addresses and drop physical memory,
+which is what `ExtensibleKVCache.release_physical()` / `recommit()` do. A
+`SleepController` speaks both vocabularies over any set of extkv objects,
+each registered under a tag (`register(target, tag="kv_cache",
+offload=False)`): an `ExtensibleKVCache`, or a plain `ExtensibleTensor`
+(weights or any other buffer kept in an extkv reservation).
+
+The mapping, word by word:
+
+- vLLM `sleep(level=1)`: vLLM copies the "weights" tag to pinned CPU memory,
+  then unmaps and releases every allocation; the KV cache's contents are
+  forgotten. Here: every tag's memory is released; registrations made with
+  `offload=True` are first copied to host memory and come back byte for
+  byte on wake, the others (a KV cache, by default) wake zeroed. vLLM picks
+  the kept tag by its name, "weights"; extkv cannot know what a tag holds,
+  so a registration says it itself: register weights with `offload=True`.
+- vLLM `sleep(level=2)`: everything is discarded, "weights" too. Here: every
+  tag is released with no copy, `offload=True` or not, and wakes zeroed.
+- vLLM `sleep(level=0)` (pause the scheduler only) is the engine's, not
+  memory's, and is refused here, as is any level but 1 and 2 (vLLM takes 3
+  as 2 without a word).
+- vLLM `wake_up(tags=None)`: remaps every sleeping tag, copies kept contents
+  back. `wake_up(tags=["kv_cache"])` wakes only the tags named, so weights
+  can be reloaded before the KV cache takes its memory back; `is_sleeping`
+  stays true until every tag is awake. Same here. vLLM's woken, discarded
+  memory is fresh driver memory with no promise on what it reads; here it
+  reads zero (invariant 4).
+- vLLM `sleep(tags=[...])` (discard the named tags) is `pause(tag)` here,
+  one tag at a time, which keeps `offload=True` contents.
+- torch_memory_saver `region(tag=..., enable_cpu_backup=...)`: the tag and
+  its CPU backup are decided when the memory is made. Here:
+  `register(target, tag=..., offload=...)`.
+- torch_memory_saver `pause(tag=None)` / `resume(tag=None)`: release and
+  remap one tag, or every tag when None, backing up and restoring contents
+  where `enable_cpu_backup` says so. Same here, with `offload`.
+
+Where the two disagree, each word keeps its own engine's meaning, so code
+moved from either engine behaves as it did. vLLM makes sleeping a sleeping
+tag and waking an awake one a no-op (with a warning: "already sleeping",
+"not sleeping"); torch_memory_saver refuses to pause a paused allocation or
+resume an active one (it exits the process). Here `sleep` / `wake_up` skip
+such tags, and `pause` / `resume` raise `StateError`, changing nothing. A
+tag nobody registered is a `ValueError` for every word (torch_memory_saver
+silently matches nothing; vLLM warns and does nothing): a misspelt tag left
+asleep is a bug found late. `_TRANSITIONS` is that table, the one place
+that decides what each word does in each state.
+
+What level 1 needs that extkv does not keep, and what is provided: vLLM's
+level 1 keeps a CPU copy; extkv's release drops the pages and keeps no
+copy, so a recommit is fresh zeroed memory. `offload=True` provides the
+copy: at `sleep(level=1)` and at `pause`, before anything is released,
+every committed byte of each segment of the registration is copied to host
+memory (page-locked where the bytes live on a device, so the copies run at
+transfer speed); at wake the pages are recommitted, zeroed as always, and
+the copy is written back, then dropped. Its cost is host memory equal to
+the committed bytes while asleep, one copy each way, and the zeroing the
+copy then overwrites. Mapped bytes past the committed ones (a granule's
+tail) are not contents and wake zeroed.
+
+States, per tag: awake, asleep (every registration's memory released), or
+partly asleep, which only an operation that failed part way leaves (a
+driver error releasing the third of five caches, a recommit out of
+memory). Each registration records whether it sleeps; what already moved
+stays moved, and calling the same word again completes it, so does the
+opposite word: a partly asleep tag goes either way. A copy is taken for
+every registration before the first release, so host memory running out
+changes nothing.
+
+Checks before change: every argument (a level, a tag, a tag list, an
+object) is checked, and every registration the call moves must be live (a
+freed, broken or fork-inherited cache refuses everything), before the
+first copy or release; a refused call leaves every tag and object as it
+was. Threads: one re-entrant lock per controller serializes its
+operations, and each holds the locks of the registrations it moves
+(taken in address order, so two controllers sharing a cache cannot
+deadlock), so no commit of a scheduler thread lands between a copy and the
+release it precedes. While a tag sleeps its objects are the controller's:
+committing to or freeing one of them then is a bug in the caller, as using
+a view during a release is. Signal handlers wait for the operation to end
+(extkv.deferred_signals).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import enum
+import logging
+import threading
+
+import torch
+
+from . import validate
+from .cache import ExtensibleKVCache
+from .deferred_signals import deferred_signals
+from .errors import StateError
+from .tensor import ExtensibleTensor
+
+logger = logging.getLogger(__name__)
+_DEFERRED_SIGNALS = deferred_signals()
+
+DEFAULT_TAG = "kv_cache"
+
+
+class TagState(str, enum.Enum):
+    """Where a tag stands; a str, so `state == "asleep"` reads as it says."""
+
+    AWAKE = "awake"
+    ASLEEP = "asleep"
+    #: Left by an operation that failed part way; either direction completes it.
+    PARTLY_ASLEEP = "partly asleep"
+
+
+class _Move(enum.Enum):
+    SLEEP = "sleep"
+    WAKE = "wake"
+    NO_OP = "no-op"
+    REFUSED = "refused"
+
+
+_AWAKE, _ASLEEP, _PARTLY = TagState.AWAKE, TagState.ASLEEP, TagState.PARTLY_ASLEEP
+#: What each word does to a tag in each state (see the module's theory).
+_TRANSITIONS: dict[str, dict[TagState, _Move]] = {
+    # vLLM: sleeping a sleeping tag, or waking an awake one, is a no-op.
+    "sleep": {_AWAKE: _Move.SLEEP, _ASLEEP: _Move.NO_OP, _PARTLY: _Move.SLEEP},
+    "wake_up": {_AWAKE: _Move.NO_OP, _ASLEEP: _Move.WAKE, _PARTLY: _Move.WAKE},
+    # torch_memory_saver: pausing a paused tag, or resuming an active one, is an error.
+    "pause": {_AWAKE: _Move.SLEEP, _ASLEEP: _Move.REFUSED, _PARTLY: _Move.SLEEP},
+    "resume": {_AWAKE: _Move.REFUSED, _ASLEEP: _Move.WAKE, _PARTLY: _Move.WAKE},
+}
+#: Whether a sleeping word keeps the contents of `offload=True` registrations:
+#: vLLM's level 1 keeps its offloaded tag and level 2 keeps nothing;
+#: torch_memory_saver's pause keeps every CPU-backed region.
+_KEEPS_OFFLOADED = {("sleep", 1): True, ("sleep", 2): False, ("pause", None): True}
+_LEVEL_WANTED = "1 or 2: vLLM's sleep levels; level 0, pausing the scheduler, is the engine's"
+
+
+def _describe(value: object) -> str:
+    """`value` for an error message. A tensor is described, never printed:
+    its repr reads every element, and a view cut from a reservation may
+    reach unmapped memory, which kills the process."""
+    if isinstance(value, torch.Tensor):
+        return f"a torch.Tensor of shape {tuple(value.shape)}, {value.dtype}, on {value.device}"
+    text = repr(value)
+    return text if len(text) <= 200 else text[:197] + "..."
+
+
+class _Registration:
+    """One registered object and what sleeping took from it."""
+
+    def __init__(self, target: ExtensibleKVCache | ExtensibleTensor, tag: str, offload: bool):
+        self.target = target
+        self.tag = tag
+        self.offload = offload
+        self.buffer: ExtensibleTensor = target.buffer if isinstance(target, ExtensibleKVCache) else target
+        #: Set just before its release and cleared once its wake is whole, so
+        #: a failure in between leaves it asleep, for either word to complete.
+        self.asleep = False
+        #: A plain tensor's committed sizes, which its release zeroes: the wake regrows them.
+        self.sizes: list[int] | None = None
+        #: Host copies of each segment's committed bytes while asleep, if kept.
+        self.backup: list[torch.Tensor] | None = None
+
+    @property
+    def state(self) -> TagState:
+        if not self.asleep:
+            return TagState.AWAKE
+        # Asleep, yet holding memory: its release, or its wake, failed part way.
+        return TagState.PARTLY_ASLEEP if self.buffer.physical_bytes else TagState.ASLEEP
+
+    @property
+    def kind(self) -> str:
+        return type(self.target).__name__
+
+    def why_not_live(self) -> str | None:
+        buffer = self.buffer
+        for flag, what in ((buffer.is_freed, "freed"), (buffer.is_broken, "broken"),
+                           (buffer.is_inherited, "inherited by a forked child")):
+            if flag:
+                return what
+        return None
+
+    def copy_out(self) -> list[torch.Tensor]:
+        # The copy runs on the current stream; kernels queued on others may
+        # still be writing the bytes it reads.
+        self.buffer.driver.synchronize()
+        backup = []
+        for index, size in enumerate(self.buffer.segment_sizes):
+            view = self.buffer.segment_view(index)
+            # Page-locked host memory is what a device copies to at transfer
+            # speed; bytes already in host memory copy as they are.
+            copy = torch.empty(size, dtype=torch.uint8, device="cpu", pin_memory=not view.is_cpu)
+            if size:
+                copy.copy_(view)  # blocking: the release after it unmaps the source
+            backup.append(copy)
+        return backup
+
+    def release(self) -> None:
+        self.target.release_physical()
+
+    def recommit(self) -> None:
+        if isinstance(self.target, ExtensibleKVCache):
+            self.target.recommit()
+        else:
+            self.target.resize_segments_(self.sizes, zero_new=True)
+
+    def copy_in(self) -> None:
+        for index, copy in enumerate(self.backup):
+            if copy.numel():
+                # Blocking, so the copy may be dropped as soon as this returns.
+                self.buffer.segment_view(index)[: copy.numel()].copy_(copy)
+
+
+class SleepController:
+    """vLLM's `sleep` / `wake_up` and torch_memory_saver's `pause` /
+    `resume` over extkv caches and tensors registered under tags."""
+
+    def __init__(self) -> None:
+        self._registrations: list[_Registration] = []
+        self._lock = threading.RLock()
+
+    # -- registering ----------------------------------------------------------
+    def register(self, target: ExtensibleKVCache | ExtensibleTensor, tag: str = DEFAULT_TAG, *,
+                 offload: bool = False) -> None:
+        """Put `target` under `tag` (torch_memory_saver's `region(tag=...)`).
+
+        `offload=True` keeps its committed bytes in host memory across
+        `sleep(level=1)` and `pause` (torch_memory_saver's
+        `enable_cpu_backup`); otherwise it wakes zeroed. The tag must be
+        awake, the target live and registered nowhere in this controller.
+        """
+        with _DEFERRED_SIGNALS, self._lock:
+            if not isinstance(target, (ExtensibleKVCache, ExtensibleTensor)):
+                raise ValueError(f"register needs an ExtensibleKVCache or an ExtensibleTensor, got {_describe(target)}")
+            tag = self._checked_tag_name("register", tag)
+            offload = validate.flag("offload", offload)
+            registration = _Registration(target, tag, offload)
+            for other in self._registrations:
+                if other.buffer is registration.buffer:
+                    what = "it" if other.target is target else f"the {other.kind} that owns its reservation"
+                    raise ValueError(f"register: {target!r} is registered already: {what}, under tag {other.tag!r}")
+            problem = registration.why_not_live()
+            if problem:
+                raise StateError(f"register: {target!r} is {problem}; only a live one can sleep and wake")
+            if tag in self.tags and self.state(tag) is not TagState.AWAKE:
+                raise StateError(f"register: tag {tag!r} is {self.state(tag).value}; register while it is awake")
+            self._registrations.append(registration)
+
+    def unregister(self, target: ExtensibleKVCache | ExtensibleTensor) -> None:
+        """Forget `target`: awake, or freed (its host copy, if any, is dropped)."""
+        with _DEFERRED_SIGNALS, self._lock:
+            found = [r for r in self._registrations if r.target is target]
+            if not found:
+                raise ValueError(f"unregister: {_describe(target)} is not registered here")
+            (registration,) = found
+            if registration.asleep and not registration.buffer.is_freed:
+                raise StateError(
+                    f"unregister: {target!r} is asleep under tag {registration.tag!r}; wake it first"
+                )
+            self._registrations.remove(registration)
+
+    # -- what is where --------------------------------------------------------
+    @property
+    def tags(self) -> list[str]:
+        """Registered tags, in the order they were first registered."""
+        return list(dict.fromkeys(r.tag for r in self._registrations))
+
+    def state(self, tag: str) -> TagState:
+        """Awake, asleep, or partly asleep (an operation failed part way)."""
+        with self._lock:
+            tag = self._checked_tags("state", [tag])[0]
+            states = {r.state for r in self._registrations if r.tag == tag}
+            return states.pop() if len(states) == 1 else TagState.PARTLY_ASLEEP
+
+    @property
+    def states(self) -> dict[str, TagState]:
+        with self._lock:
+            return {tag: self.state(tag) for tag in self.tags}
+
+    @property
+    def is_sleeping(self) -> bool:
+        """Whether any tag is not awake (vLLM's `is_sleeping`: true until every tag woke)."""
+        return any(state is not TagState.AWAKE for state in self.states.values())
+
+    @property
+    def offloaded_bytes(self) -> int:
+        """Host bytes held by the copies of registrations asleep with their contents kept."""
+        with self._lock:
+            return sum(copy.numel() for r in self._registrations if r.backup for copy in r.backup)
+
+    # -- vLLM's words ---------------------------------------------------------
+    def sleep(self, level: int = 1) -> None:
+        """Release every tag's memory, addresses kept. Level 1 first copies
+        `offload=True` registrations to host memory; level 2 discards
+        everything. A tag asleep already is skipped, as vLLM does."""
+        level = validate.integer("level", level, minimum=1, maximum=2, what=_LEVEL_WANTED)
+        self._move("sleep", None, keep_offloaded=_KEEPS_OFFLOADED[("sleep", level)])
+
+    def wake_up(self, tags: list[str] | None = None) -> None:
+        """Recommit the tags named (every tag when None): fresh zeroed pages at
+        the same addresses, kept contents copied back. A tag awake already
+        is skipped, as vLLM does."""
+        if tags is not None:
+            if isinstance(tags, str) or not isinstance(tags, (list, tuple, set, frozenset)):
+                raise ValueError(
+                    f"tags must be a list of tag names, or None for every tag, got {_describe(tags)}"
+                    + (f" (a str: did you mean [{tags!r}]?)" if isinstance(tags, str) else "")
+                )
+            if not tags:
+                raise ValueError("tags must name at least one tag, or be None for every tag, got an empty list")
+        self._move("wake_up", None if tags is None else list(tags))
+
+    # -- torch_memory_saver's words -------------------------------------------
+    def pause(self, tag: str | None = None) -> None:
+        """Release `tag` (every tag when None), copying `offload=True`
+        registrations first. A paused tag refuses, as torch_memory_saver does:
+        StateError, nothing changed."""
+        self._move("pause", None if tag is None else [tag], keep_offloaded=_KEEPS_OFFLOADED[("pause", None)])
+
+    def resume(self, tag: str | None = None) -> None:
+        """Recommit `tag` (every tag when None) and copy kept contents back.
+        An awake tag refuses, as torch_memory_saver does: StateError,
+        nothing changed."""
+        self._move("resume", None if tag is None else [tag])
+
+    # -- the one path every word takes ---------------------------------------
+    def _move(self, word: str, tags: list[str] | None, *, keep_offloaded: bool = False) -> None:
+        with _DEFERRED_SIGNALS, self._lock:
+            tags = self.tags if tags is None else self._checked_tags(word, tags)
+            moves = {tag: _TRANSITIONS[word][self.state(tag)] for tag in tags}
+            refused = [tag for tag, move in moves.items() if move is _Move.REFUSED]
+            if refused:
+                raise StateError(
+                    f"SleepController.{word}(): "
+                    + ", ".join(f"tag {tag!r} is {self.state(tag).value}" for tag in refused)
+                    + "; nothing was changed"
+                )
+            moving = {tag: move for tag, move in moves.items() if move is not _Move.NO_OP}
+            if not moving:
+                if tags:  # vLLM's "already sleeping" / "not sleeping"
+                    logger.warning("SleepController.%s(): tags %s are %s already; nothing to do.", word, tags,
+                                   "asleep" if word == "sleep" else "awake")
+                return
+            (direction,) = set(moving.values())  # a word moves one way only
+            registrations = [r for r in self._registrations if r.tag in moving]
+            for registration in registrations:
+                problem = registration.why_not_live()
+                if problem:
+                    raise StateError(
+                        f"SleepController.{word}(): the {registration.kind} registered under tag "
+                        f"{registration.tag!r} is {problem}; unregister it first. Nothing was changed"
+                    )
+            with contextlib.ExitStack() as held:
+                for buffer in sorted((r.buffer for r in registrations), key=lambda buffer: buffer.base):
+                    held.enter_context(buffer.lock)
+                if direction is _Move.WAKE:
+                    self._wake(registrations)
+                else:
+                    self._sleep(registrations, keep_offloaded)
+            logger.info("SleepController.%s(): tags %s now %s.", word, sorted(moving),
+                        {tag: self.state(tag).value for tag in sorted(moving)})
+
+    @staticmethod
+    def _sleep(registrations: list[_Registration], keep_offloaded: bool) -> None:
+        awake = [r for r in registrations if not r.asleep]
+        # Every copy before the first release: host memory running out then changes nothing.
+        backups = {id(r): r.copy_out() for r in awake if keep_offloaded and r.offload}
+        for registration in registrations:
+            if not registration.asleep:
+                registration.sizes = registration.buffer.segment_sizes
+                registration.backup = backups.get(id(registration))
+                # Before the release: one that fails part way has unmapped some
+                # of it, and only a wake (which zeroes) or a sleep may follow.
+                registration.asleep = True
+            if registration.buffer.physical_bytes:
+                registration.release()
+
+    @staticmethod
+    def _wake(registrations: list[_Registration]) -> None:
+        for registration in registrations:
+            if not registration.asleep:
+                continue
+            registration.recommit()
+            if registration.backup is not None:
+                registration.copy_in()
+            registration.asleep, registration.sizes, registration.backup = False, None, None
+
+    # -- argument checks ------------------------------------------------------
+    @staticmethod
+    def _checked_tag_name(function: str, tag: object) -> str:
+        if not isinstance(tag, str) or not tag:
+            raise ValueError(f"{function}: a tag must be a non-empty str, got {_describe(tag)}")
+        return tag
+
+    def _checked_tags(self, function: str, tags: list) -> list[str]:
+        known = self.tags
+        for tag in tags:
+            self._checked_tag_name(function, tag)
+            if tag not in known:
+                raise ValueError(f"{function}: tag {tag!r} is not registered; registered tags: {known}")
+        return list(dict.fromkeys(tags))
+
+    def __repr__(self) -> str:
+        with self._lock:
+            parts = [
+                f"{tag}: {state.value} ({sum(r.tag == tag for r in self._registrations)})"
+                for tag, state in self.states.items()
+            ]
+        return f"SleepController({', '.join(parts)})"
