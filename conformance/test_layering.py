@@ -35,6 +35,7 @@ LAYERS: list[set[str]] = [
     {"extkv.tensor", "extkv.layout_types", "extkv.sizing", "extkv.usage", "extkv.wire"},
     {"extkv.layout", "extkv.peer"},
     {"extkv.cache"},
+    {"extkv.integrations", "extkv.integrations.transformers"},
     {"extkv.sleep"},
     {"extkv.ranks", "extkv.connector"},
     {"extkv.runner"},

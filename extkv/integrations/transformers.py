@@ -1,0 +1,524 @@
+"""ExtensibleCache: a Hugging Face transformers `Cache` whose keys and values
+live in one ExtensibleKVCache.
+
+Theory of operation
+-------------------
+Tokens, blocks and segments. The cache is reserved once for `batch_size`
+sequences of `max_cache_len` tokens. Each sequence's positions are cut into
+chunks of `block_size` tokens, and chunk c of batch row b is block
+``1 + c * batch_size + b`` of the ExtensibleKVCache; block 0 is the null
+block. Chunk c of every row comes before chunk c + 1 of any row, so the
+blocks a batch needs for its first t tokens are always a prefix of the
+blocks, and a prefix is what an ExtensibleKVCache commits. Its layout here is
+LBNHC: each model layer is one segment (a region of the reservation, started
+on a granule so that a defragment can back it with one chunk), and a block of
+a segment holds K then V of `block_size` tokens, token-major, every KV head
+side by side. Committing n blocks backs the first n blocks of every layer.
+
+Why whole blocks. A block is the unit everything here counts in: the
+ExtensibleKVCache commits blocks (mapping whole granules under them) and the
+block table below names blocks, so a chunk's block is committed before its
+first token is written, and its other tokens find it there. What a block
+holds never moves, so the tensors of every layer keep their addresses for
+the cache's life.
+
+The margin. When a step's tokens need a chunk that is not committed yet, the
+cache commits through `margin` tokens past them (in whole blocks, at most
+max_cache_len). Commits are driver calls (a block that starts a new granule
+maps and zeroes it), so with a margin they come at most once every `margin`
+tokens rather than at every block, for at most `margin` tokens of blocks
+committed past what the sequences hold. Steps between commits make no
+driver call.
+
+Static shapes. Like StaticCache, each layer's `update` returns keys and values
+of shape (batch, kv heads, max_cache_len, head_dim) and `get_mask_sizes` says
+max_cache_len, so the attention mask hides the positions not yet written and
+no shape ever changes. They are gathered through a block table on the device,
+(batch_size, chunks + 1) block ids: a chunk not committed yet points at the
+null block, so no step, however it is driven, reads or writes unmapped
+memory, and the last column is the null block too, where a position past the
+end lands instead of past the table. The table, the layers' position counters
+and the block views keep their addresses; growth writes the new chunks' ids
+into the table in place. A decode step captured as a CUDA graph therefore
+reads and writes blocks committed after its capture when it is replayed.
+
+Host and device. Layer 0's `update` runs the host step first, `make_room`:
+check that the sequence fits max_cache_len, commit if it needs to, count the
+tokens. While a CUDA graph is being captured it is skipped, since a commit's
+zeroing would be captured with the step; a replay then writes its tokens
+without any host code, so a caller who replays a captured step calls
+`make_room(n)` before each replay of n tokens. `get_seq_length()` is a
+tensor on the device, as StaticCache's is, so that position ids computed
+from it inside a graph advance on replay; `seq_length` is the host's count.
+
+torch.compile. Every `update` is left out of compiled graphs
+(torch.compiler.disable) and runs eagerly between them, so the host step
+runs every step, also under mode="reduce-overhead". A compiled graph that
+took the block views as inputs would functionalize their writes into a copy
+of the whole reservation, unmapped pages included, which faults. The cost:
+a graph break in every layer, so the model's attention compiles once per
+layer, and past torch._dynamo.config.recompile_limit layers (8 by default)
+the rest run uncompiled; raise that limit for deeper models.
+
+Sleep and wake. `release_physical()` gives every page back to the driver and
+keeps the addresses; while the cache sleeps, an update raises StateError
+(its blocks are unmapped). `recommit()` maps the same blocks again as zeroed
+pages at the same addresses and empties the cache: the caller re-prefills
+what it wants to continue from, the prompt and the tokens generated so far
+(`model.generate(all_ids, past_key_values=cache)` or one forward of them).
+CUDA graphs captured before the sleep stay valid after the wake.
+
+How it differs from StaticCache and DynamicCache. StaticCache allocates
+max_cache_len tokens of every layer up front; this cache reserves that as
+address space only and maps memory as tokens arrive, with the same static
+shapes, so a CUDA graph sees what it sees over StaticCache (torch.compile
+sees less: see above).
+DynamicCache grows by `torch.cat` every step, so its tensors move and no
+graph over them survives a step; its memory follows the tokens exactly, where
+this cache's follows them in whole blocks and granules, and is reported as
+`committed_bytes` (the blocks) and `physical_bytes` (what is mapped). What it
+costs: each layer's update gathers its keys and values over max_cache_len
+positions into a transient of one layer (StaticCache hands out its tensors in
+place); a sliding-window layer keeps every token, as a full-attention one
+does, and the mask applies the window (both transformers caches keep only the
+window), because one ExtensibleKVCache commits the same blocks in every
+layer. Beam search, batch reordering and cropping are not supported.
+"""
+
+from __future__ import annotations
+
+import enum
+
+import torch
+from transformers.cache_utils import Cache, CacheLayerMixin, get_layer_types_and_kwargs
+
+from .. import validate
+from ..cache import ExtensibleKVCache
+from ..deferred_signals import deferred_signals
+from ..errors import StateError
+from ..layout import (
+    FullAttentionSpec,
+    KVCacheGroupSpec,
+    KVCacheLayout,
+    build_kv_cache_config,
+    create_kv_cache_views,
+    pad_kv_cache_segments,
+)
+from ..vmm import Driver, driver_for
+
+__all__ = ["DEFAULT_BLOCK_SIZE", "DEFAULT_MARGIN", "ExtensibleCache", "ExtensibleLayer"]
+
+#: Tokens per block: vLLM's default page.
+DEFAULT_BLOCK_SIZE = 16
+#: Tokens committed past those a step needs: four 16-token blocks, so a commit
+#: (a driver call) comes once every 64 tokens at most.
+DEFAULT_MARGIN = 64
+#: K/V of a block token-major: a layer's gathered keys are then (batch,
+#: tokens, heads, head_dim) in memory, the order SDPA kernels read.
+LAYOUT = KVCacheLayout.LBNHC
+#: Layer types whose cache is keys and values per token. Chunked attention is
+#: a mask over them, as a sliding window is.
+_KV_LAYER_TYPES = {"full_attention": False, "sliding_attention": True, "chunked_attention": True}
+MiB = float(1 << 20)
+
+
+class _State(enum.Enum):
+    LIVE = "live"
+    ASLEEP = "asleep (its memory released; recommit() wakes it)"
+    FREED = "freed"
+
+
+def _text_config(config):
+    get_text_config = getattr(config, "get_text_config", None)
+    if get_text_config is None:
+        raise ValueError(
+            f"config must be the model's transformers config (a PreTrainedConfig, e.g. model.config), got {config!r}"
+        )
+    return get_text_config(decoder=True)
+
+
+def _head_geometry(text_config) -> tuple[int, int]:
+    """(kv heads, head_dim) of the attention layers, as the model reads them
+    from its config."""
+    heads = validate.integer(
+        "config.num_attention_heads", getattr(text_config, "num_attention_heads", None), minimum=1, what="heads"
+    )
+    kv_heads = getattr(text_config, "num_key_value_heads", None)
+    kv_heads = validate.integer("config.num_key_value_heads", heads if kv_heads is None else kv_heads, minimum=1)
+    head_dim = getattr(text_config, "head_dim", None)
+    if head_dim is None:
+        hidden = validate.integer("config.hidden_size", getattr(text_config, "hidden_size", None), minimum=1)
+        head_dim = hidden // heads
+    return kv_heads, validate.integer("config.head_dim", head_dim, minimum=1)
+
+
+class ExtensibleLayer(CacheLayerMixin):
+    """One model layer of an ExtensibleCache: its blocks are one segment of
+    the cache's ExtensibleKVCache. Made by ExtensibleCache, not directly."""
+
+    # Static shapes, as StaticLayer's: transformers then masks a one-token
+    # step over every position instead of dropping the mask, and generate
+    # compiles its decode steps on a GPU.
+    is_compileable = True
+    is_croppable = False
+
+    def __init__(self, cache: ExtensibleCache, index: int, is_sliding: bool, sliding_window: int | None, blocks):
+        super().__init__()
+        self._cache = cache
+        self.index = index
+        self.is_sliding = is_sliding
+        self.sliding_window = sliding_window
+        self.max_cache_len = cache.max_cache_len
+        self.batch_size = cache.batch_size
+        self.num_heads = cache.num_kv_heads
+        self.dtype, self.device = cache.dtype, cache.device
+        # (capacity blocks, block_size, kv heads, head_dim) each, over the
+        # whole reservation: only committed blocks may be touched, which the
+        # block table sees to.
+        self._keys, self._values = blocks[:, 0], blocks[:, 1]
+        # A tensor, as StaticLayer's: a graph replay advances it.
+        self.cumulative_length = torch.zeros((), dtype=torch.int64, device=cache.device)
+
+    def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+        """Check the states against the cache's geometry (the blocks exist
+        from construction on)."""
+        self._cache._check_states(self.index, key_states, value_states)
+        self.is_initialized = True
+
+    @torch.compiler.disable
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
+        """Write the new tokens' keys and values at the layer's next positions
+        and return its keys and values over max_cache_len positions."""
+        cache = self._cache
+        cache._check_states(self.index, key_states, value_states)
+        self.is_initialized = True
+        block_size, table = cache.block_size, cache.block_table
+        new = key_states.shape[-2]
+        positions = self.cumulative_length + torch.arange(new, device=self.device)
+        chunks = torch.clamp(positions // block_size, max=table.shape[1] - 1)
+        blocks = table[:, chunks]
+        offsets = positions % block_size
+        self._keys.index_put_((blocks, offsets), key_states.transpose(1, 2))
+        self._values.index_put_((blocks, offsets), value_states.transpose(1, 2))
+        self.cumulative_length.add_(new)
+        # Advanced indexing gathers into a fresh contiguous tensor, (batch,
+        # chunks, block_size, heads, head_dim), whose chunk and token axes
+        # merge into one.
+        readable = table[:, :-1]
+        shape = (self.batch_size, -1, self.num_heads, key_states.shape[-1])
+        keys = self._keys[readable].view(shape)[:, : self.max_cache_len].transpose(1, 2)
+        values = self._values[readable].view(shape)[:, : self.max_cache_len].transpose(1, 2)
+        return keys, values
+
+    def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
+        """(kv length, kv offset) of the mask: every position, from 0."""
+        return self.max_cache_len, 0
+
+    def get_seq_length(self) -> torch.Tensor:
+        """Tokens this layer holds, as a tensor on the device."""
+        return self.cumulative_length
+
+    def get_max_length(self) -> int:
+        return self.max_cache_len
+
+    def reset(self) -> None:
+        raise NotImplementedError(
+            "reset the ExtensibleCache, not one of its layers: its layers hold one sequence length together"
+        )
+
+    def _unsupported(self, what: str):
+        raise NotImplementedError(
+            f"ExtensibleCache does not {what}: its batch rows and positions are fixed blocks; "
+            "use DynamicCache for beam search, contrastive search and assisted decoding"
+        )
+
+    def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
+        self._unsupported("reorder its batch (beam search)")
+
+    def crop(self, tokens_to_remove: int) -> None:
+        self._unsupported("crop")
+
+    def batch_repeat_interleave(self, repeats: int) -> None:
+        self._unsupported("repeat its batch")
+
+    def batch_select_indices(self, indices: torch.Tensor) -> None:
+        self._unsupported("select batch rows")
+
+    def offload(self):
+        self._unsupported("offload to the CPU")
+
+    def prefetch(self):
+        self._unsupported("offload to the CPU")
+
+    def _drop_blocks(self) -> None:
+        """Forget the block views: after `free` they point at nothing."""
+        self._keys = self._values = None
+
+    def _zero_committed(self, num_blocks: int) -> None:
+        self._keys[:num_blocks].zero_()
+        self._values[:num_blocks].zero_()
+
+    def __repr__(self) -> str:
+        kind = "sliding" if self.is_sliding else "full"
+        return f"ExtensibleLayer({self.index}, {kind})"
+
+
+class ExtensibleCache(Cache):
+    """A transformers Cache over one ExtensibleKVCache reserved for
+    `batch_size` sequences of `max_cache_len` tokens of the model `config`
+    describes (the model's config: layer count, layer types, KV heads and
+    head_dim come from it), on `device` (a torch device, or an extkv Driver)
+    in `dtype` (the model's). Blocks of `block_size` tokens are committed as
+    tokens arrive, `margin` tokens ahead (module docstring).
+
+    Pass it to `model.generate(..., past_key_values=cache)` or to the model's
+    forward in a decode loop of your own; `free()` it when done.
+    """
+
+    def __init__(
+        self,
+        config,
+        max_cache_len: int,
+        *,
+        device: torch.device | str | Driver,
+        dtype: torch.dtype = torch.float32,
+        batch_size: int = 1,
+        block_size: int = DEFAULT_BLOCK_SIZE,
+        margin: int = DEFAULT_MARGIN,
+    ):
+        text_config = _text_config(config)
+        self._max_cache_len = validate.integer("max_cache_len", max_cache_len, minimum=1, what="tokens")
+        self._batch_size = validate.integer("batch_size", batch_size, minimum=1, what="sequences")
+        self.block_size = validate.integer("block_size", block_size, minimum=1, what="tokens")
+        self.margin = validate.integer("margin", margin, what="tokens")
+        if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
+            raise ValueError(f"dtype must be a floating-point torch.dtype (the model's), got {dtype!r}")
+        self.dtype = dtype
+        layer_types, layer_kwargs = get_layer_types_and_kwargs(text_config)
+        unsupported = sorted({kind for kind in layer_types if kind not in _KV_LAYER_TYPES})
+        if unsupported:
+            raise ValueError(
+                f"the model's layer types {unsupported} keep no per-token keys and values; ExtensibleCache "
+                f"holds layers of the types {sorted(_KV_LAYER_TYPES)}"
+            )
+        if not layer_types:
+            raise ValueError("the model's config has no attention layers (num_hidden_layers is 0)")
+        self.num_kv_heads, self.head_dim = _head_geometry(text_config)
+        driver = driver_for(device)
+        self.device = driver.device
+        #: Chunks of block_size tokens per sequence.
+        self.num_chunks = -(-self._max_cache_len // self.block_size)
+        spec = FullAttentionSpec(
+            block_size=self.block_size, num_kv_heads=self.num_kv_heads, head_size=self.head_dim, dtype=dtype
+        )
+        names = [f"layers.{index}" for index in range(len(layer_types))]
+        capacity = self._blocks_for(self.num_chunks)
+        group = KVCacheGroupSpec(layer_names=names, kv_cache_spec=spec)
+        kv_cache_config = build_kv_cache_config([group], capacity, LAYOUT)
+        kv_cache_config = pad_kv_cache_segments(kv_cache_config, LAYOUT, driver.granularity)
+        (placement,) = kv_cache_config.kv_cache_tensors
+        self._seq_length = 0
+        self._open_chunks = 0
+        # A signal between the reservation and the assignment would lose it.
+        with deferred_signals():
+            self.kv_cache = ExtensibleKVCache(kv_cache_config, driver, LAYOUT)
+            self._state = _State.LIVE
+        try:
+            reservation = self.kv_cache.allocate(placement.size)  # commits the null block
+            blocks = create_kv_cache_views(reservation, spec, capacity, LAYOUT, placement)
+            #: Block id of each (batch row, chunk); the last column and chunks
+            #: not committed yet hold the null block.
+            self.block_table = torch.zeros(self._batch_size, self.num_chunks + 1, dtype=torch.int64, device=self.device)
+            layers = [
+                ExtensibleLayer(self, index, _KV_LAYER_TYPES[kind], layer_kwargs.get("sliding_window"), layer_blocks)
+                for index, (kind, layer_blocks) in enumerate(zip(layer_types, blocks))
+            ]
+            del reservation, blocks
+            super().__init__(layers=layers)
+        except BaseException:
+            self.kv_cache.free()
+            self._state = _State.FREED
+            raise
+
+    def _blocks_for(self, chunks: int) -> int:
+        """Blocks committed when every batch row has `chunks` chunks: the null
+        block and `chunks` rows of `batch_size` blocks."""
+        return 1 + chunks * self._batch_size
+
+    # -- state ------------------------------------------------------------------
+    def _require(self, operation: str, *legal: _State) -> None:
+        if self._state not in legal:
+            raise StateError(f"ExtensibleCache.{operation}() is not allowed: the cache is {self._state.value}")
+
+    @property
+    def is_freed(self) -> bool:
+        return self._state is _State.FREED
+
+    @property
+    def is_asleep(self) -> bool:
+        return self._state is _State.ASLEEP
+
+    # -- what transformers asks -------------------------------------------------
+    @property
+    def max_cache_len(self) -> int:
+        """Tokens each sequence may hold."""
+        return self._max_cache_len
+
+    @property
+    def batch_size(self) -> int:
+        return self._batch_size
+
+    @property
+    def seq_length(self) -> int:
+        """Tokens of each sequence the host has counted (what `make_room`
+        made room for)."""
+        return self._seq_length
+
+    def _check_states(self, layer_idx: int, key_states, value_states) -> None:
+        """ValueError unless the states are what this cache was built for,
+        StateError unless it is live. Called by every update."""
+        if self._state is not _State.LIVE:
+            self._require("update", _State.LIVE)
+        wanted = (self._batch_size, self.num_kv_heads, self.head_dim)
+        for name, states in (("key_states", key_states), ("value_states", value_states)):
+            if not isinstance(states, torch.Tensor) or states.dim() != 4:
+                raise ValueError(
+                    f"layer {layer_idx}: {name} must be a 4-D tensor (batch, kv heads, tokens, head_dim), "
+                    f"got {type(states).__name__} of shape {tuple(getattr(states, 'shape', ()))}"
+                )
+            shape = tuple(states.shape)
+            if (shape[0], shape[1], shape[3]) != wanted:
+                raise ValueError(
+                    f"layer {layer_idx}: {name} of shape {shape} (batch, kv heads, tokens, head_dim) do not fit "
+                    f"this cache's batch_size {self._batch_size}, {self.num_kv_heads} kv heads and head_dim "
+                    f"{self.head_dim}: build the cache from the model's config and the batch you run"
+                )
+            if states.dtype != self.dtype or states.device != self.device:
+                raise ValueError(
+                    f"layer {layer_idx}: {name} are {states.dtype} on {states.device}; this cache holds "
+                    f"{self.dtype} on {self.device} (pass the model's dtype and device)"
+                )
+        if key_states.shape[2] != value_states.shape[2]:
+            raise ValueError(
+                f"layer {layer_idx}: key_states hold {key_states.shape[2]} tokens, value_states "
+                f"{value_states.shape[2]}; both must hold the step's tokens"
+            )
+
+    @torch.compiler.disable
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args, **kwargs):
+        if type(layer_idx) is not int or not 0 <= layer_idx < len(self.layers):
+            raise ValueError(
+                f"layer_idx {layer_idx!r} is not one of this cache's {len(self.layers)} layers (0 to "
+                f"{len(self.layers) - 1}): build the cache from the config of the model that runs it"
+            )
+        if layer_idx == 0:
+            self._begin_step(key_states, value_states)
+        return self.layers[layer_idx].update(key_states, value_states)
+
+    def _begin_step(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+        """The host step of layer 0's update: checks, then room for the
+        step's tokens (skipped while a CUDA graph is being captured)."""
+        self._check_states(0, key_states, value_states)
+        stale = [layer.index for layer in self.layers if not layer.is_initialized]
+        if stale and self._seq_length:
+            raise ValueError(
+                f"the model updated {stale[0]} of this cache's {len(self.layers)} layers in its last step "
+                f"(layers {stale} never): build the cache from the config of the model that runs it"
+            )
+        if self._capturing():
+            return
+        self.make_room(key_states.shape[-2])
+
+    def _capturing(self) -> bool:
+        return self.device.type == "cuda" and torch.cuda.is_current_stream_capturing()
+
+    @torch.compiler.disable
+    def make_room(self, num_tokens: int = 1) -> None:
+        """The host side of a step of `num_tokens` new tokens per sequence:
+        check that they fit max_cache_len, commit their blocks (and `margin`
+        tokens more) and count them. Layer 0's update calls it; call it
+        yourself before each replay of a captured CUDA graph, which writes its
+        tokens without any host code."""
+        self._require("make_room", _State.LIVE)
+        num_tokens = validate.integer("num_tokens", num_tokens, what="tokens per sequence")
+        end = self._seq_length + num_tokens
+        if end > self._max_cache_len:
+            raise ValueError(
+                f"a sequence of {end} tokens ({self._seq_length} cached and {num_tokens} new) is past this cache's "
+                f"max_cache_len {self._max_cache_len}; build it with a max_cache_len of at least {end}"
+            )
+        committed = self.kv_cache.num_committed_blocks
+        if committed < self._blocks_for(self._open_chunks):
+            raise StateError(
+                f"the ExtensibleKVCache under this cache holds {committed} blocks, but its block table points at "
+                f"{self._blocks_for(self._open_chunks)}: it was shrunk under a live ExtensibleCache"
+            )
+        if end > self._open_chunks * self.block_size:
+            self._open_through(min(-(-(end + self.margin) // self.block_size), self.num_chunks))
+        self._seq_length = end
+
+    def _open_through(self, chunks: int) -> None:
+        """Commit the blocks of the first `chunks` chunks of every row, then
+        point the table at them: the table never names an unmapped block."""
+        self.kv_cache.commit(self._blocks_for(chunks))
+        rows = torch.arange(self._batch_size)[:, None]
+        columns = torch.arange(self._open_chunks, chunks)[None, :]
+        self.block_table[:, self._open_chunks : chunks] = (1 + columns * self._batch_size + rows).to(self.device)
+        self._open_chunks = chunks
+
+    # -- memory -----------------------------------------------------------------
+    @property
+    def committed_bytes(self) -> int:
+        """Bytes of the committed blocks (the null block included), over every
+        layer: what the cache holds while awake."""
+        return self.kv_cache.num_committed_blocks * self.kv_cache.bytes_per_block
+
+    @property
+    def physical_bytes(self) -> int:
+        """Bytes mapped now, whole granules per layer: `committed_bytes`
+        rounded up, 0 asleep or freed."""
+        return self.kv_cache.physical_bytes
+
+    def release_physical(self) -> None:
+        """Sleep: give every page back to the driver, keeping the addresses.
+        Updates raise StateError until `recommit`."""
+        self._require("release_physical", _State.LIVE, _State.ASLEEP)
+        self.kv_cache.release_physical()
+        self._state = _State.ASLEEP
+
+    def recommit(self) -> None:
+        """Wake: map the blocks committed before the sleep again, zeroed, at
+        the same addresses, and empty the cache. Re-prefill to continue."""
+        self._require("recommit", _State.ASLEEP)
+        self.kv_cache.recommit()
+        self._empty()
+        self._state = _State.LIVE
+
+    def reset(self) -> None:
+        """Empty the cache and zero its committed blocks (Cache.reset)."""
+        self._require("reset", _State.LIVE)
+        for layer in self.layers:
+            layer._zero_committed(self.kv_cache.num_committed_blocks)
+        self._empty()
+
+    def _empty(self) -> None:
+        self._seq_length = 0
+        for layer in self.layers:
+            layer.cumulative_length.zero_()
+
+    def free(self) -> None:
+        """Release the reservation and every page. Idempotent; every other
+        operation raises StateError afterwards."""
+        if self._state is _State.FREED:
+            return
+        for layer in self.layers:
+            layer._drop_blocks()
+        self.kv_cache.free()
+        self._state = _State.FREED
+
+    def __repr__(self) -> str:
+        return (
+            f"ExtensibleCache({len(self.layers)} layers, {self._seq_length}/{self._max_cache_len} tokens x "
+            f"{self._batch_size}, {self.kv_cache.num_committed_blocks}/{self._blocks_for(self.num_chunks)} blocks, "
+            f"{self.physical_bytes / MiB:.1f} MiB physical, {self.device}, {self._state.value})"
+        )
