@@ -7,6 +7,8 @@ a library example. Both are checked here against the code, so they cannot
 drift from it:
 
 - every ```python block of README.md runs, in a fresh interpreter of its own
+  (one whose first line says `# needs extkv[EXTRA]` only where EXTRA is
+  installed)
   (the block is a script: it imports what it uses), from an empty directory,
   with no GPU visible, so it runs on the host driver as it does on a machine
   without one, and takes no memory from the GPU tests beside it. A block that
@@ -59,8 +61,16 @@ def test_readme_has_a_python_example():
     assert fenced_blocks(_readme_text(), "python"), f"{README} has no ```python block: the library example is gone"
 
 
+#: A block's first line naming the extra it needs: `# needs extkv[transformers]`.
+_NEEDS = re.compile(r"#\s*needs extkv\[(\w+)\]")
+
+
 @pytest.mark.parametrize(("line", "code"), _PYTHON_BLOCKS, ids=[f"README.md:{line}" for line, _ in _PYTHON_BLOCKS])
 def test_python_block_runs(line, code, tmp_path):
+    needs = _NEEDS.match(code)
+    if needs is not None:
+        # The extra's module shares its name (pyproject's extras).
+        pytest.importorskip(needs.group(1), reason=f"README.md:{line} needs extkv[{needs.group(1)}], not installed")
     script = tmp_path / f"readme_line_{line}.py"
     script.write_text(code)
     # No GPU: the block picks the host driver, as on a machine without one.
