@@ -295,6 +295,9 @@ class ExtensibleCache(Cache):
             raise ValueError(f"dtype must be a floating-point torch.dtype (the model's), got {dtype!r}")
         self.dtype = dtype
         layer_types, layer_kwargs = get_layer_types_and_kwargs(text_config)
+        # transformers 5.17 gives one kwargs dict for all layers; later
+        # releases give one per layer (heterogeneous configs).
+        per_layer_kwargs = layer_kwargs if isinstance(layer_kwargs, list) else [layer_kwargs] * len(layer_types)
         unsupported = sorted({kind for kind in layer_types if kind not in _KV_LAYER_TYPES})
         if unsupported:
             raise ValueError(
@@ -330,8 +333,8 @@ class ExtensibleCache(Cache):
             #: not committed yet hold the null block.
             self.block_table = torch.zeros(self._batch_size, self.num_chunks + 1, dtype=torch.int64, device=self.device)
             layers = [
-                ExtensibleLayer(self, index, _KV_LAYER_TYPES[kind], layer_kwargs.get("sliding_window"), layer_blocks)
-                for index, (kind, layer_blocks) in enumerate(zip(layer_types, blocks))
+                ExtensibleLayer(self, index, _KV_LAYER_TYPES[kind], kwargs.get("sliding_window"), layer_blocks)
+                for index, (kind, kwargs, layer_blocks) in enumerate(zip(layer_types, per_layer_kwargs, blocks))
             ]
             del reservation, blocks
             super().__init__(layers=layers)
