@@ -134,3 +134,26 @@ def test_interrupts_at_random_moments_leave_every_object_consistent(device):
     assert tally["inside"] >= INSIDE_TARGET, f"only {tally['inside']} of {tally['interrupts']} interrupts landed in extkv"
     never = sorted(set(tally["operations"]) - set(tally["interrupted"]))
     assert not never, f"operations never interrupted: {never}"
+
+
+@pytest.mark.invariant(6)
+def test_a_child_forked_from_another_thread_defers_in_its_own_main_thread():
+    """The thread that forks is the child's main thread, where Python runs
+    the child's handlers: the deferral must hold there."""
+    import os
+
+    outcome = {}
+
+    def fork_and_wait() -> None:
+        pid = os.fork()
+        if pid == 0:
+            with deferred_signals():
+                held = deferring()
+            os._exit(0 if held else 3)
+        _, status = os.waitpid(pid, 0)
+        outcome["exit"] = os.waitstatus_to_exitcode(status)
+
+    thread = threading.Thread(target=fork_and_wait)
+    thread.start()
+    thread.join()
+    assert outcome == {"exit": 0}, f"the child's deferral did not hold in its main thread: {outcome}"

@@ -37,6 +37,7 @@ place by an interrupted restore behaves as the handler it replaced.
 from __future__ import annotations
 
 import _signal
+import os
 import signal
 import threading
 from types import FrameType
@@ -50,6 +51,16 @@ _depth = 0
 _originals: dict[int, object] = {}
 #: Signals noted while deferring, oldest first, with the frame each arrived in.
 _pending: list[tuple[int, FrameType | None]] = []
+
+
+def _forked() -> None:
+    # The thread that forks is the child's main thread, and the one Python
+    # runs the child's handlers in.
+    global _MAIN_THREAD
+    _MAIN_THREAD = threading.get_ident()
+
+
+os.register_at_fork(after_in_child=_forked)
 
 
 def _record(number: int, frame: FrameType | None) -> None:
