@@ -58,7 +58,7 @@ import torch
 from .. import vmm
 from ..cache import ExtensibleKVCache
 from ..connector import SegmentExportConnector
-from ..deferred_signals import deferred_signals
+from ..deferred_signals import deferred_signals, run_deferred
 from ..layout import KVCacheLayout
 from ..peer import ImportedSegments, import_segments
 from ..tensor import ExtensibleTensor
@@ -184,8 +184,10 @@ def _exchange(cache: ExtensibleKVCache, *, main_exports: bool) -> None:
                 failures.append(error)
 
         thread = threading.Thread(target=other_side, daemon=True)
-        thread.start()
         try:
+            # Deferred: an interrupt inside Thread.start can leave its
+            # condition's lock released twice, and the thread started unseen.
+            run_deferred(thread.start)
             mine()
         except BaseException:
             for end in (sender, receiver):
@@ -193,9 +195,10 @@ def _exchange(cache: ExtensibleKVCache, *, main_exports: bool) -> None:
             raise
         finally:
             # The other side must be over before anything is checked: an
-            # interrupt here waits for the join.
-            with deferred_signals():
-                thread.join(EXCHANGE_TIMEOUT_S)
+            # interrupt here waits for the join (run_deferred: also one that
+            # lands on the call itself).
+            if thread.ident is not None:
+                run_deferred(thread.join, EXCHANGE_TIMEOUT_S)
         if failures:
             raise failures[0]
     finally:
