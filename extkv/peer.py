@@ -131,6 +131,11 @@ class ImportedSegments:
         return self.driver.device
 
     @property
+    def closed(self) -> bool:
+        """Whether `close()` has given everything back."""
+        return self._closed
+
+    @property
     def segment_sizes(self) -> list[int]:
         return [view.numel() for view in self.views]
 

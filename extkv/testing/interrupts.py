@@ -342,7 +342,7 @@ def _close_dropped_imports(tally: InterruptTally) -> None:
     was dropped there; the workload holds no other import, so every one
     still open is such."""
     for candidate in gc.get_objects():
-        if type(candidate) is ImportedSegments and "closed" not in repr(candidate):
+        if type(candidate) is ImportedSegments and not candidate.closed:
             candidate.close()
             tally.dropped_by_the_caller += 1
 
