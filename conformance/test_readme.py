@@ -74,7 +74,10 @@ def test_python_block_runs(line, code, tmp_path):
     script = tmp_path / f"readme_line_{line}.py"
     script.write_text(code)
     # No GPU: the block picks the host driver, as on a machine without one.
-    env = {**os.environ, "CUDA_VISIBLE_DEVICES": ""}
+    # It runs in tmp_path, so a relative PYTHONPATH entry (`PYTHONPATH=.` in
+    # a checkout) is made absolute: the block imports the extkv under test.
+    path = [os.path.abspath(entry) for entry in os.environ.get("PYTHONPATH", "").split(os.pathsep) if entry]
+    env = {**os.environ, "CUDA_VISIBLE_DEVICES": "", "PYTHONPATH": os.pathsep.join(path)}
     result = subprocess.run(
         [sys.executable, str(script)], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=BLOCK_TIMEOUT_S
     )
