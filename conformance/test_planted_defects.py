@@ -24,9 +24,10 @@ import json
 import socket
 
 import pytest
+import torch
 
 from extkv.connector import SegmentExportConnector
-from extkv.layout import KVCacheLayout
+from extkv.layout import FullAttentionSpec, KVCacheGroupSpec, KVCacheLayout, build_kv_cache_config
 from extkv.peer import import_segments
 from extkv.tensor import ExtensibleTensor
 from extkv.testing import planted
@@ -43,7 +44,7 @@ from extkv.testing.choices import SeededChoices
 from extkv.testing.configs import fill_segments
 from extkv.testing.interrupts import run_in_child
 from extkv.testing.modelled_cache import ModelledCache
-from extkv.testing.models import LeakFound
+from extkv.testing.models import CacheModel, ContentMismatch, LeakFound, check_cache_blocks
 from extkv.testing.stress import StressTally, walk
 from extkv.vmm import PoisoningDriver, driver_for
 from extkv.vmm.base import NO_ACCESS, READ_ONLY, READ_WRITE
@@ -383,6 +384,43 @@ def test_access_read_back_follows_each_step(device):
     finally:
         real.free_reservation(address, 2 * g)
     assert NO_ACCESS not in (READ_ONLY, READ_WRITE)
+
+
+# -- block contents --------------------------------------------------------------------------
+#: Block strides of 8 KiB (compared as int64 words) and of 60 bytes (not a
+#: multiple of 8: compared as bytes).
+BLOCK_CHECK_SPECS = {
+    "word-rows": FullAttentionSpec(block_size=16, num_kv_heads=2, head_size=64, dtype=torch.float16),
+    "byte-rows": FullAttentionSpec(block_size=3, num_kv_heads=1, head_size=5, dtype=torch.float16),
+}
+
+
+@pytest.mark.invariant(1)
+@pytest.mark.parametrize("on_host", [False, True], ids=["on-device", "host-copy"])
+@pytest.mark.parametrize("spec", BLOCK_CHECK_SPECS.values(), ids=BLOCK_CHECK_SPECS.keys())
+def test_the_block_check_counts_one_wrong_byte_inside_a_block(device, build, spec, on_host):
+    """The model check of block contents passes over blocks as written and
+    flags, as one block of one segment, a single byte changed inside a
+    block's row (not on a word's first byte), on the device and through the
+    host copy a check beside a full GPU makes."""
+    layout = KVCacheLayout.LBHNC
+    groups = [KVCacheGroupSpec(layer_names=["a", "b"], kv_cache_spec=spec)]
+    cache = build.cache(build_kv_cache_config(groups, 4096, layout), layout, device=device)
+    cache.commit(4000)
+    strides = cache.segment_strides
+    model = CacheModel(cache.capacity_blocks, cache.segment_offsets, strides, cache.buffer.granularity)
+    model.grow(4000)
+    for block, value in ((3, 0x11), (2999, 0x22)):
+        for segment, stride in enumerate(strides):
+            cache.buffer.segment_view(segment)[block * stride : (block + 1) * stride].fill_(value)
+        model.values[block] = value
+    check_cache_blocks(cache, model, 0, 4000, "as written", on_host=on_host)
+    cache.buffer.segment_view(1)[2999 * strides[1] + 13].fill_(0x23)
+    with pytest.raises(ContentMismatch, match=r"^planted: segment 1: 1 of 4000 blocks from block 0 differ from the model, 0 of them"):
+        check_cache_blocks(cache, model, 0, 4000, "planted", on_host=on_host)
+    cache.buffer.segment_view(0)[5 * strides[0] + 13].fill_(0x01)
+    with pytest.raises(ContentMismatch, match=r"^planted: segment 0: 1 of 3997 blocks from block 3 differ from the model, 1 of them should read zero"):
+        check_cache_blocks(cache, model, 3, 4000, "planted", on_host=on_host)
 
 
 # -- interrupts -----------------------------------------------------------------------------

@@ -31,6 +31,7 @@ import torch
 
 from ..cache import ExtensibleKVCache
 from ..tensor import ExtensibleTensor
+from ..vmm import torch_memory
 from .checks import readback_one_chunk_per_segment
 
 
@@ -233,24 +234,41 @@ def check_cache_committed(kv_cache: ExtensibleKVCache, model: CacheModel) -> Non
 COMPARE_BYTES = 32 << 20
 
 
+def _rows_hold(rows: torch.Tensor, expected: torch.Tensor) -> bool:
+    """Every byte of row i of `rows` (uint8) is `expected[i, 0]`. Compared
+    as int64 words where the row length and alignment allow: equal exactly
+    when the bytes are, with an eighth of the elements (a 32 MiB slice
+    against its expanded values took 14 ms as bytes, 2.4 ms as words, on a
+    2-core x86-64 host)."""
+    n, stride = rows.shape
+    if stride % 8 or rows.storage_offset() % 8 or not rows.is_contiguous():
+        return torch.equal(rows, expected.expand(n, stride))
+    word = expected.expand(n, 8).contiguous().view(torch.int64)  # each row's byte, 8 times
+    return torch.equal(rows.view(torch.int64), word.expand(n, stride // 8))
+
+
 def check_cache_blocks(
     kv_cache: ExtensibleKVCache, model: CacheModel, first: int, end: int, what: str, *, on_host: bool = False
 ) -> None:
     """Blocks [first, end) hold the model's value in every row of every
     segment (zero where nothing was written); a difference is a
     `ContentMismatch` that counts the blocks, never prints bytes. `on_host`
-    compares copies in host memory, taking no device memory at all."""
-    values = model.block_values(end).to("cpu" if on_host else kv_cache.buffer.device)
+    compares copies in host memory (through `host_staging`), taking no
+    device memory at all."""
+    device = kv_cache.buffer.device
+    values = model.block_values(end).to("cpu" if on_host else device)
     for segment, stride in enumerate(model.strides):
         view = kv_cache.buffer.segment_view(segment)
         step = max(COMPARE_BYTES // stride, 1)
+        staging = torch_memory.host_staging(device, (min(step, end - first), stride)) if on_host else None
         wrong_rows = zero_rows = 0
         for low in range(first, end, step):
             high = min(low + step, end)
             rows = view[low * stride : high * stride].view(high - low, stride)
-            rows = rows.cpu() if on_host else rows
+            if staging is not None:
+                rows = staging[: high - low].copy_(rows)
             expected = values[low:high, None]
-            if torch.equal(rows, expected.expand(high - low, stride)):
+            if _rows_hold(rows, expected):
                 continue
             wrong = (rows != expected).any(dim=1)
             wrong_rows += int(wrong.count_nonzero())
