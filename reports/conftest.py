@@ -77,6 +77,13 @@ def pytest_generate_tests(metafunc):
 
 
 @pytest.fixture(scope="session")
+def bench_run(request) -> tuple[str, str, Path]:
+    """(profile name, device, run directory) of this bench session."""
+    config = request.config
+    return bench_profile(config).name, bench_device(config), _run_dir(config)
+
+
+@pytest.fixture(scope="session")
 def bench_engine(request) -> Engine:
     config = request.config
     engine = Engine(

@@ -18,9 +18,10 @@ from __future__ import annotations
 import statistics
 from pathlib import Path
 
+from . import decode
 from .geometry import size_label
 from .plots import plot
-from .results import BenchRun, CaseResult, Entry, carryover, load, ratio
+from .results import BenchRun, CaseResult, Entry, carryover, load, ratio, read_json_object
 from .targets import ScalingRow, TargetRow, evaluate, evaluate_scaling, fewest_calls_reason
 
 
@@ -281,8 +282,9 @@ def _every_case_table(run: BenchRun, rows: list[TargetRow]) -> list[str]:
 def bench_section(run_dir: Path) -> str | None:
     """Markdown for the bench results in `run_dir` (plots written beside it), or None when there are none."""
     run = load(Path(run_dir))
+    decode_lines = _decode_lines(Path(run_dir))
     if run is None:
-        return None
+        return "\n".join(["## Benchmarks", "", *decode_lines]) if decode_lines else None
     rows = evaluate(run)
     scaling = evaluate_scaling(run)
     met = sum(1 for r in rows if r.met)
@@ -295,5 +297,11 @@ def bench_section(run_dir: Path) -> str | None:
     paths, why_not = plot(run, run_dir)
     lines += ["### Scaling", ""]
     lines += [f"![{path.stem}]({path.name})" for path in paths] or [why_not]
-    lines += ["", "### Every case", *_every_case_table(run, rows), ""]
+    lines += ["", "### Every case", *_every_case_table(run, rows), "", *decode_lines]
     return "\n".join(lines)
+
+
+def _decode_lines(run_dir: Path) -> list[str]:
+    """The decode bench's section, where the run has its result."""
+    path = run_dir / decode.RESULT_FILE
+    return decode.decode_section(read_json_object(path)) if path.exists() else []
