@@ -164,6 +164,7 @@ def test_crash_of_an_exporter(device):
 
 
 @pytest.mark.invariant(5)
+@pytest.mark.exclusive  # NVML's used memory of the whole device must be back after the children
 def test_several_processes_on_one_device(device):
     tally = StressTally()
     # No seconds at all: each child walks its least.
