@@ -221,6 +221,23 @@ class Driver(abc.ABC):
         learns it from each cuMemCreate, so by default this admits all."""
         return contextlib.nullcontext()
 
+    # -- ordering work between threads -------------------------------------------
+    def side_stream(self) -> ContextManager[None]:
+        """Queue the device work of the calling thread inside (zeroing, copies)
+        on a stream of its own, apart from the engine's: a background growth
+        zeroes there while the engine's kernels run. A driver whose work is
+        synchronous (the host's) needs none and does nothing."""
+        return _NO_SETUP
+
+    def fence(self) -> object | None:
+        """A mark after the device work queued so far on the calling thread's
+        current stream; None where that work is already done (the host's)."""
+        return None
+
+    def wait_for(self, fence: object | None) -> None:
+        """Make work queued later on the calling thread's current stream wait
+        until `fence` (from `fence()`, on any thread) has passed."""
+
     # -- everything else -----------------------------------------------------
     @abc.abstractmethod
     def synchronize(self) -> None:

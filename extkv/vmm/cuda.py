@@ -343,6 +343,18 @@ class CudaDriver(Driver):
     def _unmap(self, address: int, size: int) -> None:
         self._call("cuMemUnmap", self._cu.cuMemUnmap, address, size, size=size, address=address)
 
+    def side_stream(self) -> contextlib.AbstractContextManager[None]:
+        return torch.cuda.stream(torch.cuda.Stream(self.device))
+
+    def fence(self) -> torch.cuda.Event:
+        event = torch.cuda.Event()
+        event.record(torch.cuda.current_stream(self.device))
+        return event
+
+    def wait_for(self, fence: torch.cuda.Event | None) -> None:
+        if fence is not None:
+            torch.cuda.current_stream(self.device).wait_event(fence)
+
     def synchronize(self) -> None:
         torch.cuda.synchronize(self.device)
 

@@ -77,6 +77,15 @@ class WrappingDriver(Driver):
     def batch(self):
         return self.inner.batch()
 
+    def side_stream(self):
+        return self.inner.side_stream()
+
+    def fence(self):
+        return self.inner.fence()
+
+    def wait_for(self, fence) -> None:
+        self.inner.wait_for(fence)
+
     def synchronize(self) -> None:
         self.inner.synchronize()
 
