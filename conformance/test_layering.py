@@ -34,6 +34,7 @@ LAYERS: list[set[str]] = [
     {"extkv.vmm"},
     {"extkv.tensor", "extkv.layout_types", "extkv.sizing", "extkv.usage", "extkv.wire"},
     {"extkv.layout", "extkv.peer"},
+    {"extkv.ahead"},
     {"extkv.cache"},
     {"extkv.integrations", "extkv.integrations.transformers"},
     {"extkv.sleep"},

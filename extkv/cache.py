@@ -24,6 +24,10 @@ The committed count only grows, except on request:
   chunk at the same address and keeps every byte.
 - `release_physical()` / `recommit()`: sleep and wake; the recommitted pages
   read as zero.
+- `commit_ahead(window)`: a background worker keeps up to `window` blocks
+  mapped and zeroed past the committed count (`grown_blocks`), so a commit
+  inside it makes no driver call (extkv.ahead says how it meets every other
+  operation).
 
 Lifecycle, as data: `_LEGAL_IN` names the states each public operation is
 legal in; on a freed cache every operation raises `StateError` naming it, and
@@ -50,6 +54,7 @@ from dataclasses import dataclass, replace
 import torch
 
 from . import validate
+from .ahead import DEFAULT_STEP_BYTES, CommitAhead
 from .deferred_signals import deferred_signals
 from .errors import StateError
 from .layout import (
@@ -99,6 +104,7 @@ _LEGAL_IN: dict[str, frozenset[_State]] = {
     "committed_views": frozenset({_State.LIVE}),
     "committed_kv_cache_tensors": frozenset({_State.LIVE}),
     "set_torch_memory_limit": frozenset({_State.LIVE}),
+    "commit_ahead": frozenset({_State.LIVE}),
     "free": _EVERY_STATE,
 }
 
@@ -106,7 +112,7 @@ _LEGAL_IN: dict[str, frozenset[_State]] = {
 def _operation(method):
     """Run `method` holding the buffer's lock, once the cache's state allows
     it, with signal handlers deferred until it returns."""
-    name = method.__name__
+    name = method.__name__.lstrip("_")  # `_free` is free's locked part
     # A tuple, not the set: `in` on a tuple finds the member by identity,
     # without hashing the enum in Python (a commit passes here twice).
     legal_in = tuple(_LEGAL_IN[name])
@@ -187,6 +193,8 @@ class ExtensibleKVCache:
         self.layout = layout
         self.bytes_per_block = sum(self.segment_strides)
         self.num_committed_blocks = 0
+        #: The commit-ahead worker while commit-ahead is on (`commit_ahead`).
+        self._ahead: CommitAhead | None = None
         ends = self.segment_offsets[1:] + [self.size]
         try:
             with _DEFERRED_SIGNALS:  # a signal before the assignment would leak the buffer
@@ -237,6 +245,11 @@ class ExtensibleKVCache:
         if type(num_blocks) is not int or num_blocks < 0:
             num_blocks = _block_count(num_blocks)  # raises, or an int from an index-like value
         num_blocks = min(num_blocks, self.capacity_blocks)
+        ahead = self._ahead
+        if ahead is not None:
+            ahead.raise_kept_error()  # a background step's failure, before anything changes
+            if defragment is False and shrink is False and preserve_contents is False:
+                return self._commit_with_ahead(ahead, num_blocks)
         if defragment is False and shrink is False and preserve_contents is False:
             # The call an engine makes on every step, without the flag checks
             # and plans below, and without a log line (the runner logs
@@ -276,12 +289,74 @@ class ExtensibleKVCache:
         if shrinking or fragmented:
             logger.debug("KV cache at %s after commit(%d).", self, num_blocks)
 
+    def _commit_with_ahead(self, ahead: CommitAhead, num_blocks: int) -> None:
+        """A plain commit while commit-ahead is on (extkv.ahead): blocks the
+        worker grew are counted once their zeroing has run on the device, in
+        order with the caller's stream; past those the commit grows itself."""
+        if num_blocks > self.num_committed_blocks:
+            if num_blocks > self.grown_blocks:
+                self.buffer.grow_blocks_(num_blocks, True)
+            else:
+                self.buffer.driver.wait_for(ahead.fence)
+            self.num_committed_blocks = num_blocks
+        ahead.wake()
+
+    @property
+    def grown_blocks(self) -> int:
+        """Blocks mapped and zeroed: the committed ones, and with commit-ahead
+        on those the worker grew past them."""
+        return self.buffer.segment_sizes[0] // self.segment_strides[0]
+
+    @property
+    def is_live(self) -> bool:
+        """Neither freed nor broken: operations are legal."""
+        return self._state is _State.LIVE and not self.buffer.is_broken and not self.buffer.is_inherited
+
+    def commit_ahead(self, window_blocks: int, *, max_blocks: int | None = None, step_blocks: int | None = None) -> None:
+        """Keep up to `window_blocks` blocks mapped and zeroed past the
+        committed ones, grown by a background worker (extkv.ahead), never
+        past `max_blocks` (default: the capacity) nor what
+        `committable_blocks()` allows, in steps of at most `step_blocks`
+        (default: DEFAULT_STEP_BYTES of blocks). 0 turns it off: the worker
+        stops after its step in flight; the blocks it grew stay mapped until
+        a shrink, a defragment or a release. Off by default."""
+        window_blocks = validate.integer("window_blocks", window_blocks, what="blocks")
+        max_blocks = self.capacity_blocks if max_blocks is None else validate.integer(
+            "max_blocks", max_blocks, minimum=1, maximum=self.capacity_blocks, what="blocks")
+        step_blocks = max(1, DEFAULT_STEP_BYTES // self.bytes_per_block) if step_blocks is None else validate.integer(
+            "step_blocks", step_blocks, minimum=1, what="blocks")
+        self._stop_commit_ahead()
+        if window_blocks:
+            self._commit_ahead(window_blocks, max_blocks, step_blocks)
+
+    @_operation
+    def _commit_ahead(self, window_blocks: int, max_blocks: int, step_blocks: int) -> None:
+        self._ahead = CommitAhead(self, window_blocks, max_blocks, step_blocks)
+
+    def _stop_commit_ahead(self) -> None:
+        # Outside the lock: the worker needs it to finish its step.
+        ahead = self._ahead
+        if ahead is not None:
+            ahead.stop()
+            with self.buffer.lock:
+                if self._ahead is ahead:
+                    self._ahead = None
+
+    @property
+    def commit_ahead_steps(self) -> int:
+        """Steps the commit-ahead worker made since it was turned on (0 when off)."""
+        ahead = self._ahead
+        return 0 if ahead is None else ahead.steps
+
     def _sizes_for(self, num_blocks: int) -> list[int]:
         return list(map(num_blocks.__mul__, self.segment_strides))
 
     @_operation
     def release_physical(self) -> None:
-        """Drop the physical pages for sleep; addresses and views stay valid."""
+        """Drop the physical pages for sleep; addresses and views stay valid.
+        A commit-ahead worker pauses until `recommit`."""
+        if self._ahead is not None:
+            self._ahead.paused = True
         self.buffer.release_physical()
 
     @_operation
@@ -290,6 +365,9 @@ class ExtensibleKVCache:
         The committed count is kept throughout, so a recommit that fails
         half way is completed by calling it again."""
         self.buffer.grow_blocks_(self.num_committed_blocks, zero_new=True)
+        if self._ahead is not None:
+            self._ahead.paused = False
+            self._ahead.wake()
 
     # -- sizes ------------------------------------------------------------------
     @property
@@ -415,10 +493,15 @@ class ExtensibleKVCache:
                 "Torch has no memory cap for %s; recorded a limit of %s bytes only.", self.buffer.device, num_bytes
             )
 
-    @_operation
     def free(self) -> None:
         """Release everything. Lifts torch's cap: the process may start another
-        engine, which must not inherit it. Idempotent."""
+        engine, which must not inherit it. A commit-ahead worker stops first.
+        Idempotent."""
+        self._stop_commit_ahead()
+        self._free()
+
+    @_operation
+    def _free(self) -> None:
         if self._state is _State.FREED:
             return
         if self.torch_memory_limit is not None and not self.buffer.is_inherited:

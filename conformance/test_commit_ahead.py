@@ -1,0 +1,210 @@
+"""Commit-ahead (extkv.ahead): a background worker keeps blocks mapped and
+zeroed past what the engine committed.
+
+Every test runs the worker for real, on the host driver and on each CUDA
+device, over a poisoning driver so that zeroing is checked over non-zero
+memory. The worker's progress is waited for by polling its counts with a
+deadline (it runs on its own thread); a count that never comes fails with
+the counts it reached.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import pytest
+
+from extkv import KVCacheLayout
+from extkv.ahead import BackgroundGrowthError
+from extkv.testing.checks import check_all_equal, check_usage_matches
+from extkv.testing.configs import config_for
+from extkv.vmm import FaultInjectingDriver, PoisoningDriver, driver_for
+
+LAYOUT = KVCacheLayout.LBHNC
+CAPACITY = 700
+#: Seconds a test waits for the worker to reach a count.
+PATIENCE_S = 30.0
+
+
+def until(condition, what: str) -> None:
+    deadline = time.monotonic() + PATIENCE_S
+    while not condition():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"after {PATIENCE_S} s: {what}")
+        time.sleep(0.005)
+
+
+def workers() -> list[str]:
+    return [thread.name for thread in threading.enumerate() if thread.name == "extkv-commit-ahead"]
+
+
+@pytest.fixture
+def poisoned(device):
+    return PoisoningDriver(driver_for(device))
+
+
+def cache_over(build, driver, committed: int = 10):
+    cache = build.cache(config_for("full", LAYOUT, CAPACITY), LAYOUT, device=driver)
+    cache.commit(committed)
+    return cache
+
+
+def expect_zero_blocks(cache, first: int, end: int) -> None:
+    for segment, stride in enumerate(cache.segment_strides):
+        check_all_equal(cache.buffer.segment_view(segment)[first * stride : end * stride], 0, f"segment {segment}, blocks {first}-{end}")
+
+
+@pytest.mark.invariant(1, 4, 5)
+def test_the_window_is_grown_in_the_background_and_a_commit_inside_it_maps_nothing(build, poisoned, usage):
+    baseline = usage.read_outside_torch()
+    faults = FaultInjectingDriver(poisoned)
+    cache = cache_over(build, faults)
+    base = cache.buffer.base
+    cache.commit_ahead(200, step_blocks=32)
+    until(lambda: cache.grown_blocks == 210, f"grown {cache.grown_blocks} of 10 + 200 blocks")
+    assert cache.num_committed_blocks == 10, "the worker counted blocks the engine did not commit"
+    assert cache.commit_ahead_steps == 7, cache.commit_ahead_steps  # ceil(200 / 32)
+    creates = faults.calls["create"]
+    cache.commit(150)
+    assert faults.calls["create"] == creates, "a commit inside the window created chunks"
+    assert cache.num_committed_blocks == 150 and cache.buffer.base == base
+    expect_zero_blocks(cache, 10, 150)
+    until(lambda: cache.grown_blocks == 350, f"grown {cache.grown_blocks} after commit(150), window 200")
+    check_usage_matches(usage, baseline, [cache.buffer])
+    assert cache.buffer.base == base
+
+
+@pytest.mark.invariant(1, 4)
+def test_a_commit_past_the_window_grows_itself_and_the_window_follows(build, poisoned):
+    cache = cache_over(build, poisoned)
+    cache.commit_ahead(50, max_blocks=400)
+    until(lambda: cache.grown_blocks == 60, f"grown {cache.grown_blocks} of 60")
+    cache.commit(300)
+    assert cache.num_committed_blocks == 300 and cache.grown_blocks >= 300
+    expect_zero_blocks(cache, 10, 300)
+    until(lambda: cache.grown_blocks == 350, f"grown {cache.grown_blocks} of 350")
+    cache.commit(390)
+    until(lambda: cache.grown_blocks == 400, f"grown {cache.grown_blocks}: max_blocks is 400")
+    time.sleep(0.05)
+    assert cache.grown_blocks == 400, f"the worker grew past max_blocks: {cache.grown_blocks}"
+
+
+@pytest.mark.invariant(3, 4, 5)
+def test_shrink_release_recommit_and_free_meet_the_worker(build, poisoned, usage):
+    baseline = usage.read_outside_torch()
+    cache = cache_over(build, poisoned, committed=100)
+    cache.commit_ahead(100)
+    until(lambda: cache.grown_blocks == 200, f"grown {cache.grown_blocks} of 200")
+    cache.commit(40, shrink=True)
+    assert cache.num_committed_blocks == 40
+    until(lambda: cache.grown_blocks == 140, f"after the shrink: grown {cache.grown_blocks} of 140")
+    cache.release_physical()
+    time.sleep(0.1)
+    assert cache.physical_bytes == 0 and cache.grown_blocks == 0, "the worker grew while the cache sleeps"
+    check_usage_matches(usage, baseline, [cache.buffer])
+    cache.recommit()
+    expect_zero_blocks(cache, 0, 40)
+    until(lambda: cache.grown_blocks == 140, f"after the wake: grown {cache.grown_blocks} of 140")
+    cache.commit(140, defragment=True)
+    assert all(cache.buffer.segments_backed_by_one_chunk(cache.buffer.segment_sizes)) or cache.grown_blocks > 140
+    cache.free()
+    assert workers() == [], "free left the worker running"
+    check_usage_matches(usage, baseline, [])
+
+
+#: Blocks of one granule of each segment of config_for("full") (8 KiB
+#: blocks, 2 MiB granules): a step this long maps a new chunk per segment.
+GRANULE_BLOCKS = 256
+
+
+@pytest.mark.invariant(4, 5)
+def test_a_release_while_the_worker_grows_stops_it_until_the_wake(build, poisoned, usage):
+    """One block a step, so the release lands while steps are still due."""
+    baseline = usage.read_outside_torch()
+    cache = cache_over(build, poisoned)
+    cache.commit_ahead(600, step_blocks=1)
+    until(lambda: cache.grown_blocks > 20, f"grown {cache.grown_blocks}")
+    cache.release_physical()
+    assert cache.grown_blocks < 610, "the worker finished before the release: the test needs a longer window"
+    time.sleep(0.2)
+    assert cache.grown_blocks == 0 and cache.physical_bytes == 0, f"the worker grew {cache.grown_blocks} blocks in sleep"
+    check_usage_matches(usage, baseline, [cache.buffer])
+    cache.recommit()
+    until(lambda: cache.grown_blocks == 610, f"after the wake: grown {cache.grown_blocks} of 610")
+    expect_zero_blocks(cache, 0, 610)
+
+
+@pytest.mark.invariant(5, 6)
+def test_a_failed_background_step_is_raised_once_by_the_next_commit_and_changes_nothing(build, poisoned):
+    faults = FaultInjectingDriver(poisoned)
+    cache = cache_over(build, faults)
+    # Each step of a granule's blocks maps one chunk in each of 3 segments:
+    # the 4th map is the second step's first.
+    faults.fail_in("map", 4)
+    cache.commit_ahead(600, step_blocks=GRANULE_BLOCKS)
+    until(lambda: faults.fired, "the planned fault never fired")
+    time.sleep(0.05)
+    grown = cache.grown_blocks
+    assert grown == 10 + GRANULE_BLOCKS, f"the failed step changed the buffer: grown {grown}"
+    with pytest.raises(BackgroundGrowthError, match="injected fault") as raised:
+        cache.commit(25)
+    assert cache.num_committed_blocks == 10 and cache.grown_blocks == grown, "the commit that raised changed the cache"
+    assert raised.value.__cause__ is not None
+    cache.commit(25)
+    until(lambda: cache.grown_blocks == 625, f"after the retry: grown {cache.grown_blocks} of 625")
+    expect_zero_blocks(cache, 10, 625)
+
+
+@pytest.mark.invariant(5)
+def test_background_out_of_memory_stops_the_worker_silently_until_the_next_commit(build, poisoned):
+    faults = FaultInjectingDriver(poisoned, out_of_memory=True)
+    cache = cache_over(build, faults)
+    faults.fail_in("create", 1)
+    cache.commit_ahead(400, step_blocks=GRANULE_BLOCKS)
+    until(lambda: faults.fired, "the planned fault never fired")
+    time.sleep(0.05)
+    assert cache.grown_blocks == 10, f"grown {cache.grown_blocks}"
+    cache.commit(11)  # raises nothing: the engine never asked for those blocks
+    until(lambda: cache.grown_blocks == 411, f"after the next commit: grown {cache.grown_blocks} of 411")
+
+
+@pytest.mark.invariant(5)
+def test_the_worker_never_grows_into_the_headroom(build, poisoned):
+    cache = cache_over(build, poisoned)
+    free, _ = cache.buffer.driver.memory_info()
+    # Leave room for about 30 more blocks past what is mapped.
+    cache.reserved_headroom_bytes = max(0, free - 30 * cache.bytes_per_block)
+    allowed = cache.committable_blocks()
+    cache.commit_ahead(500)
+    time.sleep(0.3)
+    assert cache.grown_blocks <= max(allowed, cache.committable_blocks()) + 1, (
+        f"grown {cache.grown_blocks} blocks; committable {allowed} before, {cache.committable_blocks()} now"
+    )
+
+
+@pytest.mark.invariant(6)
+@pytest.mark.parametrize(
+    ("arguments", "expected"),
+    [
+        ({"window_blocks": -1}, "window_blocks"),
+        ({"window_blocks": 10, "max_blocks": 0}, "max_blocks"),
+        ({"window_blocks": 10, "max_blocks": CAPACITY + 1}, "max_blocks"),
+        ({"window_blocks": 10, "step_blocks": 0}, "step_blocks"),
+        ({"window_blocks": True}, "window_blocks"),
+    ],
+)
+def test_bad_policy_numbers_are_refused_and_start_nothing(build, poisoned, arguments, expected):
+    cache = cache_over(build, poisoned)
+    with pytest.raises(ValueError, match=expected):
+        cache.commit_ahead(**arguments)
+    assert workers() == [] and cache.commit_ahead_steps == 0 and cache.grown_blocks == 10
+
+
+@pytest.mark.invariant(6)
+def test_commit_ahead_on_a_freed_cache_is_refused(build, poisoned):
+    cache = cache_over(build, poisoned)
+    cache.free()
+    with pytest.raises(Exception, match="commit_ahead"):
+        cache.commit_ahead(10)
+    assert workers() == []
