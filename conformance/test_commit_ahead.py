@@ -14,9 +14,11 @@ import threading
 import time
 
 import pytest
+import torch
 
 from extkv import KVCacheLayout
 from extkv.ahead import BackgroundGrowthError
+from extkv.reference_model import ReferenceModelRunner
 from extkv.testing.checks import check_all_equal, check_usage_matches
 from extkv.testing.configs import config_for
 from extkv.vmm import FaultInjectingDriver, PoisoningDriver, driver_for
@@ -207,4 +209,71 @@ def test_commit_ahead_on_a_freed_cache_is_refused(build, poisoned):
     cache.free()
     with pytest.raises(Exception, match="commit_ahead"):
         cache.commit_ahead(10)
+    assert workers() == []
+
+
+# -- a model decoding beside the worker ---------------------------------------------------
+#: The runner's blocks are 16 KiB per layer, 128 to a granule: a sequence on
+#: blocks from 126 crosses into the second granule of every layer at its
+#: 33rd token.
+FIRST_BLOCK = 126
+DECODE_STEPS = 48
+
+
+def decode_committing(runner: ReferenceModelRunner, *, use_graph: bool) -> torch.Tensor:
+    """Greedy decode of one sequence on blocks FIRST_BLOCK on, committing
+    the block of each position just before the step that writes it, as an
+    engine does; the logits of every step."""
+    c = runner.config
+    # Entries past the sequence's blocks point at the null block, as the
+    # attention gathers every entry.
+    table = torch.zeros((1, c.max_blocks_per_seq), dtype=torch.int64, device=runner.device)
+    token = torch.tensor([7], device=runner.device)
+    kv_cache = runner.extensible_kv_cache
+    seen = []
+    for length in range(DECODE_STEPS):
+        chunk = length // c.block_size
+        if kv_cache is not None:
+            kv_cache.commit(FIRST_BLOCK + chunk + 1)
+        table[0, chunk] = FIRST_BLOCK + chunk
+        position = torch.tensor([length], device=runner.device)
+        logits = runner.decode(token, position, table, position + 1, use_graph=use_graph)
+        token = logits.argmax(-1)
+        seen.append(logits)
+    return torch.stack(seen)
+
+
+@pytest.mark.invariant(1, 2, 5)
+def test_a_model_decodes_beside_the_worker_as_on_memory_allocated_up_front(device, usage):
+    """The reference model decodes while commit-ahead grows the cache under
+    it (on a GPU by replaying graphs captured before any growth): its logits
+    equal those of a runner whose cache was allocated whole, bit for bit;
+    the layers' views never move; the witness agrees with physical_bytes."""
+    previous = torch.backends.cuda.matmul.allow_tf32
+    torch.backends.cuda.matmul.allow_tf32 = False
+    plain = ReferenceModelRunner(device, 256, extensible=False)
+    runner = ReferenceModelRunner(device, 256)
+    try:
+        plain.allocate_kv_cache()
+        expected = decode_committing(plain, use_graph=False)
+        baseline = usage.read_outside_torch()
+        runner.allocate_kv_cache()
+        use_graph = device.type == "cuda"
+        if use_graph:
+            runner.capture_cuda_graphs([1])
+        kv_cache = runner.extensible_kv_cache
+        kv_cache.commit(FIRST_BLOCK)
+        pointers = [view.data_ptr() for view in runner.kv_caches]
+        mapped = kv_cache.physical_bytes
+        kv_cache.commit_ahead(4, step_blocks=2)
+        served = decode_committing(runner, use_graph=use_graph)
+        assert torch.equal(served, expected), "logits beside the worker differ from the preallocated runner's"
+        assert kv_cache.physical_bytes > mapped, "nothing was mapped during the decode"
+        assert kv_cache.commit_ahead_steps > 0, "the worker made no step"
+        assert [view.data_ptr() for view in runner.kv_caches] == pointers, "a layer's view moved"
+        check_usage_matches(usage, baseline, [kv_cache.buffer])
+    finally:
+        runner.free()
+        plain.free()
+        torch.backends.cuda.matmul.allow_tf32 = previous
     assert workers() == []
