@@ -10,6 +10,7 @@ the counts it reached.
 
 from __future__ import annotations
 
+import random
 import threading
 import time
 
@@ -19,7 +20,7 @@ import torch
 from extkv import KVCacheLayout
 from extkv.ahead import BackgroundGrowthError
 from extkv.reference_model import ReferenceModelRunner
-from extkv.testing.checks import check_all_equal, check_usage_matches
+from extkv.testing.checks import check_all_equal, check_readback_matches_bookkeeping, check_usage_matches
 from extkv.testing.configs import config_for
 from extkv.vmm import FaultInjectingDriver, PoisoningDriver, driver_for
 
@@ -98,6 +99,8 @@ def test_shrink_release_recommit_and_free_meet_the_worker(build, poisoned, usage
     cache = cache_over(build, poisoned, committed=100)
     cache.commit_ahead(100)
     until(lambda: cache.grown_blocks == 200, f"grown {cache.grown_blocks} of 200")
+    cache.recommit()  # awake, past the committed blocks: maps nothing, drops nothing
+    assert cache.grown_blocks == 200 and cache.num_committed_blocks == 100
     cache.commit(40, shrink=True)
     assert cache.num_committed_blocks == 40
     until(lambda: cache.grown_blocks == 140, f"after the shrink: grown {cache.grown_blocks} of 140")
@@ -156,6 +159,78 @@ def test_a_failed_background_step_is_raised_once_by_the_next_commit_and_changes_
     cache.commit(25)
     until(lambda: cache.grown_blocks == 625, f"after the retry: grown {cache.grown_blocks} of 625")
     expect_zero_blocks(cache, 10, 625)
+
+
+@pytest.mark.invariant(5, 6)
+@pytest.mark.parametrize("step", ["create", "map", "set_access"])
+def test_every_driver_step_of_a_background_growth_rolls_back_when_it_fails(build, poisoned, usage, step):
+    """The worker's first step fails in its first `step`: the buffer is as
+    before (the driver's read-back agrees, the witness too), the next commit
+    raises and changes nothing, and the one after completes the window over
+    zeroed memory."""
+    baseline = usage.read_outside_torch()
+    faults = FaultInjectingDriver(poisoned)
+    cache = cache_over(build, faults)
+    faults.fail_in(step, 1)
+    cache.commit_ahead(300, step_blocks=GRANULE_BLOCKS)
+    until(lambda: faults.fired, f"the planned {step} fault never fired")
+    with cache.buffer.lock:  # the failed step is over once the worker lets go
+        assert cache.grown_blocks == 10, f"a failed {step} left grown {cache.grown_blocks}"
+        check_readback_matches_bookkeeping(cache.buffer)
+        check_usage_matches(usage, baseline, [cache.buffer])
+    with pytest.raises(BackgroundGrowthError, match=rf"{step} \(injected fault"):
+        cache.commit(20)
+    assert cache.num_committed_blocks == 10
+    cache.commit(20)
+    until(lambda: cache.grown_blocks == 320, f"after the retry: grown {cache.grown_blocks} of 320")
+    expect_zero_blocks(cache, 10, 320)
+    check_readback_matches_bookkeeping(cache.buffer)
+    check_usage_matches(usage, baseline, [cache.buffer])
+
+
+@pytest.mark.invariant(5, 7)
+def test_threads_committing_shrinking_and_sleeping_beside_the_worker_keep_the_cache_consistent(build, poisoned, usage):
+    """Four threads commit, shrink, release and recommit at random while the
+    worker grows; after each round, once the threads are done and the
+    worker idle, the counts hold: grown at least committed, the driver's
+    read-back as the bookkeeping, the witness as physical_bytes."""
+    baseline = usage.read_outside_torch()
+    cache = cache_over(build, poisoned)
+    cache.commit_ahead(64, step_blocks=16)
+    errors: list[BaseException] = []
+
+    def work(seed: int) -> None:
+        rng = random.Random(seed)
+        try:
+            for _ in range(40):
+                roll = rng.random()
+                if roll < 0.6:
+                    cache.commit(rng.randint(0, CAPACITY))
+                elif roll < 0.75:
+                    cache.commit(rng.randint(0, CAPACITY // 2), shrink=True)
+                elif roll < 0.85:
+                    cache.release_physical()
+                else:
+                    cache.recommit()
+        except BaseException as error:  # collected: a thread's failure fails the test
+            errors.append(error)
+
+    for round_ in range(3):
+        threads = [threading.Thread(target=work, args=(round_ * 10 + i,)) for i in range(4)]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join()
+        assert not errors, errors
+        cache.recommit()  # wakes it if the last thread left it asleep; awake, maps nothing
+        until(lambda: cache.grown_blocks == min(cache.num_committed_blocks + 64, CAPACITY),
+              f"round {round_}: grown {cache.grown_blocks}, committed {cache.num_committed_blocks}")
+        with cache.buffer.lock:
+            assert cache.grown_blocks >= cache.num_committed_blocks
+            check_readback_matches_bookkeeping(cache.buffer)
+            check_usage_matches(usage, baseline, [cache.buffer])
+    cache.free()
+    assert workers() == []
 
 
 @pytest.mark.invariant(5)

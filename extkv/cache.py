@@ -364,7 +364,9 @@ class ExtensibleKVCache:
         """Map fresh zeroed pages for the blocks committed before release.
         The committed count is kept throughout, so a recommit that fails
         half way is completed by calling it again."""
-        self.buffer.grow_blocks_(self.num_committed_blocks, zero_new=True)
+        # Awake with commit-ahead on, the buffer holds blocks past the
+        # committed ones: growing to those maps nothing.
+        self.buffer.grow_blocks_(max(self.num_committed_blocks, self.grown_blocks), zero_new=True)
         if self._ahead is not None:
             self._ahead.paused = False
             self._ahead.wake()
