@@ -35,6 +35,7 @@ from extkv.testing.stress import (
     PressureProcess,
     StressTally,
     crash_once,
+    decode_beside_commit_ahead,
     enumerate_faults,
     meet_real_out_of_memory,
     run_walk,
@@ -152,6 +153,16 @@ def test_threads(device, layout):
     assert thread_rounds(device, layout, spent, seed=SEED + 1, until=time.monotonic()) == LEAST_THREAD_ROUNDS
     no_failures(spent)
     assert len(spent.short_bounds) == 1 and spent.checks["after a thread round: read-back, usage probe"] == LEAST_THREAD_ROUNDS
+
+
+@pytest.mark.invariant(1, 4, 5)
+def test_decode_beside_commit_ahead(device):
+    tally = StressTally()
+    assert decode_beside_commit_ahead(device, tally, seed=SEED, episodes=2) == 2
+    no_failures(tally)
+    assert tally.operations["commit-ahead: commit the next block"] > 100, dict(tally.operations)
+    assert tally.checks["beside commit-ahead: every block, read-back, usage probe"] >= 8, dict(tally.checks)
+    assert tally.checks["beside commit-ahead: nothing left after free"] == 1
 
 
 @pytest.mark.invariant(5, 8)

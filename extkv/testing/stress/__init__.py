@@ -33,6 +33,8 @@ work, lowest first:
   `walk_under_pressure`).
 - `threads`: several threads mixing operations on one cache
   (`thread_rounds`).
+- `ahead`: decode beside commit-ahead, with shrinks, sleeps and new
+  windows (`decode_beside_commit_ahead`).
 - `crashes`: an exporter SIGKILLed at a random point (`crash_once`);
   `reclaim`: whether the memory a gone child held came back.
 - `processes`: several walks in child processes on one device
@@ -46,6 +48,7 @@ This package hands on the names the suites use.
 from __future__ import annotations
 
 from . import warm_up  # noqa: F401  (registers the workloads' warm-up)
+from .ahead import decode_beside_commit_ahead
 from .base import HOST_STRESS_GRANULE, stress_driver, warmed_probe
 from .bounds import Floor, share_of_bound
 from .crashes import crash_once
@@ -70,6 +73,7 @@ __all__ = [
     "PressureProcess",
     "StressTally",
     "crash_once",
+    "decode_beside_commit_ahead",
     "enumerate_faults",
     "meet_real_out_of_memory",
     "run_walk",
