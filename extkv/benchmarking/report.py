@@ -18,7 +18,7 @@ from __future__ import annotations
 import statistics
 from pathlib import Path
 
-from . import decode
+from . import decode, growth_loop
 from .geometry import size_label
 from .plots import plot
 from .results import BenchRun, CaseResult, Entry, carryover, load, ratio, read_json_object
@@ -302,6 +302,10 @@ def bench_section(run_dir: Path) -> str | None:
 
 
 def _decode_lines(run_dir: Path) -> list[str]:
-    """The decode bench's section, where the run has its result."""
-    path = run_dir / decode.RESULT_FILE
-    return decode.decode_section(read_json_object(path)) if path.exists() else []
+    """The sections of the decode and growth-loop benches, where the run has their results."""
+    lines = []
+    for module, render in ((decode, decode.decode_section), (growth_loop, growth_loop.growth_section)):
+        path = run_dir / module.RESULT_FILE
+        if path.exists():
+            lines += render(read_json_object(path))
+    return lines

@@ -1,0 +1,205 @@
+"""A decode loop whose KV cache grows from an eighth to full: what growth
+costs an engine's step, with and without commit-ahead.
+
+Theory of operation
+-------------------
+The step is a fixed piece of device work standing in for a model's decode
+step: on a GPU a CUDA graph of GPU_STEP_MATMULS bf16 matmuls (about 3.3 ms
+on the H200), on the host a small float32 matmul. The loop runs `steps`
+steps; before each, the engine commits what its sequences need: an eighth
+of the capacity at the start, the full capacity at the end, in
+`growth_commits` equal commits spread evenly over the loop. A step's time
+is wall time from its commit to the device's synchronize after the step,
+so a commit made inline is paid by its step. Modes, in a rotated order
+over rounds:
+
+- `no growth`: the whole capacity committed before the loop; the floor.
+- `inline`: extkv's `commit` on the engine's thread (what an engine does
+  without commit-ahead).
+- `ahead`: the same commits with commit-ahead on (`commit_ahead(window)`,
+  a window of two commits' blocks): the worker maps and zeroes beside the
+  steps.
+- `per granule`: the raw driver sequence with one handle per granule
+  (`GranuleStore`, the kvcached / vAttention strategy), inline.
+
+Between rounds every cache is freed, so each round after the first meets
+memory a previous round released (recycled). Per mode: the least p50 and
+least p99 over rounds, and what growth added in total (the sum of step
+times less `steps` times the no-growth p50), beside the time the device
+takes to zero the grown bytes on a plain allocation (its memset floor).
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from dataclasses import dataclass
+
+import torch
+
+from ..cache import ExtensibleKVCache
+from ..vmm import driver_for
+from .geometry import GEOMETRIES
+from .raw import GranuleStore
+
+MODES = ("no growth", "inline", "ahead", "per granule")
+#: Matmuls of the GPU step: 16 of 4096 x 4096 bf16 took 3.3 ms on the H200.
+GPU_STEP_MATMULS = 16
+GPU_STEP_SIZE = 4096
+#: The file a run directory keeps the result in.
+RESULT_FILE = "bench_growth.json"
+
+
+@dataclass(frozen=True)
+class Setting:
+    geometry: str
+    capacity_bytes: int
+    steps: int
+    growth_commits: int
+    rounds: int
+
+
+#: 32 GiB of a 32-layer cache grown from 4 GiB in 28 commits of 1 GiB over
+#: 600 steps (one commit every 21 steps).
+GPU_SETTING = Setting("lbhnc32", 32 << 30, steps=600, growth_commits=28, rounds=3)
+HOST_SETTING = Setting("blhnc1", 256 << 20, steps=120, growth_commits=14, rounds=2)
+QUICK_SETTING = Setting("blhnc1", 64 << 20, steps=24, growth_commits=7, rounds=1)
+
+
+def setting_for(profile: str, device: torch.device | str) -> Setting:
+    if profile == "quick":
+        return QUICK_SETTING
+    return GPU_SETTING if torch.device(device).type == "cuda" else HOST_SETTING
+
+
+def _synchronize(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def make_step(device: torch.device):
+    """The step: a call that queues a fixed piece of device work."""
+    if device.type != "cuda":
+        a = torch.randn(256, 256)
+        return lambda: a @ a
+    a = torch.randn(GPU_STEP_SIZE, GPU_STEP_SIZE, device=device, dtype=torch.bfloat16)
+    out = torch.empty_like(a)
+    side = torch.cuda.Stream(device)
+    side.wait_stream(torch.cuda.current_stream(device))
+    with torch.cuda.stream(side):
+        torch.matmul(a, a, out=out)
+    torch.cuda.current_stream(device).wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for _ in range(GPU_STEP_MATMULS):
+            torch.matmul(a, a, out=out)
+    return graph.replay
+
+
+def schedule(setting: Setting, capacity: int) -> list[int]:
+    """Blocks the engine has committed before each step."""
+    start = capacity // 8
+    per = -(-(capacity - start) // setting.growth_commits)
+    every = setting.steps // (setting.growth_commits + 1)
+    return [min(capacity, start + per * min(setting.growth_commits, i // every)) for i in range(setting.steps)]
+
+
+def run_mode(mode: str, device: torch.device, setting: Setting, step) -> list[float]:
+    """One round of one mode: the step times (s)."""
+    geometry = GEOMETRIES[setting.geometry]
+    capacity = max(8, setting.capacity_bytes // geometry.bytes_per_block)
+    wanted = schedule(setting, capacity)
+    times = []
+    if mode == "per granule":
+        store = GranuleStore(device, geometry.strides(), capacity)
+        store.open()
+        grow, close = store.grow, store.close
+    else:
+        cache = ExtensibleKVCache(geometry.config(capacity), driver_for(device), geometry.layout)
+        grow, close = cache.commit, cache.free
+    try:
+        grow(capacity if mode == "no growth" else wanted[0])
+        if mode == "ahead":
+            cache.commit_ahead(2 * (wanted[-1] - wanted[0]) // setting.growth_commits)
+        _synchronize(device)
+        for blocks in wanted:
+            start = time.perf_counter()
+            grow(blocks)
+            step()
+            _synchronize(device)
+            times.append(time.perf_counter() - start)
+    finally:
+        close()
+    return times
+
+
+def memset_floor(device: torch.device, num_bytes: int) -> float:
+    """Seconds the device takes to zero `num_bytes` of a plain allocation."""
+    buffer = torch.empty(num_bytes, dtype=torch.uint8, device=device)
+    buffer.zero_()
+    _synchronize(device)
+    start = time.perf_counter()
+    buffer.zero_()
+    _synchronize(device)
+    seconds = time.perf_counter() - start
+    del buffer
+    return seconds
+
+
+def _p99(values: list[float]) -> float:
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, -(-99 * len(ordered) // 100) - 1)]
+
+
+def run(device: torch.device | str, setting: Setting, progress=print) -> dict:
+    device = torch.device(device)
+    step = make_step(device)
+    for _ in range(3):
+        step()
+    _synchronize(device)
+    rounds: dict[str, list[list[float]]] = {mode: [] for mode in MODES}
+    for r in range(setting.rounds):
+        for mode in MODES[r % len(MODES):] + MODES[: r % len(MODES)]:
+            times = run_mode(mode, device, setting, step)
+            rounds[mode].append(times)
+            progress(f"growth loop round {r + 1}/{setting.rounds} {mode}: p50 {statistics.median(times) * 1e3:.3f} ms, "
+                     f"p99 {_p99(times) * 1e3:.3f} ms")
+    geometry = GEOMETRIES[setting.geometry]
+    capacity = max(8, setting.capacity_bytes // geometry.bytes_per_block)
+    wanted = schedule(setting, capacity)
+    grown_bytes = (wanted[-1] - wanted[0]) * geometry.bytes_per_block
+    floor_p50 = min(statistics.median(t) for t in rounds["no growth"])
+    summary = {
+        mode: {
+            "p50_s": min(statistics.median(t) for t in seen),
+            "p99_s": min(_p99(t) for t in seen),
+            "added_s": min(sum(t) - len(t) * floor_p50 for t in seen),
+        }
+        for mode, seen in rounds.items()
+    }
+    return {"format": "extkv-bench-growth/1", "device": str(device), "torch": torch.__version__,
+            "setting": setting.__dict__, "grown_bytes": grown_bytes,
+            "memset_s": memset_floor(device, grown_bytes), "modes": summary}
+
+
+def growth_section(result: dict) -> list[str]:
+    s, modes = result["setting"], result["modes"]
+    floor = modes["no growth"]
+    lines = [
+        "### A decode loop growing from an eighth to full",
+        "",
+        f"{s['steps']} steps on {result['device']} (torch {result['torch']}), the cache ({s['geometry']}, "
+        f"{s['capacity_bytes'] / 2**30:g} GiB) grown by {result['grown_bytes'] / 2**30:.3g} GiB in "
+        f"{s['growth_commits']} commits; {s['rounds']} rounds, modes rotated; least p50 and p99 over rounds. "
+        f"Zeroing the grown bytes on a plain allocation takes {result['memset_s'] * 1e3:.2f} ms.",
+        "",
+        "| mode | p50 step | p99 step | p99 vs no growth | growth added in total | vs the memset of the grown bytes |",
+        "|---|---|---|---|---|---|",
+    ]
+    for mode, m in modes.items():
+        added = "-" if mode == "no growth" else f"{m['added_s'] * 1e3:.2f} ms"
+        versus = "-" if mode == "no growth" else f"{m['added_s'] / result['memset_s']:.2f}x"
+        lines.append(f"| {mode} | {m['p50_s'] * 1e3:.3f} ms | {m['p99_s'] * 1e3:.3f} ms | "
+                     f"{m['p99_s'] / floor['p99_s']:.3f}x | {added} | {versus} |")
+    lines.append("")
+    return lines

@@ -1,0 +1,20 @@
+"""A decode loop whose KV cache grows from an eighth to full, with inline
+commits, with commit-ahead, with one handle per granule and without growth
+(extkv.benchmarking.growth_loop), written to the run directory's
+bench_growth.json for the bench's report."""
+
+from __future__ import annotations
+
+import json
+
+from extkv.benchmarking import growth_loop
+
+
+def test_growth_loop(bench_run):
+    profile, device, run_dir = bench_run
+    result = growth_loop.run(device, growth_loop.setting_for(profile, device),
+                             progress=lambda line: print(f"bench {line}", flush=True))
+    run_dir.mkdir(parents=True, exist_ok=True)
+    (run_dir / growth_loop.RESULT_FILE).write_text(json.dumps(result, indent=1) + "\n")
+    assert set(result["modes"]) == set(growth_loop.MODES)
+    assert all(mode["p50_s"] > 0 for mode in result["modes"].values())
