@@ -78,6 +78,39 @@ def test_the_window_is_grown_in_the_background_and_a_commit_inside_it_maps_nothi
     assert cache.buffer.base == base
 
 
+@pytest.mark.invariant(7)
+def test_a_commit_inside_the_window_never_waits_for_the_reservation_lock(build, poisoned):
+    """Another thread holds the reservation's lock (as a long step or a
+    commit would): a commit of ready blocks returns meanwhile; one past them
+    waits until the lock is let go."""
+    cache = cache_over(build, poisoned)
+    cache.commit_ahead(100)
+    until(lambda: cache.grown_blocks == 110, f"grown {cache.grown_blocks} of 110")
+    holding, release, released = threading.Event(), threading.Event(), threading.Event()
+
+    def hold() -> None:
+        with cache.buffer.lock:
+            holding.set()
+            release.wait(PATIENCE_S)
+        released.set()
+
+    holder = threading.Thread(target=hold)
+    holder.start()
+    holding.wait(PATIENCE_S)
+    try:
+        cache.commit(90)
+        assert not released.is_set() and cache.num_committed_blocks == 90, "a ready commit waited for the lock"
+        past = threading.Thread(target=cache.commit, args=(200,))
+        past.start()
+        past.join(0.2)
+        assert past.is_alive(), "a commit past the ready blocks ran while another thread held the lock"
+    finally:
+        release.set()
+        holder.join()
+    past.join(PATIENCE_S)
+    assert cache.num_committed_blocks == 200
+
+
 @pytest.mark.invariant(1, 4)
 def test_a_commit_past_the_window_grows_itself_and_the_window_follows(build, poisoned):
     cache = cache_over(build, poisoned)

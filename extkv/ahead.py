@@ -21,20 +21,25 @@ Counts, all in blocks:
 The worker grows in steps of at most `step_blocks`, each a plain growth of
 the buffer (a transaction: a failed step leaves the buffer as before), made
 while it holds the reservation's lock, on a stream of its own
-(`Driver.side_stream`); after each step it records a fence there. So a
-foreground operation waits for at most one step, never for the whole
-window, and nothing else of the cache changes while a step runs.
+(`Driver.side_stream`); after each step it records a fence there and
+publishes the blocks as *ready*. Between steps the lock is free, so a
+locked operation waits for one step at most.
 
 The engine's `commit(n)`:
 
-- n within grown: asked becomes n; the engine's current stream waits for
-  the fence of the last step (`Driver.wait_for`), so no kernel it queues
-  later touches a block before its zeroing has run. No driver call.
-- n past grown: the commit grows the buffer itself, as without
+- n within ready: counted without the reservation's lock (`count`, under
+  the worker's own small lock), so a step in flight never delays it; the
+  engine's current stream waits for the fence of the last step
+  (`Driver.wait_for`), so no kernel it queues later touches a block before
+  its zeroing has run. No driver call.
+- n past ready: the locked commit grows the buffer itself, as without
   commit-ahead (waiting for a step in flight first, by the lock), then
   counts.
 
-Either way the worker is woken to restore the window.
+Either way the worker is woken to restore the window. An operation that
+unmaps or moves mapped blocks (shrink, defragment, release) first
+withdraws the ready count, so no commit counts without the lock while it
+runs.
 
 How the other operations meet the worker (each holds the lock, so a step in
 flight has finished before it starts):
@@ -61,6 +66,7 @@ from __future__ import annotations
 import threading
 import time
 
+from .deferred_signals import deferred_signals
 from .errors import DriverError, OutOfMemoryError
 
 #: Bytes the worker maps per step, over every segment: a step holds the
@@ -74,41 +80,118 @@ class BackgroundGrowthError(DriverError):
 
 
 class CommitAhead:
-    """The worker of one ExtensibleKVCache, which makes and drives it; every
-    method but `stop` runs with the cache's buffer lock held."""
+    """The worker of one ExtensibleKVCache, which makes and drives it.
+
+    `_counts` (a condition on a lock of its own) guards the published
+    counts: `ready`, `fence`, `error`, and the cache's committed count while
+    commit-ahead is on. Lock order: the reservation's lock, then `_counts`;
+    the worker waits on `_counts` holding neither."""
 
     def __init__(self, cache, window_blocks: int, max_blocks: int, step_blocks: int):
         self.cache = cache
         self.window_blocks = window_blocks
         self.max_blocks = max_blocks
         self.step_blocks = step_blocks
+        #: Blocks a commit may count without the reservation's lock: mapped
+        #: and zeroed, and no operation that remaps them in flight.
+        self.ready = cache.grown_blocks
         #: The fence after the last step's zeroing (None: none in flight).
         self.fence: object | None = None
         #: A step's error for the next commit to raise.
         self.error: BaseException | None = None
-        #: While the cache sleeps (released, not recommitted) nothing grows.
-        self.paused = False
-        #: Steps made, and blocks they mapped: for tests and reports.
+        #: Steps made: for tests and reports.
         self.steps = 0
-        self.grown_blocks = 0
-        self._wake = threading.Condition(cache.buffer.lock)
+        self._paused = False
+        self._withdrawn = False
         self._stopping = False
         self._pending = True
+        self._counts = threading.Condition(threading.Lock())
         self._thread = threading.Thread(target=self._run, name="extkv-commit-ahead", daemon=True)
         self._thread.start()
 
-    # -- called by the cache, lock held -------------------------------------
-    def wake(self) -> None:
-        self._pending = True
-        self._wake.notify()
+    # -- the engine's thread, without the reservation's lock ----------------------
+    def count(self, num_blocks: int) -> bool:
+        """Count `num_blocks` committed if they are ready, ordering the
+        caller's stream after their zeroing; False: the caller takes the
+        locked path (blocks not ready, a kept error, an operation in flight)."""
+        with deferred_signals(), self._counts:
+            if num_blocks > self.ready or self.error is not None:
+                return False
+            cache = self.cache
+            if num_blocks > cache.num_committed_blocks:
+                cache.buffer.driver.wait_for(self.fence)
+                cache.num_committed_blocks = num_blocks
+            self._wake()
+            return True
+
+    # -- the cache's operations, reservation lock held ------------------------------
+    def counted(self, num_blocks: int) -> None:
+        """A locked commit made `num_blocks` committed (grow-only: a count
+        raised meanwhile by `count` stays)."""
+        with self._counts:
+            cache = self.cache
+            cache.num_committed_blocks = max(cache.num_committed_blocks, num_blocks)
+            if not (self._withdrawn or self._paused):
+                self.ready = cache.grown_blocks
+            self._wake()
+
+    def withdraw(self) -> None:
+        """Before an operation that unmaps or moves mapped blocks: no commit
+        counts without the lock until `restore`."""
+        with self._counts:
+            self._withdrawn, self.ready = True, 0
+
+    def restore(self) -> None:
+        with self._counts:
+            self._withdrawn = False
+            self.ready = 0 if self._paused else self.cache.grown_blocks
+            self._wake()
+
+    def pause(self) -> None:
+        """The cache sleeps: nothing grows, nothing counts without the lock."""
+        with self._counts:
+            self._paused = True
+            self.ready = 0
+
+    def resume(self) -> None:
+        with self._counts:
+            self._paused = False
+        self.restore()
 
     def raise_kept_error(self) -> None:
-        error, self.error = self.error, None
+        with self._counts:
+            error, self.error = self.error, None
+            if error is not None:
+                self._wake()
         if error is not None:
             raise BackgroundGrowthError(
                 f"a commit-ahead step failed: {error}; nothing of this commit ran, and the next one retries",
                 getattr(error, "code", -1), getattr(error, "name", type(error).__name__),
             ) from error
+
+    def _wake(self) -> None:  # `_counts` held
+        self._pending = True
+        self._counts.notify()
+
+    # -- the thread ---------------------------------------------------------------
+    def _run(self) -> None:
+        driver = self.cache.buffer.driver
+        with driver.side_stream():
+            while True:
+                with self._counts:
+                    while not (self._stopping or (self._pending and not self._paused and self.error is None)):
+                        self._counts.wait()
+                    if self._stopping:
+                        return
+                    self._pending = False
+                with self.cache.buffer.lock:
+                    more = self._step(driver)
+                if more:
+                    with self._counts:
+                        self._pending = True
+                # Between steps the reservation's lock is free: let a waiting
+                # operation in.
+                time.sleep(0)
 
     def _target(self) -> int:
         cache = self.cache
@@ -117,24 +200,10 @@ class CommitAhead:
             return wanted
         return min(wanted, cache.committable_blocks())
 
-    # -- the thread ---------------------------------------------------------------
-    def _run(self) -> None:
-        driver = self.cache.buffer.driver
-        with driver.side_stream():
-            while True:
-                with self._wake:
-                    while not (self._stopping or (self._pending and not self.paused and self.error is None)):
-                        self._wake.wait()
-                    if self._stopping:
-                        return
-                    self._pending = self._step(driver)
-                # Between steps the lock is free: let a waiting operation in.
-                time.sleep(0)
-
     def _step(self, driver) -> bool:
-        """One step toward the target; whether another is due."""
+        """One step toward the target, reservation lock held; whether another is due."""
         cache = self.cache
-        if not cache.is_live:
+        if not cache.is_live or self._paused:
             return False
         grown, target = cache.grown_blocks, self._target()
         if grown >= target:
@@ -145,18 +214,22 @@ class CommitAhead:
         except OutOfMemoryError:
             return False
         except Exception as error:  # kept for the next commit, which raises it
-            self.error = error
+            with self._counts:
+                self.error = error
             return False
-        self.fence = driver.fence()
-        self.steps += 1
-        self.grown_blocks += to - grown
+        fence = driver.fence()
+        with self._counts:
+            # No operation that withdraws can be in flight: it holds the
+            # reservation's lock, as this step does.
+            self.fence, self.steps, self.ready = fence, self.steps + 1, to
         return to < target
 
     def stop(self) -> None:
         """Stop the worker after its step in flight and join it. Call without
-        the lock held: the worker needs it to finish its step."""
-        with self._wake:
+        the reservation's lock held: the worker needs it to finish its step."""
+        with self._counts:
             self._stopping = True
-            self._wake.notify()
+            self.ready = 0
+            self._counts.notify()
         if self._thread is not threading.current_thread():
             self._thread.join()

@@ -222,7 +222,6 @@ class ExtensibleKVCache:
         self.commit(1)
         return self.buffer.full_view()
 
-    @_operation
     def commit(
         self,
         num_blocks: int,
@@ -240,8 +239,17 @@ class ExtensibleKVCache:
         and keeps every byte. Flags must be bools; contradictory ones raise
         before anything changes. A shrink or discarding defragment whose
         release fails part way leaves no blocks committed; calling it again
-        completes it.
+        completes it. With commit-ahead on, a plain commit of blocks the
+        worker has ready counts them without the reservation's lock.
         """
+        ahead = self._ahead
+        if (ahead is not None and type(num_blocks) is int and num_blocks >= 0 and defragment is False
+                and shrink is False and preserve_contents is False and ahead.count(num_blocks)):
+            return
+        self._commit(num_blocks, defragment, shrink, preserve_contents=preserve_contents)
+
+    @_operation
+    def _commit(self, num_blocks: int, defragment: bool, shrink: bool, *, preserve_contents: bool) -> None:
         if type(num_blocks) is not int or num_blocks < 0:
             num_blocks = _block_count(num_blocks)  # raises, or an int from an index-like value
         num_blocks = min(num_blocks, self.capacity_blocks)
@@ -250,6 +258,15 @@ class ExtensibleKVCache:
             ahead.raise_kept_error()  # a background step's failure, before anything changes
             if defragment is False and shrink is False and preserve_contents is False:
                 return self._commit_with_ahead(ahead, num_blocks)
+            ahead.withdraw()  # what follows may unmap or move mapped blocks
+            try:
+                return self._remapping_commit(num_blocks, defragment, shrink, preserve_contents)
+            finally:
+                ahead.restore()
+        self._remapping_commit(num_blocks, defragment, shrink, preserve_contents)
+
+    def _remapping_commit(self, num_blocks: int, defragment, shrink, preserve_contents) -> None:
+        """A commit with flags (checked here), or a plain one."""
         if defragment is False and shrink is False and preserve_contents is False:
             # The call an engine makes on every step, without the flag checks
             # and plans below, and without a log line (the runner logs
@@ -298,8 +315,7 @@ class ExtensibleKVCache:
                 self.buffer.grow_blocks_(num_blocks, True)
             else:
                 self.buffer.driver.wait_for(ahead.fence)
-            self.num_committed_blocks = num_blocks
-        ahead.wake()
+        ahead.counted(num_blocks)
 
     @property
     def grown_blocks(self) -> int:
@@ -356,7 +372,7 @@ class ExtensibleKVCache:
         """Drop the physical pages for sleep; addresses and views stay valid.
         A commit-ahead worker pauses until `recommit`."""
         if self._ahead is not None:
-            self._ahead.paused = True
+            self._ahead.pause()
         self.buffer.release_physical()
 
     @_operation
@@ -368,8 +384,7 @@ class ExtensibleKVCache:
         # committed ones: growing to those maps nothing.
         self.buffer.grow_blocks_(max(self.num_committed_blocks, self.grown_blocks), zero_new=True)
         if self._ahead is not None:
-            self._ahead.paused = False
-            self._ahead.wake()
+            self._ahead.resume()
 
     # -- sizes ------------------------------------------------------------------
     @property
