@@ -173,6 +173,18 @@ def test_a_release_while_the_worker_grows_stops_it_until_the_wake(build, poisone
     expect_zero_blocks(cache, 0, 610)
 
 
+@pytest.mark.invariant(4, 5)
+def test_a_worker_started_while_the_cache_sleeps_waits_for_the_wake(build, poisoned):
+    cache = cache_over(build, poisoned, committed=40)
+    cache.release_physical()
+    cache.commit_ahead(50)
+    time.sleep(0.2)
+    assert cache.grown_blocks == 0 and cache.physical_bytes == 0, f"the worker grew {cache.grown_blocks} blocks in sleep"
+    cache.recommit()
+    until(lambda: cache.grown_blocks == 90, f"after the wake: grown {cache.grown_blocks} of 90")
+    expect_zero_blocks(cache, 0, 90)
+
+
 @pytest.mark.invariant(5, 6)
 def test_a_failed_background_step_is_raised_once_by_the_next_commit_and_changes_nothing(build, poisoned):
     faults = FaultInjectingDriver(poisoned)

@@ -203,9 +203,12 @@ class CommitAhead:
     def _step(self, driver) -> bool:
         """One step toward the target, reservation lock held; whether another is due."""
         cache = self.cache
-        if not cache.is_live or self._paused:
+        grown = cache.grown_blocks
+        # Committed blocks unmapped: the cache sleeps (also for a worker
+        # started after the release, never paused).
+        if not cache.is_live or self._paused or grown < cache.num_committed_blocks:
             return False
-        grown, target = cache.grown_blocks, self._target()
+        target = self._target()
         if grown >= target:
             return False
         to = min(target, grown + self.step_blocks)
