@@ -173,6 +173,27 @@ def test_a_release_while_the_worker_grows_stops_it_until_the_wake(build, poisone
     expect_zero_blocks(cache, 0, 610)
 
 
+@pytest.mark.invariant(3, 4, 5)
+def test_blocks_a_stopped_worker_left_are_counted_later_and_a_shrink_releases_them(build, poisoned, usage):
+    baseline = usage.read_outside_torch()
+    faults = FaultInjectingDriver(poisoned)
+    cache = cache_over(build, faults)
+    cache.commit_ahead(300, step_blocks=GRANULE_BLOCKS)
+    until(lambda: cache.grown_blocks == 310, f"grown {cache.grown_blocks} of 310")
+    cache.commit_ahead(0)
+    assert workers() == [] and cache.grown_blocks == 310, "turning commit-ahead off dropped what it grew"
+    creates = faults.calls["create"]
+    cache.commit(300)
+    assert faults.calls["create"] == creates and cache.num_committed_blocks == 300, "the worker's blocks were mapped again"
+    expect_zero_blocks(cache, 10, 300)
+    cache.commit(300, shrink=True)
+    assert cache.grown_blocks == 300 and cache.physical_bytes == cache.physical_bytes_for(300)
+    check_usage_matches(usage, baseline, [cache.buffer])
+    cache.commit(400)  # past what was left: grows
+    assert cache.grown_blocks == 400
+    expect_zero_blocks(cache, 300, 400)
+
+
 @pytest.mark.invariant(4, 5)
 def test_a_worker_started_while_the_cache_sleeps_waits_for_the_wake(build, poisoned):
     cache = cache_over(build, poisoned, committed=40)

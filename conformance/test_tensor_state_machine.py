@@ -13,7 +13,13 @@ import pytest
 import torch
 from hypothesis.stateful import run_state_machine_as_test
 
-from extkv.testing.machines import CACHE_MACHINE_CASES, TENSOR_MACHINE_SEGMENTS, cache_machine, tensor_machine
+from extkv.testing.machines import (
+    CACHE_MACHINE_CASES,
+    TENSOR_MACHINE_SEGMENTS,
+    cache_machine,
+    commit_ahead_machine,
+    tensor_machine,
+)
 from extkv.vmm import HostDriver, PoisoningDriver, driver_for
 
 POISON = 0xA5
@@ -35,3 +41,8 @@ def test_tensor_state_machine(device, usage, segments):
 @pytest.mark.parametrize("kind, layout", CACHE_MACHINE_CASES, ids=[f"{k}-{l.name}" for k, l in CACHE_MACHINE_CASES])
 def test_kv_cache_state_machine(device, usage, kind, layout):
     run_state_machine_as_test(cache_machine(poisoned_driver(device), usage, kind, layout))
+
+
+@pytest.mark.invariant(1, 4, 5, 7)
+def test_kv_cache_state_machine_beside_the_commit_ahead_worker(device, usage):
+    run_state_machine_as_test(commit_ahead_machine(poisoned_driver(device), usage))

@@ -51,7 +51,9 @@ flight has finished before it starts):
 - release_physical: every page goes, and the worker pauses; recommit maps
   the asked blocks and resumes it.
 - free, and `commit_ahead(0)`: the worker stops and is joined (outside the
-  lock), then the cache frees as usual.
+  lock) and the device synchronized, then the cache frees as usual. Blocks
+  it left mapped past the committed ones stay, and a later commit counts
+  them without mapping; a shrink to fewer releases them.
 
 Faults: a step that meets out-of-memory (the engine's own allocations took
 the memory) stops the worker silently until the next commit wakes it: the
@@ -94,14 +96,15 @@ class CommitAhead:
         self.step_blocks = step_blocks
         #: Blocks a commit may count without the reservation's lock: mapped
         #: and zeroed, and no operation that remaps them in flight.
-        self.ready = cache.grown_blocks
+        self.ready = 0 if cache.is_asleep else cache.grown_blocks
         #: The fence after the last step's zeroing (None: none in flight).
         self.fence: object | None = None
         #: A step's error for the next commit to raise.
         self.error: BaseException | None = None
         #: Steps made: for tests and reports.
         self.steps = 0
-        self._paused = False
+        #: A worker started while the cache sleeps waits for its wake.
+        self._paused = cache.is_asleep
         self._withdrawn = False
         self._stopping = False
         self._pending = True
@@ -203,12 +206,9 @@ class CommitAhead:
     def _step(self, driver) -> bool:
         """One step toward the target, reservation lock held; whether another is due."""
         cache = self.cache
-        grown = cache.grown_blocks
-        # Committed blocks unmapped: the cache sleeps (also for a worker
-        # started after the release, never paused).
-        if not cache.is_live or self._paused or grown < cache.num_committed_blocks:
+        if not cache.is_live or self._paused:
             return False
-        target = self._target()
+        grown, target = cache.grown_blocks, self._target()
         if grown >= target:
             return False
         to = min(target, grown + self.step_blocks)
@@ -236,3 +236,6 @@ class CommitAhead:
             self._counts.notify()
         if self._thread is not threading.current_thread():
             self._thread.join()
+            # Its zeroing ran on its own stream: done before anyone counts
+            # the blocks it left without a fence to wait for.
+            self.cache.buffer.driver.synchronize()

@@ -195,6 +195,11 @@ class ExtensibleKVCache:
         self.num_committed_blocks = 0
         #: The commit-ahead worker while commit-ahead is on (`commit_ahead`).
         self._ahead: CommitAhead | None = None
+        #: From release_physical until recommit.
+        self.is_asleep = False
+        #: Blocks a stopped commit-ahead worker left mapped and zeroed (past
+        #: the committed ones); 0 once anything remaps.
+        self._zeroed_through = 0
         ends = self.segment_offsets[1:] + [self.size]
         try:
             with _DEFERRED_SIGNALS:  # a signal before the assignment would leak the buffer
@@ -274,7 +279,10 @@ class ExtensibleKVCache:
             # calls runs on CPU caches the driver's work left cold, and a
             # few of them cost as much as a driver step.
             if num_blocks > self.num_committed_blocks:
-                self.buffer.grow_blocks_(num_blocks, True)
+                # A commit-ahead worker turned off may have left blocks
+                # mapped and zeroed past the committed ones: counted as they are.
+                if num_blocks > self._zeroed_through:
+                    self.buffer.grow_blocks_(num_blocks, True)
                 self.num_committed_blocks = num_blocks
             return
         defragment = validate.flag("defragment", defragment)
@@ -293,12 +301,16 @@ class ExtensibleKVCache:
         # failed growth left mapped past committed blocks are no reason to
         # discard the blocks.)
         owed = self.num_committed_blocks == 0 and self.buffer.physical_bytes > 0
-        shrinking = shrink and (num_blocks < self.num_committed_blocks or owed)
+        # Blocks a commit-ahead worker mapped past `num_blocks` go too: after
+        # a shrink the footprint is exactly physical_bytes_for(num_blocks).
+        ahead_past = (self._ahead is not None or self._zeroed_through) and self.grown_blocks > num_blocks
+        shrinking = shrink and (num_blocks < self.num_committed_blocks or owed or ahead_past)
         if shrinking or (fragmented and not preserve_contents):
             # Before the release: it zeroes the buffer's sizes even when a
             # driver step fails part way, and a count left above them would
             # make the next commit of fewer blocks map nothing.
             self.num_committed_blocks = 0
+            self._zeroed_through = 0
             self.buffer.release_physical()
         self.commit(num_blocks)  # the growth left is a plain commit
         if fragmented and preserve_contents:
@@ -357,6 +369,7 @@ class ExtensibleKVCache:
             with self.buffer.lock:
                 if self._ahead is ahead:
                     self._ahead = None
+                    self._zeroed_through = 0 if self.is_asleep else self.grown_blocks
 
     @property
     def commit_ahead_steps(self) -> int:
@@ -371,6 +384,8 @@ class ExtensibleKVCache:
     def release_physical(self) -> None:
         """Drop the physical pages for sleep; addresses and views stay valid.
         A commit-ahead worker pauses until `recommit`."""
+        self.is_asleep = True
+        self._zeroed_through = 0
         if self._ahead is not None:
             self._ahead.pause()
         self.buffer.release_physical()
@@ -383,6 +398,7 @@ class ExtensibleKVCache:
         # Awake with commit-ahead on, the buffer holds blocks past the
         # committed ones: growing to those maps nothing.
         self.buffer.grow_blocks_(max(self.num_committed_blocks, self.grown_blocks), zero_new=True)
+        self.is_asleep = False
         if self._ahead is not None:
             self._ahead.resume()
 

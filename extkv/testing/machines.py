@@ -16,7 +16,9 @@ resizes always zero. `cache_machine` drives a `ModelledCache`
 (extkv.testing.modelled_cache): each rule is one of its operations, with
 arguments Hypothesis draws (`DrawnChoices`). `endurance_machine` adds the
 rest of a cache's life: block reads, exports to a peer, free and recreate,
-and CUDA graphs.
+and CUDA graphs. `commit_ahead_machine` runs a cache beside its commit-ahead
+worker (extkv.ahead), a concurrent actor whose progress the model predicts
+once the worker is idle.
 
 The suites build machines with `tensor_machine(...)` / `cache_machine(...)` /
 `endurance_machine(...)` and run them with
@@ -26,11 +28,15 @@ The suites build machines with `tensor_machine(...)` / `cache_machine(...)` /
 from __future__ import annotations
 
 import collections
+import threading
+import time
 
+import torch
 from hypothesis import note
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
+from ..cache import ExtensibleKVCache
 from ..errors import DriverError
 from ..layout import KVCacheLayout
 from ..tensor import ExtensibleTensor
@@ -43,7 +49,8 @@ from .checks import (
     readback_one_chunk_per_segment,
 )
 from .choices import DrawnChoices
-from .modelled_cache import ModelledCache
+from .configs import config_for
+from .modelled_cache import ModelledCache, capacity_for
 from .models import (
     TensorModel,
     check_addresses_fixed,
@@ -233,3 +240,126 @@ def endurance_machine(
         replay_graphs = machine_rule("replay_graphs")
 
     return EnduranceMachine
+
+
+# -- the KV cache beside its commit-ahead worker ---------------------------------
+#: Windows the commit-ahead machine switches between (0: off).
+AHEAD_WINDOWS = (0, 1, 3, 16, 64)
+#: Seconds the machine waits for the worker to reach the window the model expects.
+AHEAD_PATIENCE_S = 30.0
+
+
+def commit_ahead_machine(driver: Driver, probe: UsageProbe, layout: KVCacheLayout = KVCacheLayout.LBHNC):
+    """A state machine over one ExtensibleKVCache with its commit-ahead worker
+    (extkv.ahead) as a concurrent actor: rules commit, shrink, defragment
+    (preserving), release, recommit, write blocks and change the window
+    while the worker grows. The model keeps the committed count, the grown
+    count the worker must reach once idle (the committed count plus the
+    window, capped by the capacity; never less than before), and each
+    written block's byte. After every step, once the worker has reached
+    that count: the counts, every grown block's bytes (written ones as
+    written, every other one zero over poison), the driver's read-back, the
+    footprint and the usage probe."""
+    kind = "full"
+    capacity = capacity_for(kind, layout, driver.granularity)
+    blocks = st.integers(0, capacity + capacity // 4)
+
+    class CommitAheadMachine(RuleBasedStateMachine):
+        def __init__(self):
+            super().__init__()
+            self.baseline = probe.read_outside_torch()
+            self.cache = ExtensibleKVCache(config_for(kind, layout, capacity), driver, layout)
+            self.committed = self.grown = self.window = 0
+            self.asleep = False
+            self.values: dict[int, int] = {}
+
+        def _settle(self) -> None:
+            """The grown count the worker must reach, and wait for it."""
+            if not self.asleep and self.window:
+                self.grown = max(self.grown, min(self.committed + self.window, capacity))
+            deadline = time.monotonic() + AHEAD_PATIENCE_S
+            while not self.asleep and self.cache.grown_blocks < self.grown:
+                if time.monotonic() > deadline:
+                    raise AssertionError(f"the worker grew {self.cache.grown_blocks} of {self.grown} blocks")
+                time.sleep(0.002)
+
+        @precondition(lambda self: not self.asleep)
+        @rule(n=blocks)
+        def commit(self, n):
+            note(f"commit({n})")
+            self.cache.commit(n)
+            self.committed = max(self.committed, min(n, capacity))
+            self.grown = max(self.grown, self.committed)
+
+        @precondition(lambda self: not self.asleep)
+        @rule(data=st.data())
+        def shrink(self, data):
+            n = data.draw(st.integers(0, self.committed), label="num_blocks")
+            note(f"commit({n}, shrink=True)")
+            self.cache.commit(n, shrink=True)
+            if n < self.committed or self.grown > n:  # blocks mapped past n go too
+                self.committed = self.grown = n
+                self.values.clear()
+
+        @precondition(lambda self: not self.asleep)
+        @rule(n=blocks)
+        def defragment_preserving(self, n):
+            note(f"commit({n}, defragment=True, preserve_contents=True)")
+            self.cache.commit(n, defragment=True, preserve_contents=True)
+            self.committed = max(self.committed, min(n, capacity))
+            self.grown = max(self.grown, self.committed)
+
+        @precondition(lambda self: not self.asleep)
+        @rule()
+        def release(self):
+            note("release_physical()")
+            self.cache.release_physical()
+            self.asleep, self.grown = True, 0
+            self.values.clear()
+
+        @precondition(lambda self: self.asleep)
+        @rule()
+        def recommit(self):
+            note("recommit()")
+            self.cache.recommit()
+            self.asleep, self.grown = False, self.committed
+
+        @rule(window=st.sampled_from(AHEAD_WINDOWS))
+        def change_window(self, window):
+            note(f"commit_ahead({window})")
+            self.cache.commit_ahead(window)
+            self.window = window
+
+        @precondition(lambda self: not self.asleep and self.committed)
+        @rule(data=st.data(), value=st.integers(1, 255))
+        def write_block(self, data, value):
+            block = data.draw(st.integers(0, self.committed - 1), label="block")
+            note(f"every row of block {block} filled with {value}")
+            for segment, stride in enumerate(self.cache.segment_strides):
+                self.cache.buffer.segment_view(segment)[block * stride : (block + 1) * stride].fill_(value)
+            self.values[block] = value
+
+        @invariant()
+        def holds_what_the_model_says(self):
+            self._settle()
+            cache = self.cache
+            with cache.buffer.lock:
+                assert cache.num_committed_blocks == self.committed, f"committed {cache.num_committed_blocks}, model {self.committed}"
+                assert cache.grown_blocks == self.grown, f"grown {cache.grown_blocks}, model {self.grown}"
+                footprint = cache.physical_bytes_for(self.grown) if self.grown else 0
+                assert cache.physical_bytes == footprint, f"physical_bytes {cache.physical_bytes}, a prefix of {self.grown} blocks maps {footprint}"
+                for segment, stride in enumerate(cache.segment_strides):
+                    if not self.grown:
+                        break
+                    rows = cache.buffer.segment_view(segment)[: self.grown * stride].view(self.grown, stride)
+                    expected = torch.tensor([self.values.get(b, 0) for b in range(self.grown)], dtype=torch.uint8).to(rows.device)
+                    wrong = int((rows != expected[:, None]).any(dim=1).sum())
+                    assert wrong == 0, f"segment {segment}: {wrong} of {self.grown} grown blocks differ from the model"
+                check_readback_matches_bookkeeping(cache.buffer)
+                check_usage_matches(probe, self.baseline, [cache.buffer])
+
+        def teardown(self):
+            self.cache.free()
+            assert not [t for t in threading.enumerate() if t.name == "extkv-commit-ahead"], "free left the worker running"
+
+    return CommitAheadMachine
