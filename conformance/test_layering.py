@@ -53,8 +53,8 @@ LAYERS: list[set[str]] = [
     # One line per owner, so that work on checks, benchmarks and stress runs
     # can add modules without touching each other's line.
     {"extkv.testing.harness", "extkv.testing.timeline"},
-    {"extkv.benchmarking", "extkv.benchmarking.geometry", "extkv.benchmarking.primitives", "extkv.benchmarking.rounds",
-     "extkv.benchmarking.decode"},
+    {"extkv.benchmarking", "extkv.benchmarking.geometry", "extkv.benchmarking.primitives", "extkv.benchmarking.rounds"},
+    {"extkv.benchmarking.decode"},
     {"extkv.benchmarking.store"},
     {"extkv.benchmarking.raw"},
     {"extkv.benchmarking.clocks"},

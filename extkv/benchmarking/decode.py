@@ -14,8 +14,9 @@ step and replayed for every step after it, extkv's `make_room(1)` before
 each replay, as an engine's loop does.
 
 A run is `rounds` rounds; in each, every (cache, mode) pair prefills
-`prompt` tokens and decodes `steps` steps, the pairs in a rotated order so
-each meets the state the others leave. A step's time is wall time from the
+`prompt` tokens and decodes `steps` steps, the pairs in the rows of a
+Williams design (extkv.benchmarking.rounds) so each meets the state every
+other leaves. A step's time is wall time from the
 step's first host call to the device's synchronize after it, so a step that
 commits a new block pays its driver calls. Per pair: the median and p99 of
 the steps of each round, then the least median and least p99 over rounds;
@@ -38,6 +39,9 @@ import time
 from dataclasses import dataclass
 
 import torch
+
+from .primitives import synchronize
+from .rounds import round_order
 
 #: The model of the GPU run: 8 Llama layers of width 2048, 16 query heads
 #: over 4 KV heads of 128 (grouped-query attention), bf16.
@@ -79,11 +83,6 @@ def setting_for(profile: str, device: torch.device | str) -> Setting:
 
 CACHES = ("extkv", "static", "dynamic")
 MODES = ("eager", "graphed")
-
-
-def _synchronize(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
 
 
 def make_model(setting: Setting, device: torch.device):
@@ -132,7 +131,7 @@ def decode(kind: str, mode: str, model, setting: Setting) -> dict:
     try:
         with torch.no_grad():
             token = model(input_ids=ids, past_key_values=cache, use_cache=True).logits[:, -1:].argmax(-1)
-            _synchronize(device)
+            synchronize(device)
             step = _graphed_step(model, cache, token) if mode == "graphed" else None
             for i in range(setting.steps):
                 mapped = cache.physical_bytes if kind == "extkv" else 0
@@ -143,7 +142,7 @@ def decode(kind: str, mode: str, model, setting: Setting) -> dict:
                     if kind == "extkv":
                         cache.make_room(1)
                     step()
-                _synchronize(device)
+                synchronize(device)
                 times.append(time.perf_counter() - start)
                 if kind == "extkv" and cache.physical_bytes != mapped:
                     growth.append(i)
@@ -175,7 +174,8 @@ def _graphed_step(model, cache, token):
     return step
 
 
-def _p99(values: list[float]) -> float:
+def p99(values: list[float]) -> float:
+    """The 99th percentile of `values`, by nearest rank."""
     ordered = sorted(values)
     return ordered[min(len(ordered) - 1, math.ceil(0.99 * len(ordered)) - 1)]
 
@@ -193,8 +193,7 @@ def run(device: torch.device | str, setting: Setting, progress=print) -> dict:
     chosen = pairs(device)
     rounds: dict[str, list[dict]] = {f"{k}-{m}": [] for k, m in chosen}
     for r in range(setting.rounds):
-        order = chosen[r % len(chosen):] + chosen[: r % len(chosen)]
-        for kind, mode in order:
+        for kind, mode in round_order(chosen, r):
             got = decode(kind, mode, model, setting)
             rounds[f"{kind}-{mode}"].append(got)
             progress(f"decode round {r + 1}/{setting.rounds} {kind} {mode}: median step "
@@ -205,7 +204,7 @@ def run(device: torch.device | str, setting: Setting, progress=print) -> dict:
         other = [t for got in seen for i, t in enumerate(got["times"]) if i not in set(got["growth"])]
         summary[name] = {
             "median_s": min(statistics.median(got["times"]) for got in seen),
-            "p99_s": min(_p99(got["times"]) for got in seen),
+            "p99_s": min(p99(got["times"]) for got in seen),
             "growth_steps": sum(len(got["growth"]) for got in seen) // len(seen),
             "growth_median_s": statistics.median(growth) if growth else None,
             "other_median_s": statistics.median(other) if other else None,
@@ -229,7 +228,7 @@ def decode_section(result: dict) -> list[str]:
         f"{m['num_attention_heads']} query heads over {m['num_key_value_heads']} KV heads of {m['head_dim']}, "
         f"{s['dtype'].removeprefix('torch.')}) on {result['device']} {result['device_name']}, torch {result['torch']}: "
         f"{s['batch_size']} sequences, {s['prompt']} prompt tokens then {s['steps']} steps, in a cache of "
-        f"{s['max_cache_len']} tokens; {s['rounds']} rounds, the pairs rotated. Step: wall time to the device's "
+        f"{s['max_cache_len']} tokens; {s['rounds']} rounds, the pairs in Williams-design order. Step: wall time to the device's "
         "synchronize; least median and least p99 over rounds; ratio against StaticCache in the same mode.",
         "",
         "| cache | mode | median step | p99 step | vs StaticCache (median) | growth steps | growth step median "

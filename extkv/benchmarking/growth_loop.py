@@ -10,8 +10,8 @@ steps; before each, the engine commits what its sequences need: an eighth
 of the capacity at the start, the full capacity at the end, in
 `growth_commits` equal commits spread evenly over the loop. A step's time
 is wall time from its commit to the device's synchronize after the step,
-so a commit made inline is paid by its step. Modes, in a rotated order
-over rounds:
+so a commit made inline is paid by its step. Modes, in the rows of a
+Williams design over rounds (extkv.benchmarking.rounds):
 
 - `no growth`: the whole capacity committed before the loop; the floor.
 - `inline`: extkv's `commit` on the engine's thread (what an engine does
@@ -39,8 +39,11 @@ import torch
 
 from ..cache import ExtensibleKVCache
 from ..vmm import driver_for
+from .decode import p99
 from .geometry import GEOMETRIES
+from .primitives import synchronize
 from .raw import GranuleStore
+from .rounds import round_order
 
 MODES = ("no growth", "inline", "ahead", "per granule")
 #: Matmuls of the GPU step: 16 of 4096 x 4096 bf16 took 3.3 ms on the H200.
@@ -70,11 +73,6 @@ def setting_for(profile: str, device: torch.device | str) -> Setting:
     if profile == "quick":
         return QUICK_SETTING
     return GPU_SETTING if torch.device(device).type == "cuda" else HOST_SETTING
-
-
-def _synchronize(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
 
 
 def make_step(device: torch.device):
@@ -121,12 +119,12 @@ def run_mode(mode: str, device: torch.device, setting: Setting, step) -> list[fl
         grow(capacity if mode == "no growth" else wanted[0])
         if mode == "ahead":
             cache.commit_ahead(2 * (wanted[-1] - wanted[0]) // setting.growth_commits)
-        _synchronize(device)
+        synchronize(device)
         for blocks in wanted:
             start = time.perf_counter()
             grow(blocks)
             step()
-            _synchronize(device)
+            synchronize(device)
             times.append(time.perf_counter() - start)
     finally:
         close()
@@ -137,18 +135,13 @@ def memset_floor(device: torch.device, num_bytes: int) -> float:
     """Seconds the device takes to zero `num_bytes` of a plain allocation."""
     buffer = torch.empty(num_bytes, dtype=torch.uint8, device=device)
     buffer.zero_()
-    _synchronize(device)
+    synchronize(device)
     start = time.perf_counter()
     buffer.zero_()
-    _synchronize(device)
+    synchronize(device)
     seconds = time.perf_counter() - start
     del buffer
     return seconds
-
-
-def _p99(values: list[float]) -> float:
-    ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, -(-99 * len(ordered) // 100) - 1)]
 
 
 def run(device: torch.device | str, setting: Setting, progress=print) -> dict:
@@ -156,14 +149,14 @@ def run(device: torch.device | str, setting: Setting, progress=print) -> dict:
     step = make_step(device)
     for _ in range(3):
         step()
-    _synchronize(device)
+    synchronize(device)
     rounds: dict[str, list[list[float]]] = {mode: [] for mode in MODES}
     for r in range(setting.rounds):
-        for mode in MODES[r % len(MODES):] + MODES[: r % len(MODES)]:
+        for mode in round_order(MODES, r):
             times = run_mode(mode, device, setting, step)
             rounds[mode].append(times)
             progress(f"growth loop round {r + 1}/{setting.rounds} {mode}: p50 {statistics.median(times) * 1e3:.3f} ms, "
-                     f"p99 {_p99(times) * 1e3:.3f} ms")
+                     f"p99 {p99(times) * 1e3:.3f} ms")
     geometry = GEOMETRIES[setting.geometry]
     capacity = max(8, setting.capacity_bytes // geometry.bytes_per_block)
     wanted = schedule(setting, capacity)
@@ -172,7 +165,7 @@ def run(device: torch.device | str, setting: Setting, progress=print) -> dict:
     summary = {
         mode: {
             "p50_s": min(statistics.median(t) for t in seen),
-            "p99_s": min(_p99(t) for t in seen),
+            "p99_s": min(p99(t) for t in seen),
             "added_s": min(sum(t) - len(t) * floor_p50 for t in seen),
         }
         for mode, seen in rounds.items()
@@ -190,7 +183,7 @@ def growth_section(result: dict) -> list[str]:
         "",
         f"{s['steps']} steps on {result['device']} (torch {result['torch']}), the cache ({s['geometry']}, "
         f"{s['capacity_bytes'] / 2**30:g} GiB) grown by {result['grown_bytes'] / 2**30:.3g} GiB in "
-        f"{s['growth_commits']} commits; {s['rounds']} rounds, modes rotated; least p50 and p99 over rounds. "
+        f"{s['growth_commits']} commits; {s['rounds']} rounds, modes in Williams-design order; least p50 and p99 over rounds. "
         f"Zeroing the grown bytes on a plain allocation takes {result['memset_s'] * 1e3:.2f} ms.",
         "",
         "| mode | p50 step | p99 step | p99 vs no growth | growth added in total | vs the memset of the grown bytes |",
