@@ -195,8 +195,7 @@ class ExtensibleKVCache:
         self.num_committed_blocks = 0
         #: The commit-ahead worker while commit-ahead is on (`commit_ahead`).
         self._ahead: CommitAhead | None = None
-        #: From release_physical until recommit.
-        self.is_asleep = False
+        self._asleep = False
         #: Blocks a stopped commit-ahead worker left mapped and zeroed (past
         #: the committed ones); 0 once anything remaps.
         self._zeroed_through = 0
@@ -259,32 +258,34 @@ class ExtensibleKVCache:
             num_blocks = _block_count(num_blocks)  # raises, or an int from an index-like value
         num_blocks = min(num_blocks, self.capacity_blocks)
         ahead = self._ahead
-        if ahead is not None:
-            ahead.raise_kept_error()  # a background step's failure, before anything changes
-            if defragment is False and shrink is False and preserve_contents is False:
-                return self._commit_with_ahead(ahead, num_blocks)
-            ahead.withdraw()  # what follows may unmap or move mapped blocks
-            try:
-                return self._remapping_commit(num_blocks, defragment, shrink, preserve_contents)
-            finally:
-                ahead.restore()
-        self._remapping_commit(num_blocks, defragment, shrink, preserve_contents)
+        plain = defragment is False and shrink is False and preserve_contents is False
+        if ahead is None:
+            if plain:
+                # The call an engine makes on every step, without the flag
+                # checks and plans below, and without a log line (the runner
+                # logs growth): on a small commit each Python call between two
+                # driver calls runs on CPU caches the driver's work left cold,
+                # and a few of them cost as much as a driver step.
+                if num_blocks > self.num_committed_blocks:
+                    # A commit-ahead worker turned off may have left blocks
+                    # mapped and zeroed past the committed ones: counted as they are.
+                    if num_blocks > self._zeroed_through:
+                        self.buffer.grow_blocks_(num_blocks, True)
+                    self.num_committed_blocks = num_blocks
+                return
+            return self._remapping_commit(num_blocks, defragment, shrink, preserve_contents)
+        ahead.raise_kept_error()  # a background step's failure, before anything changes
+        if plain:
+            return self._commit_with_ahead(ahead, num_blocks)
+        ahead.withdraw()  # what follows may unmap or move mapped blocks
+        try:
+            self._remapping_commit(num_blocks, defragment, shrink, preserve_contents)
+        finally:
+            ahead.restore()
 
     def _remapping_commit(self, num_blocks: int, defragment, shrink, preserve_contents) -> None:
-        """A commit with flags (checked here), or a plain one."""
-        if defragment is False and shrink is False and preserve_contents is False:
-            # The call an engine makes on every step, without the flag checks
-            # and plans below, and without a log line (the runner logs
-            # growth): on a small commit each Python call between two driver
-            # calls runs on CPU caches the driver's work left cold, and a
-            # few of them cost as much as a driver step.
-            if num_blocks > self.num_committed_blocks:
-                # A commit-ahead worker turned off may have left blocks
-                # mapped and zeroed past the committed ones: counted as they are.
-                if num_blocks > self._zeroed_through:
-                    self.buffer.grow_blocks_(num_blocks, True)
-                self.num_committed_blocks = num_blocks
-            return
+        """A commit with flags: checked, then a release where the result must
+        be remapped, then the growth left as a plain commit."""
         defragment = validate.flag("defragment", defragment)
         shrink = validate.flag("shrink", shrink)
         preserve_contents = validate.flag("preserve_contents", preserve_contents)
@@ -336,6 +337,11 @@ class ExtensibleKVCache:
         return self.buffer.segment_sizes[0] // self.segment_strides[0]
 
     @property
+    def is_asleep(self) -> bool:
+        """From `release_physical` until `recommit`."""
+        return self._asleep
+
+    @property
     def is_live(self) -> bool:
         """Neither freed nor broken: operations are legal."""
         return self._state is _State.LIVE and not self.buffer.is_broken and not self.buffer.is_inherited
@@ -369,7 +375,7 @@ class ExtensibleKVCache:
             with self.buffer.lock:
                 if self._ahead is ahead:
                     self._ahead = None
-                    self._zeroed_through = 0 if self.is_asleep else self.grown_blocks
+                    self._zeroed_through = 0 if self._asleep else self.grown_blocks
 
     @property
     def commit_ahead_steps(self) -> int:
@@ -384,7 +390,7 @@ class ExtensibleKVCache:
     def release_physical(self) -> None:
         """Drop the physical pages for sleep; addresses and views stay valid.
         A commit-ahead worker pauses until `recommit`."""
-        self.is_asleep = True
+        self._asleep = True
         self._zeroed_through = 0
         if self._ahead is not None:
             self._ahead.pause()
@@ -398,7 +404,7 @@ class ExtensibleKVCache:
         # Awake with commit-ahead on, the buffer holds blocks past the
         # committed ones: growing to those maps nothing.
         self.buffer.grow_blocks_(max(self.num_committed_blocks, self.grown_blocks), zero_new=True)
-        self.is_asleep = False
+        self._asleep = False
         if self._ahead is not None:
             self._ahead.resume()
 
