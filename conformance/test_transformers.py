@@ -235,6 +235,26 @@ def test_generate_matches_dynamic_cache_while_the_cache_grows(device, architectu
     assert cache.seq_length == 12 + 59 and int(cache.get_seq_length()) == 12 + 59
 
 
+@pytest.mark.invariant(1, 5)
+def test_generate_beside_the_commit_ahead_worker_matches_dynamic_cache(device, caches, usage):
+    """The ExtensibleKVCache under the cache grows in the background
+    (extkv.ahead) while generate decodes past a granule of every layer: the
+    tokens are DynamicCache's, the addresses stay, the worker made steps,
+    and usage measured outside extkv equals physical_bytes."""
+    model = make_model("llama", device, **WIDE)
+    warm_up(model, caches)
+    baseline = usage.read_outside_torch()
+    cache = caches(model, 1024, margin=1)
+    ids = prompt(tokens_per_granule(cache) - cache.block_size - 8, device)
+    expected = greedy(model, ids, DynamicCache(config=model.config), 40)
+    cache.kv_cache.commit_ahead(2, step_blocks=1)
+    where = addresses(cache)
+    expect_same_generation(greedy(model, ids, cache, 40), expected, "beside the commit-ahead worker")
+    assert addresses(cache) == where
+    assert cache.kv_cache.commit_ahead_steps > 0, "the worker made no step during generate"
+    check_usage_matches(usage, baseline, [cache.kv_cache.buffer])
+
+
 @pytest.mark.invariant(1)
 @pytest.mark.parametrize("architecture", ["llama", "mistral-sliding", "gemma2"])
 def test_batch_with_left_padding_matches_dynamic_cache(device, architecture, caches):
