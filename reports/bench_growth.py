@@ -12,8 +12,7 @@ from extkv.benchmarking import growth_loop
 
 def test_growth_loop(bench_run):
     profile, device, run_dir = bench_run
-    result = growth_loop.run(device, growth_loop.setting_for(profile, device),
-                             progress=lambda line: print(f"bench {line}", flush=True))
+    result = growth_loop.run(device, profile, progress=lambda line: print(f"bench {line}", flush=True))
     run_dir.mkdir(parents=True, exist_ok=True)
     (run_dir / growth_loop.RESULT_FILE).write_text(json.dumps(result, indent=1) + "\n")
     assert set(result["modes"]) == set(growth_loop.MODES)

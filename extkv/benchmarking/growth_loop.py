@@ -23,15 +23,22 @@ Williams design over rounds (extkv.benchmarking.rounds):
   (`GranuleStore`, the kvcached / vAttention strategy), inline.
 
 Between rounds every cache is freed, so each round after the first meets
-memory a previous round released (recycled). Per mode: the least p50 and
-least p99 over rounds, and what growth added in total (the sum of step
-times less `steps` times the no-growth p50), beside the time the device
-takes to zero the grown bytes on a plain allocation (its memset floor).
+memory a previous round released (*recycled*): on the H200 a create right
+after a large release took 10-150 ms. Each mode also runs once in a new
+process of its own (`python -m extkv.benchmarking.growth_loop`), on memory
+never used before (*fresh*). Per mode: the least p50 and least p99 over the
+recycled rounds, the fresh round's, and what growth added in total (the
+sum of step times less `steps` times the no-growth p50), beside the time
+the device takes to zero the grown bytes on a plain allocation (its memset
+floor).
 """
 
 from __future__ import annotations
 
+import json
 import statistics
+import subprocess
+import sys
 import time
 from dataclasses import dataclass
 
@@ -131,6 +138,15 @@ def run_mode(mode: str, device: torch.device, setting: Setting, step) -> list[fl
     return times
 
 
+def run_fresh(mode: str, device: torch.device, profile: str) -> list[float]:
+    """One round of `mode` in a new process: on memory this process never used."""
+    command = [sys.executable, "-m", "extkv.benchmarking.growth_loop", mode, str(device), profile]
+    finished = subprocess.run(command, capture_output=True, text=True, timeout=FRESH_TIMEOUT_S)
+    if finished.returncode != 0:
+        raise RuntimeError(f"the fresh {mode} round exited {finished.returncode}: {finished.stderr[-2000:]}")
+    return json.loads(finished.stdout.splitlines()[-1])
+
+
 def memset_floor(device: torch.device, num_bytes: int) -> float:
     """Seconds the device takes to zero `num_bytes` of a plain allocation."""
     buffer = torch.empty(num_bytes, dtype=torch.uint8, device=device)
@@ -144,8 +160,9 @@ def memset_floor(device: torch.device, num_bytes: int) -> float:
     return seconds
 
 
-def run(device: torch.device | str, setting: Setting, progress=print) -> dict:
+def run(device: torch.device | str, profile: str, progress=print) -> dict:
     device = torch.device(device)
+    setting = setting_for(profile, device)
     step = make_step(device)
     for _ in range(3):
         step()
@@ -157,6 +174,11 @@ def run(device: torch.device | str, setting: Setting, progress=print) -> dict:
             rounds[mode].append(times)
             progress(f"growth loop round {r + 1}/{setting.rounds} {mode}: p50 {statistics.median(times) * 1e3:.3f} ms, "
                      f"p99 {p99(times) * 1e3:.3f} ms")
+    fresh = {}
+    for mode in MODES:
+        fresh[mode] = run_fresh(mode, device, profile)
+        progress(f"growth loop fresh {mode}: p50 {statistics.median(fresh[mode]) * 1e3:.3f} ms, "
+                 f"p99 {p99(fresh[mode]) * 1e3:.3f} ms")
     geometry = GEOMETRIES[setting.geometry]
     capacity = max(8, setting.capacity_bytes // geometry.bytes_per_block)
     wanted = schedule(setting, capacity)
@@ -167,6 +189,8 @@ def run(device: torch.device | str, setting: Setting, progress=print) -> dict:
             "p50_s": min(statistics.median(t) for t in seen),
             "p99_s": min(p99(t) for t in seen),
             "added_s": min(sum(t) - len(t) * floor_p50 for t in seen),
+            "fresh_p50_s": statistics.median(fresh[mode]),
+            "fresh_p99_s": p99(fresh[mode]),
         }
         for mode, seen in rounds.items()
     }
@@ -183,16 +207,31 @@ def growth_section(result: dict) -> list[str]:
         "",
         f"{s['steps']} steps on {result['device']} (torch {result['torch']}), the cache ({s['geometry']}, "
         f"{s['capacity_bytes'] / 2**30:g} GiB) grown by {result['grown_bytes'] / 2**30:.3g} GiB in "
-        f"{s['growth_commits']} commits; {s['rounds']} rounds, modes in Williams-design order; least p50 and p99 over rounds. "
+        f"{s['growth_commits']} commits; {s['rounds']} rounds on recycled memory, modes in Williams-design order, "
+        "least p50 and p99 over them; one round of each mode in a new process, on fresh memory. "
         f"Zeroing the grown bytes on a plain allocation takes {result['memset_s'] * 1e3:.2f} ms.",
         "",
-        "| mode | p50 step | p99 step | p99 vs no growth | growth added in total | vs the memset of the grown bytes |",
-        "|---|---|---|---|---|---|",
+        "| mode | p50 step | p99 step | p99 vs no growth | growth added in total | vs the memset of the grown bytes "
+        "| fresh memory: p50 / p99 |",
+        "|---|---|---|---|---|---|---|",
     ]
     for mode, m in modes.items():
         added = "-" if mode == "no growth" else f"{m['added_s'] * 1e3:.2f} ms"
         versus = "-" if mode == "no growth" else f"{m['added_s'] / result['memset_s']:.2f}x"
         lines.append(f"| {mode} | {m['p50_s'] * 1e3:.3f} ms | {m['p99_s'] * 1e3:.3f} ms | "
-                     f"{m['p99_s'] / floor['p99_s']:.3f}x | {added} | {versus} |")
+                     f"{m['p99_s'] / floor['p99_s']:.3f}x | {added} | {versus} | "
+                     f"{m['fresh_p50_s'] * 1e3:.3f} ms / {m['fresh_p99_s'] * 1e3:.3f} ms |")
     lines.append("")
     return lines
+
+
+#: Seconds a fresh round's process may take.
+FRESH_TIMEOUT_S = 300
+
+
+if __name__ == "__main__":
+    # `python -m extkv.benchmarking.growth_loop MODE DEVICE PROFILE`: one
+    # round of MODE on fresh memory; its step times as JSON, last line.
+    mode, device, profile = sys.argv[1], torch.device(sys.argv[2]), sys.argv[3]
+    step = make_step(device)
+    print(json.dumps(run_mode(mode, device, setting_for(profile, device), step)))
