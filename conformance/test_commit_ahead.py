@@ -10,7 +10,9 @@ the counts it reached.
 
 from __future__ import annotations
 
+import os
 import random
+import signal
 import threading
 import time
 
@@ -324,6 +326,28 @@ def test_the_worker_never_grows_into_the_headroom(build, poisoned):
     assert cache.grown_blocks <= max(allowed, cache.committable_blocks()) + 1, (
         f"grown {cache.grown_blocks} blocks; committable {allowed} before, {cache.committable_blocks()} now"
     )
+
+
+@pytest.mark.invariant(7)
+def test_a_forked_child_frees_its_copy_without_touching_the_parents_worker(build):
+    """Forked while the worker steps one block at a time: the child's copy
+    of the cache frees at once (it has no worker of its own to stop), and
+    the parent's worker goes on growing."""
+    cache = cache_over(build, driver_for("cpu"))
+    cache.commit_ahead(CAPACITY, step_blocks=1)
+    until(lambda: cache.grown_blocks > 20, f"grown {cache.grown_blocks}")
+    child = os.fork()
+    if child == 0:
+        code = 1
+        try:
+            signal.alarm(10)  # a child stuck in free is a failure, not a hang
+            cache.free()
+            code = 0 if cache.is_freed else 2
+        finally:
+            os._exit(code)
+    _, status = os.waitpid(child, 0)
+    assert os.waitstatus_to_exitcode(status) == 0, f"the child's free exited {os.waitstatus_to_exitcode(status)}"
+    until(lambda: cache.grown_blocks == CAPACITY, f"the parent's worker stopped at {cache.grown_blocks}")
 
 
 @pytest.mark.invariant(6)

@@ -65,6 +65,7 @@ after that runs normally, waking the worker to try again.
 
 from __future__ import annotations
 
+import os
 import threading
 import time
 
@@ -109,6 +110,9 @@ class CommitAhead:
         self._stopping = False
         self._pending = True
         self._counts = threading.Condition(threading.Lock())
+        #: The worker, its lock and its stream are this process's: a forked
+        #: child (whose caches only free) has no worker to stop.
+        self._pid = os.getpid()
         self._thread = threading.Thread(target=self._run, name="extkv-commit-ahead", daemon=True)
         self._thread.start()
 
@@ -230,6 +234,8 @@ class CommitAhead:
     def stop(self) -> None:
         """Stop the worker after its step in flight and join it. Call without
         the reservation's lock held: the worker needs it to finish its step."""
+        if os.getpid() != self._pid:
+            return  # a forked child: `_counts` may have been held at the fork
         with self._counts:
             self._stopping = True
             self.ready = 0
