@@ -34,7 +34,7 @@ import torch
 
 from extkv import vmm
 from extkv.cache import ExtensibleKVCache
-from extkv.benchmarking import clocks, engine as bench_engine, measure
+from extkv.benchmarking import clocks, decode, engine as bench_engine, growth_loop, measure
 from extkv.benchmarking.cases import HEADLINE_READINGS, OPERATIONS, PROFILES, Case, catalogue
 from extkv.benchmarking.contenders import CONTENDERS, AllocCopyStore, Contender, CopyStore, PlainStore, UpfrontStore
 from extkv.benchmarking.engine import CASES_FILE, Engine
@@ -1081,3 +1081,20 @@ def test_extkv_pool_writes_the_pooled_report_or_says_why_not(tmp_path, capsys):
     assert "Pooled (extkv pool)" in (tmp_path / "pooled" / "summary.md").read_text()
     assert main(["pool", str(tmp_path / "again"), runs[0]]) == 2
     assert "extkv pool: pooling needs two or more run directories, got 1" in capsys.readouterr().err
+
+
+@pytest.mark.harness
+def test_the_growth_loop_commits_an_eighth_then_equal_commits_to_full():
+    """The quick setting's schedule, worked by hand: 64 blocks, 24 steps, 7
+    commits: an eighth (8 blocks) for the first 3 steps, then 8 more blocks
+    every 24 // (7 + 1) = 3 steps, full for the last 3."""
+    setting = growth_loop.Setting("blhnc1", 64 << 20, steps=24, growth_commits=7, rounds=1)
+    assert growth_loop.schedule(setting, 64) == [8 + 8 * (step // 3) for step in range(24)]
+    assert growth_loop.schedule(setting, 64)[-3:] == [64, 64, 64]
+
+
+@pytest.mark.harness
+def test_p99_is_the_nearest_rank():
+    assert decode.p99(list(range(1, 101))) == 99
+    assert decode.p99(list(range(200, 0, -1))) == 198
+    assert decode.p99([0.5]) == 0.5
