@@ -161,6 +161,8 @@ def memset_floor(device: torch.device, num_bytes: int) -> float:
 
 
 def run(device: torch.device | str, profile: str, progress=print) -> dict:
+    """Every mode, the profile's rounds on recycled memory and one fresh
+    round each; the summary per mode."""
     device = torch.device(device)
     setting = setting_for(profile, device)
     step = make_step(device)
@@ -200,6 +202,7 @@ def run(device: torch.device | str, profile: str, progress=print) -> dict:
 
 
 def growth_section(result: dict) -> list[str]:
+    """Markdown lines for a `run` result."""
     s, modes = result["setting"], result["modes"]
     floor = modes["no growth"]
     lines = [
