@@ -31,7 +31,6 @@ import collections
 import threading
 import time
 
-import torch
 from hypothesis import note
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
@@ -52,7 +51,9 @@ from .choices import DrawnChoices
 from .configs import config_for
 from .modelled_cache import ModelledCache, capacity_for
 from .models import (
+    CacheModel,
     TensorModel,
+    check_cache_blocks,
     check_addresses_fixed,
     check_tensor_contents,
     check_tensor_physical_bytes,
@@ -271,7 +272,9 @@ def commit_ahead_machine(driver: Driver, probe: UsageProbe, layout: KVCacheLayou
             self.cache = ExtensibleKVCache(config_for(kind, layout, capacity), driver, layout)
             self.committed = self.grown = self.window = 0
             self.asleep = False
-            self.values: dict[int, int] = {}
+            # Only its block values: the counts above are this machine's.
+            self.model = CacheModel(capacity, self.cache.segment_offsets, self.cache.segment_strides, driver.granularity)
+            self.values = self.model.values
 
         def _settle(self) -> None:
             """The grown count the worker must reach, and wait for it."""
@@ -348,13 +351,7 @@ def commit_ahead_machine(driver: Driver, probe: UsageProbe, layout: KVCacheLayou
                 assert cache.grown_blocks == self.grown, f"grown {cache.grown_blocks}, model {self.grown}"
                 footprint = cache.physical_bytes_for(self.grown) if self.grown else 0
                 assert cache.physical_bytes == footprint, f"physical_bytes {cache.physical_bytes}, a prefix of {self.grown} blocks maps {footprint}"
-                for segment, stride in enumerate(cache.segment_strides):
-                    if not self.grown:
-                        break
-                    rows = cache.buffer.segment_view(segment)[: self.grown * stride].view(self.grown, stride)
-                    expected = torch.tensor([self.values.get(b, 0) for b in range(self.grown)], dtype=torch.uint8).to(rows.device)
-                    wrong = int((rows != expected[:, None]).any(dim=1).sum())
-                    assert wrong == 0, f"segment {segment}: {wrong} of {self.grown} grown blocks differ from the model"
+                check_cache_blocks(cache, self.model, 0, self.grown, "grown blocks")
                 check_readback_matches_bookkeeping(cache.buffer)
                 check_usage_matches(probe, self.baseline, [cache.buffer])
 
