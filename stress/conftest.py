@@ -63,7 +63,9 @@ TIMEOUT_SLACK_S = 300.0
 #: Modules in the order they run: a fixed amount of work first (a full fault
 #: enumeration, a least number of crashes), then the workloads that run for
 #: whatever time is left.
-MODULE_ORDER = ("test_faults", "test_crash", "test_pressure", "test_threads", "test_processes", "test_endurance")
+MODULE_ORDER = (
+    "test_faults", "test_crash", "test_pressure", "test_threads", "test_processes", "test_ahead", "test_endurance",
+)
 
 _SCHEDULE = pytest.StashKey[list]()
 _DEADLINE = pytest.StashKey[float]()
