@@ -114,14 +114,15 @@ DEFAULT_BLOCK_SIZE = 16
 #: Tokens committed past those a step needs: four 16-token blocks, so a commit
 #: (a driver call) comes once every 64 tokens at most.
 DEFAULT_MARGIN = 64
-#: K/V of a block head-major, so that one gather over the blocks leaves each
-#: (sequence, head) pair's positions contiguous, as StaticCache holds them:
-#: the copy that repeats KV heads for grouped-query attention then reads
-#: whole runs. Measured on the H200 (8-layer bf16 Llama, 4 sequences, 4096
-#: positions, 4 KV heads of 128), the graphed decode step took 3.78 ms with
-#: token-major blocks gathered by advanced indexing, against StaticCache's
-#: 2.59 ms; the gather took 37 us per K or V and the repeat 25 us more than
-#: over StaticCache's tensors.
+#: K/V of a block head-major: a layer's blocks are then rows of one head's
+#: `block_size` tokens (K's heads, then V's, block after block), and one
+#: index_select of rows hands out keys and values as StaticCache holds them,
+#: (batch, heads, positions, head_dim) contiguous. Measured on the H200
+#: (8-layer bf16 Llama, 4 sequences, 4096 positions, 4 KV heads of 128):
+#: with token-major blocks gathered by advanced indexing the graphed decode
+#: step took 3.78 ms against StaticCache's 2.59 ms; the gather took 37 us per
+#: K or V, and the copy that repeats KV heads for grouped-query attention
+#: 25 us more than over StaticCache's tensors.
 LAYOUT = KVCacheLayout.LBHNC
 #: Layer types whose cache is keys and values per token. Chunked attention is
 #: a mask over them, as a sliding window is.
@@ -181,10 +182,12 @@ class ExtensibleLayer(CacheLayerMixin):
         self.dtype, self.device = cache.dtype, cache.device
         # (capacity blocks, block_size, kv heads, head_dim) each, over the
         # whole reservation: only committed blocks may be touched, which the
-        # block table sees to. Head-major in memory (LAYOUT), so the
-        # (heads, blocks, block_size, head_dim) order is a view too.
+        # block table sees to.
         self._keys, self._values = blocks[:, 0], blocks[:, 1]
-        self._keys_by_head, self._values_by_head = (t.permute(2, 0, 1, 3) for t in (self._keys, self._values))
+        # The same bytes as rows of one head's block_size tokens: row
+        # (block * 2 + k_or_v) * heads + head. A view, never a copy: a copy
+        # would read the uncommitted blocks, which are unmapped.
+        self._rows = blocks.permute(0, 1, 3, 2, 4).view(-1, cache.block_size * cache.head_dim)
         # A tensor, as StaticLayer's: a graph replay advances it.
         self.cumulative_length = torch.zeros((), dtype=torch.int64, device=cache.device)
 
@@ -210,19 +213,12 @@ class ExtensibleLayer(CacheLayerMixin):
         self._keys.index_put_((blocks, offsets), key_states.transpose(1, 2))
         self._values.index_put_((blocks, offsets), value_states.transpose(1, 2))
         self.cumulative_length.add_(new)
-        # Advanced indexing over the blocks of every head gathers into a fresh
-        # contiguous (heads, batch * chunks, block_size, head_dim), whose chunk
-        # and token axes merge into one: (heads, batch, positions, head_dim),
-        # handed out as (batch, heads, positions, head_dim). Not index_select:
-        # on the CPU it read this strided view's uncommitted blocks, which
-        # are unmapped, and faulted.
-        readable = table[:, :-1].reshape(-1)
-        shape = (self.num_heads, self.batch_size, -1, key_states.shape[-1])
-        keys, values = (
-            by_head[:, readable].view(shape)[:, :, : self.max_cache_len].transpose(0, 1)
-            for by_head in (self._keys_by_head, self._values_by_head)
-        )
-        return keys, values
+        # One index_select of the rows the table names (cache.gather_rows)
+        # reads only those rows and writes a fresh contiguous (K or V, batch,
+        # heads, chunks * block_size, head_dim).
+        shape = (2, self.batch_size, self.num_heads, -1, key_states.shape[-1])
+        gathered = torch.index_select(self._rows, 0, cache.gather_rows).view(shape)[..., : self.max_cache_len, :]
+        return gathered[0], gathered[1]
 
     def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
         """(kv length, kv offset) of the mask: every position, from 0."""
@@ -266,7 +262,7 @@ class ExtensibleLayer(CacheLayerMixin):
 
     def _drop_blocks(self) -> None:
         """Forget the block views: after `free` they point at nothing."""
-        self._keys = self._values = self._keys_by_head = self._values_by_head = None
+        self._keys = self._values = self._rows = None
 
     def _zero_committed(self, num_blocks: int) -> None:
         self._keys[:num_blocks].zero_()
@@ -346,6 +342,10 @@ class ExtensibleCache(Cache):
             #: Block id of each (batch row, chunk); the last column and chunks
             #: not committed yet hold the null block.
             self.block_table = torch.zeros(self._batch_size, self.num_chunks + 1, dtype=torch.int64, device=self.device)
+            #: The layers' rows (ExtensibleLayer._rows) the table names, in the
+            #: order of the keys and values each update hands out: (K or V,
+            #: batch row, head, chunk), flattened; kept beside the table.
+            self.gather_rows = self._rows_named(self.block_table[:, :-1])
             layers = [
                 ExtensibleLayer(self, index, _KV_LAYER_TYPES[kind], kwargs.get("sliding_window"), layer_blocks)
                 for index, (kind, kwargs, layer_blocks) in enumerate(zip(layer_types, per_layer_kwargs, blocks))
@@ -356,6 +356,13 @@ class ExtensibleCache(Cache):
             self.kv_cache.free()
             self._state = _State.FREED
             raise
+
+    def _rows_named(self, blocks: torch.Tensor) -> torch.Tensor:
+        """The rows of `blocks` (batch, chunks), flattened in (K or V, batch
+        row, head, chunk) order."""
+        heads = self.num_kv_heads
+        first = torch.arange(2 * heads, device=blocks.device).view(2, 1, heads, 1)
+        return (blocks[None, :, None, :] * (2 * heads) + first).reshape(-1)
 
     def _blocks_for(self, chunks: int) -> int:
         """Blocks committed when every batch row has `chunks` chunks: the null
@@ -481,6 +488,7 @@ class ExtensibleCache(Cache):
         rows = torch.arange(self._batch_size)[:, None]
         columns = torch.arange(self._open_chunks, chunks)[None, :]
         self.block_table[:, self._open_chunks : chunks] = (1 + columns * self._batch_size + rows).to(self.device)
+        self.gather_rows.copy_(self._rows_named(self.block_table[:, :-1]))
         self._open_chunks = chunks
 
     # -- memory -----------------------------------------------------------------
