@@ -95,6 +95,15 @@ def connector():
     connector.close()
 
 
+@pytest.fixture
+def channel():
+    """(sender, receiver): a connected pair of Unix sockets, closed after
+    the test."""
+    sender, receiver = socket.socketpair()
+    with sender, receiver:
+        yield sender, receiver
+
+
 def digest(view: torch.Tensor) -> str:
     # Computed apart from the connector's own digest (a copy of the bytes,
     # not a buffer over them), so a bug there does not cancel out here.
@@ -417,7 +426,7 @@ def test_restore_after_release_and_recommit_reads_new_bytes(device, build, conne
 
 
 @pytest.mark.invariant(6, 8)
-def test_stale_registration_is_refused_until_restored(device, build, connector):
+def test_stale_registration_is_refused_until_restored(device, build, connector, channel):
     kv_cache = build.cache_for("padded", KVCacheLayout.LBHNC)
     kv_cache.commit(300, defragment=True)
     connector.register_kv_caches(kv_cache)
@@ -431,28 +440,27 @@ def test_stale_registration_is_refused_until_restored(device, build, connector):
         kv_cache.release_physical()
         kv_cache.recommit()
 
-    sender, receiver = socket.socketpair()
-    with sender, receiver:
-        receiver.setblocking(False)
-        for change in (grow_within_the_mapped_chunks, release_and_recommit):
-            change()
-            fill_segments(kv_cache, seed=7)
-            fds = fd_count()
-            with pytest.raises(StaleRegistrationError, match=r"changed since register_kv_caches.*restore_kv_caches"):
-                connector.export_to(sender)
-            assert fd_count() == fds
-            with pytest.raises(BlockingIOError):
-                receiver.recv(1)  # nothing was sent
-            connector.restore_kv_caches()
+    sender, receiver = channel
+    receiver.setblocking(False)
+    for change in (grow_within_the_mapped_chunks, release_and_recommit):
+        change()
+        fill_segments(kv_cache, seed=7)
+        fds = fd_count()
+        with pytest.raises(StaleRegistrationError, match=r"changed since register_kv_caches.*restore_kv_caches"):
             connector.export_to(sender)
-            receiver.setblocking(True)
-            with import_segments(receiver) as imported:
-                assert imported.digests() == digests_here(kv_cache)
-            receiver.setblocking(False)
+        assert fd_count() == fds
+        with pytest.raises(BlockingIOError):
+            receiver.recv(1)  # nothing was sent
+        connector.restore_kv_caches()
+        connector.export_to(sender)
+        receiver.setblocking(True)
+        with import_segments(receiver) as imported:
+            assert imported.digests() == digests_here(kv_cache)
+        receiver.setblocking(False)
 
 
 @pytest.mark.invariant(8)
-def test_a_broken_cache_is_not_exported(device, build, connector):
+def test_a_broken_cache_is_not_exported(device, build, connector, channel):
     """A growth whose access grant and undo unmap both fail breaks the cache:
     its chunks are no longer known to back its segments, so nothing of it
     is sent, and the registration says why."""
@@ -465,64 +473,61 @@ def test_a_broken_cache_is_not_exported(device, build, connector):
     with pytest.raises(DriverError, match="injected fault"):
         kv_cache.commit(600)
     assert kv_cache.is_broken
-    sender, receiver = socket.socketpair()
-    with sender, receiver:
-        receiver.setblocking(False)
-        fds = fd_count()
-        with pytest.raises(StaleRegistrationError, match="is broken"):
-            connector.export_to(sender)
-        assert fd_count() == fds
-        with pytest.raises(BlockingIOError):
-            receiver.recv(1)  # nothing was sent
+    sender, receiver = channel
+    receiver.setblocking(False)
+    fds = fd_count()
+    with pytest.raises(StaleRegistrationError, match="is broken"):
+        connector.export_to(sender)
+    assert fd_count() == fds
+    with pytest.raises(BlockingIOError):
+        receiver.recv(1)  # nothing was sent
 
 
 @pytest.mark.invariant(5, 8)
-def test_in_process_import_shares_the_physical_memory(device, build, usage):
+def test_in_process_import_shares_the_physical_memory(device, build, usage, channel):
     baseline = usage.read_outside_torch()
     kv_cache = build.cache_for("full", KVCacheLayout.LBHNC)
     kv_cache.commit(37, defragment=True)
     fill_segments(kv_cache, seed=8)
     connector = SegmentExportConnector(writable_exports=True)
     connector.register_kv_caches(kv_cache)
-    sender, receiver = socket.socketpair()
-    with sender, receiver:
-        connector.export_to(sender)
-        with import_segments(receiver) as imported:
-            assert imported.writable is True
-            assert imported.segment_sizes == kv_cache.buffer.segment_sizes
-            assert imported.views[1].data_ptr() != kv_cache.buffer.segment_view(1).data_ptr()
-            if device.type == "cpu":
-                assert maps_permissions(imported.views[1].data_ptr()) == "rw-s"
-            imported.views[1][-4:].fill_(0xEE)  # written there, read here
-            assert torch.all(kv_cache.buffer.segment_view(1)[-4:] == 0xEE)
-            assert imported.digests() == digests_here(kv_cache)
+    sender, receiver = channel
+    connector.export_to(sender)
+    with import_segments(receiver) as imported:
+        assert imported.writable is True
+        assert imported.segment_sizes == kv_cache.buffer.segment_sizes
+        assert imported.views[1].data_ptr() != kv_cache.buffer.segment_view(1).data_ptr()
+        if device.type == "cpu":
+            assert maps_permissions(imported.views[1].data_ptr()) == "rw-s"
+        imported.views[1][-4:].fill_(0xEE)  # written there, read here
+        assert torch.all(kv_cache.buffer.segment_view(1)[-4:] == 0xEE)
+        assert imported.digests() == digests_here(kv_cache)
     connector.close()
     check_usage_matches(usage, baseline, [kv_cache.buffer])
 
 
 @pytest.mark.invariant(8)
-def test_exports_are_read_only_by_default(build, connector):
+def test_exports_are_read_only_by_default(build, connector, channel):
     """The peer's host mapping is read-only, read back from the kernel; the
     exporter's own mapping stays writable and the peer sees its writes."""
     kv_cache = build.cache_for("padded", KVCacheLayout.LBHNC, device=HOST)
     kv_cache.commit(300, defragment=True)
     fill_segments(kv_cache, seed=9)
     connector.register_kv_caches(kv_cache)
-    sender, receiver = socket.socketpair()
-    with sender, receiver:
-        connector.export_to(sender)
-        with import_segments(receiver) as imported:
-            assert imported.writable is False
-            for i, view in enumerate(imported.views):
-                assert maps_permissions(view.data_ptr()) == "r--s"
-                assert maps_permissions(kv_cache.buffer.segment_view(i).data_ptr()) == "rw-s"
-            kv_cache.buffer.segment_view(2)[:3].fill_(0)
-            assert torch.all(imported.views[2][:3] == 0)
-            assert imported.digests() == digests_here(kv_cache)
+    sender, receiver = channel
+    connector.export_to(sender)
+    with import_segments(receiver) as imported:
+        assert imported.writable is False
+        for i, view in enumerate(imported.views):
+            assert maps_permissions(view.data_ptr()) == "r--s"
+            assert maps_permissions(kv_cache.buffer.segment_view(i).data_ptr()) == "rw-s"
+        kv_cache.buffer.segment_view(2)[:3].fill_(0)
+        assert torch.all(imported.views[2][:3] == 0)
+        assert imported.digests() == digests_here(kv_cache)
 
 
 @pytest.mark.invariant(8)
-def test_an_import_told_read_only_is_mapped_read_only(device, build, connector):
+def test_an_import_told_read_only_is_mapped_read_only(device, build, connector, channel):
     """Read back from the kernel or the driver (`Driver.accesses_at`), not
     taken from the header: every granule of a read-only import is mapped
     read-only, on each device, while the exporter's own mapping stays
@@ -530,14 +535,13 @@ def test_an_import_told_read_only_is_mapped_read_only(device, build, connector):
     kv_cache = build.cache_for("padded", KVCacheLayout.LBHNC)
     kv_cache.commit(300, defragment=True)
     connector.register_kv_caches(kv_cache)
-    sender, receiver = socket.socketpair()
-    with sender, receiver:
-        connector.export_to(sender)
-        with import_segments(receiver) as imported:
-            assert imported.writable is False
-            check_mapped_read_only(imported.driver, imported.views)
-            own = [kv_cache.buffer.segment_view(i).data_ptr() for i in range(len(imported.views))]
-            assert kv_cache.buffer.driver.accesses_at(own) == [READ_WRITE] * len(own)
+    sender, receiver = channel
+    connector.export_to(sender)
+    with import_segments(receiver) as imported:
+        assert imported.writable is False
+        check_mapped_read_only(imported.driver, imported.views)
+        own = [kv_cache.buffer.segment_view(i).data_ptr() for i in range(len(imported.views))]
+        assert kv_cache.buffer.driver.accesses_at(own) == [READ_WRITE] * len(own)
 
 
 # What a peer tries on every chunk descriptor it received; each entry is "ok"
@@ -669,29 +673,28 @@ def test_peer_cannot_truncate_punch_or_write_a_read_only_export(build, connector
 
 @pytest.mark.invariant(5, 6)
 @pytest.mark.parametrize("step, nth", [("reserve", 1), ("import", 2), ("map", 3), ("set_access", 1)])
-def test_failed_import_undoes_every_step(device, build, connector, step, nth):
+def test_failed_import_undoes_every_step(device, build, connector, step, nth, channel):
     kv_cache = build.cache_for("padded", KVCacheLayout.LBHNC)  # three chunks
     kv_cache.commit(300, defragment=True)
     fill_segments(kv_cache, seed=3)
     connector.register_kv_caches(kv_cache)
     faulty = FaultInjectingDriver(driver_for(device), {step: nth})
-    sender, receiver = socket.socketpair()
-    with sender, receiver:
-        counts, fds = live_counts(), fd_count()
-        connector.export_to(sender)
-        with pytest.raises(DriverError, match="injected fault"):
-            import_segments(receiver, driver=faulty)
-        assert faulty.fired == [(step, nth)]
-        assert live_counts() == counts and fd_count() == fds  # received descriptors closed too
-        # The fault fired once: a fresh export imports completely.
-        connector.export_to(sender)
-        with import_segments(receiver, driver=faulty) as imported:
-            assert imported.digests() == digests_here(kv_cache)
-        assert live_counts() == counts and fd_count() == fds
+    sender, receiver = channel
+    counts, fds = live_counts(), fd_count()
+    connector.export_to(sender)
+    with pytest.raises(DriverError, match="injected fault"):
+        import_segments(receiver, driver=faulty)
+    assert faulty.fired == [(step, nth)]
+    assert live_counts() == counts and fd_count() == fds  # received descriptors closed too
+    # The fault fired once: a fresh export imports completely.
+    connector.export_to(sender)
+    with import_segments(receiver, driver=faulty) as imported:
+        assert imported.digests() == digests_here(kv_cache)
+    assert live_counts() == counts and fd_count() == fds
 
 
 @pytest.mark.invariant(5, 6)
-def test_failed_import_attempts_every_undo_and_raises_the_first_failure(build, connector):
+def test_failed_import_attempts_every_undo_and_raises_the_first_failure(build, connector, channel):
     """An undo step that fails stops none of the others, and the step that
     failed first is what the caller sees; the undo's failure is a note on it.
     On the host, freeing the reservation unmaps what the failed undo left."""
@@ -699,13 +702,12 @@ def test_failed_import_attempts_every_undo_and_raises_the_first_failure(build, c
     kv_cache.commit(300, defragment=True)
     connector.register_kv_caches(kv_cache)
     faulty = FaultInjectingDriver(driver_for("cpu"), {"set_access": 1, "unmap": 2})
-    sender, receiver = socket.socketpair()
-    with sender, receiver:
-        counts, fds = live_counts(), fd_count()
-        connector.export_to(sender)
-        with pytest.raises(DriverError, match=r"^set_access \(injected fault at call 1\)") as raised:
-            import_segments(receiver, driver=faulty)
-        assert live_counts() == counts and fd_count() == fds
+    sender, receiver = channel
+    counts, fds = live_counts(), fd_count()
+    connector.export_to(sender)
+    with pytest.raises(DriverError, match=r"^set_access \(injected fault at call 1\)") as raised:
+        import_segments(receiver, driver=faulty)
+    assert live_counts() == counts and fd_count() == fds
     assert faulty.fired == [("set_access", 1), ("unmap", 2)]
     assert faulty.calls["release"] == 3 and faulty.calls["unmap"] == 3
     if sys.version_info >= (3, 11):
@@ -714,27 +716,26 @@ def test_failed_import_attempts_every_undo_and_raises_the_first_failure(build, c
 
 
 @pytest.mark.invariant(5, 8)
-def test_failed_export_sends_nothing_and_closes_what_it_exported(device, build, connector):
+def test_failed_export_sends_nothing_and_closes_what_it_exported(device, build, connector, channel):
     faulty = FaultInjectingDriver(driver_for(device))
     kv_cache = build.cache_for("padded", KVCacheLayout.LBHNC, device=faulty)
     kv_cache.commit(300, defragment=True)
     fill_segments(kv_cache, seed=6)
     connector.register_kv_caches(kv_cache)
-    sender, receiver = socket.socketpair()
-    with sender, receiver:
-        fds = fd_count()
-        faulty.fail_in("export", 2)
-        with pytest.raises(DriverError, match="export"):
-            connector.export_to(sender)
-        assert fd_count() == fds
-        receiver.setblocking(False)
-        with pytest.raises(BlockingIOError):
-            receiver.recv(1)
-        receiver.setblocking(True)
+    sender, receiver = channel
+    fds = fd_count()
+    faulty.fail_in("export", 2)
+    with pytest.raises(DriverError, match="export"):
         connector.export_to(sender)
-        with import_segments(receiver) as imported:
-            assert imported.digests() == digests_here(kv_cache)
-        assert fd_count() == fds
+    assert fd_count() == fds
+    receiver.setblocking(False)
+    with pytest.raises(BlockingIOError):
+        receiver.recv(1)
+    receiver.setblocking(True)
+    connector.export_to(sender)
+    with import_segments(receiver) as imported:
+        assert imported.digests() == digests_here(kv_cache)
+    assert fd_count() == fds
 
 
 @pytest.mark.invariant(6)
@@ -843,13 +844,12 @@ def test_peer_refuses_a_bad_header_and_says_why():
         ),
     ],
 )
-def test_import_refuses_malformed_headers_before_importing(header, message):
+def test_import_refuses_malformed_headers_before_importing(header, message, channel):
     counts, fds = live_counts(), fd_count()
-    sender, receiver = socket.socketpair()
-    with sender, receiver:
-        send_message(sender, header)
-        with pytest.raises(ValueError, match=message):
-            import_segments(receiver)
+    sender, receiver = channel
+    send_message(sender, header)
+    with pytest.raises(ValueError, match=message):
+        import_segments(receiver)
     assert live_counts() == counts and fd_count() == fds
 
 
@@ -869,20 +869,19 @@ def host_header(chunk_sizes: list[int], segments: list[tuple[int, int, int]]) ->
 
 
 @pytest.mark.invariant(6, 8)
-def test_import_refuses_deeply_nested_json_with_a_value_error():
+def test_import_refuses_deeply_nested_json_with_a_value_error(channel):
     counts, fds = live_counts(), fd_count()
-    sender, receiver = socket.socketpair()
-    with sender, receiver:
-        payload = b"[" * 100_000
-        sender.sendall(struct.pack(">Q", len(payload)) + payload)
-        with pytest.raises(ValueError, match=r"message of 100000 bytes nests JSON arrays or objects too deeply"):
-            import_segments(receiver)
+    sender, receiver = channel
+    payload = b"[" * 100_000
+    sender.sendall(struct.pack(">Q", len(payload)) + payload)
+    with pytest.raises(ValueError, match=r"message of 100000 bytes nests JSON arrays or objects too deeply"):
+        import_segments(receiver)
     assert live_counts() == counts and fd_count() == fds
 
 
 @pytest.mark.invariant(6, 8)
 @pytest.mark.parametrize("kind", ["regular file", "unsealed memfd"])
-def test_import_refuses_a_descriptor_that_is_not_a_sealed_memfd(kind):
+def test_import_refuses_a_descriptor_that_is_not_a_sealed_memfd(kind, channel):
     """A regular file, or a memfd without seals, could be truncated by its
     sender under the importer's mapping: refused before anything is mapped."""
     counts, fds = live_counts(), fd_count()
@@ -893,12 +892,11 @@ def test_import_refuses_a_descriptor_that_is_not_a_sealed_memfd(kind):
         fd = os.memfd_create("extkv-chunk", os.MFD_CLOEXEC)
     try:
         os.ftruncate(fd, GRANULE)
-        sender, receiver = socket.socketpair()
-        with sender, receiver:
-            send_message(sender, host_header([GRANULE], [(0, 0, GRANULE)]))
-            socket.send_fds(sender, [b"F"], [fd])
-            with pytest.raises(ValueError, match=r"is not a memfd sealed with F_SEAL_SHRINK\|F_SEAL_GROW"):
-                import_segments(receiver)
+        sender, receiver = channel
+        send_message(sender, host_header([GRANULE], [(0, 0, GRANULE)]))
+        socket.send_fds(sender, [b"F"], [fd])
+        with pytest.raises(ValueError, match=r"is not a memfd sealed with F_SEAL_SHRINK\|F_SEAL_GROW"):
+            import_segments(receiver)
     finally:
         os.close(fd)
     assert live_counts() == counts and fd_count() == fds
@@ -1035,17 +1033,16 @@ def test_peer_error_reply_names_no_address(peers):
 
 
 @pytest.mark.invariant(6, 8)
-def test_import_gives_up_when_the_exporter_stalls_and_restores_the_timeout():
+def test_import_gives_up_when_the_exporter_stalls_and_restores_the_timeout(channel):
     counts, fds = live_counts(), fd_count()
-    sender, receiver = socket.socketpair()
-    with sender, receiver:
-        for sent in ("nothing", "the header but no descriptors"):
-            if sent != "nothing":
-                send_message(sender, host_header([GRANULE], [(0, 0, GRANULE)]))
-            # Without the timeout this would wait forever: the error is the proof.
-            with pytest.raises(TimeoutError):
-                import_segments(receiver, timeout=0.2)
-            assert receiver.gettimeout() is None, sent
+    sender, receiver = channel
+    for sent in ("nothing", "the header but no descriptors"):
+        if sent != "nothing":
+            send_message(sender, host_header([GRANULE], [(0, 0, GRANULE)]))
+        # Without the timeout this would wait forever: the error is the proof.
+        with pytest.raises(TimeoutError):
+            import_segments(receiver, timeout=0.2)
+        assert receiver.gettimeout() is None, sent
     assert live_counts() == counts and fd_count() == fds
 
 
@@ -1058,7 +1055,7 @@ def no_timeout(name: str, value) -> str:
 
 
 @pytest.mark.invariant(6, 8)
-def test_timeouts_take_inf_as_no_limit_and_refuse_what_is_no_duration(build, connector):
+def test_timeouts_take_inf_as_no_limit_and_refuse_what_is_no_duration(build, connector, channel):
     """inf, like None, waits as long as it takes, and so does a finite number
     of seconds too long for a socket's clock; never an OverflowError. A
     bool, nan, 0 or less, a string or a tensor is refused with a ValueError
@@ -1069,25 +1066,24 @@ def test_timeouts_take_inf_as_no_limit_and_refuse_what_is_no_duration(build, con
     connector.register_kv_caches(kv_cache)
     expected = digests_here(kv_cache)
     counts, fds = live_counts(), fd_count()
-    sender, receiver = socket.socketpair()
-    with sender, receiver:
-        for timeout in (math.inf, 1e300, 10**400, None, 60):
+    sender, receiver = channel
+    for timeout in (math.inf, 1e300, 10**400, None, 60):
+        connector.export_to(sender, timeout=timeout)
+        assert sender.gettimeout() is None, timeout
+        with import_segments(receiver, timeout=timeout) as imported:
+            assert imported.digests(timeout=timeout) == expected, timeout
+            for refused in NOT_TIMEOUTS:
+                with pytest.raises(ValueError, match=no_timeout("timeout", refused)):
+                    imported.digests(timeout=refused)
+        assert receiver.gettimeout() is None, timeout
+    for timeout in NOT_TIMEOUTS:
+        with pytest.raises(ValueError, match=no_timeout("timeout", timeout)):
+            import_segments(receiver, timeout=timeout)
+        with pytest.raises(ValueError, match=no_timeout("timeout", timeout)):
             connector.export_to(sender, timeout=timeout)
-            assert sender.gettimeout() is None, timeout
-            with import_segments(receiver, timeout=timeout) as imported:
-                assert imported.digests(timeout=timeout) == expected, timeout
-                for refused in NOT_TIMEOUTS:
-                    with pytest.raises(ValueError, match=no_timeout("timeout", refused)):
-                        imported.digests(timeout=refused)
-            assert receiver.gettimeout() is None, timeout
-        for timeout in NOT_TIMEOUTS:
-            with pytest.raises(ValueError, match=no_timeout("timeout", timeout)):
-                import_segments(receiver, timeout=timeout)
-            with pytest.raises(ValueError, match=no_timeout("timeout", timeout)):
-                connector.export_to(sender, timeout=timeout)
-        receiver.setblocking(False)
-        with pytest.raises(BlockingIOError):
-            receiver.recv(1)  # each import read its export to the end; a refused export sent nothing
+    receiver.setblocking(False)
+    with pytest.raises(BlockingIOError):
+        receiver.recv(1)  # each import read its export to the end; a refused export sent nothing
     assert live_counts() == counts and fd_count() == fds
 
     # The peer's whole run (what `extkv peer --timeout inf` calls), in a thread.
