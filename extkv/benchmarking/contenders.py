@@ -91,7 +91,18 @@ class _TorchStore(Store):
         """Forget every tensor this store holds."""
 
 
-class PlainStore(_TorchStore):
+class _OneBufferStore(_TorchStore):
+    """One allocation of the whole capacity, made by `open`; growing zeroes
+    the bytes of the newly committed blocks in it."""
+
+    def grow(self, blocks: int) -> None:
+        old, new = self._total(self.blocks), self._total(blocks)
+        if new > old:
+            self._zero(self.buffer[old:new])
+        self.blocks = max(self.blocks, blocks)
+
+
+class PlainStore(_OneBufferStore):
     """memset of the same bytes on one plain allocation: the floor."""
 
     what = "memset (the driver's, as extkv zeroes) of the same bytes on a plain allocation"
@@ -100,12 +111,6 @@ class PlainStore(_TorchStore):
         # Written once, untimed, so that host pages exist before the timed
         # zero as device memory does: the floor is the write alone.
         self.buffer = torch.empty(self._total(self.capacity_blocks), dtype=torch.uint8, device=self.device).fill_(0xA5)
-
-    def grow(self, blocks: int) -> None:
-        old, new = self._total(self.blocks), self._total(blocks)
-        if new > old:
-            self._zero(self.buffer[old:new])
-        self.blocks = max(self.blocks, blocks)
 
     def release(self) -> None:
         """A memset keeps its memory; only the committed count goes."""
@@ -248,7 +253,7 @@ def _memory_saver():
     return torch_memory_saver
 
 
-class TmsStore(_TorchStore):
+class TmsStore(_OneBufferStore):
     """torch_memory_saver: pause unmaps and releases, resume maps again
     (without zeroing: the store zeroes after resume, as extkv's recommit does)."""
 
@@ -266,12 +271,6 @@ class TmsStore(_TorchStore):
         self.paused = False
         with self.saver.region():
             self.buffer = torch.empty(self._total(self.capacity_blocks), dtype=torch.uint8, device=self.device)
-
-    def grow(self, blocks: int) -> None:
-        old, new = self._total(self.blocks), self._total(blocks)
-        if new > old:
-            self._zero(self.buffer[old:new])
-        self.blocks = max(self.blocks, blocks)
 
     def release(self) -> None:
         self.saver.pause()
