@@ -199,20 +199,17 @@ class ExtensibleLayer(CacheLayerMixin):
 
     @torch.compiler.disable
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
-        """Write the new tokens' keys and values at the layer's next positions
-        and return its keys and values over max_cache_len positions."""
+        """Write the new tokens' keys and values at the step's positions and
+        return the layer's keys and values over max_cache_len positions.
+        ExtensibleCache.update calls it, having found the step's positions
+        at layer 0 (every layer writes the same ones)."""
         cache = self._cache
         cache._check_states(self.index, key_states, value_states)
         self.is_initialized = True
-        block_size, table = cache.block_size, cache.block_table
-        new = key_states.shape[-2]
-        positions = self.cumulative_length + torch.arange(new, device=self.device)
-        chunks = torch.clamp(positions // block_size, max=table.shape[1] - 1)
-        blocks = table[:, chunks]
-        offsets = positions % block_size
+        blocks, offsets = cache.step_positions
         self._keys.index_put_((blocks, offsets), key_states.transpose(1, 2))
         self._values.index_put_((blocks, offsets), value_states.transpose(1, 2))
-        self.cumulative_length.add_(new)
+        self.cumulative_length.add_(key_states.shape[-2])
         # One index_select of the rows the table names (cache.gather_rows)
         # reads only those rows and writes a fresh contiguous (K or V, batch,
         # heads, chunks * block_size, head_dim).
@@ -352,6 +349,9 @@ class ExtensibleCache(Cache):
             ]
             del reservation, blocks
             super().__init__(layers=layers)
+            #: Where the current step writes (`_positions_of_step`), found at
+            #: layer 0 for every layer.
+            self.step_positions = self._positions_of_step(0)
         except BaseException:
             self.kv_cache.free()
             self._state = _State.FREED
@@ -437,7 +437,17 @@ class ExtensibleCache(Cache):
             )
         if layer_idx == 0:
             self._begin_step(key_states, value_states)
+            self.step_positions = self._positions_of_step(key_states.shape[-2])
         return self.layers[layer_idx].update(key_states, value_states)
+
+    def _positions_of_step(self, new: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """(block of each batch row, offset in it) of the step's `new`
+        positions, on the device from layer 0's counter, so that a graph
+        replay finds the next ones. A position past max_cache_len finds the
+        table's last column, the null block."""
+        positions = self.layers[0].cumulative_length + torch.arange(new, device=self.device)
+        chunks = torch.clamp(positions // self.block_size, max=self.num_chunks)
+        return self.block_table[:, chunks], positions % self.block_size
 
     def _begin_step(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
         """The host step of layer 0's update: checks, then room for the
