@@ -206,15 +206,15 @@ class ExtensibleLayer(CacheLayerMixin):
         cache = self._cache
         cache._check_states(self.index, key_states, value_states)
         self.is_initialized = True
-        blocks, offsets = cache.step_positions
+        blocks, offsets = cache._step_positions
         self._keys.index_put_((blocks, offsets), key_states.transpose(1, 2))
         self._values.index_put_((blocks, offsets), value_states.transpose(1, 2))
         self.cumulative_length.add_(key_states.shape[-2])
-        # One index_select of the rows the table names (cache.gather_rows)
+        # One index_select of the rows the table names (cache._gather_rows)
         # reads only those rows and writes a fresh contiguous (K or V, batch,
         # heads, chunks * block_size, head_dim).
         shape = (2, self.batch_size, self.num_heads, -1, key_states.shape[-1])
-        gathered = torch.index_select(self._rows, 0, cache.gather_rows).view(shape)[..., : self.max_cache_len, :]
+        gathered = torch.index_select(self._rows, 0, cache._gather_rows).view(shape)[..., : self.max_cache_len, :]
         return gathered[0], gathered[1]
 
     def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
@@ -342,7 +342,7 @@ class ExtensibleCache(Cache):
             #: The layers' rows (ExtensibleLayer._rows) the table names, in the
             #: order of the keys and values each update hands out: (K or V,
             #: batch row, head, chunk), flattened; kept beside the table.
-            self.gather_rows = self._rows_named(self.block_table[:, :-1])
+            self._gather_rows = self._rows_named(self.block_table[:, :-1])
             layers = [
                 ExtensibleLayer(self, index, _KV_LAYER_TYPES[kind], kwargs.get("sliding_window"), layer_blocks)
                 for index, (kind, kwargs, layer_blocks) in enumerate(zip(layer_types, per_layer_kwargs, blocks))
@@ -351,7 +351,7 @@ class ExtensibleCache(Cache):
             super().__init__(layers=layers)
             #: Where the current step writes (`_positions_of_step`), found at
             #: layer 0 for every layer.
-            self.step_positions = self._positions_of_step(0)
+            self._step_positions = self._positions_of_step(0)
         except BaseException:
             self.kv_cache.free()
             self._state = _State.FREED
@@ -437,7 +437,7 @@ class ExtensibleCache(Cache):
             )
         if layer_idx == 0:
             self._begin_step(key_states, value_states)
-            self.step_positions = self._positions_of_step(key_states.shape[-2])
+            self._step_positions = self._positions_of_step(key_states.shape[-2])
         return self.layers[layer_idx].update(key_states, value_states)
 
     def _positions_of_step(self, new: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -498,7 +498,7 @@ class ExtensibleCache(Cache):
         rows = torch.arange(self._batch_size)[:, None]
         columns = torch.arange(self._open_chunks, chunks)[None, :]
         self.block_table[:, self._open_chunks : chunks] = (1 + columns * self._batch_size + rows).to(self.device)
-        self.gather_rows.copy_(self._rows_named(self.block_table[:, :-1]))
+        self._gather_rows.copy_(self._rows_named(self.block_table[:, :-1]))
         self._open_chunks = chunks
 
     # -- memory -----------------------------------------------------------------
