@@ -38,10 +38,12 @@ no shape ever changes. They are gathered through a block table on the device,
 (batch_size, chunks + 1) block ids: a chunk not committed yet points at the
 null block, so no step, however it is driven, reads or writes unmapped
 memory, and the last column is the null block too, where a position past the
-end lands instead of past the table. The table, the layers' position counters
-and the block views keep their addresses; growth writes the new chunks' ids
-into the table in place. A decode step captured as a CUDA graph therefore
-reads and writes blocks committed after its capture when it is replayed.
+end lands instead of past the table. The table, the rows each layer gathers
+(the table's blocks as rows of one head's tokens), the layers' position
+counters and the block views keep their addresses; growth writes the new
+chunks' ids into the table, and their rows into the gathered ones, in place.
+A decode step captured as a CUDA graph therefore reads and writes blocks
+committed after its capture when it is replayed.
 
 Host and device. Layer 0's `update` runs the host step first, `make_room`:
 check that the sequence fits max_cache_len, commit if it needs to, count the
