@@ -13,15 +13,25 @@ test_planted_defects.py, and must find the inconsistencies.
 
 from __future__ import annotations
 
+import contextlib
+import inspect
 import signal
+import socket
+import sys
 import threading
 
 import pytest
 
 from extkv import ExtensibleTensor
-from extkv.deferred_signals import deferred_signals, deferring
+from extkv.cache import ExtensibleKVCache
+from extkv.connector import SegmentExportConnector
+from extkv.deferred_signals import deferred_signals, deferring, run_deferred
+from extkv.layout import KVCacheLayout
+from extkv.peer import ImportedSegments, import_segments
 from extkv.testing.checks import check_readback_matches_bookkeeping
+from extkv.testing.configs import config_for
 from extkv.testing.interrupts import run_in_child
+from extkv.vmm import live_reservations
 from extkv.vmm.wrapping import WrappingDriver
 
 SEED = 20261201
@@ -124,6 +134,77 @@ def test_a_signal_between_two_driver_steps_raises_once_the_operation_completed(r
         assert len(frames) == 2, f"the handler ran {len(frames)} times for two operations"
     finally:
         tensor.free()
+
+
+@contextlib.contextmanager
+def an_import(device):
+    """An import of a one-block cache exported from a thread of this
+    process; the cache and the connector are freed after."""
+    layout = KVCacheLayout.LHBNC
+    cache = ExtensibleKVCache(config_for("full", layout, 4), device, layout)
+    connector = SegmentExportConnector()
+    sender, receiver = socket.socketpair()
+    try:
+        cache.commit(1, defragment=True)
+        connector.register_kv_caches(cache)
+        exporter = threading.Thread(target=connector.export_to, args=(sender,), kwargs={"timeout": 30})
+        exporter.start()
+        try:
+            yield import_segments(receiver, timeout=30)
+        finally:
+            exporter.join(30)
+    finally:
+        sender.close()
+        receiver.close()
+        connector.close()
+        cache.free()
+
+
+@contextlib.contextmanager
+def raising_in_run_deferred_of_close(event: str, line: int | None = None):
+    """A trace function that raises `Raised` in the `run_deferred` that
+    ImportedSegments.close calls, on `event` ("call": its first
+    instruction; "line": at `line`), as an interrupt landing there does."""
+    code, caller = run_deferred.__code__, ImportedSegments.close.__code__
+
+    def trace(frame, seen, arg):
+        if frame.f_code is not code or frame.f_back is None or frame.f_back.f_code is not caller:
+            return None
+        if seen == event and (line is None or frame.f_lineno == line):
+            raise Raised(seen)
+        return trace
+
+    previous = sys.gettrace()
+    sys.settrace(trace)
+    try:
+        yield
+    finally:
+        sys.settrace(previous)
+
+
+@pytest.mark.invariant(5, 6)
+def test_an_interrupt_on_the_first_instruction_of_a_deferred_close_leaves_it_open_for_a_retry(device):
+    with an_import(device) as imported:
+        kind = imported.driver.kind
+        held, sizes = live_reservations[kind], imported.segment_sizes
+        with pytest.raises(Raised), raising_in_run_deferred_of_close("call"):
+            imported.close()
+        assert not imported.closed and live_reservations[kind] == held, "an interrupt before any step did some"
+        assert imported.segment_sizes == sizes and sum(sizes) > 0, f"segment sizes {imported.segment_sizes}, {sizes} before"
+        imported.close()
+        assert imported.closed and live_reservations[kind] == held - 1, f"{live_reservations[kind]} reservations after the retry, {held} before"
+
+
+@pytest.mark.invariant(5, 6)
+def test_an_interrupt_as_a_deferred_close_enters_its_deferral_still_closes(device):
+    lines, first = inspect.getsourcelines(run_deferred)
+    entering = first + next(i for i, text in enumerate(lines) if "with _DEFERRAL" in text)
+    with an_import(device) as imported:
+        kind = imported.driver.kind
+        held = live_reservations[kind]
+        with pytest.raises(Raised), raising_in_run_deferred_of_close("line", entering):
+            imported.close()
+        assert imported.closed and live_reservations[kind] == held - 1, f"{live_reservations[kind]} reservations, {held} before the close"
 
 
 @pytest.mark.invariant(5, 6)

@@ -165,9 +165,11 @@ def deferred_signals() -> _Deferral:
 def run_deferred(function, *args):
     """`function(*args)` with signal handlers deferred, for a step that must
     run once begun (closing descriptors a caller owns). A handler can still
-    raise as the deferral is entered, before it holds (at the call itself);
-    then `function` runs undeferred before that exception propagates, so a
-    single interrupt never skips it."""
+    raise as the deferral is entered, before it holds; then `function` runs
+    undeferred before that exception propagates, so an interrupt past this
+    function's first instruction never skips it. One on that first
+    instruction raises before anything ran, as at the entry of any Python
+    call: the caller's object is as it was, and calling again finishes it."""
     entered = False
     try:
         with _DEFERRAL:

@@ -286,13 +286,14 @@ def run_interrupted(
 
     def interrupt(number, frame) -> None:
         tally.interrupts += 1
-        landed_in[:] = [getattr(frame.f_code, "co_qualname", frame.f_code.co_name) if frame is not None else ""]
+        landed_in[:] = [_where(frame), _where(frame.f_back if frame is not None else None),
+                        frame is not None and frame.f_lineno == frame.f_code.co_firstlineno]
         filename = frame.f_code.co_filename if frame is not None else ""
         if filename.startswith(_EXTKV_DIR) and not filename.startswith(_TESTING_DIR):
             tally.inside += 1
         raise Interrupted()
 
-    landed_in: list[str] = []
+    landed_in: list = []  # [function, its caller, whether at the function's first instruction]
     previous = signal.signal(signal.SIGALRM, interrupt)
     try:
         while tally.inside < inside_target and tally.steps < max_steps and not (stop_at_problem and tally.problems):
@@ -310,7 +311,7 @@ def run_interrupted(
                 durations[name] = 0.8 * durations[name] + 0.2 * (time.perf_counter() - started)
             except Interrupted:
                 tally.interrupted[name] += 1
-                if landed_in[0].endswith(("import_and_close", "ImportedSegments.close")):
+                if _dropped_an_import(*landed_in):
                     _close_dropped_imports(tally)
             except Exception as error:  # noqa: BLE001 - any other error is a finding
                 tally.problems.append(f"step {tally.steps}, {name}: {type(error).__name__}: {error}")
@@ -332,6 +333,21 @@ def run_interrupted(
     if left != baseline:
         tally.problems.append(f"after free: (reservations, host chunks, memfds) {left}, at the start {baseline}")
     return tally
+
+
+def _where(frame) -> str:
+    return getattr(frame.f_code, "co_qualname", frame.f_code.co_name) if frame is not None else ""
+
+
+def _dropped_an_import(function: str, caller: str, at_entry: bool) -> bool:
+    """Whether the interrupt landed where the workload drops an import:
+    in `import_and_close` or `close` itself, or on the first instruction of
+    the `run_deferred` close calls. A call can be interrupted before its
+    first line runs, as `close` can; past that first instruction
+    `run_deferred` closes the import whatever lands."""
+    if function.endswith(("import_and_close", "ImportedSegments.close")):
+        return True
+    return function == "run_deferred" and caller == "ImportedSegments.close" and at_entry
 
 
 def _close_dropped_imports(tally: InterruptTally) -> None:
