@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import contextlib
 import inspect
+import os
 import signal
 import socket
 import sys
@@ -27,9 +28,10 @@ from extkv.cache import ExtensibleKVCache
 from extkv.connector import SegmentExportConnector
 from extkv.deferred_signals import deferred_signals, deferring, run_deferred
 from extkv.layout import KVCacheLayout
-from extkv.peer import ImportedSegments, import_segments
+from extkv.peer import ImportedSegments, _import, import_segments
 from extkv.testing.checks import check_readback_matches_bookkeeping
 from extkv.testing.configs import config_for
+from extkv.wire import close_all
 from extkv.testing.interrupts import run_in_child
 from extkv.vmm import live_reservations
 from extkv.vmm.wrapping import WrappingDriver
@@ -161,11 +163,11 @@ def an_import(device):
 
 
 @contextlib.contextmanager
-def raising_in_run_deferred_of_close(event: str, line: int | None = None):
-    """A trace function that raises `Raised` in the `run_deferred` that
-    ImportedSegments.close calls, on `event` ("call": its first
-    instruction; "line": at `line`), as an interrupt landing there does."""
-    code, caller = run_deferred.__code__, ImportedSegments.close.__code__
+def raising_in(function, called_by, event: str, line: int | None = None):
+    """A trace function that raises `Raised` in `function` where `called_by`
+    calls it, on `event` ("call": its first instruction; "line": at
+    `line`), as an interrupt landing there does. This thread only."""
+    code, caller = function.__code__, called_by.__code__
 
     def trace(frame, seen, arg):
         if frame.f_code is not code or frame.f_back is None or frame.f_back.f_code is not caller:
@@ -187,7 +189,7 @@ def test_an_interrupt_on_the_first_instruction_of_a_deferred_close_leaves_it_ope
     with an_import(device) as imported:
         kind = imported.driver.kind
         held, sizes = live_reservations[kind], imported.segment_sizes
-        with pytest.raises(Raised), raising_in_run_deferred_of_close("call"):
+        with pytest.raises(Raised), raising_in(run_deferred, ImportedSegments.close, "call"):
             imported.close()
         assert not imported.closed and live_reservations[kind] == held, "an interrupt before any step did some"
         assert imported.segment_sizes == sizes and sum(sizes) > 0, f"segment sizes {imported.segment_sizes}, {sizes} before"
@@ -202,9 +204,91 @@ def test_an_interrupt_as_a_deferred_close_enters_its_deferral_still_closes(devic
     with an_import(device) as imported:
         kind = imported.driver.kind
         held = live_reservations[kind]
-        with pytest.raises(Raised), raising_in_run_deferred_of_close("line", entering):
+        with pytest.raises(Raised), raising_in(run_deferred, ImportedSegments.close, "line", entering):
             imported.close()
         assert imported.closed and live_reservations[kind] == held - 1, f"{live_reservations[kind]} reservations, {held} before the close"
+
+
+def open_descriptors() -> int:
+    return len(os.listdir("/proc/self/fd"))
+
+
+@pytest.mark.invariant(5, 6)
+@pytest.mark.parametrize("where", [(close_all, SegmentExportConnector.export_to), (run_deferred, close_all)],
+                         ids=["close_all", "its run_deferred"])
+def test_an_interrupt_on_the_way_into_closing_an_exports_descriptors_leaves_none_open(device, where):
+    """export_to closes the descriptors it exported whatever happens: an
+    interrupt on the first instruction of the call that closes them (which
+    raises before that call runs) too."""
+    layout = KVCacheLayout.LHBNC
+    cache = ExtensibleKVCache(config_for("full", layout, 4), device, layout)
+    connector = SegmentExportConnector()
+    sender, receiver = socket.socketpair()
+    try:
+        cache.commit(1, defragment=True)
+        connector.register_kv_caches(cache)
+        importer = threading.Thread(target=lambda: import_segments(receiver, timeout=30).close())
+        before = open_descriptors()
+        importer.start()
+        try:
+            with pytest.raises(Raised), raising_in(*where, "call"):
+                connector.export_to(sender, timeout=30)
+        finally:
+            importer.join(30)
+        assert open_descriptors() == before, f"{open_descriptors()} descriptors open after the export, {before} before"
+    finally:
+        sender.close()
+        receiver.close()
+        connector.close()
+        cache.free()
+
+
+class DoublingSocket(socket.socket):
+    """A socket that passes every descriptor twice: a peer that sends more
+    than its header announced, which the import refuses having received
+    them."""
+
+    def sendmsg(self, buffers, ancdata=(), flags=0, address=None):
+        return super().sendmsg(buffers, [(level, kind, data + data) for level, kind, data in ancdata], flags)
+
+
+@pytest.mark.invariant(5, 6)
+def test_an_interrupt_on_the_way_into_closing_a_failed_imports_descriptors_leaves_none_open(device):
+    """An import that fails after receiving descriptors closes them: an
+    interrupt on the first instruction of the call that closes them too."""
+    layout = KVCacheLayout.LHBNC
+    cache = ExtensibleKVCache(config_for("full", layout, 4), device, layout)
+    connector = SegmentExportConnector()
+    sender, receiver = socket.socketpair()
+    short = DoublingSocket(socket.AF_UNIX, socket.SOCK_STREAM, fileno=os.dup(sender.fileno()))
+    try:
+        cache.commit(1, defragment=True)
+        connector.register_kv_caches(cache)
+        failures: list[BaseException] = []
+
+        def export() -> None:
+            try:
+                connector.export_to(short, timeout=30)
+            except Exception as error:  # noqa: BLE001 - the importer hangs up
+                failures.append(error)
+
+        exporter = threading.Thread(target=export)
+        before = open_descriptors()
+        exporter.start()
+        try:
+            with pytest.raises(Raised) as raised, raising_in(close_all, _import, "call"):
+                import_segments(receiver, timeout=30)
+        finally:
+            short.shutdown(socket.SHUT_RDWR)
+            exporter.join(30)
+        assert isinstance(raised.value.__context__, ConnectionError), f"the import failed with {raised.value.__context__!r}"
+        assert open_descriptors() == before, f"{open_descriptors()} descriptors open after the import, {before} before"
+    finally:
+        short.close()
+        sender.close()
+        receiver.close()
+        connector.close()
+        cache.free()
 
 
 @pytest.mark.invariant(5, 6)

@@ -75,7 +75,7 @@ from .errors import DeadlineExceededError, ExtkvError, StateError
 from .layout import KVCacheConfig
 from .tensor import ExtensibleTensor, MappedChunk
 from .vmm import Driver
-from .wire import Deadline, ExportHeader, SegmentPlacement, close_all, send_fds, send_message
+from .wire import Deadline, ExportHeader, SegmentPlacement, close_all, close_each, send_fds, send_message
 
 #: Seconds one export may take to send, header and descriptors. A peer that
 #: reads takes them at once: only one that stopped reading meets this.
@@ -293,7 +293,10 @@ class SegmentExportConnector:
             finally:
                 sock.settimeout(previous)
         finally:
-            close_all(fds)
+            try:
+                close_all(fds)
+            finally:
+                close_each(fds)  # left open only by an interrupt on the way into close_all
 
     def _check_peer(self, sock: socket.socket) -> tuple[int, int, int]:
         """The peer's (pid, uid, gid), once they are allowed."""

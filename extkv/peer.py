@@ -234,7 +234,10 @@ def _import(sock: socket.socket, driver: Driver | None, deadline: Deadline, max_
         finally:
             sock.settimeout(previous)
     except BaseException:
-        close_all(fds)
+        try:
+            close_all(fds)
+        finally:
+            _close_each(fds)  # left open only by an interrupt on the way into close_all
         raise
     # Mapping waits for no one: signal handlers are deferred over it and the
     # closing of the received descriptors, so none raises between an

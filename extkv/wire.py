@@ -336,7 +336,10 @@ def receive_fds(sock: socket.socket, count: int, fds: list[int], *, deadline: De
 
 def close_all(fds: list[int]) -> None:
     """Close every descriptor of `fds` and empty it, signal handlers
-    deferred, so that an interrupt cannot leave some open."""
+    deferred, so that an interrupt cannot leave some open. One on the way
+    in (this call's first instruction, or its run_deferred's) raises before
+    any is closed, as at the entry of any Python call: where they must be
+    closed whatever happens, follow it with `close_each` in a `finally`."""
     run_deferred(close_each, fds)
 
 
