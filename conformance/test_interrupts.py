@@ -28,7 +28,7 @@ from extkv.cache import ExtensibleKVCache
 from extkv.connector import SegmentExportConnector
 from extkv.deferred_signals import deferred_signals, deferring, run_deferred
 from extkv.layout import KVCacheLayout
-from extkv.peer import ImportedSegments, _import, import_segments
+from extkv.peer import import_segments
 from extkv.testing.checks import check_readback_matches_bookkeeping
 from extkv.testing.configs import config_for
 from extkv.wire import close_all
@@ -163,14 +163,15 @@ def an_import(device):
 
 
 @contextlib.contextmanager
-def raising_in(function, called_by, event: str, line: int | None = None):
-    """A trace function that raises `Raised` in `function` where `called_by`
-    calls it, on `event` ("call": its first instruction; "line": at
-    `line`), as an interrupt landing there does. This thread only."""
-    code, caller = function.__code__, called_by.__code__
+def raising_in(function, called_by: str, event: str, line: int | None = None):
+    """A trace function that raises `Raised` in `function` where the
+    function of qualified name `called_by` calls it, on `event` ("call": its
+    first instruction; "line": at `line`), as an interrupt landing there
+    does. This thread only."""
+    code = function.__code__
 
     def trace(frame, seen, arg):
-        if frame.f_code is not code or frame.f_back is None or frame.f_back.f_code is not caller:
+        if frame.f_code is not code or frame.f_back is None or frame.f_back.f_code.co_qualname != called_by:
             return None
         if seen == event and (line is None or frame.f_lineno == line):
             raise Raised(seen)
@@ -189,7 +190,7 @@ def test_an_interrupt_on_the_first_instruction_of_a_deferred_close_leaves_it_ope
     with an_import(device) as imported:
         kind = imported.driver.kind
         held, sizes = live_reservations[kind], imported.segment_sizes
-        with pytest.raises(Raised), raising_in(run_deferred, ImportedSegments.close, "call"):
+        with pytest.raises(Raised), raising_in(run_deferred, "ImportedSegments.close", "call"):
             imported.close()
         assert not imported.closed and live_reservations[kind] == held, "an interrupt before any step did some"
         assert imported.segment_sizes == sizes and sum(sizes) > 0, f"segment sizes {imported.segment_sizes}, {sizes} before"
@@ -204,7 +205,7 @@ def test_an_interrupt_as_a_deferred_close_enters_its_deferral_still_closes(devic
     with an_import(device) as imported:
         kind = imported.driver.kind
         held = live_reservations[kind]
-        with pytest.raises(Raised), raising_in(run_deferred, ImportedSegments.close, "line", entering):
+        with pytest.raises(Raised), raising_in(run_deferred, "ImportedSegments.close", "line", entering):
             imported.close()
         assert imported.closed and live_reservations[kind] == held - 1, f"{live_reservations[kind]} reservations, {held} before the close"
 
@@ -214,7 +215,7 @@ def open_descriptors() -> int:
 
 
 @pytest.mark.invariant(5, 6)
-@pytest.mark.parametrize("where", [(close_all, SegmentExportConnector.export_to), (run_deferred, close_all)],
+@pytest.mark.parametrize("where", [(close_all, "SegmentExportConnector.export_to"), (run_deferred, "close_all")],
                          ids=["close_all", "its run_deferred"])
 def test_an_interrupt_on_the_way_into_closing_an_exports_descriptors_leaves_none_open(device, where):
     """export_to closes the descriptors it exported whatever happens: an
@@ -276,7 +277,7 @@ def test_an_interrupt_on_the_way_into_closing_a_failed_imports_descriptors_leave
         before = open_descriptors()
         exporter.start()
         try:
-            with pytest.raises(Raised) as raised, raising_in(close_all, _import, "call"):
+            with pytest.raises(Raised) as raised, raising_in(close_all, "_import", "call"):
                 import_segments(receiver, timeout=30)
         finally:
             short.shutdown(socket.SHUT_RDWR)
