@@ -139,9 +139,9 @@ def test_a_signal_between_two_driver_steps_raises_once_the_operation_completed(r
 
 
 @contextlib.contextmanager
-def an_import(device):
-    """An import of a one-block cache exported from a thread of this
-    process; the cache and the connector are freed after."""
+def an_export(device):
+    """(connector, sender, receiver): a connector with a one-block cache
+    registered, and a connected socket pair; all freed after."""
     layout = KVCacheLayout.LHBNC
     cache = ExtensibleKVCache(config_for("full", layout, 4), device, layout)
     connector = SegmentExportConnector()
@@ -149,17 +149,25 @@ def an_import(device):
     try:
         cache.commit(1, defragment=True)
         connector.register_kv_caches(cache)
+        yield connector, sender, receiver
+    finally:
+        sender.close()
+        receiver.close()
+        connector.close()
+        cache.free()
+
+
+@contextlib.contextmanager
+def an_import(device):
+    """An import of `an_export`'s cache, exported from a thread of this
+    process."""
+    with an_export(device) as (connector, sender, receiver):
         exporter = threading.Thread(target=connector.export_to, args=(sender,), kwargs={"timeout": 30})
         exporter.start()
         try:
             yield import_segments(receiver, timeout=30)
         finally:
             exporter.join(30)
-    finally:
-        sender.close()
-        receiver.close()
-        connector.close()
-        cache.free()
 
 
 @contextlib.contextmanager
@@ -221,13 +229,7 @@ def test_an_interrupt_on_the_way_into_closing_an_exports_descriptors_leaves_none
     """export_to closes the descriptors it exported whatever happens: an
     interrupt on the first instruction of the call that closes them (which
     raises before that call runs) too."""
-    layout = KVCacheLayout.LHBNC
-    cache = ExtensibleKVCache(config_for("full", layout, 4), device, layout)
-    connector = SegmentExportConnector()
-    sender, receiver = socket.socketpair()
-    try:
-        cache.commit(1, defragment=True)
-        connector.register_kv_caches(cache)
+    with an_export(device) as (connector, sender, receiver):
         importer = threading.Thread(target=lambda: import_segments(receiver, timeout=30).close())
         before = open_descriptors()
         importer.start()
@@ -237,11 +239,6 @@ def test_an_interrupt_on_the_way_into_closing_an_exports_descriptors_leaves_none
         finally:
             importer.join(30)
         assert open_descriptors() == before, f"{open_descriptors()} descriptors open after the export, {before} before"
-    finally:
-        sender.close()
-        receiver.close()
-        connector.close()
-        cache.free()
 
 
 class DoublingSocket(socket.socket):
@@ -257,39 +254,25 @@ class DoublingSocket(socket.socket):
 def test_an_interrupt_on_the_way_into_closing_a_failed_imports_descriptors_leaves_none_open(device):
     """An import that fails after receiving descriptors closes them: an
     interrupt on the first instruction of the call that closes them too."""
-    layout = KVCacheLayout.LHBNC
-    cache = ExtensibleKVCache(config_for("full", layout, 4), device, layout)
-    connector = SegmentExportConnector()
-    sender, receiver = socket.socketpair()
-    short = DoublingSocket(socket.AF_UNIX, socket.SOCK_STREAM, fileno=os.dup(sender.fileno()))
-    try:
-        cache.commit(1, defragment=True)
-        connector.register_kv_caches(cache)
-        failures: list[BaseException] = []
+    with an_export(device) as (connector, sender, receiver):
+        before = open_descriptors()
+        doubling = DoublingSocket(socket.AF_UNIX, socket.SOCK_STREAM, fileno=os.dup(sender.fileno()))
 
         def export() -> None:
-            try:
-                connector.export_to(short, timeout=30)
-            except Exception as error:  # noqa: BLE001 - the importer hangs up
-                failures.append(error)
+            with contextlib.suppress(Exception):  # the importer hangs up on it
+                connector.export_to(doubling, timeout=30)
 
         exporter = threading.Thread(target=export)
-        before = open_descriptors()
         exporter.start()
         try:
             with pytest.raises(Raised) as raised, raising_in(close_all, "_import", "call"):
                 import_segments(receiver, timeout=30)
         finally:
-            short.shutdown(socket.SHUT_RDWR)
+            doubling.shutdown(socket.SHUT_RDWR)
             exporter.join(30)
+            doubling.close()
         assert isinstance(raised.value.__context__, ConnectionError), f"the import failed with {raised.value.__context__!r}"
         assert open_descriptors() == before, f"{open_descriptors()} descriptors open after the import, {before} before"
-    finally:
-        short.close()
-        sender.close()
-        receiver.close()
-        connector.close()
-        cache.free()
 
 
 @pytest.mark.invariant(5, 6)
