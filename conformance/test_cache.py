@@ -29,7 +29,8 @@ from extkv.testing.checks import (
     snapshot,
 )
 from extkv.testing.configs import CAPACITY, GRANULE, config_for, fill_segments
-from extkv.vmm import device_memory_info, driver_for
+from extkv.testing.readings import InjectedReadingsDriver
+from extkv.vmm import driver_for
 
 @pytest.fixture
 def cache(case, build, device):
@@ -526,25 +527,24 @@ def test_a_shrink_at_or_above_the_count_after_a_failed_growth_keeps_the_blocks(b
 
 
 @pytest.mark.invariant(5)
-@pytest.mark.exclusive  # reads what the whole device has free, twice, and compares
 def test_torch_cap_grows_by_what_a_shrinking_extend_frees(build, device):
     """The reference subtracts the signed growth: when the measured budget is
     below what warmup committed, the shrink frees memory that torch may use,
-    so the cap sits that much above free memory less the non-torch reserve."""
+    so the cap sits that much above free memory less the non-torch reserve.
+    The chunks are real; the free memory sizing reads is the test's
+    (`InjectedReadingsDriver`), so the cap is exact whatever else runs."""
     layout = KVCacheLayout.LBHNC
-    kv_cache = build.cache_for("padded", layout, 20_000)
+    real = driver_for(device)
+    _, total = real.memory_info()
+    free = total // 4
+    kv_cache = build.cache_for("padded", layout, 20_000, device=InjectedReadingsDriver(real, free=free, total=total))
     kv_cache.commit(kv_cache.blocks_within(512 << 20))
     committed = kv_cache.physical_bytes
     assert committed >= 500 << 20
-    free_before, _ = device_memory_info(device)
     # Nothing is requested and 1 GiB went elsewhere since init: the budget
     # is zero blocks, so the extend would free all that is committed.
-    num_blocks = measure_kv_cache_blocks(
-        kv_cache, device, init_free_memory=free_before + committed + (1 << 30), requested_memory=0
-    )
+    num_blocks = measure_kv_cache_blocks(kv_cache, device, init_free_memory=free + committed + (1 << 30), requested_memory=0)
     assert num_blocks == 0
     reserved = torch.cuda.memory_reserved(device) if device.type == "cuda" else 0
-    # Other processes move free memory a little between the two readings.
-    noise = 128 << 20
-    unsigned_cap = reserved + free_before - KV_CACHE_NON_TORCH_RESERVE_BYTES
-    assert kv_cache.torch_memory_limit >= unsigned_cap + committed - noise
+    unsigned_cap = reserved + free - KV_CACHE_NON_TORCH_RESERVE_BYTES
+    assert kv_cache.torch_memory_limit == unsigned_cap + committed
