@@ -22,17 +22,21 @@ from __future__ import annotations
 
 import json
 import socket
+import threading
 
 import pytest
 import torch
 
+from extkv.cache import ExtensibleKVCache
 from extkv.connector import SegmentExportConnector
+from extkv.errors import OutOfMemoryError
 from extkv.layout import FullAttentionSpec, KVCacheGroupSpec, KVCacheLayout, build_kv_cache_config
 from extkv.peer import import_segments
 from extkv.tensor import ExtensibleTensor
 from extkv.testing import planted
 from extkv.testing.checks import (
     check_all_equal,
+    check_committed_blocks_mapped,
     check_mapped_read_only,
     check_readback_matches_bookkeeping,
     check_unchanged,
@@ -41,13 +45,14 @@ from extkv.testing.checks import (
     snapshot,
 )
 from extkv.testing.choices import SeededChoices
-from extkv.testing.configs import fill_segments
+from extkv.testing.configs import config_for, fill_segments
 from extkv.testing.interrupts import run_in_child
 from extkv.testing.modelled_cache import ModelledCache
 from extkv.testing.models import CacheModel, ContentMismatch, LeakFound, check_cache_blocks
 from extkv.testing.stress import StressTally, walk
 from extkv.vmm import PoisoningDriver, driver_for
 from extkv.vmm.base import NO_ACCESS, READ_ONLY, READ_WRITE
+from extkv.vmm.wrapping import WrappingDriver
 
 pytest_plugins = ["pytester"]
 
@@ -421,6 +426,107 @@ def test_the_block_check_counts_one_wrong_byte_inside_a_block(device, build, spe
     cache.buffer.segment_view(0)[5 * strides[0] + 13].fill_(0x01)
     with pytest.raises(ContentMismatch, match=r"^planted: segment 0: 1 of 3997 blocks from block 3 differ from the model, 1 of them should read zero"):
         check_cache_blocks(cache, model, 3, 4000, "planted", on_host=on_host)
+
+
+# -- commit-ahead counts ------------------------------------------------------------------------
+AHEAD_LAYOUT = KVCacheLayout.LBHNC
+AHEAD_CAPACITY = 700
+#: Seconds a test waits for the commit-ahead worker: a safety net, never the synchronisation.
+AHEAD_PATIENCE_S = 60.0
+
+
+class WorkerWatch(WrappingDriver):
+    """A real driver that tells when the commit-ahead worker finished a step
+    (`stepped`: set at the step's fence, which only the worker records), and
+    refuses every create with a final out-of-memory while `refusing` (no
+    framework cache to return first; `refused`: set at the first refusal)."""
+
+    def __init__(self, inner):
+        super().__init__(inner)
+        self.stepped, self.refused = threading.Event(), threading.Event()
+        self.refusing = False
+
+    def fence(self):
+        fence = self.inner.fence()
+        self.stepped.set()
+        return fence
+
+    def _create(self, size: int):
+        if self.refusing:
+            self.refused.set()
+            raise OutOfMemoryError(f"create of {size} bytes (refused while the test says so)", 2, "REFUSED", size=size)
+        return self.inner._create(size)
+
+    def reclaim_cache(self) -> bool:
+        return False
+
+
+def ahead_cache(make_cache, device) -> tuple[ExtensibleKVCache, WorkerWatch]:
+    """A cache of `make_cache(config, layout)` over a watched real driver, 10 blocks committed."""
+    watch = WorkerWatch(driver_for(device))
+    cache = make_cache(watch)(config_for("full", AHEAD_LAYOUT, AHEAD_CAPACITY), AHEAD_LAYOUT)
+    cache.commit(10)
+    return cache, watch
+
+
+def commit_after_a_refused_step(cache: ExtensibleKVCache, watch: WorkerWatch, check) -> None:
+    """The worker's step meets out-of-memory; then, the worker held off by
+    the reservation's lock, the engine commits what that step was to grow,
+    and `check(cache)` runs."""
+    watch.refusing = True
+    cache.commit_ahead(300)
+    assert watch.refused.wait(AHEAD_PATIENCE_S), "the worker never stepped"
+    with cache.buffer.lock:  # the refused step is over; no other can start while this is held
+        watch.refusing = False
+        cache.commit(200)
+        assert cache.num_committed_blocks == 200
+        check(cache)
+
+
+def commit_after_stop_release_and_wake(cache: ExtensibleKVCache, watch: WorkerWatch, check) -> None:
+    """The worker grows its window in one step and is stopped, leaving 310
+    blocks mapped; the cache sleeps and wakes (10 blocks recommitted); the
+    engine commits 200 and `check(cache)` runs."""
+    cache.commit_ahead(300)
+    assert watch.stepped.wait(AHEAD_PATIENCE_S), "the worker never stepped"
+    cache.commit_ahead(0)  # joins the worker
+    assert cache.grown_blocks == 310, f"the worker grew {cache.grown_blocks} blocks, not its window of 300 in one step"
+    cache.release_physical()
+    cache.recommit()
+    cache.commit(200)
+    check(cache)
+
+
+AHEAD_SCENARIOS = {"ahead-ready-before-mapped": commit_after_a_refused_step,
+                   "zeroed-through-kept-by-release": commit_after_stop_release_and_wake}
+
+
+@pytest.mark.parametrize("name", [planted_param(name) for name in AHEAD_SCENARIOS])
+def test_blocks_counted_but_never_mapped_are_flagged_by_the_read_back(device, name):
+    def flagged(cache):
+        with pytest.raises(AssertionError, match=r"^\d+ of \d+ probed addresses of the 200 committed blocks read back "
+                                                 r"unmapped; first: segment \d+, block \d+ \(the buffer maps 10 blocks\)$"):
+            check_committed_blocks_mapped(cache)
+
+    cache, watch = ahead_cache(lambda real: make(name, real), device)
+    try:
+        AHEAD_SCENARIOS[name](cache, watch, flagged)
+    finally:
+        cache.free()
+
+
+@pytest.mark.invariant(1, 4)
+@pytest.mark.parametrize("scenario", AHEAD_SCENARIOS.values(), ids=AHEAD_SCENARIOS.keys())
+def test_committed_blocks_read_back_mapped_on_the_real_cache(device, scenario):
+    cache, watch = ahead_cache(lambda real: lambda config, layout: ExtensibleKVCache(config, real, layout), device)
+    try:
+        scenario(cache, watch, check_committed_blocks_mapped)
+        assert cache.grown_blocks >= 200
+        cache.release_physical()
+        with pytest.raises(AssertionError, match=r" read back unmapped; first: segment 0, block 0 "):
+            check_committed_blocks_mapped(cache)  # asleep: unmapped by design, and the check sees it
+    finally:
+        cache.free()
 
 
 # -- interrupts -----------------------------------------------------------------------------

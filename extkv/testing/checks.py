@@ -77,8 +77,7 @@ def read_back_granules_and_one_chunk_per_segment(
     g = tensor.granularity
     probes_per_segment = []
     for offset, size in zip(tensor.segment_offsets, sizes):
-        start, end = tensor.base + offset, tensor.base + offset + size
-        probes_per_segment.append(sorted({start, end - 1, *range(-(-start // g) * g, end, g)}) if size else [])
+        probes_per_segment.append(granule_probes(tensor.base + offset, tensor.base + offset + size, g))
     addresses = granule_addresses(tensor) if granules else []
     answers = tensor.driver.chunks_at(addresses + [probe for probes in probes_per_segment for probe in probes])
     read_back, identities = answers[: len(addresses)], iter(answers[len(addresses) :])
@@ -87,6 +86,39 @@ def read_back_granules_and_one_chunk_per_segment(
         seen = {next(identities) for _ in probes}
         result.append(not probes or (None not in seen and len(seen) == 1))
     return read_back, result
+
+
+def granule_probes(start: int, end: int, granule: int) -> list[int]:
+    """Addresses that meet every granule of bytes [start, end): the first
+    byte, each granule start inside, the last byte."""
+    return sorted({start, end - 1, *range(-(-start // granule) * granule, end, granule)}) if end > start else []
+
+
+def check_committed_blocks_mapped(kv_cache: ExtensibleKVCache, read_back: list[Hashable | None] | None = None) -> None:
+    """Every committed block of every segment reads back from the driver or
+    kernel as mapped (`granule_probes` over each segment's committed
+    prefix): a committed count raised past what is mapped would hand an
+    engine blocks over unmapped memory, whatever the bookkeeping says. For
+    an awake cache: a sleeping one's blocks are unmapped by design.
+    `read_back`: a `read_back_granules` of the buffer taken just before,
+    answering for each probe's granule instead of a second read."""
+    buffer, committed, g = kv_cache.buffer, kv_cache.num_committed_blocks, kv_cache.buffer.granularity
+    probes: list[tuple[int, int]] = []  # (segment, address)
+    for segment, (offset, stride) in enumerate(zip(kv_cache.segment_offsets, kv_cache.segment_strides)):
+        start = buffer.base + offset
+        probes += [(segment, a) for a in granule_probes(start, start + committed * stride, g)]
+    if read_back is None:
+        answers = buffer.driver.chunks_at([address for _, address in probes])
+    else:
+        answers = [read_back[2 * ((address - buffer.base) // g)] for _, address in probes]
+    unmapped = [probe for probe, identity in zip(probes, answers) if identity is None]
+    if unmapped:
+        segment, address = unmapped[0]
+        block = (address - buffer.base - kv_cache.segment_offsets[segment]) // kv_cache.segment_strides[segment]
+        raise AssertionError(
+            f"{len(unmapped)} of {len(probes)} probed addresses of the {committed} committed blocks read back "
+            f"unmapped; first: segment {segment}, block {block} (the buffer maps {kv_cache.grown_blocks} blocks)"
+        )
 
 
 def check_all_equal(actual: torch.Tensor, expected: torch.Tensor | int, what: str) -> None:
@@ -127,9 +159,7 @@ def check_mapped_read_only(driver: Driver, views: Sequence[torch.Tensor]) -> Non
     g = driver.granularity
     for index, view in enumerate(views):
         size = view.numel() * view.element_size()
-        if size:
-            start, end = view.data_ptr(), view.data_ptr() + size
-            probes += [(index, a) for a in sorted({start, end - 1, *range(-(-start // g) * g, end, g)})]
+        probes += [(index, a) for a in granule_probes(view.data_ptr(), view.data_ptr() + size, g)]
     accesses = driver.accesses_at([address for _, address in probes])
     wrong = [(index, address, access) for (index, address), access in zip(probes, accesses) if access != READ_ONLY]
     if wrong:

@@ -42,6 +42,7 @@ from ..tensor import ExtensibleTensor
 from ..usage import UsageProbe
 from ..vmm import Driver, FaultInjectingDriver
 from .checks import (
+    check_committed_blocks_mapped,
     check_readback_matches_bookkeeping,
     check_usage_matches,
     read_back_granules,
@@ -258,7 +259,8 @@ def commit_ahead_machine(driver: Driver, probe: UsageProbe, layout: KVCacheLayou
     count the worker must reach once idle (the committed count plus the
     window, capped by the capacity; never less than before), and each
     written block's byte. After every step, once the worker has reached
-    that count: the counts, every grown block's bytes (written ones as
+    that count: the counts, every committed block mapped as the driver
+    reads it back (awake), every grown block's bytes (written ones as
     written, every other one zero over poison), the driver's read-back, the
     footprint and the usage probe."""
     kind = "full"
@@ -351,6 +353,8 @@ def commit_ahead_machine(driver: Driver, probe: UsageProbe, layout: KVCacheLayou
                 assert cache.grown_blocks == self.grown, f"grown {cache.grown_blocks}, model {self.grown}"
                 footprint = cache.physical_bytes_for(self.grown) if self.grown else 0
                 assert cache.physical_bytes == footprint, f"physical_bytes {cache.physical_bytes}, a prefix of {self.grown} blocks maps {footprint}"
+                if not self.asleep:
+                    check_committed_blocks_mapped(cache)
                 check_cache_blocks(cache, self.model, 0, self.grown, "grown blocks")
                 check_readback_matches_bookkeeping(cache.buffer)
                 check_usage_matches(probe, self.baseline, [cache.buffer])

@@ -33,6 +33,7 @@ from ..peer import import_segments, sha256_hex
 from ..usage import UsageProbe
 from ..vmm import Driver, live_chunks, live_reservations
 from .checks import (
+    check_committed_blocks_mapped,
     check_readback_matches_bookkeeping,
     check_unchanged,
     check_usage_matches,
@@ -426,12 +427,13 @@ class ModelledCache:
         cache, model = self.cache, self.model
         check_addresses_fixed(cache.buffer, cache.segment_offsets, self.base)
         check_cache_committed(cache, model)
-        if model.mapped:
-            check_cache_blocks(cache, model, 0, model.committed, "committed blocks", on_host=self.compare_on_host)
         # The granules' read-back and the one-chunk probes in one read.
         read_back, one_chunk = read_back_granules_and_one_chunk_per_segment(
             cache.buffer, model.sizes(model.one_chunk_blocks) if model.mapped else []
         )
+        if model.mapped:
+            check_committed_blocks_mapped(cache, read_back)
+            check_cache_blocks(cache, model, 0, model.committed, "committed blocks", on_host=self.compare_on_host)
         check_cache_physical_bytes(cache, model, read_back)
         check_cache_one_chunk_per_segment(cache, model, one_chunk)
         check_readback_matches_bookkeeping(cache.buffer, read_back)

@@ -13,7 +13,9 @@ Real parts only: every broken driver is a `WrappingDriver` around a real
 driver (host or CUDA), which does all the real work; it changes one step and
 leaves the rest alone, so what a check sees is real memory, real mappings
 and the kernel's or the driver's own read-back. A broken tensor is an
-`ExtensibleTensor` over a real driver that misstates one number. Nothing
+`ExtensibleTensor` over a real driver that misstates one number; a broken
+cache is an `ExtensibleKVCache` over a real driver whose bookkeeping of its
+commit-ahead counts slips in one place. Nothing
 here knows the device kind: each defect is made of the driver protocol's
 own steps, so it runs on the host driver and on each CUDA device alike.
 
@@ -37,6 +39,8 @@ from dataclasses import dataclass
 from typing import Callable, Iterable, Iterator
 
 from .. import deferred_signals
+from ..ahead import CommitAhead
+from ..cache import ExtensibleKVCache
 from ..tensor import ExtensibleTensor
 from ..vmm import Driver, PoisoningDriver
 from ..vmm.base import Chunk
@@ -249,6 +253,39 @@ class UnderReportingTensor(ExtensibleTensor):
         return ExtensibleTensor.physical_bytes.fget(self) - self.granularity
 
 
+# -- commit-ahead bookkeeping ----------------------------------------------------------
+class PublishesBeforeMapping(CommitAhead):
+    """Publishes each step's blocks as ready before it maps them: a step
+    that then meets out-of-memory leaves them ready and unmapped, and the
+    engine's commit counts them without a driver call."""
+
+    def _step(self, driver) -> bool:
+        cache = self.cache
+        if cache.is_live and not self._paused and cache.grown_blocks < self._target():
+            # Without the count lock: the slip is the order, not the locking.
+            self.ready = min(self._target(), cache.grown_blocks + self.step_blocks)
+        return super()._step(driver)
+
+
+class ReadyBeforeMappedCache(ExtensibleKVCache):
+    """A cache whose commit-ahead worker is a `PublishesBeforeMapping`."""
+
+    def _commit_ahead(self, window_blocks: int, max_blocks: int, step_blocks: int) -> None:
+        with self.buffer.lock:
+            self._ahead = PublishesBeforeMapping(self, window_blocks, max_blocks, step_blocks)
+
+
+class KeepsZeroedThroughOnRelease(ExtensibleKVCache):
+    """`release_physical` keeps the count of blocks a stopped commit-ahead
+    worker left mapped and zeroed: after the wake, a commit up to that count
+    counts blocks the release unmapped, and maps nothing."""
+
+    def release_physical(self) -> None:
+        kept = self._zeroed_through
+        super().release_physical()
+        self._zeroed_through = kept
+
+
 @contextlib.contextmanager
 def signals_not_deferred() -> Iterator[None]:
     """While entered, extkv's operations run with signal handlers free to
@@ -278,6 +315,10 @@ class Defect:
 
 def _tensor_over(cls: type[ExtensibleTensor]) -> Callable[[Driver], Callable[[int], ExtensibleTensor]]:
     return lambda real: lambda size: cls(size, device=real)
+
+
+def _cache_over(cls: type[ExtensibleKVCache]) -> Callable[[Driver], Callable[..., ExtensibleKVCache]]:
+    return lambda real: lambda config, layout: cls(config, real, layout)
 
 
 DEFECTS: dict[str, Defect] = {
@@ -346,6 +387,18 @@ DEFECTS: dict[str, Defect] = {
             "an import told to be read-only is mapped read-only (invariant 8)",
             ("checks.check_mapped_read_only",),
             IgnoresReadOnly,
+        ),
+        Defect(
+            "ahead-ready-before-mapped",
+            "a commit counts only blocks mapped and zeroed (invariants 1 and 4)",
+            ("checks.check_committed_blocks_mapped",),
+            _cache_over(ReadyBeforeMappedCache),
+        ),
+        Defect(
+            "zeroed-through-kept-by-release",
+            "a commit counts only blocks mapped and zeroed (invariants 1 and 4)",
+            ("checks.check_committed_blocks_mapped",),
+            _cache_over(KeepsZeroedThroughOnRelease),
         ),
         Defect(
             "signals-not-deferred",

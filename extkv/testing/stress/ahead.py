@@ -11,9 +11,10 @@ segment). Now and then, at seeded random steps, the engine shrinks (a
 preemption: every block discarded), sleeps and wakes (every block zero
 after), or changes the window; either way decode starts again from block 0.
 Every CHECK_EVERY steps and at the end of an episode, once the worker is
-idle: every committed block holds its pattern or zero as the model says,
-the driver's read-back partitions the reservation as the bookkeeping does,
-and the usage probe reads `physical_bytes`. After the cache is freed the
+idle: every committed block reads back from the driver as mapped and holds
+its pattern or zero as the model says, the driver's read-back partitions
+the reservation as the bookkeeping does, and the usage probe reads
+`physical_bytes`. After the cache is freed the
 probe is back at its baseline and no worker thread is left.
 """
 
@@ -27,7 +28,7 @@ import torch
 
 from ...cache import ExtensibleKVCache
 from ...layout import KVCacheLayout
-from ..checks import check_readback_matches_bookkeeping
+from ..checks import check_committed_blocks_mapped, check_readback_matches_bookkeeping, read_back_granules
 from ..configs import config_for
 from ..modelled_cache import capacity_for
 from ..models import ContentMismatch, LeakFound
@@ -94,6 +95,9 @@ def decode_beside_commit_ahead(
     def check(where: str, window: int) -> None:
         _wait_idle(kv_cache, window)
         with kv_cache.buffer.lock:
+            read_back = read_back_granules(kv_cache.buffer)
+            # Before the contents: they are read through the committed blocks.
+            check_committed_blocks_mapped(kv_cache, read_back)
             committed = kv_cache.num_committed_blocks
             wrong = 0
             for segment in range(segments if committed else 0):
@@ -105,7 +109,7 @@ def decode_beside_commit_ahead(
                 wrong += int((rows != expected[:, None]).any(dim=1).sum())
             if wrong:
                 raise ContentMismatch(f"{where}: {wrong} (block, segment) rows differ from the model")
-            check_readback_matches_bookkeeping(kv_cache.buffer)
+            check_readback_matches_bookkeeping(kv_cache.buffer, read_back)
             measured = probe.read_outside_torch() - baseline
             if measured != kv_cache.physical_bytes:
                 raise LeakFound(f"{where}: {probe.source} reads {measured} bytes, the cache maps {kv_cache.physical_bytes}")
