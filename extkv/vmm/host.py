@@ -40,9 +40,18 @@ virtual memory, so every invariant that needs no GPU is proven for real.
   which leaves the range mapped until the `PROT_NONE` memory replaces it),
   and a later map of the chunk moves that mapping back, writable as it was.
   The mapping set aside goes when the chunk is released.
+- address book: which memfd each mapping holds (`_MAPPED_AT`, read by
+  unmap) and which mappings are set aside (`_SET_ASIDE`) are one record
+  for the whole process, changed only under `ADDRESS_BOOK_LOCK`: a free
+  walks it while other threads map and unmap in their own reservations.
+  A free's munmap and the forgetting of its mappings are one step under
+  that lock, and nothing after a successful munmap can fail: a free that
+  raises has freed nothing, so its retry never unmaps a range the kernel
+  has since handed to another reservation.
 - release: `close(memfd)`; the kernel frees the pages once nothing maps them.
   A close that reports an error has still freed the descriptor number, so
-  it is never retried (a warning says so).
+  it is never retried (a warning says so, shown rather than raised where
+  filters make warnings errors).
 - read-back: `/proc/self/maps` names the file (device, inode) and offset that
   back each address, and the access each mapping grants (its `rw` columns);
   an address whose mapping is no file is in a reservation, not mapped.
@@ -72,6 +81,8 @@ import ctypes
 import errno
 import fcntl
 import os
+import sys
+import threading
 import warnings
 from typing import Hashable, Iterable, Iterator, NamedTuple
 
@@ -137,6 +148,12 @@ PR_SET_DUMPABLE = 4
 _MAPPED_AT: dict[int, int] = {}
 #: Mappings of sealed chunks moved aside by an unmap: memfd -> (address, size).
 _SET_ASIDE: dict[int, tuple[int, int]] = {}
+#: Held for every change to `_MAPPED_AT` and `_SET_ASIDE`, which all of this
+#: process's reservations share: a free walks `_MAPPED_AT` while other
+#: threads map and unmap in their own reservations. Never held across a
+#: wait for anything but a system call, so a fork never finds it held for
+#: long; the child takes a fresh one all the same (`_forget_parents_mappings`).
+ADDRESS_BOOK_LOCK = threading.Lock()
 
 
 def make_undumpable() -> None:
@@ -175,6 +192,19 @@ def _placehold_inherited_chunks() -> None:
 
 
 os.register_at_fork(after_in_child=_placehold_inherited_chunks)
+
+
+def _forget_parents_mappings() -> None:
+    """In a forked child: none of the parent's chunk mappings exist
+    (MADV_DONTFORK), so none is recorded, and the address book's lock is
+    free even if another thread of the parent held it at the fork."""
+    global ADDRESS_BOOK_LOCK
+    ADDRESS_BOOK_LOCK = threading.Lock()
+    _MAPPED_AT.clear()
+    _SET_ASIDE.clear()
+
+
+os.register_at_fork(after_in_child=_forget_parents_mappings)
 
 
 def reopen(fd: int, *, writable: bool) -> int:
@@ -245,17 +275,23 @@ class HostDriver(Driver):
         return base
 
     def _free_reservation(self, address: int, size: int) -> None:
-        if _libc.munmap(address, size) != 0:
-            raise _fail("munmap", size, address)
-        for start in [start for start in _MAPPED_AT if address <= start < address + size]:
-            del _MAPPED_AT[start]
+        # The munmap and the forgetting of its mappings are one step for the
+        # other threads: nothing after a successful munmap can fail, so a
+        # free that raises has freed nothing and its retry unmaps only what
+        # is still its own, never a range the kernel has since handed out.
+        with ADDRESS_BOOK_LOCK:
+            if _libc.munmap(address, size) != 0:
+                raise _fail("munmap", size, address)
+            for start in [start for start in _MAPPED_AT if address <= start < address + size]:
+                del _MAPPED_AT[start]
 
     def _create(self, size: int) -> Chunk:
         check_room(size, "memfd_create+fallocate")
         return Chunk(handle=create_memfd(size), size=size)
 
     def _release(self, chunk: Chunk) -> None:
-        aside = _SET_ASIDE.pop(chunk.handle, None)
+        with ADDRESS_BOOK_LOCK:
+            aside = _SET_ASIDE.pop(chunk.handle, None)
         if aside is not None:
             _libc.munmap(*aside)  # a mapping of this process's own, nothing else there
         # On Linux close() frees the descriptor number even when it reports
@@ -266,11 +302,17 @@ class HostDriver(Driver):
         try:
             os.close(chunk.handle)
         except OSError as error:
-            warnings.warn(
+            message = (
                 f"close(memfd {chunk.handle}) of a {chunk.size}-byte chunk failed with "
-                f"{errno.errorcode.get(error.errno, error.errno)}; its descriptor is not closed again",
-                RuntimeWarning, stacklevel=3,
+                f"{errno.errorcode.get(error.errno, error.errno)}; its descriptor is not closed again"
             )
+            try:
+                warnings.warn(message, RuntimeWarning, stacklevel=3)
+            except RuntimeWarning as warning:
+                # Filters that make warnings errors (-W error) would make this
+                # release look refused, and a refused release is retried.
+                caller = sys._getframe(2)
+                warnings.showwarning(warning, RuntimeWarning, caller.f_code.co_filename, caller.f_lineno)
 
     def _export_fd(self, chunk: Chunk, writable: bool) -> int:
         fd = chunk.handle
@@ -321,7 +363,8 @@ class HostDriver(Driver):
             self._move_back(aside[0], address, chunk)
             return
         self._mmap("mmap(MAP_FIXED, memfd)", address, chunk.size, PROT_NONE, MAP_SHARED | MAP_FIXED, chunk.handle)
-        _MAPPED_AT[address] = chunk.handle
+        with ADDRESS_BOOK_LOCK:
+            _MAPPED_AT[address] = chunk.handle
         # A forked child (multiprocessing's fork start method, DataLoader
         # workers) gets no mapping: over MAP_SHARED it would read released
         # memory and write the parent's live cache.
@@ -337,8 +380,9 @@ class HostDriver(Driver):
         moved = _libc.mremap(aside, chunk.size, chunk.size, MREMAP_MAYMOVE | MREMAP_FIXED, address)
         if moved is None or moved == _MAP_FAILED:
             raise _fail("mremap(MREMAP_FIXED) map of a sealed chunk", chunk.size, address)
-        del _SET_ASIDE[chunk.handle]
-        _MAPPED_AT[address] = chunk.handle
+        with ADDRESS_BOOK_LOCK:
+            del _SET_ASIDE[chunk.handle]
+            _MAPPED_AT[address] = chunk.handle
         if _libc.mprotect(address, chunk.size, PROT_NONE) != 0:
             raise _fail("mprotect(PROT_NONE) map of a sealed chunk", chunk.size, address)
 
@@ -351,7 +395,8 @@ class HostDriver(Driver):
             if code == errno.EINVAL:
                 return  # a kernel before 5.13: the chunk is unmapped, and can come back read-only only
             raise _fail("mremap(MREMAP_DONTUNMAP) unmap of a sealed chunk", size, address, code)
-        _SET_ASIDE[fd] = (moved, size)
+        with ADDRESS_BOOK_LOCK:
+            _SET_ASIDE[fd] = (moved, size)
 
     def _set_access(self, address: int, size: int, writable: bool) -> None:
         # Over a read-only descriptor the kernel refuses PROT_WRITE (EACCES):
@@ -368,7 +413,8 @@ class HostDriver(Driver):
             "mmap(PROT_NONE) unmap", address, size, PROT_NONE,
             MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE | MAP_FIXED,
         )
-        _MAPPED_AT.pop(address, None)
+        with ADDRESS_BOOK_LOCK:
+            _MAPPED_AT.pop(address, None)
 
     def _zero(self, address: int, size: int) -> None:
         ctypes.memset(address, 0, size)

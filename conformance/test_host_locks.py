@@ -1,0 +1,247 @@
+"""Host driver locks: what one reservation, one thread or one process can
+do to the commits and the bookkeeping of another.
+
+The host driver keeps one address book for the whole process (which
+memfd each mapping holds), and serializes commits with one lock per
+process and one per machine. Here each of them is driven by real threads,
+real forks and real processes holding the real lock file, at moments
+chosen by events and pipes, never by sleeping:
+
+- *Address book.* A thread's operations are traced line by line through
+  the host driver, and at every line it runs without holding the address
+  book's lock, another thread maps or unmaps a chunk of a reservation of
+  its own (`Interleaver`): every interleaving the lock allows is run, and
+  none may fail either side or leave the first thread's object holding
+  less than it records.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import queue
+import socket
+import sys
+import threading
+
+import pytest
+
+import extkv
+from extkv.connector import SegmentExportConnector
+from extkv.peer import import_segments
+from extkv.testing.checks import check_readback_matches_bookkeeping
+from extkv.testing.configs import config_for
+from extkv.vmm import HostDriver, host
+
+pytestmark = pytest.mark.invariant(7)
+
+#: Safety net against a hang, never a synchronization: every wait below is
+#: on an event or a pipe that the other side sets once it has done its part.
+HANG_S = 60
+
+
+@pytest.fixture
+def driver() -> HostDriver:
+    return HostDriver()
+
+
+class Interleaver:
+    """A reservation of its own, whose one chunk a thread of its own maps
+    and unmaps by turns, one step each time `step()` asks and waits for it."""
+
+    def __init__(self, driver: HostDriver):
+        self.driver = driver
+        self.size = driver.granularity
+        self.base = driver.reserve(self.size)
+        self.chunk = driver.create(self.size)
+        self.mapped = False
+        self.steps = 0
+        self._asks: queue.Queue[bool] = queue.Queue()
+        self._done: queue.Queue[BaseException | None] = queue.Queue()
+        self._thread = threading.Thread(target=self._serve, name="interleaver")
+        self._thread.start()
+
+    def _serve(self) -> None:
+        while self._asks.get():
+            try:
+                if self.mapped:
+                    self.driver.unmap(self.base, self.size)
+                else:
+                    self.driver.map(self.base, self.chunk)
+                    self.driver.set_access(self.base, self.size)
+                    self.driver.view(self.base, self.size)[-1] = self.steps % 251
+                self.mapped = not self.mapped
+                self.steps += 1
+                self._done.put(None)
+            except BaseException as error:  # noqa: B036 - handed to the thread that asked
+                self._done.put(error)
+
+    def step(self) -> None:
+        self._asks.put(True)
+        error = self._done.get(timeout=HANG_S)
+        if error is not None:
+            raise error
+
+    def close(self) -> None:
+        self._asks.put(False)
+        self._thread.join(HANG_S)
+        assert not self._thread.is_alive(), "the interleaving thread hung"
+        if self.mapped:
+            self.driver.unmap(self.base, self.size)
+        self.driver.release(self.chunk)
+        self.driver.free_reservation(self.base, self.size)
+
+    def tracer(self):
+        """A `sys.settrace` function: at each line of the host driver the
+        traced thread runs while the address book is unlocked, one step."""
+
+        def local(frame, event, arg):
+            if event == "line" and not host.ADDRESS_BOOK_LOCK.locked():
+                self.step()
+            return local
+
+        def on_call(frame, event, arg):
+            return local if frame.f_code.co_filename == host.__file__ else None
+
+        return on_call
+
+    def run_traced(self, operation) -> BaseException | None:
+        """`operation()` on a thread of its own, traced; what it raised."""
+        outcome: list[BaseException | None] = []
+
+        def traced() -> None:
+            sys.settrace(self.tracer())
+            try:
+                operation()
+                outcome.append(None)
+            except BaseException as error:  # noqa: B036 - reported to the test
+                outcome.append(error)
+            finally:
+                sys.settrace(None)
+
+        thread = threading.Thread(target=traced, name="traced")
+        thread.start()
+        thread.join(HANG_S)
+        assert not thread.is_alive(), "the traced operation hung"
+        return outcome[0]
+
+
+@pytest.fixture
+def interleaver(driver):
+    interleaver = Interleaver(driver)
+    yield interleaver
+    interleaver.close()
+
+
+def fragmented_tensor(driver: HostDriver) -> extkv.ExtensibleTensor:
+    """One segment of three granules over three chunks, each granule's last
+    byte its index."""
+    g = driver.granularity
+    tensor = extkv.ExtensibleTensor(3 * g, device=driver)
+    for granules in (1, 2, 3):
+        tensor.resize_segments_([granules * g])
+        tensor.segment_view(0)[granules * g - 1] = granules
+    return tensor
+
+
+def test_a_thread_grows_defragments_and_frees_while_another_maps_and_unmaps(driver, interleaver):
+    """A preserving defragment frees its scratch reservation and `free()`
+    its reservation, each walking the address book while the other thread
+    maps and unmaps in its own reservation: every step of both succeeds."""
+    g = driver.granularity
+    tensor = fragmented_tensor(driver)
+    try:
+        def defragment_then_free() -> None:
+            tensor.resize_segments_([3 * g], zero_new=True)
+            assert tensor.defragment_segment_(0)
+            assert [int(tensor.segment_view(0)[k * g - 1]) for k in (1, 2, 3)] == [1, 2, 3]
+            check_readback_matches_bookkeeping(tensor)
+            tensor.free()
+
+        error = interleaver.run_traced(defragment_then_free)
+        assert error is None, f"with another reservation mapping and unmapping meanwhile: {error!r}"
+        assert interleaver.steps > 10, f"only {interleaver.steps} steps interleaved"
+    finally:
+        tensor.free()
+
+
+def test_an_import_closes_while_another_thread_maps_and_unmaps(driver, interleaver):
+    """`ImportedSegments.close()` frees the import's reservation with the
+    same walk of the address book, here with a cache exported from this
+    process and imported by a traced thread."""
+    layout = extkv.KVCacheLayout.LBHNC
+    cache = extkv.ExtensibleKVCache(config_for("full", layout, 8), driver, layout)
+    connector = SegmentExportConnector()
+    sender, receiver = socket.socketpair()
+    try:
+        cache.commit(2)
+        connector.register_kv_caches(cache)
+        connector.export_to(sender)
+
+        def import_then_close() -> None:
+            imported = import_segments(receiver, driver=driver)
+            assert imported.segment_sizes
+            imported.close()
+            assert imported.closed
+
+        error = interleaver.run_traced(import_then_close)
+        assert error is None, f"with another reservation mapping and unmapping meanwhile: {error!r}"
+    finally:
+        sender.close()
+        receiver.close()
+        connector.close()
+        cache.free()
+
+
+MAP_FIXED_NOREPLACE = 0x100000
+
+
+def occupy(address: int, size: int) -> int:
+    """Map `size` bytes of anonymous memory at exactly `address` (refused if
+    anything is there): what another library would get from the kernel once
+    the range is free."""
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.mmap.restype = ctypes.c_void_p
+    libc.mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_long]
+    got = libc.mmap(address, size, 0x3, 0x22 | MAP_FIXED_NOREPLACE, -1, 0)  # RW, MAP_PRIVATE|MAP_ANONYMOUS
+    assert got == address, f"could not map {size} bytes at {address:#x} (errno {ctypes.get_errno()})"
+    return got
+
+
+def is_mapped(address: int, size: int) -> bool:
+    """Whether /proc/self/maps covers the whole of [address, address+size)."""
+    covered = address
+    with open("/proc/self/maps") as maps:
+        for line in maps:
+            start, end = (int(part, 16) for part in line.split()[0].split("-"))
+            if start <= covered < end:
+                covered = end
+    return covered >= address + size
+
+
+def test_a_retried_free_never_unmaps_what_it_no_longer_owns(driver, interleaver):
+    """Whatever a first `free()` meets (here: another thread mapping and
+    unmapping at every unlocked line), either it freed the reservation and
+    a retry does nothing, or it raised and still owns all of it. Once the
+    range is free another mapping takes it, and the retry leaves it alone."""
+    tensor = fragmented_tensor(driver)
+    base, size = tensor.base, tensor.reserved_bytes
+    first = interleaver.run_traced(tensor.free)
+    if is_mapped(base, size):
+        assert first is not None, "free() returned but the reservation is still mapped"
+        other = None
+    else:
+        other = occupy(base, size)
+        ctypes.memset(other, 7, size)
+    try:
+        with contextlib.suppress(Exception):
+            tensor.free()  # the retry a caller makes after a failure
+        if other is not None:
+            assert is_mapped(other, size), (
+                f"the retried free unmapped {size} bytes at {other:#x} that it no longer owned (first free raised "
+                f"{first!r})")
+            assert ctypes.string_at(other, 1) == b"\x07"
+        assert first is None, f"free() failed with another reservation mapping and unmapping meanwhile: {first!r}"
+    finally:
+        if other is not None:
+            ctypes.CDLL(None).munmap(ctypes.c_void_p(other), ctypes.c_size_t(size))
