@@ -321,6 +321,44 @@ def test_check_unchanged_passes_around_a_real_export(device, build):
     export_checked(build, driver_for(device), check=check_unchanged)
 
 
+def recommit_awake_with_the_worker_on(cache: ExtensibleKVCache, watch: "WorkerWatch", check) -> None:
+    """The worker grows its window in one step; a snapshot; `recommit()` of
+    the awake cache; `check(cache, before)`."""
+    cache.commit_ahead(300)
+    assert watch.stepped.wait(AHEAD_PATIENCE_S), "the worker never stepped"
+    before = snapshot(cache)  # under the reservation's lock: the step is over
+    assert before.segment_sizes[0] == 310 * cache.segment_strides[0]
+    cache.recommit()
+    check(cache, before)
+
+
+@pytest.mark.planted_defect("worker-stopped-by-awake-recommit")
+def test_a_recommit_that_turns_commit_ahead_off_is_flagged_by_check_unchanged(device):
+    def flagged(kv_cache, before):
+        with pytest.raises(AssertionError, match=r"^expected no change, but: cache commit-ahead worker 0x[0-9a-f]+ "
+                                                 r"\(window 300, max 700, step \d+\) -> 'off'$"):
+            check_unchanged(kv_cache, before)
+
+    cache, watch = ahead_cache(lambda real: make("worker-stopped-by-awake-recommit", real), device)
+    try:
+        recommit_awake_with_the_worker_on(cache, watch, flagged)
+    finally:
+        cache.free()
+
+
+@pytest.mark.invariant(4)
+def test_check_unchanged_passes_around_an_awake_recommit_beside_the_worker(device):
+    cache, watch = ahead_cache(lambda real: lambda config, layout: ExtensibleKVCache(config, real, layout), device)
+    try:
+        recommit_awake_with_the_worker_on(cache, watch, check_unchanged)
+        before = snapshot(cache)
+        cache.release_physical()  # the check sees sleep, not only the bytes it dropped
+        with pytest.raises(AssertionError, match=r"; cache is_asleep False -> True(;|$)"):
+            check_unchanged(cache, before)
+    finally:
+        cache.free()
+
+
 # -- read-only imports ------------------------------------------------------------------------
 def import_read_only(build, exporter, importer, *, check) -> None:
     """A cache on `exporter`, exported read-only (the default) to an

@@ -5,8 +5,9 @@ contents, which may reach unmapped memory.
 
 "Changes nothing" is checked against a `snapshot`: the mapped chunks as
 objects (a remap that reuses a handle number or an address still replaces
-the `MappedChunk`), the driver's or kernel's read-back of every granule, and
-a copy of every committed byte.
+the `MappedChunk`), the driver's or kernel's read-back of every granule, a
+copy of every committed byte, and for a cache its own state (counts, sizes,
+torch's cap, sleep, its commit-ahead worker).
 """
 
 from __future__ import annotations
@@ -225,17 +226,46 @@ class Snapshot:
     readback: tuple[Hashable | None, ...]
     #: Copies of each segment's committed bytes.
     contents: tuple[torch.Tensor, ...]
-    #: For a cache: its own attributes, by name; empty for a bare tensor.
+    #: For a cache: its own state, by name (`cache_state`); empty for a bare tensor.
     cache_state: tuple[tuple[str, object], ...]
 
 
+#: What a cache says of itself beyond its buffer: counts, sizes, the cap it
+#: put on torch, its lifecycle.
 _CACHE_ATTRIBUTES = (
     "num_committed_blocks",
+    "capacity_blocks",
+    "segment_offsets",
+    "segment_strides",
     "torch_memory_limit",
     "reserved_headroom_bytes",
     "warmup_committable_blocks",
+    "is_asleep",
+    "is_broken",
     "is_freed",
 )
+
+
+@dataclass(frozen=True)
+class WorkerState:
+    """A cache's commit-ahead worker and its policy; equal only for the
+    same worker object, so one stopped and started again is a change."""
+
+    worker: object
+    window_blocks: int
+    max_blocks: int
+    step_blocks: int
+
+    def __repr__(self) -> str:
+        return f"worker {id(self.worker):#x} (window {self.window_blocks}, max {self.max_blocks}, step {self.step_blocks})"
+
+
+def cache_state(kv_cache: ExtensibleKVCache) -> tuple[tuple[str, object], ...]:
+    """The cache's own state, by name: `_CACHE_ATTRIBUTES`, and its
+    commit-ahead worker ("off" when none runs)."""
+    ahead = kv_cache._ahead
+    worker = "off" if ahead is None else WorkerState(ahead, ahead.window_blocks, ahead.max_blocks, ahead.step_blocks)
+    return (*((name, getattr(kv_cache, name)) for name in _CACHE_ATTRIBUTES), ("commit-ahead", worker))
 
 
 def _buffer(target: ExtensibleTensor | ExtensibleKVCache) -> ExtensibleTensor:
@@ -246,11 +276,7 @@ def snapshot(target: ExtensibleTensor | ExtensibleKVCache) -> Snapshot:
     """The state of a live tensor or cache, taken under its lock."""
     tensor = _buffer(target)
     with tensor.lock:
-        cache_state = (
-            tuple((name, getattr(target, name)) for name in _CACHE_ATTRIBUTES)
-            if isinstance(target, ExtensibleKVCache)
-            else ()
-        )
+        own_state = cache_state(target) if isinstance(target, ExtensibleKVCache) else ()
         return Snapshot(
             base=tensor.base,
             segment_sizes=tuple(tensor.segment_sizes),
@@ -258,7 +284,7 @@ def snapshot(target: ExtensibleTensor | ExtensibleKVCache) -> Snapshot:
             mapped_chunks=tuple(tensor.mapped_chunks),
             readback=tuple(read_back_granules(tensor)),
             contents=tuple(tensor.segment_view(i).clone() for i in range(len(tensor.segment_sizes))),
-            cache_state=cache_state,
+            cache_state=own_state,
         )
 
 
@@ -267,9 +293,12 @@ def check_unchanged(target: ExtensibleTensor | ExtensibleKVCache, before: Snapsh
     same committed bytes, same numbers."""
     now = snapshot(target)
     problems = []
-    for field in ("base", "segment_sizes", "physical_bytes", "cache_state"):
+    for field in ("base", "segment_sizes", "physical_bytes"):
         if getattr(now, field) != getattr(before, field):
             problems.append(f"{field} {getattr(before, field)} -> {getattr(now, field)}")
+    for (name, old), (_, new) in zip(before.cache_state, now.cache_state):
+        if new != old:
+            problems.append(f"cache {name} {old!r} -> {new!r}")
     if len(now.mapped_chunks) != len(before.mapped_chunks) or any(
         a is not b for a, b in zip(now.mapped_chunks, before.mapped_chunks)
     ):

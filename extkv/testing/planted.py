@@ -286,6 +286,19 @@ class KeepsZeroedThroughOnRelease(ExtensibleKVCache):
         self._zeroed_through = kept
 
 
+class StopsWorkerOnAwakeRecommit(ExtensibleKVCache):
+    """`recommit` stops the commit-ahead worker to map without it, and
+    starts it again only if the cache was asleep: on an awake cache, where
+    a recommit must change nothing, it leaves commit-ahead off."""
+
+    def recommit(self) -> None:
+        ahead, asleep = self._ahead, self.is_asleep
+        self.commit_ahead(0)
+        super().recommit()
+        if asleep and ahead is not None:
+            self.commit_ahead(ahead.window_blocks, max_blocks=ahead.max_blocks, step_blocks=ahead.step_blocks)
+
+
 @contextlib.contextmanager
 def signals_not_deferred() -> Iterator[None]:
     """While entered, extkv's operations run with signal handlers free to
@@ -399,6 +412,12 @@ DEFECTS: dict[str, Defect] = {
             "a commit counts only blocks mapped and zeroed (invariants 1 and 4)",
             ("checks.check_committed_blocks_mapped",),
             _cache_over(KeepsZeroedThroughOnRelease),
+        ),
+        Defect(
+            "worker-stopped-by-awake-recommit",
+            "a recommit of an awake cache changes nothing (invariant 4)",
+            ("checks.check_unchanged: the cache's own state",),
+            _cache_over(StopsWorkerOnAwakeRecommit),
         ),
         Defect(
             "signals-not-deferred",
