@@ -1,5 +1,6 @@
 """What a process set up for itself survives extkv's operations: a signal
-handler installed outside Python, several signals' handlers.
+handler installed outside Python, several signals' handlers, warnings
+filters that turn warnings into errors.
 
 `extkv.deferred_signals` swaps Python's signal handlers for a recorder
 while an operation runs; the tests here read the kernel's own record of each
@@ -16,11 +17,13 @@ import os
 import signal
 import subprocess
 import sys
+import warnings
 from pathlib import Path
 
 import pytest
 
 from extkv import ExtensibleTensor
+from extkv.vmm import HostDriver, live_chunks
 from extkv.vmm.wrapping import WrappingDriver
 
 _libc = ctypes.CDLL(None, use_errno=True)
@@ -178,3 +181,41 @@ def test_signals_noted_in_one_operation_all_reach_their_handlers_when_one_raises
         finally:
             tensor.free()
     assert ran == [signal.SIGUSR1, signal.SIGUSR2], f"handlers ran for {ran}"
+
+
+@pytest.mark.invariant(5, 6)
+def test_under_warnings_as_errors_a_chunk_whose_close_failed_is_never_closed_again():
+    """`-W error` turns the warning about a failed close into an exception:
+    the chunk is released all the same (Linux freed its descriptor number)
+    and nothing of extkv's closes that number again once another file took
+    it."""
+    driver = HostDriver()
+    granule = driver.granularity
+    tensor = ExtensibleTensor(2 * granule, device=driver)
+    raised = None
+    devnull = os.open(os.devnull, os.O_RDONLY)
+    try:
+        with warnings.catch_warnings(record=True) as shown:
+            warnings.simplefilter("error")
+            tensor.resize_segments_([granule], zero_new=True)
+            fd = tensor.mapped_chunks[0].chunk.handle
+            os.close(fd)  # behind extkv's back: its own close now fails with EBADF
+            try:
+                tensor.release_physical()
+            except RuntimeWarning as error:
+                raised = error
+            os.dup2(devnull, fd)  # another file takes the number
+            try:
+                tensor.free()
+                still_devnull = os.path.samestat(os.fstat(fd), os.fstat(devnull))
+            except OSError:
+                still_devnull = False
+            finally:
+                with contextlib.suppress(OSError):
+                    os.close(fd)
+    finally:
+        os.close(devnull)
+    assert still_devnull, f"descriptor {fd}, taken by {os.devnull} after extkv's close failed, was closed again"
+    assert raised is None, f"the release raised {raised!r}, which reads as a refusal to release"
+    assert any(f"close(memfd {fd})" in str(warning.message) for warning in shown), [str(w.message) for w in shown]
+    assert live_chunks["host"] == 0, f"{live_chunks['host']} host chunks still counted after the release"
