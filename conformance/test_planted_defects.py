@@ -360,11 +360,12 @@ def test_check_unchanged_passes_around_an_awake_recommit_beside_the_worker(devic
 
 
 # -- read-only imports ------------------------------------------------------------------------
-def import_read_only(build, exporter, importer, *, check) -> None:
-    """A cache on `exporter`, exported read-only (the default) to an
-    in-process peer importing with `importer`; `check(imported, kv_cache)`."""
+def import_read_only(build, exporter, importer, *, check, blocks: int = 300) -> None:
+    """A cache of `blocks` committed blocks on `exporter`, exported read-only
+    (the default) to an in-process peer importing with `importer`;
+    `check(imported, kv_cache)`."""
     kv_cache = build.cache_for("padded", KVCacheLayout.LBHNC, device=exporter)
-    kv_cache.commit(300, defragment=True)
+    kv_cache.commit(blocks, defragment=True)
     connector = SegmentExportConnector()
     try:
         connector.register_kv_caches(kv_cache)
@@ -388,6 +389,23 @@ def test_an_import_mapped_read_write_is_flagged(device, build):
 
     broken = make("read-only-ignored", driver_for(device))
     import_read_only(build, broken, broken, check=flagged)
+
+
+@pytest.mark.planted_defect("read-only-but-one-granule")
+def test_an_import_writable_in_one_granule_inside_a_view_is_flagged(device, build):
+    def flagged(imported, kv_cache):
+        g = imported.driver.granularity
+        ends = [(view.data_ptr(), view.data_ptr() + view.numel() * view.element_size() - 1) for view in imported.views]
+        assert ends[0][1] - ends[0][0] >= 2 * g, "the test needs a first view over more than two granules"
+        # Every view's first and last byte is read-only: only a probe in each granule finds the writable one.
+        assert set(imported.driver.accesses_at([a for pair in ends for a in pair])) == {READ_ONLY}
+        assert imported.driver.access_at(ends[0][0] + g) == READ_WRITE
+        with pytest.raises(AssertionError, match=rf"^\d+ of \d+ probed addresses are not mapped read-only; first: view 0 at "
+                                                 rf"offset {g} reads back 'read-write'$"):
+            check_mapped_read_only(imported.driver, imported.views)
+
+    broken = make("read-only-but-one-granule", driver_for(device))
+    import_read_only(build, broken, broken, check=flagged, blocks=400)  # segments of 2.3 granules
 
 
 @pytest.mark.invariant(8)

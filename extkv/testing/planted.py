@@ -236,6 +236,22 @@ class IgnoresReadOnly(PlantedDriver):
         self.inner._set_access(address, size, True)
 
 
+class SecondGranuleWritable(PlantedDriver):
+    """Grants a read-only request except for the second granule of each
+    range, which it maps read-write (exports are writable descriptors, so
+    the host kernel allows it): an import's first and last bytes read back
+    read-only, one granule between them is writable."""
+
+    def _export_fd(self, chunk: Chunk, writable: bool) -> int:
+        return self.inner._export_fd(chunk, True)
+
+    def _set_access(self, address: int, size: int, writable: bool) -> None:
+        self.inner._set_access(address, size, writable)
+        g = self.granularity
+        if not writable and size > 2 * g:
+            self.inner._set_access(address + g, g, True)
+
+
 # -- bookkeeping of usage -------------------------------------------------------------
 class OverReportingTensor(ExtensibleTensor):
     """Says it maps one granule more than it does."""
@@ -418,6 +434,12 @@ DEFECTS: dict[str, Defect] = {
             "a recommit of an awake cache changes nothing (invariant 4)",
             ("checks.check_unchanged: the cache's own state",),
             _cache_over(StopsWorkerOnAwakeRecommit),
+        ),
+        Defect(
+            "read-only-but-one-granule",
+            "an import told to be read-only is mapped read-only, every granule of it (invariant 8)",
+            ("checks.check_mapped_read_only: a probe in every granule",),
+            SecondGranuleWritable,
         ),
         Defect(
             "signals-not-deferred",
