@@ -187,6 +187,23 @@ def test_several_processes_on_one_device(device):
 
 
 @pytest.mark.harness
+def test_walk_processes_that_die_without_a_tally_are_each_a_failure_of_the_pooled_tally(monkeypatch):
+    """Every walk child dies at its start, before printing a tally (its
+    environment's thread count is no number): each is a failure of the
+    pooled tally, with the command that reproduces it, and the run raises
+    naming both."""
+    monkeypatch.setenv("EXTKV_TORCH_THREADS", "none")
+    tally = StressTally()
+    with pytest.raises(AssertionError, match=r"(?s)^walk process 0: .*; walk process 1: "):
+        run_walk_processes("cpu", 2, SEED, tally, steps=1)
+    assert len(tally.failures) == 2, tally.failures
+    for index, failure in enumerate(tally.failures):
+        assert "exited before saying anything" in failure["error"] and "ValueError" in failure["error"], failure["error"]
+        assert " walk --device cpu " in failure["reproduction"] and f" --seed {SEED + index} " in failure["reproduction"]
+    assert tally.events["walk processes sharing the device"] == 0
+
+
+@pytest.mark.harness
 def test_a_spent_bound_gives_no_test_seconds():
     """The nightly suite's shares: by weight of what is left, none once it is
     spent (a workload's floor, not a least number of seconds, keeps a test

@@ -54,6 +54,7 @@ class ChildProcess:
             cwd=repo_root(),
         )
         self._pending = bytearray()
+        self._closed = False
         self._lines: collections.deque[str] = collections.deque()
 
     @property
@@ -68,6 +69,8 @@ class ChildProcess:
         """Read what the child wrote within `timeout_s`; False at a timeout or end."""
         ready, _, _ = select.select([self.process.stdout], [], [], timeout_s)
         data = os.read(self.process.stdout.fileno(), 1 << 16) if ready else b""
+        # Readable yet empty: the child closed its stdout (it exited), not merely slow.
+        self._closed = bool(ready) and not data
         self._pending += data
         *complete, rest = self._pending.split(b"\n")
         self._lines.extend(line.decode() for line in complete)
@@ -79,10 +82,12 @@ class ChildProcess:
         deadline = time.monotonic() + timeout_s
         while not self._lines:
             if not self._read(max(deadline - time.monotonic(), 0)):
+                ended = self._closed
                 self.kill()
                 stderr = self.process.stderr.read().decode(errors="replace")
+                said = "exited before saying anything" if ended else f"said nothing within {timeout_s} s"
                 raise AssertionError(
-                    f"child {' '.join(map(str, self.process.args[3:]))} said nothing within {timeout_s} s "
+                    f"child {' '.join(map(str, self.process.args[3:]))} {said} "
                     f"(exit {self.process.returncode}): {stderr[-3000:]}"
                 )
         return self._lines.popleft()

@@ -6,8 +6,9 @@ Theory of operation
 walk ...`), each on its own case of CACHE_MACHINE_CASES and its own seed,
 beside each other on the device. Each checks its own cache and its own
 leaks, comparing the usage probe only where the probe reads that process
-alone, and prints its tally as JSON, which joins the parent's. On a GPU,
-NVML's used memory must be back once they are gone.
+alone, and prints its tally as JSON, which joins the parent's; a child that
+dies without one joins it as a failure, and the others are still read. On
+a GPU, NVML's used memory must be back once they are gone.
 """
 
 from __future__ import annotations
@@ -55,9 +56,16 @@ def run_walk_processes(
     failures = []
     try:
         for index, child in enumerate(children):
-            result = child.line((seconds or 0) + CHILD_TIMEOUT_S)
-            child.process.wait(CHILD_TIMEOUT_S)
-            child_tally = StressTally.from_json(json.loads(result))
+            try:
+                result = child.line((seconds or 0) + CHILD_TIMEOUT_S)
+                child.process.wait(CHILD_TIMEOUT_S)
+                child_tally = StressTally.from_json(json.loads(result))
+            except Exception as error:
+                # A child that died, or printed no tally: its failure joins
+                # the tally, and the children after it are still read.
+                tally.fail(error, " ".join(map(str, child.process.args[1:])))
+                failures.append(f"walk process {index}: {error}")
+                continue
             tally.add(child_tally)
             tally.events["walk processes sharing the device"] += 1
             if child.process.returncode != 0:
