@@ -11,7 +11,10 @@ Failures report counts of wrong bytes, never a view's contents.
 
 from __future__ import annotations
 
+import contextlib
 import logging
+import signal
+import sys
 import threading
 
 import pytest
@@ -515,3 +518,123 @@ def test_threads_fighting_over_one_tag_see_whole_operations_in_turn(build, poiso
     expect_patterns(kv.buffer, patterns[0], "KV cache after the fight")
     expect_patterns(w, patterns[1], "weights after the fight")
     check_usage_matches(usage, baseline, buffers(kv, w))
+
+
+# -- locks held by callers, and Ctrl-C ----------------------------------------------
+#: Seconds a test waits for a thread before calling it stuck: a safety net, never the synchronization.
+SAFETY_S = 30.0
+
+
+@contextlib.contextmanager
+def noticing_a_take_of(lock, noticed: threading.Event):
+    """Sets `noticed` when the calling thread calls `lock`'s `acquire` or
+    `__enter__` (a profile hook of this thread alone; the call goes on):
+    from then on the thread is inside an operation that wants the lock."""
+
+    def hook(frame, event, arg):
+        if event == "c_call" and getattr(arg, "__self__", None) is lock and arg.__name__ in ("acquire", "__enter__"):
+            noticed.set()
+
+    previous = sys.getprofile()
+    sys.setprofile(hook)
+    try:
+        yield
+    finally:
+        sys.setprofile(previous)
+
+
+@pytest.mark.invariant(7)
+def test_a_thread_holding_a_cache_lock_reads_the_states_while_a_sleep_waits_for_that_lock(poisoned):
+    """A scheduler thread holds the cache's lock (re-entrant, for callers to
+    hold) and asks the controller where its tags stand while another thread's
+    sleep waits for that lock: reads never wait behind an operation, so both
+    finish; the read sees the state before the sleep, which runs once the
+    lock is let go. (The cache is freed here only once both threads ended:
+    a deadlock would hold its lock for good.)"""
+    kv = ExtensibleKVCache(config_for("full", KVCacheLayout.LBHNC), poisoned, KVCacheLayout.LBHNC)
+    kv.commit(BLOCKS)
+    engine = SleepController()
+    engine.register(kv, offload=True)
+    patterns = fill(kv.buffer, seed=40)
+    holding, sleep_wants_the_lock = threading.Event(), threading.Event()
+    seen, errors = {}, []
+
+    def scheduler() -> None:
+        try:
+            with kv.buffer.lock:
+                holding.set()
+                assert sleep_wants_the_lock.wait(SAFETY_S), "the sleep never asked for the cache's lock"
+                seen.update(state=engine.state("kv_cache"), states=engine.states, sleeping=engine.is_sleeping,
+                            offloaded=engine.offloaded_bytes, text=repr(engine))
+        except BaseException as error:  # reported by the main thread
+            errors.append(error)
+
+    def sleeper() -> None:
+        try:
+            assert holding.wait(SAFETY_S), "the scheduler never took the cache's lock"
+            with noticing_a_take_of(kv.buffer.lock, sleep_wants_the_lock):
+                engine.sleep(level=1)
+        except BaseException as error:
+            errors.append(error)
+
+    threads = [threading.Thread(target=scheduler, daemon=True), threading.Thread(target=sleeper, daemon=True)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(SAFETY_S)
+    stuck = [thread.name for thread in threads if thread.is_alive()]
+    assert not stuck, f"after {SAFETY_S} s, threads {stuck} still wait: the read and the sleep deadlocked"
+    try:
+        assert not errors, f"{len(errors)} thread(s) failed, first: {errors[0]!r}"
+        assert seen == {"state": TagState.AWAKE, "states": {"kv_cache": TagState.AWAKE}, "sleeping": False,
+                        "offloaded": 0, "text": "SleepController(kv_cache: awake (1))"}, seen
+        assert engine.state("kv_cache") == "asleep" and kv.physical_bytes == 0
+        engine.wake_up()
+        expect_patterns(kv.buffer, patterns, "the cache slept once the scheduler let go")
+    finally:
+        kv.free()
+
+
+@pytest.mark.invariant(6)
+def test_ctrl_c_ends_a_sleep_waiting_for_a_cache_lock_and_changes_nothing(build, poisoned):
+    """Another thread holds the cache's lock; the main thread's sleep waits
+    for it; SIGINT, sent once the sleep wants the lock, raises
+    KeyboardInterrupt out of the sleep while the lock is still held, and
+    every tag, byte and copy is as before: the controller then sleeps and
+    wakes as ever."""
+    kv, w = kv_cache(build, poisoned), weights(build, poisoned)
+    engine = SleepController()
+    engine.register(kv, offload=True)
+    engine.register(w, tag="weights", offload=True)
+    patterns = [fill(kv.buffer, seed=41), fill(w, seed=42)]
+    holding, sleep_wants_the_lock, interrupted = threading.Event(), threading.Event(), threading.Event()
+    gave_up = []
+
+    def holder() -> None:
+        with kv.buffer.lock:
+            holding.set()
+            if sleep_wants_the_lock.wait(SAFETY_S):
+                signal.pthread_kill(threading.main_thread().ident, signal.SIGINT)
+            if not interrupted.wait(SAFETY_S):
+                gave_up.append("the lock, still waited for")
+
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
+    thread = threading.Thread(target=holder, daemon=True)
+    try:
+        thread.start()
+        assert holding.wait(SAFETY_S), "the holder never took the cache's lock"
+        with pytest.raises(KeyboardInterrupt):
+            with noticing_a_take_of(kv.buffer.lock, sleep_wants_the_lock):
+                engine.sleep(level=1)
+    finally:
+        interrupted.set()
+        thread.join(SAFETY_S)
+        signal.signal(signal.SIGINT, previous)
+    assert sleep_wants_the_lock.is_set(), "the sleep never asked for the cache's lock: the test proves nothing"
+    assert not gave_up, f"Ctrl-C did not end the sleep's wait: after {SAFETY_S} s the holder let go of {gave_up[0]}"
+    assert engine.states == {"kv_cache": "awake", "weights": "awake"} and engine.offloaded_bytes == 0
+    expect_patterns(kv.buffer, patterns[0], "KV cache after the interrupted sleep")
+    expect_patterns(w, patterns[1], "weights after the interrupted sleep")
+    engine.sleep(level=1)
+    engine.wake_up()
+    expect_patterns(kv.buffer, patterns[0], "KV cache slept after the interrupt")

@@ -78,14 +78,33 @@ Checks before change: every argument (a level, a tag, a tag list, an
 object) is checked, and every registration the call moves must be live (a
 freed, broken or fork-inherited cache refuses everything), before the
 first copy or release; a refused call leaves every tag and object as it
-was. Threads: one re-entrant lock per controller serializes its
-operations, and each holds the locks of the registrations it moves
-(taken in address order, so two controllers sharing a cache cannot
-deadlock), so no commit of a scheduler thread lands between a copy and the
-release it precedes. While a tag sleeps its objects are the controller's:
-committing to or freeing one of them then is a bug in the caller, as using
-a view during a release is. Signal handlers wait for the operation to end
-(extkv.deferred_signals).
+was. While a tag sleeps its objects are the controller's: committing to or
+freeing one of them then is a bug in the caller, as using a view during a
+release is.
+
+Locks. One re-entrant lock per controller serializes its operations, and
+a move also holds the locks of the registrations it moves, so no commit
+of a scheduler thread lands between a copy and the release it follows.
+Callers may hold a reservation's lock themselves (it is re-entrant, for
+callers to hold around operations that must not interleave) and call the
+controller meanwhile, from any thread. So the controller never waits for a
+lock while it holds one: it takes its own lock, then each reservation's
+(in address order) without waiting; where one is busy it lets go of every
+lock it took, waits for that one alone and starts over. The rule: calling
+a word while holding reservation A's lock is taking A's lock and then
+those of the reservations the word moves; only callers who take two
+reservations' locks in opposite orders can deadlock, as they would without
+a controller. Reads (`tags`, `state`, `states`, `is_sleeping`,
+`offloaded_bytes`, repr) take no lock: each operation publishes, as it
+ends, an immutable snapshot of what it left, and a read returns the
+latest, the state before or after an operation in flight, never waiting
+for it.
+
+Signals. Each attempt runs with signal handlers deferred
+(extkv.deferred_signals), so a copy or release once begun runs whole. A
+wait for a lock runs in tries of `LOCK_RETRY_S` seconds, each ending the
+deferral: a handler that raises (Ctrl-C) ends the wait within one try,
+having changed nothing.
 """
 
 from __future__ import annotations
@@ -94,6 +113,9 @@ import contextlib
 import enum
 import logging
 import threading
+from dataclasses import dataclass
+from types import MappingProxyType
+from typing import Callable, Mapping, NamedTuple
 
 import torch
 
@@ -140,6 +162,37 @@ _TRANSITIONS: dict[str, dict[TagState, _Move]] = {
 #: torch_memory_saver's pause keeps every CPU-backed region.
 _KEEPS_OFFLOADED = {("sleep", 1): True, ("sleep", 2): False, ("pause", None): True}
 _LEVEL_WANTED = "1 or 2: vLLM's sleep levels; level 0, pausing the scheduler, is the engine's"
+#: Seconds of one try at a busy lock: how long Ctrl-C may wait to end a wait for one.
+LOCK_RETRY_S = 0.05
+
+
+class _Busy(NamedTuple):
+    """What an attempt returns, having changed nothing, when `lock` is held elsewhere."""
+
+    lock: object
+
+
+def _wait_until_free(lock) -> None:
+    """Return once `lock` was free, holding nothing. Each try is bounded and
+    deferred (an acquire never lost to a signal); a handler runs between tries."""
+    while True:
+        with _DEFERRED_SIGNALS:
+            if lock.acquire(timeout=LOCK_RETRY_S):
+                lock.release()
+                return
+
+
+@dataclass(frozen=True)
+class _Snapshot:
+    """What the last operation left, for reads that take no lock."""
+
+    #: Each tag's state, tags in the order they were first registered.
+    states: Mapping[str, TagState]
+    registrations: Mapping[str, int]
+    offloaded_bytes: int
+
+
+_NOTHING_REGISTERED = _Snapshot(MappingProxyType({}), MappingProxyType({}), 0)
 
 
 def _describe(value: object) -> str:
@@ -225,6 +278,7 @@ class SleepController:
     def __init__(self) -> None:
         self._registrations: list[_Registration] = []
         self._lock = threading.RLock()
+        self._snapshot = _NOTHING_REGISTERED
 
     # -- registering ----------------------------------------------------------
     def register(self, target: ExtensibleKVCache | ExtensibleTensor, tag: str = DEFAULT_TAG, *,
@@ -236,64 +290,81 @@ class SleepController:
         `enable_cpu_backup`); otherwise it wakes zeroed. The tag must be
         awake, the target live and registered nowhere in this controller.
         """
-        with _DEFERRED_SIGNALS, self._lock:
-            if not isinstance(target, (ExtensibleKVCache, ExtensibleTensor)):
-                raise ValueError(f"register needs an ExtensibleKVCache or an ExtensibleTensor, got {_describe(target)}")
-            tag = self._checked_tag_name("register", tag)
-            offload = validate.flag("offload", offload)
-            registration = _Registration(target, tag, offload)
-            for other in self._registrations:
-                if other.buffer is registration.buffer:
-                    what = "it" if other.target is target else f"the {other.kind} that owns its reservation"
-                    raise ValueError(f"register: {target!r} is registered already: {what}, under tag {other.tag!r}")
-            problem = registration.why_not_live()
-            if problem:
-                raise StateError(f"register: {target!r} is {problem}; only a live one can sleep and wake")
-            if tag in self.tags and self.state(tag) is not TagState.AWAKE:
-                raise StateError(f"register: tag {tag!r} is {self.state(tag).value}; register while it is awake")
-            self._registrations.append(registration)
+        self._locked(self._register, target, tag, offload)
+
+    def _register(self, target, tag, offload) -> None:
+        if not isinstance(target, (ExtensibleKVCache, ExtensibleTensor)):
+            raise ValueError(f"register needs an ExtensibleKVCache or an ExtensibleTensor, got {_describe(target)}")
+        tag = self._checked_tag_name("register", tag)
+        offload = validate.flag("offload", offload)
+        registration = _Registration(target, tag, offload)
+        for other in self._registrations:
+            if other.buffer is registration.buffer:
+                what = "it" if other.target is target else f"the {other.kind} that owns its reservation"
+                raise ValueError(f"register: {target!r} is registered already: {what}, under tag {other.tag!r}")
+        problem = registration.why_not_live()
+        if problem:
+            raise StateError(f"register: {target!r} is {problem}; only a live one can sleep and wake")
+        if tag in self._live_tags() and self._live_state(tag) is not TagState.AWAKE:
+            raise StateError(f"register: tag {tag!r} is {self._live_state(tag).value}; register while it is awake")
+        self._registrations.append(registration)
+        self._publish()
 
     def unregister(self, target: ExtensibleKVCache | ExtensibleTensor) -> None:
         """Forget `target`: awake, or freed (its host copy, if any, is dropped)."""
-        with _DEFERRED_SIGNALS, self._lock:
-            found = [r for r in self._registrations if r.target is target]
-            if not found:
-                raise ValueError(f"unregister: {_describe(target)} is not registered here")
-            (registration,) = found
-            if registration.asleep and not registration.buffer.is_freed:
-                raise StateError(
-                    f"unregister: {target!r} is asleep under tag {registration.tag!r}; wake it first"
-                )
-            self._registrations.remove(registration)
+        self._locked(self._unregister, target)
 
-    # -- what is where --------------------------------------------------------
+    def _unregister(self, target) -> None:
+        found = [r for r in self._registrations if r.target is target]
+        if not found:
+            raise ValueError(f"unregister: {_describe(target)} is not registered here")
+        (registration,) = found
+        if registration.asleep and not registration.buffer.is_freed:
+            raise StateError(f"unregister: {target!r} is asleep under tag {registration.tag!r}; wake it first")
+        self._registrations.remove(registration)
+        self._publish()
+
+    # -- what is where: the last snapshot, no lock ---------------------------
     @property
     def tags(self) -> list[str]:
         """Registered tags, in the order they were first registered."""
-        return list(dict.fromkeys(r.tag for r in self._registrations))
+        return list(self._snapshot.states)
 
     def state(self, tag: str) -> TagState:
         """Awake, asleep, or partly asleep (an operation failed part way)."""
-        with self._lock:
-            tag = self._checked_tags("state", [tag])[0]
-            states = {r.state for r in self._registrations if r.tag == tag}
-            return states.pop() if len(states) == 1 else TagState.PARTLY_ASLEEP
+        states = self._snapshot.states
+        (tag,) = self._checked_tags("state", [tag], list(states))
+        return states[tag]
 
     @property
     def states(self) -> dict[str, TagState]:
-        with self._lock:
-            return {tag: self.state(tag) for tag in self.tags}
+        return dict(self._snapshot.states)
 
     @property
     def is_sleeping(self) -> bool:
         """Whether any tag is not awake (vLLM's `is_sleeping`: true until every tag woke)."""
-        return any(state is not TagState.AWAKE for state in self.states.values())
+        return any(state is not TagState.AWAKE for state in self._snapshot.states.values())
 
     @property
     def offloaded_bytes(self) -> int:
         """Host bytes held by the copies of registrations asleep with their contents kept."""
-        with self._lock:
-            return sum(copy.numel() for r in self._registrations if r.backup for copy in r.backup)
+        return self._snapshot.offloaded_bytes
+
+    def _live_tags(self) -> list[str]:
+        return list(dict.fromkeys(r.tag for r in self._registrations))
+
+    def _live_state(self, tag: str) -> TagState:
+        states = {r.state for r in self._registrations if r.tag == tag}
+        return states.pop() if len(states) == 1 else TagState.PARTLY_ASLEEP
+
+    def _publish(self) -> None:
+        """Snapshot what the registrations hold now (controller's lock held)."""
+        tags = self._live_tags()
+        self._snapshot = _Snapshot(
+            states=MappingProxyType({tag: self._live_state(tag) for tag in tags}),
+            registrations=MappingProxyType({tag: sum(r.tag == tag for r in self._registrations) for tag in tags}),
+            offloaded_bytes=sum(copy.numel() for r in self._registrations if r.backup for copy in r.backup),
+        )
 
     # -- vLLM's words ---------------------------------------------------------
     def sleep(self, level: int = 1) -> None:
@@ -331,41 +402,69 @@ class SleepController:
         self._move("resume", None if tag is None else [tag])
 
     # -- the one path every word takes ---------------------------------------
+    def _locked(self, attempt: Callable, *args):
+        """`attempt(*args)` holding the controller's lock, signal handlers
+        deferred. An attempt that finds a lock busy returns `_Busy` having
+        changed nothing: every lock is let go, and once that one was free
+        (signal handlers running between tries) the attempt starts over."""
+        while True:
+            with _DEFERRED_SIGNALS:
+                if self._lock.acquire(blocking=False):
+                    try:
+                        outcome = attempt(*args)
+                    finally:
+                        self._lock.release()
+                    if not isinstance(outcome, _Busy):
+                        return outcome
+                    busy = outcome.lock
+                else:
+                    busy = self._lock
+            _wait_until_free(busy)
+
     def _move(self, word: str, tags: list[str] | None, *, keep_offloaded: bool = False) -> None:
-        with _DEFERRED_SIGNALS, self._lock:
-            tags = self.tags if tags is None else self._checked_tags(word, tags)
-            moves = {tag: _TRANSITIONS[word][self.state(tag)] for tag in tags}
-            refused = [tag for tag, move in moves.items() if move is _Move.REFUSED]
-            if refused:
+        self._locked(self._attempt_move, word, tags, keep_offloaded)
+
+    def _attempt_move(self, word: str, tags: list[str] | None, keep_offloaded: bool) -> _Busy | None:
+        known = self._live_tags()
+        tags = known if tags is None else self._checked_tags(word, tags, known)
+        moves = {tag: _TRANSITIONS[word][self._live_state(tag)] for tag in tags}
+        refused = [tag for tag, move in moves.items() if move is _Move.REFUSED]
+        if refused:
+            raise StateError(
+                f"SleepController.{word}(): "
+                + ", ".join(f"tag {tag!r} is {self._live_state(tag).value}" for tag in refused)
+                + "; nothing was changed"
+            )
+        moving = {tag: move for tag, move in moves.items() if move is not _Move.NO_OP}
+        if not moving:
+            if tags:  # vLLM's "already sleeping" / "not sleeping"
+                logger.warning("SleepController.%s(): tags %s are %s already; nothing to do.", word, tags,
+                               "asleep" if word == "sleep" else "awake")
+            return None
+        (direction,) = set(moving.values())  # a word moves one way only
+        registrations = [r for r in self._registrations if r.tag in moving]
+        for registration in registrations:
+            problem = registration.why_not_live()
+            if problem:
                 raise StateError(
-                    f"SleepController.{word}(): "
-                    + ", ".join(f"tag {tag!r} is {self.state(tag).value}" for tag in refused)
-                    + "; nothing was changed"
+                    f"SleepController.{word}(): the {registration.kind} registered under tag "
+                    f"{registration.tag!r} is {problem}; unregister it first. Nothing was changed"
                 )
-            moving = {tag: move for tag, move in moves.items() if move is not _Move.NO_OP}
-            if not moving:
-                if tags:  # vLLM's "already sleeping" / "not sleeping"
-                    logger.warning("SleepController.%s(): tags %s are %s already; nothing to do.", word, tags,
-                                   "asleep" if word == "sleep" else "awake")
-                return
-            (direction,) = set(moving.values())  # a word moves one way only
-            registrations = [r for r in self._registrations if r.tag in moving]
-            for registration in registrations:
-                problem = registration.why_not_live()
-                if problem:
-                    raise StateError(
-                        f"SleepController.{word}(): the {registration.kind} registered under tag "
-                        f"{registration.tag!r} is {problem}; unregister it first. Nothing was changed"
-                    )
-            with contextlib.ExitStack() as held:
-                for buffer in sorted((r.buffer for r in registrations), key=lambda buffer: buffer.base):
-                    held.enter_context(buffer.lock)
+        with contextlib.ExitStack() as held:
+            for buffer in sorted((r.buffer for r in registrations), key=lambda buffer: buffer.base):
+                if not buffer.lock.acquire(blocking=False):
+                    return _Busy(buffer.lock)
+                held.callback(buffer.lock.release)
+            try:
                 if direction is _Move.WAKE:
                     self._wake(registrations)
                 else:
                     self._sleep(registrations, keep_offloaded)
-            logger.info("SleepController.%s(): tags %s now %s.", word, sorted(moving),
-                        {tag: self.state(tag).value for tag in sorted(moving)})
+            finally:
+                self._publish()  # a move that failed part way moved some
+        logger.info("SleepController.%s(): tags %s now %s.", word, sorted(moving),
+                    {tag: self._snapshot.states[tag].value for tag in sorted(moving)})
+        return None
 
     @staticmethod
     def _sleep(registrations: list[_Registration], keep_offloaded: bool) -> None:
@@ -399,8 +498,7 @@ class SleepController:
             raise ValueError(f"{function}: a tag must be a non-empty str, got {_describe(tag)}")
         return tag
 
-    def _checked_tags(self, function: str, tags: list) -> list[str]:
-        known = self.tags
+    def _checked_tags(self, function: str, tags: list, known: list[str]) -> list[str]:
         for tag in tags:
             self._checked_tag_name(function, tag)
             if tag not in known:
@@ -408,9 +506,6 @@ class SleepController:
         return list(dict.fromkeys(tags))
 
     def __repr__(self) -> str:
-        with self._lock:
-            parts = [
-                f"{tag}: {state.value} ({sum(r.tag == tag for r in self._registrations)})"
-                for tag, state in self.states.items()
-            ]
+        snapshot = self._snapshot
+        parts = [f"{tag}: {state.value} ({snapshot.registrations[tag]})" for tag, state in snapshot.states.items()]
         return f"SleepController({', '.join(parts)})"
