@@ -638,3 +638,73 @@ def test_ctrl_c_ends_a_sleep_waiting_for_a_cache_lock_and_changes_nothing(build,
     engine.sleep(level=1)
     engine.wake_up()
     expect_patterns(kv.buffer, patterns[0], "KV cache slept after the interrupt")
+
+
+# -- commit-ahead -------------------------------------------------------------------
+def cache_mapped_ahead(build, driver, committed: int = 100, ahead: int = 64):
+    """A cache of `committed` blocks with commit-ahead on and `ahead` blocks
+    mapped and zeroed past them, as its worker leaves them. They are grown
+    here, as the worker's step grows them, so that the worker finds its
+    window full and maps nothing meanwhile."""
+    cache = kv_cache(build, driver, blocks=committed)
+    cache.buffer.grow_blocks_(committed + ahead, zero_new=True)
+    cache.commit_ahead(ahead)
+    assert cache.num_committed_blocks == committed and cache.grown_blocks == committed + ahead
+    return cache
+
+
+def fill_committed(cache, seed: int) -> list[torch.Tensor]:
+    """`fill`'s pattern over each segment's committed blocks only; copies."""
+    patterns = []
+    for i, stride in enumerate(cache.segment_strides):
+        view = cache.buffer.segment_view(i)[: cache.num_committed_blocks * stride]
+        period = ((torch.arange(241, dtype=torch.int32) * 7 + seed + 31 * i) % 160 + 1).to(torch.uint8)
+        view.copy_(period.to(view.device).repeat(-(-view.numel() // 241))[: view.numel()])
+        patterns.append(view.clone())
+    return patterns
+
+
+def expect_committed(cache, patterns: list[torch.Tensor], what: str) -> None:
+    for i, pattern in enumerate(patterns):
+        check_all_equal(cache.buffer.segment_view(i)[: pattern.numel()], pattern, f"{what}: segment {i}")
+
+
+@pytest.mark.invariant(1, 4)
+def test_an_offloaded_cache_with_blocks_mapped_ahead_wakes_with_every_committed_byte(build, poisoned):
+    """With commit-ahead on, blocks are mapped past the committed ones. The
+    copy keeps the committed bytes, which are the contents; the wake maps
+    the committed blocks and writes every byte back, and the tag wakes whole
+    and can be unregistered."""
+    kv = cache_mapped_ahead(build, poisoned)
+    patterns = fill_committed(kv, seed=43)
+    engine = SleepController()
+    engine.register(kv, offload=True)
+    engine.sleep(level=1)
+    assert kv.physical_bytes == 0 and engine.offloaded_bytes == 100 * kv.bytes_per_block
+    engine.wake_up()
+    assert engine.states == {"kv_cache": "awake"} and engine.offloaded_bytes == 0
+    assert kv.num_committed_blocks == 100
+    expect_committed(kv, patterns, "committed blocks after the wake")
+    engine.unregister(kv)
+
+
+@pytest.mark.invariant(4)
+def test_a_failed_wake_of_an_offloaded_cache_with_blocks_mapped_ahead_completes_when_called_again(build, poisoned):
+    """A wake whose recommit fails (a map refused) leaves the tag sleeping
+    and the copy held; the next wake completes it, every committed byte back."""
+    faulty = FaultInjectingDriver(poisoned)
+    kv = cache_mapped_ahead(build, faulty)
+    patterns = fill_committed(kv, seed=44)
+    engine = SleepController()
+    engine.register(kv, offload=True)
+    engine.sleep(level=1)
+    held = engine.offloaded_bytes
+    faulty.fail_in("map", 1)
+    with pytest.raises(DriverError, match="injected fault"):
+        engine.wake_up()
+    assert faulty.fired and engine.is_sleeping and engine.offloaded_bytes == held
+    engine.wake_up()
+    assert engine.states == {"kv_cache": "awake"} and engine.offloaded_bytes == 0
+    check_readback_matches_bookkeeping(kv.buffer)
+    expect_committed(kv, patterns, "committed blocks after the second wake")
+    engine.unregister(kv)

@@ -63,7 +63,9 @@ transfer speed); at wake the pages are recommitted, zeroed as always, and
 the copy is written back, then dropped. Its cost is host memory equal to
 the committed bytes while asleep, one copy each way, and the zeroing the
 copy then overwrites. Mapped bytes past the committed ones (a granule's
-tail) are not contents and wake zeroed.
+tail, and the blocks a KV cache's commit-ahead worker mapped past its
+committed blocks) are not contents: the copy leaves them out, and they wake
+zeroed, or unmapped until the worker maps them again.
 
 States, per tag: awake, asleep (every registration's memory released), or
 partly asleep, which only an operation that failed part way leaves (a
@@ -245,8 +247,8 @@ class _Registration:
         # still be writing the bytes it reads.
         self.buffer.driver.synchronize()
         backup = []
-        for index, size in enumerate(self.buffer.segment_sizes):
-            view = self.buffer.segment_view(index)
+        for index, size in enumerate(self.contents_sizes()):
+            view = self.buffer.segment_view(index)[:size]
             # Page-locked host memory is what a device copies to at transfer
             # speed; bytes already in host memory copy as they are.
             copy = torch.empty(size, dtype=torch.uint8, device="cpu", pin_memory=not view.is_cpu)
@@ -254,6 +256,15 @@ class _Registration:
                 copy.copy_(view)  # blocking: the release after it unmaps the source
             backup.append(copy)
         return backup
+
+    def contents_sizes(self) -> list[int]:
+        """Bytes of each segment that hold contents: a KV cache's committed
+        blocks, never those mapped past them (its wake maps the committed
+        ones only, which the copy must fit); a tensor's committed sizes."""
+        target = self.target
+        if isinstance(target, ExtensibleKVCache):
+            return [target.num_committed_blocks * stride for stride in target.segment_strides]
+        return self.buffer.segment_sizes
 
     def release(self) -> None:
         self.target.release_physical()
