@@ -49,7 +49,9 @@ from extkv.testing.configs import config_for, fill_segments
 from extkv.testing.interrupts import run_in_child
 from extkv.testing.modelled_cache import ModelledCache
 from extkv.testing.models import CacheModel, ContentMismatch, LeakFound, check_cache_blocks
-from extkv.testing.stress import StressTally, walk
+from extkv.testing.machines import CACHE_MACHINE_CASES
+from extkv.testing.stress import OPERATIONS, StressTally, walk
+from extkv.testing.stress.faults import fault_attempt
 from extkv.vmm import PoisoningDriver, driver_for
 from extkv.vmm.base import NO_ACCESS, READ_ONLY, READ_WRITE
 from extkv.vmm.wrapping import WrappingDriver
@@ -202,6 +204,32 @@ def test_a_stress_walk_on_the_real_driver_tallies_no_leak(device, usage):
     assert tally.leaks == [] and tally.failures == []
     assert tally.operations["free"] > 0 and tally.operations["commit (grow)"] > 0, dict(tally.operations)
     assert tally.checks["nothing left after free: live counts, usage probe"] == tally.operations["free"]
+
+
+def attempt_never_reached(real, usage, tally: StressTally) -> bool:
+    """A fault attempt whose fault the operation never reaches: its fault-free
+    run, a shrink that releases chunks."""
+    (operation,) = [operation for operation in OPERATIONS if operation.name == "commit (shrink)"]
+    return fault_attempt(operation, CACHE_MACHINE_CASES[0], real, usage, tally, "release", 1 << 20, "failure", golden={})
+
+
+@pytest.mark.planted_defect("chunk-kept-uncounted")
+def test_a_leak_in_a_fault_free_run_of_the_fault_enumeration_is_flagged(device, usage):
+    broken = make("chunk-kept-uncounted", driver_for(device))
+    tally = StressTally()
+    try:
+        with pytest.raises(LeakFound, match=r" \(never reached\): after freeing everything, .*, ([1-9]\d*) bytes above baseline$"):
+            attempt_never_reached(broken, usage, tally)
+        assert broken.kept, "the attempt released no chunk"
+    finally:
+        broken.give_back()
+
+
+@pytest.mark.invariant(5)
+def test_a_fault_free_run_of_the_fault_enumeration_on_the_real_driver_leaves_nothing(device, usage):
+    tally = StressTally()
+    assert attempt_never_reached(driver_for(device), usage, tally) is False
+    assert tally.checks["nothing left after a fault-free run"] == 1 and not tally.faults
 
 
 # -- leaks: the harness's per-test check, run inside pytest ----------------------------------

@@ -384,6 +384,7 @@ DEFECTS: dict[str, Defect] = {
                 "checks.check_usage_matches after free",
                 "harness no_leaks: usage witness (and open memfds on the host)",
                 "stress.StressTally: a walk's leak in tally.leaks, through JSON and pooling",
+                "stress fault enumeration: bytes above baseline after every attempt, a fault-free one too",
             ),
             KeepsChunksUncounted,
         ),

@@ -10,8 +10,10 @@ fault: the state agrees with the driver's read-back and the usage probe,
 committed bytes are kept where the contract keeps them, a retry succeeds
 and ends exactly where a fault-free run ends (`golden_outcome`: same sizes,
 physical bytes, one-chunk layout, bytes, over poisoned memory), and freeing
-everything leaves no reservation, chunk, descriptor or byte behind. The
-tally counts faults by (operation, step, mode) and the pairs no call reached.
+everything leaves no reservation, chunk, descriptor or byte behind: after
+every attempt, the last one too, whose fault the operation never reached.
+The tally counts faults by (operation, step, mode) and the pairs no call
+reached.
 """
 
 from __future__ import annotations
@@ -134,59 +136,71 @@ def fault_attempt(
     golden: dict,
 ) -> bool:
     """Plan a fault at the `nth` call of `step` during `operation`; True when
-    the operation reached it. Everything is checked and freed before return."""
+    the operation reached it. Everything is checked and freed before return,
+    and nothing may be left, whether the fault fired or not: the attempt it
+    never reached is the operation's fault-free run."""
     kind, layout = scenario
     live, fds, baseline = live_counts(real.kind), chunk_fd_count(), probe.read_outside_torch()
     scene = new_scene(scenario, real, out_of_memory=mode == "out of memory", target_is_importer=operation.target_is_importer)
     try:
-        operation.prepare(scene)
-        # Copies of the committed bytes only where the contract keeps them:
-        # nothing else reads them (on the host, clones of fresh pages were
-        # a sixth of a fault enumeration's time under cProfile).
-        kept = scene.committed_bytes() if operation.keeps_contents else []
-        scene.target.fail_in(step, nth)
-        error: DriverError | None = None
-        try:
-            operation.call(scene)
-        except DriverError as raised:
-            error = raised
-        if not scene.target.fired:
-            # Moved out of reach, so that freeing the scene does not meet it.
-            scene.target.fail_in(step, NEVER)
-            if error is not None:
-                raise error
-            if nth == 1:
-                tally.unreached.add((operation.name, step))
-            return False
-        tally.faults[(operation.name, step, mode)] += 1
-        tally.operations["operation under an injected fault, retried"] += 1
-        what = f"{operation.name}, fault ({mode}) at call {nth} of {step}, {kind}-{layout.name}"
-        if error is not None:
-            expected = OutOfMemoryError if mode == "out of memory" else DriverError
-            if not isinstance(error, expected) or "injected fault" not in str(error):
-                raise AssertionError(f"{what}: raised {error!r}, expected the injected {expected.__name__}") from error
-            check_after_failure(scene, operation, kept, step, probe, baseline, what)
-            if operation.after_failure is not None:
-                operation.after_failure(scene)
-            tally.checks["consistent after an injected fault: read-back, usage, kept bytes"] += 1
-            operation.call(scene)  # each planned fault fires once: the retry must succeed
-        else:
-            # CUDA answers an out-of-memory create by emptying torch's cache
-            # and creating again, which succeeds past a one-shot fault.
-            tally.events["injected out-of-memory absorbed by the create retry"] += 1
-        if operation.finish is not None:
-            operation.finish(scene)
-        compare_outcomes(observe(scene), golden, what)
-        tally.checks["retry ends where a fault-free run ends"] += 1
+        reached = _fault_and_retry(operation, scene, probe, baseline, tally, step, nth, mode, golden,
+                                   f"{operation.name}, fault ({mode}) at call {nth} of {step}, {kind}-{layout.name}")
     finally:
         scene.close()
     left = live_counts(real.kind), chunk_fd_count(), probe.read_outside_torch() - baseline
     if left != (live, fds, 0):
         raise LeakFound(
-            f"{operation.name}, fault ({mode}) at call {nth} of {step}: after freeing everything, "
-            f"live (reservations, chunks) {live} -> {left[0]}, chunk descriptors {fds} -> {left[1]}, {left[2]} bytes above baseline"
+            f"{operation.name}, fault ({mode}) at call {nth} of {step}{'' if reached else ' (never reached)'}: after "
+            f"freeing everything, live (reservations, chunks) {live} -> {left[0]}, chunk descriptors {fds} -> "
+            f"{left[1]}, {left[2]} bytes above baseline"
         )
-    tally.checks["nothing left after a fault and its retry"] += 1
+    tally.checks["nothing left after a fault and its retry" if reached else "nothing left after a fault-free run"] += 1
+    return reached
+
+
+def _fault_and_retry(
+    operation: FaultableOperation, scene: Scene, probe: UsageProbe, baseline: int, tally: StressTally,
+    step: str, nth: int, mode: str, golden: dict, what: str,
+) -> bool:
+    """`fault_attempt` on a new scene, up to its leak check."""
+    operation.prepare(scene)
+    # Copies of the committed bytes only where the contract keeps them:
+    # nothing else reads them (on the host, clones of fresh pages were
+    # a sixth of a fault enumeration's time under cProfile).
+    kept = scene.committed_bytes() if operation.keeps_contents else []
+    scene.target.fail_in(step, nth)
+    error: DriverError | None = None
+    try:
+        operation.call(scene)
+    except DriverError as raised:
+        error = raised
+    if not scene.target.fired:
+        # Moved out of reach, so that freeing the scene does not meet it.
+        scene.target.fail_in(step, NEVER)
+        if error is not None:
+            raise error
+        if nth == 1:
+            tally.unreached.add((operation.name, step))
+        return False
+    tally.faults[(operation.name, step, mode)] += 1
+    tally.operations["operation under an injected fault, retried"] += 1
+    if error is not None:
+        expected = OutOfMemoryError if mode == "out of memory" else DriverError
+        if not isinstance(error, expected) or "injected fault" not in str(error):
+            raise AssertionError(f"{what}: raised {error!r}, expected the injected {expected.__name__}") from error
+        check_after_failure(scene, operation, kept, step, probe, baseline, what)
+        if operation.after_failure is not None:
+            operation.after_failure(scene)
+        tally.checks["consistent after an injected fault: read-back, usage, kept bytes"] += 1
+        operation.call(scene)  # each planned fault fires once: the retry must succeed
+    else:
+        # CUDA answers an out-of-memory create by emptying torch's cache
+        # and creating again, which succeeds past a one-shot fault.
+        tally.events["injected out-of-memory absorbed by the create retry"] += 1
+    if operation.finish is not None:
+        operation.finish(scene)
+    compare_outcomes(observe(scene), golden, what)
+    tally.checks["retry ends where a fault-free run ends"] += 1
     return True
 
 
