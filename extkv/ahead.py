@@ -10,66 +10,72 @@ usually finds its blocks ready and only counts them.
 
 Counts, all in blocks:
 
-- *asked*: what the engine has committed (`num_committed_blocks`); views,
-  committed tensors and the engine's block ids stop here.
+- *committed*: what the engine has committed (`num_committed_blocks`);
+  views, committed tensors and the engine's block ids stop here. The cache
+  owns it: extkv.cache writes it, always under the cache's count lock.
 - *grown*: what the buffer has mapped and zeroed (its segment sizes); never
-  below asked.
-- *target*: ``min(asked + window, max_blocks, committable_blocks())``: the
-  worker grows toward it, never past what `committable_blocks()` allows, so
-  a commit ahead never eats into `reserved_headroom_bytes`.
+  below committed while the cache is awake.
+- *ready*: what a commit may count without the reservation's lock: the
+  grown blocks while the worker runs and no operation that unmaps or moves
+  mapped blocks is in flight; 0 otherwise (off, stopped, asleep, a kept
+  error, a remap in flight, a forked child's copy). The worker owns it.
+- *target*: ``min(committed + window, max_blocks, committable_blocks())``:
+  the worker grows toward it, never past what `committable_blocks()`
+  allows, so a commit ahead never eats into `reserved_headroom_bytes`.
+
+One small lock, the cache's count lock, guards committed, ready, the fence
+and the worker's flags; lock order: the reservation's lock, then the count
+lock. The worker waits on the count lock holding nothing else.
 
 The worker grows in steps of at most `step_blocks`, each a plain growth of
 the buffer (a transaction: a failed step leaves the buffer as before), made
 while it holds the reservation's lock, on a stream of its own
 (`Driver.side_stream`); after each step it records a fence there and
-publishes the blocks as *ready*. Between steps the lock is free, so a
-locked operation waits for one step at most.
+publishes the blocks as ready. Between steps the lock is free, so a locked
+operation waits for one step at most.
 
-The engine's `commit(n)`:
+Every change of the worker's life (start, stop, pause, resume, withdraw,
+restore) is made by an operation that holds the reservation's lock, so
+none of them races another or a step: at most one worker per cache, and
+after `free()` returns none is alive. A stop joins the worker while its
+caller holds the reservation's lock, which the worker may be waiting for:
+the worker therefore waits for that lock in slices of LOCK_POLL_S and gives
+up once stopped, so a stop made inside a caller's `with cache.buffer.lock`
+(documented as re-entrant for callers) returns.
 
-- n within ready: counted without the reservation's lock (`count`, under
-  the worker's own small lock), so a step in flight never delays it; the
+How the other operations meet the worker:
+
+- a commit within ready is counted without the reservation's lock; the
   engine's current stream waits for the fence of the last step
   (`Driver.wait_for`), so no kernel it queues later touches a block before
-  its zeroing has run. No driver call.
-- n past ready: the locked commit grows the buffer itself, as without
-  commit-ahead (waiting for a step in flight first, by the lock), then
-  counts.
-
-Either way the worker is woken to restore the window. An operation that
-unmaps or moves mapped blocks (shrink, defragment, release) first
-withdraws the ready count, so no commit counts without the lock while it
-runs.
-
-How the other operations meet the worker (each holds the lock, so a step in
-flight has finished before it starts):
-
-- shrink and defragment: the blocks past asked are discarded with the rest
-  of what the operation remaps; then the window grows again (a defragmented
-  prefix stays one chunk per segment; the blocks the worker adds after it
-  are chunks of their own).
-- release_physical: every page goes, and the worker pauses; recommit maps
-  the asked blocks and resumes it.
-- free, and `commit_ahead(0)`: the worker stops and is joined (outside the
-  lock) and the device synchronized, then the cache frees as usual. Blocks
-  it left mapped past the committed ones stay, and a later commit counts
-  them without mapping; a shrink to fewer releases them.
+  its zeroing has run. Past ready, the locked commit grows the buffer
+  itself, as without commit-ahead. Either way the worker is woken to
+  restore the window.
+- shrink and defragment withdraw ready first; the blocks past committed
+  are discarded with the rest of what they remap, then the window grows
+  again (a defragmented prefix stays one chunk per segment; the blocks
+  the worker adds after it are chunks of their own).
+- release_physical pauses the worker (ready 0); recommit maps the
+  committed blocks and resumes it.
+- free and `commit_ahead(0)` stop and join the worker and synchronize the
+  device (its zeroing ran on its own stream). Blocks it left mapped past
+  the committed ones stay; a later commit counts them without mapping, and
+  a shrink to fewer releases them.
 
 Faults: a step that meets out-of-memory (the engine's own allocations took
-the memory) stops the worker silently until the next commit wakes it: the
-engine never asked for those blocks. Any other error of a step is kept, and
-the next `commit` raises it (a `BackgroundGrowthError` naming the step,
-chained to the driver's error) before it changes anything; the commit
-after that runs normally, waking the worker to try again.
+the memory) idles the worker silently until the next commit wakes it: the
+engine never asked for those blocks. Any other error, in a step or around
+it (reading free memory, making the side stream), is kept, and the next
+`commit` raises it (a `BackgroundGrowthError` naming the step, chained to
+the driver's error) before it changes anything; the commit after that runs
+normally, waking the worker to try again. The worker's thread never ends
+while commit-ahead is on.
 """
 
 from __future__ import annotations
 
-import os
 import threading
-import time
 
-from .deferred_signals import deferred_signals
 from .errors import DriverError, OutOfMemoryError
 
 #: Bytes the worker maps per step, over every segment: a step holds the
@@ -77,30 +83,30 @@ from .errors import DriverError, OutOfMemoryError
 #: A one-segment commit of 256 MiB took 0.15 ms on the H200 (CUDA 13.0).
 DEFAULT_STEP_BYTES = 256 << 20
 
+#: Seconds between the worker's looks at whether it was stopped while it
+#: waits for the reservation's lock. Only a worker blocked behind another
+#: operation polls, and a stop made under that lock waits at most this long.
+LOCK_POLL_S = 0.005
+
 
 class BackgroundGrowthError(DriverError):
     """A commit-ahead step failed; raised by the next `commit`."""
 
 
 class CommitAhead:
-    """The worker of one ExtensibleKVCache, which makes and drives it.
-
-    `_counts` (a condition on a lock of its own) guards the published
-    counts: `ready`, `fence`, `error`, and the cache's committed count while
-    commit-ahead is on. Lock order: the reservation's lock, then `_counts`;
-    the worker waits on `_counts` holding neither."""
+    """The worker of one ExtensibleKVCache, which makes, drives and stops
+    it, holding the reservation's lock each time."""
 
     def __init__(self, cache, window_blocks: int, max_blocks: int, step_blocks: int):
         self.cache = cache
         self.window_blocks = window_blocks
         self.max_blocks = max_blocks
         self.step_blocks = step_blocks
-        #: Blocks a commit may count without the reservation's lock: mapped
-        #: and zeroed, and no operation that remaps them in flight.
-        self.ready = 0 if cache.is_asleep else cache.grown_blocks
+        #: Blocks a commit may count without the reservation's lock.
+        self.ready = 0 if cache.is_asleep else cache._zeroed_through
         #: The fence after the last step's zeroing (None: none in flight).
         self.fence: object | None = None
-        #: A step's error for the next commit to raise.
+        #: An error of the worker's for the next commit to raise.
         self.error: BaseException | None = None
         #: Steps made: for tests and reports.
         self.steps = 0
@@ -109,96 +115,131 @@ class CommitAhead:
         self._withdrawn = False
         self._stopping = False
         self._pending = True
-        self._counts = threading.Condition(threading.Lock())
-        #: The worker, its lock and its stream are this process's: a forked
-        #: child (whose caches only free) has no worker to stop.
-        self._pid = os.getpid()
+        #: The worker waits on `_work`; `settle` waits on `_idle`; both on
+        #: the cache's count lock.
+        self._work = threading.Condition(cache._count_lock)
+        self._idle = threading.Condition(cache._count_lock)
+        self._waiting = False
         self._thread = threading.Thread(target=self._run, name="extkv-commit-ahead", daemon=True)
         self._thread.start()
 
-    # -- the engine's thread, without the reservation's lock ----------------------
-    def count(self, num_blocks: int) -> bool:
-        """Count `num_blocks` committed if they are ready, ordering the
-        caller's stream after their zeroing; False: the caller takes the
-        locked path (blocks not ready, a kept error, an operation in flight)."""
-        with deferred_signals(), self._counts:
-            if num_blocks > self.ready or self.error is not None:
-                return False
-            cache = self.cache
-            if num_blocks > cache.num_committed_blocks:
-                cache.buffer.driver.wait_for(self.fence)
-                cache.num_committed_blocks = num_blocks
-            self._wake()
-            return True
-
     # -- the cache's operations, reservation lock held ------------------------------
-    def counted(self, num_blocks: int) -> None:
-        """A locked commit made `num_blocks` committed (grow-only: a count
-        raised meanwhile by `count` stays)."""
-        with self._counts:
-            cache = self.cache
-            cache.num_committed_blocks = max(cache.num_committed_blocks, num_blocks)
+    def published(self) -> None:
+        """A locked operation changed what is grown: publish it as ready,
+        unless a pause or a withdrawal holds ready at 0, and wake the worker."""
+        with self._work:
             if not (self._withdrawn or self._paused):
-                self.ready = cache.grown_blocks
-            self._wake()
+                self.ready = self.cache._zeroed_through
+            self.wake()
 
     def withdraw(self) -> None:
         """Before an operation that unmaps or moves mapped blocks: no commit
         counts without the lock until `restore`."""
-        with self._counts:
+        with self._work:
             self._withdrawn, self.ready = True, 0
 
     def restore(self) -> None:
-        with self._counts:
+        with self._work:
             self._withdrawn = False
-            self.ready = 0 if self._paused else self.cache.grown_blocks
-            self._wake()
+        self.published()
 
     def pause(self) -> None:
         """The cache sleeps: nothing grows, nothing counts without the lock."""
-        with self._counts:
-            self._paused = True
-            self.ready = 0
+        with self._work:
+            self._paused, self.ready = True, 0
 
     def resume(self) -> None:
-        with self._counts:
+        with self._work:
             self._paused = False
-        self.restore()
+        self.published()
 
     def raise_kept_error(self) -> None:
-        with self._counts:
+        with self._work:
             error, self.error = self.error, None
             if error is not None:
-                self._wake()
+                self.wake()  # ready stays 0 until a step or a locked commit publishes again
         if error is not None:
             raise BackgroundGrowthError(
                 f"a commit-ahead step failed: {error}; nothing of this commit ran, and the next one retries",
                 getattr(error, "code", -1), getattr(error, "name", type(error).__name__),
             ) from error
 
-    def _wake(self) -> None:  # `_counts` held
+    def stop(self) -> None:
+        """Stop the worker and join it. The caller holds the reservation's
+        lock, so no step is in flight: the worker is waiting for work, or
+        for that lock, which it gives up on within LOCK_POLL_S."""
+        with self._work:
+            self._stopping, self.ready = True, 0
+            self._work.notify()
+            self._idle.notify_all()
+        self._thread.join()
+        # Its zeroing ran on its own stream: done before anyone counts the
+        # blocks it left without a fence to wait for.
+        self.cache.buffer.driver.synchronize()
+
+    # -- any thread, count lock held ------------------------------------------------
+    def wake(self) -> None:
         self._pending = True
-        self._counts.notify()
+        self._work.notify()
+
+    # -- any thread, nothing held -------------------------------------------------------
+    def settle(self, timeout: float | None) -> bool:
+        """Wait until the worker has nothing to do: see
+        `ExtensibleKVCache.settle_commit_ahead`."""
+        with self._idle:
+            return self._idle.wait_for(lambda: self._stopping or (self._waiting and not self._due()), timeout)
 
     # -- the thread ---------------------------------------------------------------
+    def _due(self) -> bool:  # count lock held
+        return self._pending and not self._paused and self.error is None
+
+    def _await_work(self) -> bool:
+        """Wait until a step is due (True) or the worker is stopped (False)."""
+        with self._work:
+            while not (self._stopping or self._due()):
+                self._waiting = True
+                self._idle.notify_all()
+                self._work.wait()
+            self._waiting = False
+            self._pending = False
+            return not self._stopping
+
+    def _keep(self, error: BaseException) -> None:
+        with self._work:
+            self.error, self.ready = error, 0
+
     def _run(self) -> None:
         driver = self.cache.buffer.driver
-        with driver.side_stream():
-            while True:
-                with self._counts:
-                    while not (self._stopping or (self._pending and not self._paused and self.error is None)):
-                        self._counts.wait()
-                    if self._stopping:
-                        return
-                    self._pending = False
-                with self.cache.buffer.lock:
-                    more = self._step(driver)
-                if more:
-                    with self._counts:
-                        self._pending = True
-                # Between steps the reservation's lock is free: let a waiting
-                # operation in.
-                time.sleep(0)
+        due = self._await_work()
+        while due:
+            try:
+                with driver.side_stream():
+                    while due:
+                        self._step_locked(driver)
+                        due = self._await_work()
+            except Exception as error:  # making or leaving the side stream
+                self._keep(error)
+                due = self._await_work()
+
+    def _step_locked(self, driver) -> None:
+        """One step under the reservation's lock, unless stopped first."""
+        lock = self.cache.buffer.lock
+        while not lock.acquire(timeout=LOCK_POLL_S):
+            with self._work:
+                if self._stopping:
+                    return
+        try:
+            more = self._step(driver)
+        except OutOfMemoryError:
+            more = False  # idle until the next commit wakes it
+        except Exception as error:  # kept for the next commit, which raises it
+            self._keep(error)
+            more = False
+        finally:
+            lock.release()
+        if more:
+            with self._work:
+                self._pending = True
 
     def _target(self) -> int:
         cache = self.cache
@@ -210,38 +251,16 @@ class CommitAhead:
     def _step(self, driver) -> bool:
         """One step toward the target, reservation lock held; whether another is due."""
         cache = self.cache
-        if not cache.is_live or self._paused:
+        if self._paused or not cache.is_live:
             return False
         grown, target = cache.grown_blocks, self._target()
         if grown >= target:
             return False
         to = min(target, grown + self.step_blocks)
-        try:
-            cache.buffer.grow_blocks_(to, True)
-        except OutOfMemoryError:
-            return False
-        except Exception as error:  # kept for the next commit, which raises it
-            with self._counts:
-                self.error = error
-            return False
+        cache._grow_zeroed(to)
         fence = driver.fence()
-        with self._counts:
-            # No operation that withdraws can be in flight: it holds the
-            # reservation's lock, as this step does.
+        with self._work:
+            # No operation that withdraws or pauses can be in flight: it
+            # holds the reservation's lock, as this step does.
             self.fence, self.steps, self.ready = fence, self.steps + 1, to
         return to < target
-
-    def stop(self) -> None:
-        """Stop the worker after its step in flight and join it. Call without
-        the reservation's lock held: the worker needs it to finish its step."""
-        if os.getpid() != self._pid:
-            return  # a forked child: `_counts` may have been held at the fork
-        with self._counts:
-            self._stopping = True
-            self.ready = 0
-            self._counts.notify()
-        if self._thread is not threading.current_thread():
-            self._thread.join()
-            # Its zeroing ran on its own stream: done before anyone counts
-            # the blocks it left without a fence to wait for.
-            self.cache.buffer.driver.synchronize()

@@ -26,8 +26,14 @@ The committed count only grows, except on request:
   read as zero.
 - `commit_ahead(window)`: a background worker keeps up to `window` blocks
   mapped and zeroed past the committed count (`grown_blocks`), so a commit
-  inside it makes no driver call (extkv.ahead says how it meets every other
-  operation).
+  inside it makes no driver call and takes no reservation lock
+  (extkv.ahead says how it meets every other operation).
+
+The committed count has one owner, this module, and one lock: every write
+holds the cache's count lock (a commit-ahead count holds only that one; a
+locked operation takes it inside the reservation's). A commit is either
+counted there, when the worker has the blocks ready, or made under the
+reservation's lock.
 
 Lifecycle, as data: `_LEGAL_IN` names the states each public operation is
 legal in; on a freed cache every operation raises `StateError` naming it, and
@@ -49,6 +55,9 @@ import enum
 import functools
 import gc
 import logging
+import os
+import threading
+import weakref
 from dataclasses import dataclass, replace
 
 import torch
@@ -79,6 +88,22 @@ from .vmm import Driver, canonical_device, torch_memory
 
 logger = logging.getLogger(__name__)
 _DEFERRED_SIGNALS = deferred_signals()
+
+#: Every cache made in this process, so that a forked child can drop what
+#: it inherited of their commit-ahead workers.
+_CACHES: "weakref.WeakSet[ExtensibleKVCache]" = weakref.WeakSet()
+
+
+def _forget_workers_after_fork() -> None:
+    """In a forked child: a parent's worker thread is not there, and a count
+    lock one of the parent's threads held at the fork would never be
+    released. The child's copies only free (their buffers are inherited)."""
+    for cache in list(_CACHES):
+        cache._count_lock = threading.Lock()
+        cache._ahead = None
+
+
+os.register_at_fork(after_in_child=_forget_workers_after_fork)
 
 GiB = float(1 << 30)
 
@@ -112,7 +137,7 @@ _LEGAL_IN: dict[str, frozenset[_State]] = {
 def _operation(method):
     """Run `method` holding the buffer's lock, once the cache's state allows
     it, with signal handlers deferred until it returns."""
-    name = method.__name__.lstrip("_")  # `_free` is free's locked part
+    name = method.__name__.lstrip("_")  # `_commit` is commit's locked part
     # A tuple, not the set: `in` on a tuple finds the member by identity,
     # without hashing the enum in Python (a commit passes here twice).
     legal_in = tuple(_LEGAL_IN[name])
@@ -127,7 +152,12 @@ def _operation(method):
             if state not in legal_in:
                 article = "an" if state is _State.INHERITED else "a"
                 raise StateError(f"ExtensibleKVCache.{name}() is not allowed on {article} {state.value} cache")
-            return method(self, *args, **kwargs)
+            try:
+                return method(self, *args, **kwargs)
+            except BaseException:
+                if self._ahead is not None and self.buffer.is_broken:
+                    self._ahead.withdraw()  # no commit counts blocks of a broken buffer
+                raise
 
     return locked
 
@@ -192,13 +222,17 @@ class ExtensibleKVCache:
         self.size = kv_cache_config.kv_cache_tensors[0].size
         self.layout = layout
         self.bytes_per_block = sum(self.segment_strides)
-        self.num_committed_blocks = 0
+        #: Guards `_committed` and the commit-ahead worker's counts (extkv.ahead).
+        self._count_lock = threading.Lock()
+        self._committed = 0
+        #: Blocks this cache's own growth mapped and zeroed (its commits and
+        #: its commit-ahead worker's steps): a commit counts blocks up to
+        #: here without mapping. 0 once anything remaps or releases them.
+        self._zeroed_through = 0
         #: The commit-ahead worker while commit-ahead is on (`commit_ahead`).
         self._ahead: CommitAhead | None = None
         self._asleep = False
-        #: Blocks a stopped commit-ahead worker left mapped and zeroed (past
-        #: the committed ones); 0 once anything remaps.
-        self._zeroed_through = 0
+        _CACHES.add(self)
         ends = self.segment_offsets[1:] + [self.size]
         try:
             with _DEFERRED_SIGNALS:  # a signal before the assignment would leak the buffer
@@ -247,10 +281,25 @@ class ExtensibleKVCache:
         worker has ready counts them without the reservation's lock.
         """
         ahead = self._ahead
-        if (ahead is not None and type(num_blocks) is int and num_blocks >= 0 and defragment is False
-                and shrink is False and preserve_contents is False and ahead.count(num_blocks)):
+        if (ahead is not None and type(num_blocks) is int and 0 <= num_blocks <= ahead.ready and defragment is False
+                and shrink is False and preserve_contents is False and self._count_ready(num_blocks)):
             return
         self._commit(num_blocks, defragment, shrink, preserve_contents=preserve_contents)
+
+    def _count_ready(self, num_blocks: int) -> bool:
+        """Count `num_blocks` committed without the reservation's lock if
+        the commit-ahead worker has them ready, ordering the caller's stream
+        after their zeroing; False: the caller takes the locked path (not
+        ready, or withdrawn since the caller looked)."""
+        with _DEFERRED_SIGNALS, self._count_lock:
+            ahead = self._ahead
+            if ahead is None or num_blocks > ahead.ready:
+                return False
+            if num_blocks > self._committed:
+                self.buffer.driver.wait_for(ahead.fence)
+                self._committed = num_blocks
+            ahead.wake()  # to restore the window
+            return True
 
     @_operation
     def _commit(self, num_blocks: int, defragment: bool, shrink: bool, *, preserve_contents: bool) -> None:
@@ -258,30 +307,57 @@ class ExtensibleKVCache:
             num_blocks = _block_count(num_blocks)  # raises, or an int from an index-like value
         num_blocks = min(num_blocks, self.capacity_blocks)
         ahead = self._ahead
-        plain = defragment is False and shrink is False and preserve_contents is False
+        if ahead is not None:
+            ahead.raise_kept_error()  # a background failure, before anything changes
+        if defragment is False and shrink is False and preserve_contents is False:
+            # The call an engine makes on every step, without the flag checks
+            # and plans below, and without a log line (the runner logs
+            # growth): on a small commit each Python call between two driver
+            # calls runs on CPU caches the driver's work left cold, and a few
+            # of them cost as much as a driver step.
+            if num_blocks > self._committed:
+                if num_blocks > self._zeroed_through:
+                    self._grow_zeroed(num_blocks)
+                elif ahead is not None:
+                    # The worker grew them: its zeroing is ordered before
+                    # the caller's later kernels. (A stopped worker's ran
+                    # before the stop returned.)
+                    self.buffer.driver.wait_for(ahead.fence)
+                self._count(num_blocks)
+            return
         if ahead is None:
-            if plain:
-                # The call an engine makes on every step, without the flag
-                # checks and plans below, and without a log line (the runner
-                # logs growth): on a small commit each Python call between two
-                # driver calls runs on CPU caches the driver's work left cold,
-                # and a few of them cost as much as a driver step.
-                if num_blocks > self.num_committed_blocks:
-                    # A commit-ahead worker turned off may have left blocks
-                    # mapped and zeroed past the committed ones: counted as they are.
-                    if num_blocks > self._zeroed_through:
-                        self.buffer.grow_blocks_(num_blocks, True)
-                    self.num_committed_blocks = num_blocks
-                return
             return self._remapping_commit(num_blocks, defragment, shrink, preserve_contents)
-        ahead.raise_kept_error()  # a background step's failure, before anything changes
-        if plain:
-            return self._commit_with_ahead(ahead, num_blocks)
         ahead.withdraw()  # what follows may unmap or move mapped blocks
         try:
             self._remapping_commit(num_blocks, defragment, shrink, preserve_contents)
         finally:
             ahead.restore()
+
+    def _grow_zeroed(self, num_blocks: int) -> None:
+        """Map and zero blocks up to `num_blocks`; reservation lock held."""
+        self.buffer.grow_blocks_(num_blocks, True)
+        self._zeroed_through = num_blocks
+
+    def _count(self, num_blocks: int) -> None:
+        """A locked commit made `num_blocks` committed (grow-only: a count
+        raised meanwhile without the lock stays); the worker, if any, is
+        told what is grown now."""
+        with self._count_lock:
+            if num_blocks > self._committed:
+                self._committed = num_blocks
+        if self._ahead is not None:
+            self._ahead.published()
+
+    def _uncount(self) -> None:
+        """No block committed, before a release that remaps them; reservation
+        lock held and, with commit-ahead on, ready withdrawn."""
+        with self._count_lock:
+            self._committed = 0
+
+    @property
+    def num_committed_blocks(self) -> int:
+        """Blocks committed: what views, committed tensors and block ids cover."""
+        return self._committed
 
     def _remapping_commit(self, num_blocks: int, defragment, shrink, preserve_contents) -> None:
         """A commit with flags: checked, then a release where the result must
@@ -304,13 +380,12 @@ class ExtensibleKVCache:
         owed = self.num_committed_blocks == 0 and self.buffer.physical_bytes > 0
         # Blocks a commit-ahead worker mapped past `num_blocks` go too: after
         # a shrink the footprint is exactly physical_bytes_for(num_blocks).
-        ahead_past = (self._ahead is not None or self._zeroed_through) and self.grown_blocks > num_blocks
-        shrinking = shrink and (num_blocks < self.num_committed_blocks or owed or ahead_past)
+        shrinking = shrink and (num_blocks < self._committed or owed or self.grown_blocks > num_blocks)
         if shrinking or (fragmented and not preserve_contents):
             # Before the release: it zeroes the buffer's sizes even when a
             # driver step fails part way, and a count left above them would
             # make the next commit of fewer blocks map nothing.
-            self.num_committed_blocks = 0
+            self._uncount()
             self._zeroed_through = 0
             self.buffer.release_physical()
         self.commit(num_blocks)  # the growth left is a plain commit
@@ -319,21 +394,10 @@ class ExtensibleKVCache:
         if shrinking or fragmented:
             logger.debug("KV cache at %s after commit(%d).", self, num_blocks)
 
-    def _commit_with_ahead(self, ahead: CommitAhead, num_blocks: int) -> None:
-        """A plain commit while commit-ahead is on (extkv.ahead): blocks the
-        worker grew are counted once their zeroing has run on the device, in
-        order with the caller's stream; past those the commit grows itself."""
-        if num_blocks > self.num_committed_blocks:
-            if num_blocks > self.grown_blocks:
-                self.buffer.grow_blocks_(num_blocks, True)
-            else:
-                self.buffer.driver.wait_for(ahead.fence)
-        ahead.counted(num_blocks)
-
     @property
     def grown_blocks(self) -> int:
-        """Blocks mapped and zeroed: the committed ones, and with commit-ahead
-        on those the worker grew past them."""
+        """Blocks mapped and zeroed: the committed ones (0 while asleep), and
+        those a commit-ahead worker grew past them."""
         return self.buffer.segment_sizes[0] // self.segment_strides[0]
 
     @property
@@ -346,14 +410,17 @@ class ExtensibleKVCache:
         """Neither freed nor broken: operations are legal."""
         return self._state is _State.LIVE and not self.buffer.is_broken and not self.buffer.is_inherited
 
+    @_operation
     def commit_ahead(self, window_blocks: int, *, max_blocks: int | None = None, step_blocks: int | None = None) -> None:
         """Keep up to `window_blocks` blocks mapped and zeroed past the
         committed ones, grown by a background worker (extkv.ahead), never
         past `max_blocks` (default: the capacity) nor what
         `committable_blocks()` allows, in steps of at most `step_blocks`
         (default: DEFAULT_STEP_BYTES of blocks). 0 turns it off: the worker
-        stops after its step in flight; the blocks it grew stay mapped until
-        a shrink, a defragment or a release. Off by default."""
+        is stopped and joined before this returns, also when called under
+        `buffer.lock`; the blocks it grew stay mapped until a shrink, a
+        defragment or a release. Off by default. A new window replaces the
+        worker: a cache has at most one."""
         window_blocks = validate.integer("window_blocks", window_blocks, what="blocks")
         max_blocks = self.capacity_blocks if max_blocks is None else validate.integer(
             "max_blocks", max_blocks, minimum=1, maximum=self.capacity_blocks, what="blocks")
@@ -361,27 +428,34 @@ class ExtensibleKVCache:
             "step_blocks", step_blocks, minimum=1, what="blocks")
         self._stop_commit_ahead()
         if window_blocks:
-            self._commit_ahead(window_blocks, max_blocks, step_blocks)
+            self._ahead = CommitAhead(self, window_blocks, max_blocks, step_blocks)
 
-    @_operation
-    def _commit_ahead(self, window_blocks: int, max_blocks: int, step_blocks: int) -> None:
-        self._ahead = CommitAhead(self, window_blocks, max_blocks, step_blocks)
-
-    def _stop_commit_ahead(self) -> None:
-        # Outside the lock: the worker needs it to finish its step.
-        ahead = self._ahead
+    def _stop_commit_ahead(self) -> None:  # reservation lock held
+        ahead, self._ahead = self._ahead, None
         if ahead is not None:
             ahead.stop()
-            with self.buffer.lock:
-                if self._ahead is ahead:
-                    self._ahead = None
-                    self._zeroed_through = 0 if self._asleep else self.grown_blocks
+
+    @property
+    def commit_ahead_window(self) -> int:
+        """Blocks the commit-ahead worker keeps ahead of the committed ones (0: off)."""
+        ahead = self._ahead
+        return 0 if ahead is None else ahead.window_blocks
 
     @property
     def commit_ahead_steps(self) -> int:
         """Steps the commit-ahead worker made since it was turned on (0 when off)."""
         ahead = self._ahead
         return 0 if ahead is None else ahead.steps
+
+    def settle_commit_ahead(self, timeout: float | None = None) -> bool:
+        """Wait until the commit-ahead worker has nothing left to do: its
+        window is grown, or it is paused (asleep), idle after running out of
+        memory, or holding an error for the next commit. True then, or when
+        commit-ahead is off; False if `timeout` seconds passed first. For an
+        engine that wants the window grown before it times a step, and for
+        tests that check what the worker did."""
+        ahead = self._ahead
+        return True if ahead is None else ahead.settle(timeout)
 
     def _sizes_for(self, num_blocks: int) -> list[int]:
         return list(map(num_blocks.__mul__, self.segment_strides))
@@ -403,7 +477,7 @@ class ExtensibleKVCache:
         half way is completed by calling it again."""
         # Awake with commit-ahead on, the buffer holds blocks past the
         # committed ones: growing to those maps nothing.
-        self.buffer.grow_blocks_(max(self.num_committed_blocks, self.grown_blocks), zero_new=True)
+        self._grow_zeroed(max(self._committed, self.grown_blocks))
         self._asleep = False
         if self._ahead is not None:
             self._ahead.resume()
@@ -532,21 +606,18 @@ class ExtensibleKVCache:
                 "Torch has no memory cap for %s; recorded a limit of %s bytes only.", self.buffer.device, num_bytes
             )
 
+    @_operation
     def free(self) -> None:
         """Release everything. Lifts torch's cap: the process may start another
-        engine, which must not inherit it. A commit-ahead worker stops first.
-        Idempotent."""
-        self._stop_commit_ahead()
-        self._free()
-
-    @_operation
-    def _free(self) -> None:
+        engine, which must not inherit it. A commit-ahead worker is stopped
+        and joined first, also when called under `buffer.lock`. Idempotent."""
         if self._state is _State.FREED:
             return
+        self._stop_commit_ahead()
         if self.torch_memory_limit is not None and not self.buffer.is_inherited:
             self._apply_torch_memory_limit(None)
         self.buffer.free()
-        self.num_committed_blocks = 0
+        self._uncount()
         self._state = _State.FREED
 
     @property
