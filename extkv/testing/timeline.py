@@ -61,6 +61,8 @@ FREE_SHARE = 0.25
 BLOCK_QUANTUM = 16
 #: Seconds between background readings.
 SAMPLE_INTERVAL_S = 0.004
+#: Seconds the lifecycle waits, at its end, for the sampler's first reading: a net against hangs.
+SAMPLER_PATIENCE_S = 60
 #: The largest timeline file `Timeline.load` reads: a lifecycle takes a few
 #: thousand readings of some 30 bytes each, well under a MiB.
 MOST_TIMELINE_BYTES = 64 << 20
@@ -223,10 +225,14 @@ class _Sampler(threading.Thread):
         super().__init__(name="extkv-timeline-sampler", daemon=True)
         self.probe, self.baseline, self.origin, self.samples = probe, baseline, origin, samples
         self.stopped = threading.Event()
+        #: Set at its first reading: a lifecycle a busy machine ran before the
+        #: sampler got a core waits for it, so every timeline has one.
+        self.read_once = threading.Event()
 
     def run(self) -> None:
         while not self.stopped.wait(SAMPLE_INTERVAL_S):
             self.samples.append((time.perf_counter() - self.origin, self.probe.read_outside_torch() - self.baseline))
+            self.read_once.set()
 
 
 def timeline_capacity(device: torch.device | str) -> tuple[int, int]:
@@ -282,6 +288,8 @@ def run_timeline(device: torch.device | str, probe: UsageProbe, label: str) -> T
                 Mark(label_, start_s, end_s, outside_start, outside_end, booked_start, booked_end, cache.num_committed_blocks)
             )
             timeline.samples += [(start_s, outside_start), (end_s, outside_end)]
+        if not sampler.read_once.wait(SAMPLER_PATIENCE_S):
+            raise AssertionError(f"the background reader took no reading in {SAMPLER_PATIENCE_S} s")
     finally:
         sampler.stopped.set()
         sampler.join()
