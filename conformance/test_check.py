@@ -271,6 +271,11 @@ def test_the_installed_plugin_is_inert_until_asked(tmp_path):
     assert "PROFILE extkv-ci" in asked, "asked for, the harness loads its Hypothesis profile"
 
 
+#: Seconds a thread may take to get locks that are free: a net against
+#: hangs only, since a busy machine may keep a thread from running for long.
+LOCK_PATIENCE_S = 60
+
+
 def enters(directory: Path, exclusive: bool, gpu_id: str | None, release: threading.Event) -> threading.Event:
     """A thread that takes a test's locks, sets the returned event once it holds them, then holds them until `release`."""
     entered = threading.Event()
@@ -278,7 +283,7 @@ def enters(directory: Path, exclusive: bool, gpu_id: str | None, release: thread
     def take() -> None:
         with exclusive_locks.held(directory, exclusive, gpu_id):
             entered.set()
-            release.wait(30)
+            release.wait(2 * LOCK_PATIENCE_S)
 
     threading.Thread(target=take, daemon=True).start()
     return entered
@@ -288,19 +293,19 @@ def enters(directory: Path, exclusive: bool, gpu_id: str | None, release: thread
 def test_an_exclusive_test_waits_for_the_tests_of_its_device_only(tmp_path):
     """flock locks of two descriptors conflict within one process too, so threads stand in for workers."""
     host_running, gpu_running, done = threading.Event(), threading.Event(), threading.Event()
-    assert enters(tmp_path, False, None, host_running).wait(5), "a host test takes its shared lock at once"
-    assert enters(tmp_path, False, "0", gpu_running).wait(5), "a GPU test beside it too"
+    assert enters(tmp_path, False, None, host_running).wait(LOCK_PATIENCE_S), "a host test takes its shared lock at once"
+    assert enters(tmp_path, False, "0", gpu_running).wait(LOCK_PATIENCE_S), "a GPU test beside it too"
     gpu_alone = enters(tmp_path, True, "0", done)
     assert not gpu_alone.wait(0.3), "a GPU's exclusive test must wait for that GPU's running test"
-    assert enters(tmp_path, False, "1", done).wait(5), "another GPU's test does not wait for it"
+    assert enters(tmp_path, False, "1", done).wait(LOCK_PATIENCE_S), "another GPU's test does not wait for it"
     gpu_running.set()
-    assert gpu_alone.wait(5), "the GPU's exclusive test runs once its GPU's test ended"
+    assert gpu_alone.wait(LOCK_PATIENCE_S), "the GPU's exclusive test runs once its GPU's test ended"
     host_alone = enters(tmp_path, True, None, done)
     assert not host_alone.wait(0.3), "a host exclusive test waits for every test of the machine"
     host_running.set()
     assert not host_alone.wait(0.3), "...the GPU tests too: they share the machine's memory"
     done.set()
-    assert host_alone.wait(5)
+    assert host_alone.wait(LOCK_PATIENCE_S)
     assert exclusive_locks.plan(True, None) == [("machine.lock", fcntl.LOCK_EX)]
     assert exclusive_locks.plan(True, "0") == [("machine.lock", fcntl.LOCK_SH), ("gpu-0.lock", fcntl.LOCK_EX)]
 
