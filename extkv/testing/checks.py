@@ -231,7 +231,8 @@ class Snapshot:
 
 
 #: What a cache says of itself beyond its buffer: counts, sizes, the cap it
-#: put on torch, its lifecycle.
+#: put on torch, its lifecycle, its commit-ahead worker (steps are the
+#: worker's own count: 0 once it is stopped or started again).
 _CACHE_ATTRIBUTES = (
     "num_committed_blocks",
     "capacity_blocks",
@@ -243,29 +244,13 @@ _CACHE_ATTRIBUTES = (
     "is_asleep",
     "is_broken",
     "is_freed",
+    "commit_ahead_steps",
 )
 
 
-@dataclass(frozen=True)
-class WorkerState:
-    """A cache's commit-ahead worker and its policy; equal only for the
-    same worker object, so one stopped and started again is a change."""
-
-    worker: object
-    window_blocks: int
-    max_blocks: int
-    step_blocks: int
-
-    def __repr__(self) -> str:
-        return f"worker {id(self.worker):#x} (window {self.window_blocks}, max {self.max_blocks}, step {self.step_blocks})"
-
-
 def cache_state(kv_cache: ExtensibleKVCache) -> tuple[tuple[str, object], ...]:
-    """The cache's own state, by name: `_CACHE_ATTRIBUTES`, and its
-    commit-ahead worker ("off" when none runs)."""
-    ahead = kv_cache._ahead
-    worker = "off" if ahead is None else WorkerState(ahead, ahead.window_blocks, ahead.max_blocks, ahead.step_blocks)
-    return (*((name, getattr(kv_cache, name)) for name in _CACHE_ATTRIBUTES), ("commit-ahead", worker))
+    """The cache's own state, by name (`_CACHE_ATTRIBUTES`)."""
+    return tuple((name, getattr(kv_cache, name)) for name in _CACHE_ATTRIBUTES)
 
 
 def _buffer(target: ExtensibleTensor | ExtensibleKVCache) -> ExtensibleTensor:
