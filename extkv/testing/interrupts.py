@@ -51,6 +51,7 @@ import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
+from types import FrameType
 from typing import Callable
 
 import torch
@@ -288,8 +289,7 @@ def run_interrupted(
         tally.interrupts += 1
         landed_in[:] = [_where(frame), _where(frame.f_back if frame is not None else None),
                         frame is not None and frame.f_lineno == frame.f_code.co_firstlineno]
-        filename = frame.f_code.co_filename if frame is not None else ""
-        if filename.startswith(_EXTKV_DIR) and not filename.startswith(_TESTING_DIR):
+        if lands_in_library(frame):
             tally.inside += 1
         raise Interrupted()
 
@@ -333,6 +333,15 @@ def run_interrupted(
     if left != baseline:
         tally.problems.append(f"after free: (reservations, host chunks, memfds) {left}, at the start {baseline}")
     return tally
+
+
+def lands_in_library(frame: FrameType | None) -> bool:
+    """Whether an interrupt that arrived in `frame` (what a signal handler
+    is given) landed in extkv's own code: neither in this workload and the
+    rest of extkv.testing, nor in torch, the standard library or any other
+    code extkv calls, which a deferral does not cover."""
+    filename = frame.f_code.co_filename if frame is not None else ""
+    return filename.startswith(_EXTKV_DIR) and not filename.startswith(_TESTING_DIR)
 
 
 def _where(frame) -> str:
