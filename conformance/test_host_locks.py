@@ -13,16 +13,28 @@ chosen by events and pipes, never by sleeping:
   its own (`Interleaver`): every interleaving the lock allows is run, and
   none may fail either side or leave the first thread's object holding
   less than it records.
+- *Fork.* A child forked while a thread commits (paused inside its first
+  create, both commit locks held) must hold neither lock: the parent's next
+  commit, another process's and the child's own all go through at once
+  while the child lives. It runs on a lock file of its own (`COMMITS_LOCK_PATH` set to a
+  temporary path), never on the machine's.
 """
 
 from __future__ import annotations
 
 import contextlib
 import ctypes
+import fcntl
+import os
 import queue
+import select
+import signal
 import socket
+import subprocess
 import sys
 import threading
+import warnings
+from pathlib import Path
 
 import pytest
 
@@ -31,7 +43,8 @@ from extkv.connector import SegmentExportConnector
 from extkv.peer import import_segments
 from extkv.testing.checks import check_readback_matches_bookkeeping
 from extkv.testing.configs import config_for
-from extkv.vmm import HostDriver, host
+from extkv.vmm import HostDriver, host, host_commits
+from extkv.vmm.wrapping import WrappingDriver
 
 pytestmark = pytest.mark.invariant(7)
 
@@ -245,3 +258,133 @@ def test_a_retried_free_never_unmaps_what_it_no_longer_owns(driver, interleaver)
     finally:
         if other is not None:
             ctypes.CDLL(None).munmap(ctypes.c_void_p(other), ctypes.c_size_t(size))
+
+
+REPO_ROOT = Path(extkv.__file__).resolve().parent.parent
+
+
+@pytest.fixture
+def lock_path(tmp_path, monkeypatch) -> str:
+    """The machine's commit lock, moved to a file of this test's own."""
+    path = str(tmp_path / "extkv-host-commits.lock")
+    monkeypatch.setattr(host_commits, "COMMITS_LOCK_PATH", path)
+    return path
+
+
+def lock_is_free(path: str) -> bool:
+    """Whether an flock on `path` can be taken now, from a descriptor of this test's own."""
+    descriptor = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+    try:
+        fcntl.flock(descriptor, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        return True
+    except BlockingIOError:
+        return False
+    finally:
+        os.close(descriptor)
+
+
+class PausedCreate(WrappingDriver):
+    """A real driver whose first create waits for `resume`, the commit's
+    locks held; `inside` is set once it waits."""
+
+    def __init__(self, inner: HostDriver):
+        super().__init__(inner)
+        self.inside = threading.Event()
+        self.resume = threading.Event()
+
+    def _create(self, size: int):
+        if not self.inside.is_set():
+            self.inside.set()
+            assert self.resume.wait(HANG_S), "the paused create was never resumed"
+        return self.inner._create(size)
+
+
+COMMITS_ELSEWHERE = """
+import sys
+import extkv
+from extkv.vmm import HostDriver, host_commits
+host_commits.COMMITS_LOCK_PATH = sys.argv[1]
+driver = HostDriver()
+with extkv.ExtensibleTensor(driver.granularity, device=driver) as tensor:
+    tensor.resize_segments_([driver.granularity])
+"""
+
+
+def commits_elsewhere(lock_path: str) -> subprocess.CompletedProcess:
+    """Another process's commit that must get the lock at its first try."""
+    return subprocess.run([sys.executable, "-c", COMMITS_ELSEWHERE, lock_path], capture_output=True, text=True,
+                          timeout=HANG_S, env={**os.environ, "PYTHONPATH": str(REPO_ROOT)})
+
+
+def commit_one_granule(driver: HostDriver) -> list[int]:
+    with extkv.ExtensibleTensor(driver.granularity, device=driver) as tensor:
+        tensor.resize_segments_([driver.granularity])
+        return tensor.segment_sizes
+
+
+def _child_commits(commit_now: int, report: int) -> None:
+    """In the forked child: on the parent's word commit a tensor of its own,
+    say how it went, then live until the parent's next word."""
+    status = 1
+    try:
+        os.read(commit_now, 1)
+        with warnings.catch_warnings():
+            warnings.simplefilter("error", RuntimeWarning)
+            sizes = commit_one_granule(HostDriver())
+        os.write(report, f"committed {sizes}\n".encode())
+        os.read(commit_now, 1)
+        status = 0
+    except BaseException as error:  # noqa: B036 - reported to the parent
+        os.write(report, f"{error!r}\n".encode())
+    finally:
+        os._exit(status)
+
+
+def read_line(descriptor: int) -> str:
+    ready, _, _ = select.select([descriptor], [], [], HANG_S)
+    return os.read(descriptor, 4096).decode().strip() if ready else "(nothing: the child hung)"
+
+
+def test_a_child_forked_during_a_commit_holds_none_of_its_locks(driver, lock_path):
+    """The child's copy of the in-flight commit's lock descriptor is closed
+    at the fork and its process lock is new: once the parent's commit ends,
+    the lock is free while the child lives, the parent's next commit and
+    another process's go through, and the child commits a tensor of its own."""
+    g = driver.granularity
+    paused = PausedCreate(driver)
+    tensor = extkv.ExtensibleTensor(g, device=paused)
+    committing = threading.Thread(target=tensor.resize_segments_, args=([g],), name="committing")
+    commit_now_r, commit_now = os.pipe()
+    report, report_w = os.pipe()
+    pid = None
+    try:
+        committing.start()
+        assert paused.inside.wait(HANG_S), "the commit never reached its first create"
+        pid = os.fork()
+        if pid == 0:
+            _child_commits(commit_now_r, report_w)
+        os.close(commit_now_r)
+        os.close(report_w)
+        paused.resume.set()
+        committing.join(HANG_S)
+        assert not committing.is_alive() and tensor.segment_sizes == [g]
+        assert lock_is_free(lock_path), "the machine's commit lock stays held after the parent's commit: by the child"
+        os.write(commit_now, b"c")
+        assert read_line(report) == f"committed {[g]}"
+        with warnings.catch_warnings():
+            warnings.simplefilter("error", RuntimeWarning)
+            assert commit_one_granule(driver) == [g]
+        elsewhere = commits_elsewhere(lock_path)
+        assert elsewhere.returncode == 0, elsewhere.stderr[-2000:]
+    finally:
+        paused.resume.set()
+        committing.join(HANG_S)
+        if pid is not None:
+            os.write(commit_now, b"x")
+            if os.waitpid(pid, os.WNOHANG) == (0, 0) and not select.select([report], [], [], HANG_S)[0]:
+                os.kill(pid, signal.SIGKILL)  # hung in its commit
+            _, status = os.waitpid(pid, 0)
+            os.close(report)
+            assert os.WIFEXITED(status) and os.WEXITSTATUS(status) == 0, f"the child ended with status {status}"
+        os.close(commit_now)
+        tensor.free()

@@ -90,15 +90,8 @@ import torch
 
 from .base import NO_ACCESS, READ_ONLY, READ_WRITE, Chunk, Driver, format_granularity
 from .dlpack import uint8_view
-from .host_memory import (
-    PROCESS_COMMITS,
-    check_descriptors,
-    check_room,
-    driver_error as _fail,
-    kib_field,
-    machine_commits_lock,
-    read_text,
-)
+from .host_commits import one_commit_at_a_time
+from .host_memory import check_descriptors, check_room, driver_error as _fail, kib_field, read_text
 from .transaction import map_new_chunks_step_by_step
 from .witness import MEMFD_NAME, MemfdPages, open_chunk_fds
 
@@ -429,9 +422,10 @@ class HostDriver(Driver):
         # 2 MiB runs took 21.6 GiB of a 24 GiB host, and the OOM killer then
         # chose other processes: memfd pages are not in extkv's RSS). Commits
         # of this process's threads, and of every process on the machine
-        # that can open COMMITS_LOCK_PATH, check and create one after
-        # another, so two cannot both pass on one reading.
-        with PROCESS_COMMITS, machine_commits_lock():
+        # that can open the machine's commit lock file, check and create one
+        # after another, so two cannot both pass on one reading
+        # (extkv.vmm.host_commits: never for longer than a bound).
+        with one_commit_at_a_time():
             step = "map_new_chunks (the commit's runs together)"
             check_descriptors(chunks, step)
             check_room(size, step)

@@ -11,11 +11,12 @@ minus usage plus reclaimable file cache of this process's memory cgroup and
 its ancestors, v2 or v1), less a margin kept free for other processes; a
 request that cannot fit is an `OutOfMemoryError` naming both numbers. Each
 check reads /proc/meminfo and each cgroup level's limit (and usage where it
-has one, memory.stat only where the request does not fit without its file
-cache); limits are read each time because they may change at runtime (pod
-resize). Commits of this process's threads (`PROCESS_COMMITS`) and of every
-process on the machine that can open `COMMITS_LOCK_PATH` (an flock) are
-checked and made one after another, so two cannot pass on one reading.
+has one, memory.stat only where its file cache decides the outcome:
+`file_cache_decides`); limits are read each time as they may change (pod
+resize). Commits of this process's threads and of every process on the
+machine are checked and made one after another, so two cannot pass on one
+reading (extkv.vmm.host_commits, which also says how long a commit waits
+for another process's and what it does past that).
 
 Each chunk holds one descriptor for its life, so a commit is refused as
 DriverError EMFILE before its first create when its chunks would take the
@@ -24,17 +25,13 @@ process to within `HOST_KEEP_FREE_DESCRIPTORS` of RLIMIT_NOFILE.
 
 from __future__ import annotations
 
-import contextlib
 import ctypes
 import errno
-import fcntl
 import functools
 import os
 import resource
-import tempfile
-import threading
 from dataclasses import dataclass
-from typing import Iterator, Sequence
+from typing import Sequence
 
 from ..errors import DriverError, OutOfMemoryError
 from .base import live_chunks
@@ -170,10 +167,24 @@ def read_text(path: str) -> str:
         return file.read()
 
 
+def room_for(available: int) -> int:
+    """What a commit may take of the `available` bytes the kernel could
+    give: all but what is kept free for other processes."""
+    return available - min(HOST_KEEP_FREE_BYTES, available // 16)
+
+
+def file_cache_decides(limit: int, usage: int, size: int) -> bool:
+    """Whether a cgroup's reclaimable file cache can decide if `size` bytes
+    fit under its limit: they do not fit in `room_for` what limit - usage
+    leaves. The check refuses past `room_for`, not past limit - usage, so
+    the cache must count wherever the margin alone would refuse."""
+    return room_for(max(limit - usage, 0)) < size
+
+
 def read_host_memory_headroom(size: int) -> MemoryHeadroom:
     """`host_memory_headroom` over this machine's readings. A cgroup's
-    memory.stat is read only where `size` does not fit without its
-    reclaimable cache."""
+    memory.stat is read only where its file cache decides whether `size`
+    fits (`file_cache_decides`)."""
     readings = []
     for files in cgroup_memory_files():
         try:
@@ -182,7 +193,7 @@ def read_host_memory_headroom(size: int) -> MemoryHeadroom:
                 continue
             usage = read_text(os.path.join(files.directory, files.usage))
             stat = ""
-            if int(limit) - int(usage) < size:
+            if file_cache_decides(int(limit), int(usage), size):
                 stat = read_text(os.path.join(files.directory, "memory.stat"))
         except OSError:
             continue  # the cgroup went away: it limits nothing any more
@@ -190,34 +201,6 @@ def read_host_memory_headroom(size: int) -> MemoryHeadroom:
     return host_memory_headroom(read_text("/proc/meminfo"), readings)
 
 
-#: Host commits of this process, one at a time from headroom check to last create.
-PROCESS_COMMITS = threading.RLock()
-#: The machine's host commits, one at a time: an flock on this file (any
-#: process may open it for reading, which is all flock needs).
-COMMITS_LOCK_PATH = os.path.join(tempfile.gettempdir(), "extkv-host-commits.lock")
-
-
-@contextlib.contextmanager
-def machine_commits_lock() -> Iterator[None]:
-    """Hold COMMITS_LOCK_PATH exclusively; where it can be neither opened nor
-    created (another user's file in a directory that refuses it), commits of
-    other processes are not kept apart, and nothing else changes."""
-    try:
-        fd = os.open(COMMITS_LOCK_PATH, os.O_RDONLY | os.O_CLOEXEC)
-    except FileNotFoundError:
-        try:
-            fd = os.open(COMMITS_LOCK_PATH, os.O_RDONLY | os.O_CREAT | os.O_CLOEXEC, 0o644)
-        except OSError:
-            fd = None
-    except OSError:
-        fd = None
-    try:
-        if fd is not None:
-            fcntl.flock(fd, fcntl.LOCK_EX)
-        yield
-    finally:
-        if fd is not None:
-            os.close(fd)  # releases the flock
 #: What a host commit leaves free for other processes: a sixteenth of what
 #: the kernel (or the memory cgroup) could give, at most 256 MiB.
 HOST_KEEP_FREE_BYTES = 256 << 20
@@ -258,7 +241,7 @@ def check_room(size: int, step: str) -> None:
         raise driver_error(f"{step}: read /proc/meminfo and cgroup limits", size, None, error.errno) from None
     if headroom.available is None:
         return
-    kept = min(HOST_KEEP_FREE_BYTES, headroom.available // 16)
+    kept = headroom.available - room_for(headroom.available)
     if size > headroom.available - kept:
         raise OutOfMemoryError(
             step, errno.ENOMEM, "ENOMEM", size=size,
