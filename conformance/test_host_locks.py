@@ -16,7 +16,11 @@ chosen by events and pipes, never by sleeping:
 - *Fork.* A child forked while a thread commits (paused inside its first
   create, both commit locks held) must hold neither lock: the parent's next
   commit, another process's and the child's own all go through at once
-  while the child lives. It runs on a lock file of its own (`COMMITS_LOCK_PATH` set to a
+  while the child lives.
+- *The machine's lock file.* Another process holding the lock, a FIFO or a
+  symbolic link at its path, and Ctrl-C during the wait: the commit goes on
+  within the bound, at once, or lands the interrupt with nothing changed.
+  These run on a lock file of their own (`COMMITS_LOCK_PATH` set to a
   temporary path), never on the machine's.
 """
 
@@ -300,10 +304,12 @@ class PausedCreate(WrappingDriver):
 
 
 COMMITS_ELSEWHERE = """
-import sys
+import sys, warnings
 import extkv
 from extkv.vmm import HostDriver, host_commits
 host_commits.COMMITS_LOCK_PATH = sys.argv[1]
+host_commits.MACHINE_LOCK_WAIT_S = 0.0
+warnings.simplefilter("error", RuntimeWarning)  # going on without the lock fails
 driver = HostDriver()
 with extkv.ExtensibleTensor(driver.granularity, device=driver) as tensor:
     tensor.resize_segments_([driver.granularity])
@@ -345,11 +351,13 @@ def read_line(descriptor: int) -> str:
     return os.read(descriptor, 4096).decode().strip() if ready else "(nothing: the child hung)"
 
 
-def test_a_child_forked_during_a_commit_holds_none_of_its_locks(driver, lock_path):
+def test_a_child_forked_during_a_commit_holds_none_of_its_locks(driver, lock_path, monkeypatch):
     """The child's copy of the in-flight commit's lock descriptor is closed
     at the fork and its process lock is new: once the parent's commit ends,
-    the lock is free while the child lives, the parent's next commit and
-    another process's go through, and the child commits a tensor of its own."""
+    the parent's next commit and another process's get the machine lock at
+    the first try (no wait at all) while the child lives, and the child
+    commits a tensor of its own."""
+    monkeypatch.setattr(host_commits, "MACHINE_LOCK_WAIT_S", 0.0)
     g = driver.granularity
     paused = PausedCreate(driver)
     tensor = extkv.ExtensibleTensor(g, device=paused)
@@ -388,3 +396,112 @@ def test_a_child_forked_during_a_commit_holds_none_of_its_locks(driver, lock_pat
             assert os.WIFEXITED(status) and os.WEXITSTATUS(status) == 0, f"the child ended with status {status}"
         os.close(commit_now)
         tensor.free()
+
+
+HOLDS_THE_LOCK = """
+import fcntl, os, sys
+descriptor = os.open(sys.argv[1], os.O_RDONLY | os.O_CREAT, 0o644)
+fcntl.flock(descriptor, fcntl.LOCK_EX)
+print("held", flush=True)
+sys.stdin.readline()  # until the test is done
+"""
+
+
+@contextlib.contextmanager
+def lock_held_elsewhere(path: str):
+    """Another process holding the flock on `path`; a safety net lets it go
+    after HANG_S, should a commit wait for it unboundedly."""
+    holder = subprocess.Popen([sys.executable, "-c", HOLDS_THE_LOCK, path], stdin=subprocess.PIPE,
+                              stdout=subprocess.PIPE, text=True)
+    safety_net = threading.Timer(HANG_S, holder.stdin.close)
+    try:
+        assert holder.stdout.readline().strip() == "held"
+        safety_net.start()
+        yield holder
+    finally:
+        safety_net.cancel()
+        holder.stdin.close()
+        holder.wait(HANG_S)
+
+
+def test_a_commit_waits_for_another_processs_lock_no_longer_than_the_bound(driver, lock_path, monkeypatch):
+    """Past MACHINE_LOCK_WAIT_S the commit goes on with its own headroom
+    check, warning with the lock's path and the holder's pid."""
+    monkeypatch.setattr(host_commits, "MACHINE_LOCK_WAIT_S", 0.2)
+    g = driver.granularity
+    with extkv.ExtensibleTensor(g, device=driver) as tensor, lock_held_elsewhere(lock_path) as holder:
+        with pytest.warns(RuntimeWarning, match="commit lock") as warned:
+            tensor.resize_segments_([g])
+        assert not holder.stdin.closed, "the commit went on only once the holder was let go"
+        assert tensor.segment_sizes == [g]
+        message = str(warned[0].message)
+        assert lock_path in message and f"pid {holder.pid}" in message, message
+
+
+@pytest.mark.parametrize("planted", ["FIFO", "symbolic link"])
+def test_something_planted_at_the_lock_path_is_refused_at_once(driver, lock_path, tmp_path, planted):
+    """No open of the path can block (a FIFO without a writer would) nor
+    follow a link elsewhere: the commit goes on at once, warning why."""
+    if planted == "FIFO":
+        os.mkfifo(lock_path)
+        # Safety net: a commit blocked opening the FIFO goes on once a writer opens it.
+        safety_net = threading.Timer(HANG_S, lambda: os.close(os.open(lock_path, os.O_WRONLY | os.O_NONBLOCK)))
+    else:
+        target = tmp_path / "elsewhere"
+        target.touch()
+        os.symlink(target, lock_path)
+        safety_net = threading.Timer(HANG_S, lambda: None)
+    g = driver.granularity
+    safety_net.start()
+    try:
+        with extkv.ExtensibleTensor(g, device=driver) as tensor:
+            with pytest.warns(RuntimeWarning, match="commit lock") as warned:
+                tensor.resize_segments_([g])
+            assert safety_net.is_alive(), "the commit went on only once the safety net opened the FIFO"
+            assert tensor.segment_sizes == [g]
+    finally:
+        safety_net.cancel()
+    message = str(warned[0].message)
+    assert lock_path in message and ("a FIFO" if planted == "FIFO" else "ELOOP") in message, message
+
+
+class SaysWhenAdmitting(WrappingDriver):
+    """A real driver that sets `admitting` as a commit asks for admission,
+    before it waits for any lock."""
+
+    def __init__(self, inner: HostDriver):
+        super().__init__(inner)
+        self.admitting = threading.Event()
+
+    def admit(self, size: int, chunks: int = 1):
+        self.admitting.set()
+        return self.inner.admit(size, chunks)
+
+
+def test_ctrl_c_while_waiting_for_the_lock_lands_and_changes_nothing(driver, lock_path, monkeypatch):
+    """SIGINT sent once the commit asks for admission, while another process
+    holds the lock and the bound is far away: KeyboardInterrupt, with the
+    wait's DriverError (naming the lock and the holder) as its context, and
+    the tensor as it was."""
+    monkeypatch.setattr(host_commits, "MACHINE_LOCK_WAIT_S", 10 * HANG_S)
+    g = driver.granularity
+    wrapper = SaysWhenAdmitting(driver)
+    main = threading.main_thread().ident
+
+    def interrupt() -> None:
+        if wrapper.admitting.wait(HANG_S):
+            signal.pthread_kill(main, signal.SIGINT)
+
+    with extkv.ExtensibleTensor(g, device=wrapper) as tensor, lock_held_elsewhere(lock_path) as holder:
+        sender = threading.Thread(target=interrupt, name="interrupt")
+        sender.start()
+        try:
+            with pytest.raises(KeyboardInterrupt) as interrupted:
+                tensor.resize_segments_([g])
+        finally:
+            sender.join(HANG_S)
+        assert not holder.stdin.closed, "the interrupt landed only once the holder was let go"
+        assert tensor.segment_sizes == [0] and tensor.mapped_chunks == []
+        check_readback_matches_bookkeeping(tensor)
+        context = str(interrupted.value.__context__)
+        assert lock_path in context and f"pid {holder.pid}" in context, context

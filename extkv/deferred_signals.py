@@ -238,3 +238,10 @@ def deferring() -> bool:
     """Whether the calling thread is inside a deferral (off the main thread:
     never, since no handler can interrupt it)."""
     return threading.get_ident() == _MAIN_THREAD and _depth > 0
+
+
+def signal_waiting() -> bool:
+    """Whether a signal arrived inside the calling thread's deferral and
+    waits for it to end: a long wait inside one (a host commit waiting for
+    another process's lock) stops early on it, so the handler runs soon."""
+    return deferring() and bool(_pending)

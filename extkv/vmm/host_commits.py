@@ -21,23 +21,59 @@ keeps them apart from the check to the last create:
   and the child closes its copy at once. Closing a copy never releases the
   lock while the parent's descriptor stays open, so the parent keeps it.
 
-Where the file can be neither opened nor created (another user's file in a
-directory that refuses it), commits of other processes are not kept apart,
-and nothing else changes.
+That file is anyone's: any local process of any user can hold its lock, or
+put something other than a regular file at its path. A commit therefore
+never waits on it unboundedly:
+
+- the path is opened with O_NOFOLLOW|O_NONBLOCK and must be a regular file
+  (fstat): a FIFO, device, directory or symbolic link is refused at once,
+  and no open can block;
+- the lock is tried without blocking every `MACHINE_LOCK_POLL_S` for at
+  most `MACHINE_LOCK_WAIT_S`. Between tries, a signal that the commit's
+  deferral holds back (extkv.deferred_signals) ends the wait: the commit
+  raises DriverError(EINTR) before it creates anything, and the handler
+  then runs, so Ctrl-C lands as KeyboardInterrupt with nothing changed;
+- past the bound, or where the path is refused or cannot be opened, the
+  commit goes on without the machine lock, with a RuntimeWarning naming
+  the path and, where /proc/locks names it, the holder.
+
+Why going on is the safe path: the machine lock only keeps two processes'
+headroom checks apart. The commit still holds this process's lock and runs
+the same check, so it risks only what every commit risks where the file
+cannot be created: that another process's commit, checked but not yet
+made, takes memory the check counted. No honest commit holds the lock for
+the whole bound. Refusing to commit instead would let any local process
+stop every host commit on the machine for as long as it likes.
 """
 
 from __future__ import annotations
 
 import contextlib
+import errno
 import fcntl
 import os
+import stat
 import tempfile
 import threading
+import time
+import warnings
 from typing import Iterator
+
+from ..deferred_signals import signal_waiting
+from ..errors import DriverError
 
 #: The machine's host commits take an flock on this file (any process may
 #: open it for reading, which is all flock needs).
 COMMITS_LOCK_PATH = os.path.join(tempfile.gettempdir(), "extkv-host-commits.lock")
+#: Longest wait for another process's commit: a commit holds the lock from
+#: its check to its last create, and creating 64 GiB of memfd pages (the
+#: kernel zeroes each) takes a few seconds; a holder past this is stuck,
+#: stopped or hostile, and the commit goes on without it.
+MACHINE_LOCK_WAIT_S = 30.0
+#: Pause between two tries of the lock: the delay a Ctrl-C meets, and a
+#: small cost next to a commit that had to wait at all.
+MACHINE_LOCK_POLL_S = 0.02
+
 _process_commits = threading.RLock()
 #: The descriptor of the commit in flight that a forked child must close,
 #: recorded and forgotten under `_descriptor_guard`, which a fork waits for.
@@ -71,13 +107,13 @@ os.register_at_fork(before=_before_fork, after_in_parent=_after_fork_in_parent, 
 
 @contextlib.contextmanager
 def one_commit_at_a_time() -> Iterator[None]:
-    """Hold this process's commit lock, then the machine's where its file
-    can be opened."""
+    """Hold this process's commit lock, then the machine's (see the module
+    docstring for when a commit goes on without the machine's)."""
     with _process_commits:
         descriptor = _open_lock_file()
         try:
             if descriptor is not None:
-                fcntl.flock(descriptor, fcntl.LOCK_EX)
+                _wait_for_lock(descriptor)
             yield
         finally:
             if descriptor is not None:
@@ -92,16 +128,85 @@ def _forget(descriptor: int) -> None:
 
 
 def _open_lock_file() -> int | None:
-    """A descriptor of COMMITS_LOCK_PATH, recorded for a fork, or None where
-    it can be neither opened nor created."""
+    """A descriptor of COMMITS_LOCK_PATH, recorded for a fork, or None with
+    a warning where it is refused or cannot be opened nor created."""
     global _commit_descriptor
+    flags = os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC
+    path = COMMITS_LOCK_PATH
     with _descriptor_guard:
         try:
             try:
-                descriptor = os.open(COMMITS_LOCK_PATH, os.O_RDONLY | os.O_CLOEXEC)
+                descriptor = os.open(path, flags)
             except FileNotFoundError:
-                descriptor = os.open(COMMITS_LOCK_PATH, os.O_RDONLY | os.O_CREAT | os.O_CLOEXEC, 0o644)
-        except OSError:
+                descriptor = os.open(path, flags | os.O_CREAT, 0o644)
+        except OSError as error:
+            _go_on_without(f"it can be neither opened nor created ({errno.errorcode.get(error.errno, error.errno)})")
+            return None
+        mode = os.fstat(descriptor).st_mode
+        if not stat.S_ISREG(mode):
+            os.close(descriptor)
+            _go_on_without(f"it is not a regular file ({_file_kind(mode)})")
             return None
         _commit_descriptor = descriptor
         return descriptor
+
+
+def _wait_for_lock(descriptor: int) -> None:
+    """flock(LOCK_EX) for at most MACHINE_LOCK_WAIT_S; past that, a warning
+    and the commit goes on. DriverError(EINTR) where a deferred signal is
+    waiting for the commit to end."""
+    deadline = time.monotonic() + MACHINE_LOCK_WAIT_S
+    while True:
+        try:
+            fcntl.flock(descriptor, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            return
+        except BlockingIOError:
+            pass
+        if signal_waiting():
+            raise DriverError(
+                f"flock({COMMITS_LOCK_PATH}, LOCK_EX)", errno.EINTR, "EINTR",
+                detail=f"a signal arrived while waiting for the machine's host commit lock, {_holder(descriptor)}; "
+                "nothing was created",
+            )
+        if time.monotonic() >= deadline:
+            _go_on_without(f"it stayed locked for {MACHINE_LOCK_WAIT_S} s, {_holder(descriptor)}")
+            return
+        time.sleep(MACHINE_LOCK_POLL_S)
+
+
+def _go_on_without(why: str) -> None:
+    warnings.warn(
+        f"host commit goes on without the machine's commit lock {COMMITS_LOCK_PATH}: {why}; its headroom check "
+        "is no longer kept apart from other processes' commits",
+        RuntimeWarning, stacklevel=2,
+    )
+
+
+def _holder(descriptor: int) -> str:
+    """Who holds the flock on `descriptor`'s file, from /proc/locks."""
+    status = os.fstat(descriptor)
+    file = f"{os.major(status.st_dev):02x}:{os.minor(status.st_dev):02x}:{status.st_ino}"
+    try:
+        with open("/proc/locks") as locks:
+            lines = locks.read().splitlines()
+    except OSError:
+        lines = []
+    for line in lines:
+        fields = line.split()
+        # "1: FLOCK  ADVISORY  WRITE 4242 00:2a:1234 0 EOF"; a waiter's line has "->" second.
+        if len(fields) >= 6 and fields[1] == "FLOCK" and fields[5] == file:
+            pid = fields[4]
+            try:
+                with open(f"/proc/{pid}/comm") as comm:
+                    return f"held by pid {pid} ({comm.read().strip()})"
+            except OSError:
+                return f"held by pid {pid}"
+    return "held by a process /proc/locks does not name"
+
+
+def _file_kind(mode: int) -> str:
+    for test, kind in ((stat.S_ISFIFO, "a FIFO"), (stat.S_ISDIR, "a directory"), (stat.S_ISCHR, "a character device"),
+                       (stat.S_ISBLK, "a block device"), (stat.S_ISSOCK, "a socket")):
+        if test(mode):
+            return kind
+    return f"mode {mode:#o}"
