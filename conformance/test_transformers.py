@@ -29,7 +29,7 @@ transformers = pytest.importorskip(
 import torch
 from transformers import DynamicCache, LogitsProcessor, LogitsProcessorList
 
-from extkv import StateError
+from extkv import SleepController, StateError
 from extkv.integrations.transformers import DEFAULT_MARGIN, ExtensibleCache
 from extkv.testing.checks import (
     check_all_equal,
@@ -367,6 +367,73 @@ def test_sleep_returns_memory_and_wake_reads_zero_then_prefill_continues(device,
     for segment in range(len(cache.kv_cache.buffer.segment_sizes)):
         check_all_equal(cache.kv_cache.buffer.segment_view(segment), 0, f"layer {segment} after reset()")
     expect_same_generation(greedy(model, ids, cache, 30), first, "after reset()")
+
+
+def sleep_under(cache, how: str):
+    """Release the memory of `cache`'s ExtensibleKVCache without the
+    ExtensibleCache knowing: through a SleepController holding the
+    ExtensibleKVCache, or only its reservation, or the ExtensibleKVCache's own
+    release_physical(). The controller, or None."""
+    if how == "release_physical":
+        cache.kv_cache.release_physical()
+        return None
+    engine = SleepController()
+    engine.register(cache.kv_cache if how == "controller" else cache.kv_cache.buffer)
+    engine.sleep(level=1)
+    return engine
+
+
+@pytest.mark.invariant(4, 6)
+@pytest.mark.parametrize("how", ["controller", "controller holding its reservation", "release_physical"])
+def test_an_update_over_memory_released_under_the_cache_raises_before_touching_it(device, caches, how):
+    """Its blocks released by someone else (a SleepController, or the
+    ExtensibleKVCache's own release_physical()): generate raises StateError,
+    as does an update of a layer past the first, before any block is read or
+    written (they are unmapped: a touch would kill the process), and the
+    cache's counts are as they were. A wake by the same hand maps them back."""
+    model = make_model("llama", device)
+    cache = caches(model, 256, margin=16)
+    ids = prompt(12, device)
+    first, _ = greedy(model, ids, cache, 8)
+    engine = sleep_under(cache, how)
+    held = (cache.seq_length, int(cache.get_seq_length()), cache.committed_bytes)
+    assert cache.is_asleep
+    with pytest.raises(StateError, match="asleep"):
+        greedy(model, first, cache, 4)
+    for refused in (lambda: cache.update(*[torch.zeros(1, 2, 1, 16, device=device)] * 2, 1),
+                    cache.make_room, cache.reset):
+        with pytest.raises(StateError, match="asleep"):
+            refused()
+    assert (cache.seq_length, int(cache.get_seq_length()), cache.committed_bytes) == held
+    if engine is None:
+        cache.kv_cache.recommit()
+    else:
+        engine.wake_up()
+    assert not cache.is_asleep
+
+
+@pytest.mark.invariant(4)
+def test_after_a_controllers_wake_the_cache_refuses_until_reset_then_a_re_prefill_matches_dynamic_cache(device, caches):
+    """A SleepController woke the ExtensibleKVCache: its blocks read zero, so
+    the tokens the cache held are gone. Continuing the generation raises
+    StateError rather than attend over zeroes; after reset() a re-prefill of
+    the whole conversation generates DynamicCache's tokens. A cache that held
+    no tokens when it slept takes its woken blocks as they are."""
+    model = make_model("llama", device)
+    cache = caches(model, 512, margin=16)
+    first, _ = greedy(model, prompt(12, device), cache, 20)
+    engine = sleep_under(cache, "controller")
+    engine.wake_up()
+    conversation = torch.cat([first, prompt(5, device, seed=2)], dim=1)
+    with pytest.raises(StateError, match=r"reset\(\) and re-prefill"):
+        greedy(model, conversation, cache, 10)
+    cache.reset()
+    expected = greedy(model, conversation, DynamicCache(config=model.config), 10)
+    expect_same_generation(greedy(model, conversation, cache, 10), expected, "re-prefilled after the controller's wake")
+    cache.reset()
+    engine.sleep(level=2)
+    engine.wake_up()
+    expect_same_generation(greedy(model, conversation, cache, 10), expected, "an empty cache slept and woken")
 
 
 @pytest.mark.invariant(1, 5)

@@ -71,6 +71,17 @@ what it wants to continue from, the prompt and the tokens generated so far
 (`model.generate(all_ids, past_key_values=cache)` or one forward of them).
 CUDA graphs captured before the sleep stay valid after the wake.
 
+Others may put `kv_cache` to sleep too: a SleepController holding it (or
+its reservation), or its own `release_physical()`. Every update, and
+`make_room` and `reset`, first checks that every committed block is
+mapped, so an update over released memory raises StateError before it
+touches a block (a touch would kill the process). The tokens are gone
+after such a sleep whatever its wake brings back, so after a
+SleepController's wake (`extkv.sleep.times_released` says there was one)
+a cache that held tokens refuses to continue, with StateError, until
+`reset()`; then the caller re-prefills, as after `recommit()`. A cache that
+held none takes the woken blocks as they are.
+
 How it differs from StaticCache and DynamicCache. StaticCache allocates
 max_cache_len tokens of every layer up front; this cache reserves that as
 address space only and maps memory as tokens arrive, with the same static
@@ -107,6 +118,7 @@ from ..layout import (
     create_kv_cache_views,
     pad_kv_cache_segments,
 )
+from ..sleep import times_released
 from ..vmm import Driver, driver_for
 
 __all__ = ["DEFAULT_BLOCK_SIZE", "DEFAULT_MARGIN", "ExtensibleCache", "ExtensibleLayer"]
@@ -335,6 +347,8 @@ class ExtensibleCache(Cache):
         with deferred_signals():
             self.kv_cache = ExtensibleKVCache(kv_cache_config, driver, LAYOUT)
             self._state = _State.LIVE
+        #: `times_released(kv_cache)` when this cache last knew what its blocks hold.
+        self._releases_seen = times_released(self.kv_cache)
         try:
             reservation = self.kv_cache.allocate(placement.size)  # commits the null block
             blocks = create_kv_cache_views(reservation, spec, capacity, LAYOUT, placement)
@@ -380,9 +394,39 @@ class ExtensibleCache(Cache):
     def is_freed(self) -> bool:
         return self._state is _State.FREED
 
+    def _require_mapped(self, operation: str) -> None:
+        """StateError unless live with every committed block mapped, however
+        the memory was released."""
+        if self._state is not _State.LIVE:
+            self._require(operation, _State.LIVE)
+        kv_cache = self.kv_cache
+        if kv_cache.is_asleep or kv_cache.grown_blocks < kv_cache.num_committed_blocks:
+            raise StateError(
+                f"ExtensibleCache.{operation}() is not allowed: its ExtensibleKVCache is asleep, its memory released "
+                "by a SleepController or by release_physical(); wake it the same way first"
+            )
+
+    def _require_blocks(self, operation: str) -> None:
+        """`_require_mapped`, and StateError if a SleepController released the
+        blocks since this cache last knew their contents while it held tokens."""
+        self._require_mapped(operation)
+        releases = times_released(self.kv_cache)
+        if releases != self._releases_seen:
+            if self._seq_length:
+                raise StateError(
+                    f"ExtensibleCache.{operation}() is not allowed: a SleepController released and woke its "
+                    f"ExtensibleKVCache, so the keys and values of its {self._seq_length} tokens are gone; call "
+                    "reset() and re-prefill the prompt and the tokens generated so far"
+                )
+            self._releases_seen = releases
+
     @property
     def is_asleep(self) -> bool:
-        return self._state is _State.ASLEEP
+        """Asleep by its own `release_physical()`, or its memory released by another."""
+        if self._state is not _State.LIVE:
+            return self._state is _State.ASLEEP
+        kv_cache = self.kv_cache
+        return kv_cache.is_asleep or kv_cache.grown_blocks < kv_cache.num_committed_blocks
 
     # -- what transformers asks -------------------------------------------------
     @property
@@ -402,9 +446,9 @@ class ExtensibleCache(Cache):
 
     def _check_states(self, layer_idx: int, key_states, value_states) -> None:
         """ValueError unless the states are what this cache was built for,
-        StateError unless it is live. Called by every update."""
-        if self._state is not _State.LIVE:
-            self._require("update", _State.LIVE)
+        StateError unless its blocks are there and hold what it wrote (before
+        any is touched). Called by every update."""
+        self._require_blocks("update")
         wanted = (self._batch_size, self.num_kv_heads, self.head_dim)
         for name, states in (("key_states", key_states), ("value_states", value_states)):
             if not isinstance(states, torch.Tensor) or states.dim() != 4:
@@ -475,7 +519,7 @@ class ExtensibleCache(Cache):
         tokens more) and count them. Layer 0's update calls it; call it
         yourself before each replay of a captured CUDA graph, which writes its
         tokens without any host code."""
-        self._require("make_room", _State.LIVE)
+        self._require_blocks("make_room")
         num_tokens = validate.integer("num_tokens", num_tokens, what="tokens per sequence")
         end = self._seq_length + num_tokens
         if end > self._max_cache_len:
@@ -529,14 +573,17 @@ class ExtensibleCache(Cache):
         self._require("recommit", _State.ASLEEP)
         self.kv_cache.recommit()
         self._empty()
+        self._releases_seen = times_released(self.kv_cache)
         self._state = _State.LIVE
 
     def reset(self) -> None:
-        """Empty the cache and zero its committed blocks (Cache.reset)."""
-        self._require("reset", _State.LIVE)
+        """Empty the cache and zero its committed blocks (Cache.reset); what
+        a SleepController's wake asks for before a re-prefill."""
+        self._require_mapped("reset")
         for layer in self.layers:
             layer._zero_committed(self.kv_cache.num_committed_blocks)
         self._empty()
+        self._releases_seen = times_released(self.kv_cache)
 
     def _empty(self) -> None:
         self._seq_length = 0
