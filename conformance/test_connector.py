@@ -842,6 +842,26 @@ def test_peer_refuses_a_bad_header_and_says_why():
             },
             r"header field chunks\[0\].size must be an int >= 0, got -1",
         ),
+        # A segment's chunk index at and past the bounds of the chunk list.
+        *(
+            (
+                {
+                    "protocol": "extkv-segments/2",
+                    "writable": False,
+                    "chunks": [{"size": GRANULE}, {"size": GRANULE}],
+                    "segments": [{"chunk": chunk, "offset_in_chunk": 0, "committed_bytes": 9}],
+                },
+                message,
+            )
+            for chunk, message in (
+                (2, r"^header segment 0 names chunk 2; the header lists 2$"),
+                (1 << 64, rf"^header segment 0 names chunk {1 << 64}; the header lists 2$"),
+                (-1, r"^header field segments\[0\].chunk must be an int >= 0, got -1$"),
+                (-(1 << 64), rf"^header field segments\[0\].chunk must be an int >= 0, got -{1 << 64}$"),
+                (True, r"^header field segments\[0\].chunk must be an int >= 0, got True$"),
+                (1.0, r"^header field segments\[0\].chunk must be an int >= 0, got 1.0$"),
+            )
+        ),
     ],
 )
 def test_import_refuses_malformed_headers_before_importing(header, message, channel):
