@@ -660,6 +660,26 @@ def test_weight_update_puts_the_torch_cap_back_when_the_recommit_fails(device, b
     assert connector.operations == ["unregister"]
 
 
+@pytest.mark.invariant(4)
+def test_weight_update_leaves_an_asleep_cache_asleep_and_untouched(device, build):
+    """A cache asleep, with blocks a commit mapped meanwhile: the update
+    neither lends nor wakes it; whoever put it to sleep wakes it."""
+    kv_cache = build.cache_for("padded", KVCacheLayout.LBHNC, device=device)
+    connector = RecordingConnector()
+    kv_cache.commit(10)
+    kv_cache.release_physical()
+    kv_cache.commit(64)  # maps 64 blocks; the cache still sleeps
+    held = kv_cache.physical_bytes
+    assert kv_cache.is_asleep and held > 0
+    kv_cache.buffer.segment_view(0).fill_(7)
+    huge = HugeLayerModel(device_memory_info(device)[1])
+    with kv_cache_lent_for_weight_update(kv_cache, huge, reclaimable=True, fail_if_short=True, connector=connector):
+        assert kv_cache.physical_bytes == held, "an asleep cache was lent"
+    assert kv_cache.is_asleep, "the update woke a cache someone else put to sleep"
+    assert kv_cache.physical_bytes == held and bool((kv_cache.buffer.segment_view(0) == 7).all())
+    assert connector.operations == []
+
+
 @pytest.mark.invariant(6)
 def test_weight_update_with_a_closed_connector_fails_before_lending(device, runners):
     connector = SegmentExportConnector()

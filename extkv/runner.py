@@ -275,8 +275,10 @@ def _release_for_weight_update(
     connector: KVConnector | None,
 ) -> bool:
     """Whether the cache was released to make room; see the caller."""
-    if not kv_cache.physical_bytes:
-        # Released already (sleep), and whoever released it restores it.
+    if kv_cache.is_asleep or not kv_cache.physical_bytes:
+        # Asleep (blocks committed meanwhile are mapped, yet it sleeps) or
+        # holding nothing: whoever put it to sleep wakes it, and a recommit
+        # after the update would wake it behind their back.
         return False
     layer_bytes = max_layer_reload_bytes(model)
     needed = WEIGHT_UPDATE_PEAK_LAYER_FACTOR * layer_bytes
