@@ -39,7 +39,7 @@ from dataclasses import dataclass
 from typing import Callable, Iterable, Iterator
 
 from .. import deferred_signals
-from ..ahead import CommitAhead
+from ..ahead import DEFAULT_STEP_BYTES, CommitAhead
 from ..cache import ExtensibleKVCache
 from ..tensor import ExtensibleTensor
 from ..vmm import Driver, PoisoningDriver
@@ -286,20 +286,24 @@ class PublishesBeforeMapping(CommitAhead):
 class ReadyBeforeMappedCache(ExtensibleKVCache):
     """A cache whose commit-ahead worker is a `PublishesBeforeMapping`."""
 
-    def _commit_ahead(self, window_blocks: int, max_blocks: int, step_blocks: int) -> None:
-        with self.buffer.lock:
-            self._ahead = PublishesBeforeMapping(self, window_blocks, max_blocks, step_blocks)
+    def commit_ahead(self, window_blocks: int, *, max_blocks: int | None = None, step_blocks: int | None = None) -> None:
+        super().commit_ahead(0)
+        if window_blocks:
+            with self.buffer.lock:
+                self._ahead = PublishesBeforeMapping(
+                    self, window_blocks, max_blocks or self.capacity_blocks,
+                    step_blocks or max(1, DEFAULT_STEP_BYTES // self.bytes_per_block),
+                )
 
 
-class KeepsZeroedThroughOnRelease(ExtensibleKVCache):
-    """`release_physical` keeps the count of blocks a stopped commit-ahead
-    worker left mapped and zeroed: after the wake, a commit up to that count
-    counts blocks the release unmapped, and maps nothing."""
+class CountsZeroedBeforeMapping(ExtensibleKVCache):
+    """Records blocks as mapped and zeroed before it maps them: a growth
+    that then meets out-of-memory (a commit's, or a commit-ahead step's)
+    leaves the count behind, and a later commit up to it maps nothing."""
 
-    def release_physical(self) -> None:
-        kept = self._zeroed_through
-        super().release_physical()
-        self._zeroed_through = kept
+    def _grow_zeroed(self, num_blocks: int) -> None:
+        self._zeroed_through = num_blocks
+        self.buffer.grow_blocks_(num_blocks, True)
 
 
 class StopsWorkerOnAwakeRecommit(ExtensibleKVCache):
@@ -425,10 +429,10 @@ DEFECTS: dict[str, Defect] = {
             _cache_over(ReadyBeforeMappedCache),
         ),
         Defect(
-            "zeroed-through-kept-by-release",
+            "zeroed-before-mapped",
             "a commit counts only blocks mapped and zeroed (invariants 1 and 4)",
             ("checks.check_committed_blocks_mapped",),
-            _cache_over(KeepsZeroedThroughOnRelease),
+            _cache_over(CountsZeroedBeforeMapping),
         ),
         Defect(
             "worker-stopped-by-awake-recommit",
