@@ -363,7 +363,7 @@ def recommit_awake_with_the_worker_on(cache: ExtensibleKVCache, watch: "WorkerWa
 @pytest.mark.planted_defect("worker-stopped-by-awake-recommit")
 def test_a_recommit_that_turns_commit_ahead_off_is_flagged_by_check_unchanged(device):
     def flagged(kv_cache, before):
-        with pytest.raises(AssertionError, match=r"^expected no change, but: cache commit_ahead_steps 1 -> 0$"):
+        with pytest.raises(AssertionError, match=r"^expected no change, but: cache commit_ahead_window 300 -> 0; cache commit_ahead_steps 1 -> 0$"):
             check_unchanged(kv_cache, before)
 
     cache, watch = ahead_cache(lambda real: make("worker-stopped-by-awake-recommit", real), device)

@@ -231,8 +231,8 @@ class Snapshot:
 
 
 #: What a cache says of itself beyond its buffer: counts, sizes, the cap it
-#: put on torch, its lifecycle, its commit-ahead worker (steps are the
-#: worker's own count: 0 once it is stopped or started again).
+#: put on torch, its lifecycle, its commit-ahead worker (its window, and
+#: its steps: the worker's own count, 0 once it is stopped or started again).
 _CACHE_ATTRIBUTES = (
     "num_committed_blocks",
     "capacity_blocks",
@@ -244,6 +244,7 @@ _CACHE_ATTRIBUTES = (
     "is_asleep",
     "is_broken",
     "is_freed",
+    "commit_ahead_window",
     "commit_ahead_steps",
 )
 
