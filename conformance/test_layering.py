@@ -50,6 +50,7 @@ LAYERS: list[set[str]] = [
     {"extkv.testing.machines"},
     {"extkv.testing.planted"},
     {"extkv.testing.interrupts"},
+    {"extkv.testing.graphs"},
     # One line per owner, so that work on checks, benchmarks and stress runs
     # can add modules without touching each other's line.
     {"extkv.testing.harness", "extkv.testing.timeline"},
