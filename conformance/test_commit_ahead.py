@@ -10,6 +10,7 @@ the counts it reached.
 
 from __future__ import annotations
 
+import errno
 import os
 import random
 import signal
@@ -21,10 +22,12 @@ import torch
 
 from extkv import KVCacheLayout
 from extkv.ahead import BackgroundGrowthError
+from extkv.errors import DriverError, StateError
 from extkv.reference_model import ReferenceModelRunner
 from extkv.testing.checks import check_all_equal, check_readback_matches_bookkeeping, check_usage_matches
 from extkv.testing.configs import config_for
 from extkv.vmm import FaultInjectingDriver, PoisoningDriver, driver_for
+from extkv.vmm.wrapping import WrappingDriver
 
 LAYOUT = KVCacheLayout.LBHNC
 CAPACITY = 700
@@ -123,9 +126,8 @@ def test_a_commit_past_the_window_grows_itself_and_the_window_follows(build, poi
     expect_zero_blocks(cache, 10, 300)
     until(lambda: cache.grown_blocks == 350, f"grown {cache.grown_blocks} of 350")
     cache.commit(390)
-    until(lambda: cache.grown_blocks == 400, f"grown {cache.grown_blocks}: max_blocks is 400")
-    time.sleep(0.05)
-    assert cache.grown_blocks == 400, f"the worker grew past max_blocks: {cache.grown_blocks}"
+    assert cache.settle_commit_ahead(PATIENCE_S), f"the worker never went idle: grown {cache.grown_blocks}"
+    assert cache.grown_blocks == 400, f"grown {cache.grown_blocks} once idle: max_blocks is 400"
 
 
 @pytest.mark.invariant(3, 4, 5)
@@ -317,24 +319,56 @@ def test_background_out_of_memory_stops_the_worker_silently_until_the_next_commi
     faults.fail_in("create", 1)
     cache.commit_ahead(400, step_blocks=GRANULE_BLOCKS)
     until(lambda: faults.fired, "the planned fault never fired")
-    time.sleep(0.05)
+    assert cache.settle_commit_ahead(PATIENCE_S), "the worker never went idle after the out-of-memory"
     assert cache.grown_blocks == 10, f"grown {cache.grown_blocks}"
     cache.commit(11)  # raises nothing: the engine never asked for those blocks
     until(lambda: cache.grown_blocks == 411, f"after the next commit: grown {cache.grown_blocks} of 411")
 
 
+class _Pool(WrappingDriver):
+    """Free memory as a pool of `pool` bytes less what was created through
+    this driver: a reading the test sets (a real one moves with the rest of
+    the machine), which falls as the cache grows, as a device's does."""
+
+    def __init__(self, inner, pool: int):
+        super().__init__(inner)
+        self.pool, self.held = pool, 0
+
+    def _create(self, size: int):
+        chunk = super()._create(size)
+        self.held += chunk.size
+        return chunk
+
+    def _release(self, chunk) -> None:
+        super()._release(chunk)
+        self.held -= chunk.size
+
+    def memory_info(self) -> tuple[int, int]:
+        return self.pool - self.held, 128 << 30
+
+
 @pytest.mark.invariant(5)
 def test_the_worker_never_grows_into_the_headroom(build, poisoned):
-    cache = cache_over(build, poisoned)
-    free, _ = cache.buffer.driver.memory_info()
-    # Leave room for about 30 more blocks past what is mapped.
-    cache.reserved_headroom_bytes = max(0, free - 30 * cache.bytes_per_block)
-    allowed = cache.committable_blocks()
+    """The worker stops where `committable_blocks()` does, and grows on
+    once more memory is free."""
+    pool = _Pool(poisoned, 0)
+    cache = cache_over(build, pool)
+    # A headroom of 4 GiB keeps 4 + 3 GiB free (sizing.committable_bytes):
+    # the pool leaves the cache three more granules.
+    cache.reserved_headroom_bytes = 4 << 30
+    granule = cache.buffer.granularity
+    pool.pool = pool.held + (7 << 30) + 3 * granule
+    allowed = cache.committable_blocks()  # constant as the cache grows: free falls as it maps
+    assert 10 < allowed < 500, f"committable {allowed}: the pool leaves no test"
     cache.commit_ahead(500)
-    time.sleep(0.3)
-    assert cache.grown_blocks <= max(allowed, cache.committable_blocks()) + 1, (
-        f"grown {cache.grown_blocks} blocks; committable {allowed} before, {cache.committable_blocks()} now"
-    )
+    assert cache.settle_commit_ahead(PATIENCE_S), f"the worker never went idle: grown {cache.grown_blocks}"
+    assert cache.grown_blocks == allowed, f"grown {cache.grown_blocks} blocks; committable {allowed}"
+    pool.pool += granule
+    more = cache.committable_blocks()
+    assert allowed < more < 511, f"committable {more} after {allowed}: the pool leaves no test"
+    cache.commit(11)  # wakes the worker, which reads again
+    assert cache.settle_commit_ahead(PATIENCE_S), f"the worker never went idle: grown {cache.grown_blocks}"
+    assert cache.grown_blocks == more, f"grown {cache.grown_blocks} of {more} once memory allows"
 
 
 @pytest.mark.invariant(7)
@@ -451,3 +485,221 @@ def test_a_model_decodes_beside_the_worker_as_on_memory_allocated_up_front(devic
         plain.free()
         torch.backends.cuda.matmul.allow_tf32 = previous
     assert workers() == []
+
+
+# -- the worker beside the caller's locks, free, forks and errors around its steps ------
+class _ObservedLock:
+    """The reservation's real lock, which tells the test when the worker
+    asks for it: so a test can act while the worker waits for a lock the
+    test holds, with no sleep."""
+
+    def __init__(self, real):
+        self.real = real
+        self.worker_waits = threading.Event()
+
+    def acquire(self, blocking: bool = True, timeout: float = -1) -> bool:
+        if threading.current_thread().name == "extkv-commit-ahead":
+            self.worker_waits.set()
+        return self.real.acquire(blocking, timeout)
+
+    def release(self) -> None:
+        self.real.release()
+
+    def __enter__(self):
+        self.acquire()
+        return self
+
+    def __exit__(self, *exc_info) -> None:
+        self.release()
+
+
+def finishes(call, what: str) -> None:
+    """Run `call` on a thread of its own; a call that never returns (a
+    deadlock) fails the test instead of hanging it."""
+    errors: list[BaseException] = []
+
+    def run() -> None:
+        try:
+            call()
+        except BaseException as error:  # collected: raised below
+            errors.append(error)
+
+    thread = threading.Thread(target=run, daemon=True)
+    thread.start()
+    thread.join(PATIENCE_S)
+    assert not thread.is_alive(), f"{what} never returned: a deadlock"
+    if errors:
+        raise errors[0]
+
+
+@pytest.mark.invariant(7)
+@pytest.mark.parametrize("stop", ["free", "commit_ahead(0)"])
+def test_stopping_the_worker_under_the_callers_lock_returns_and_leaves_no_worker(build, poisoned, stop):
+    """`buffer.lock` is re-entrant for callers: one that holds it, while the
+    worker waits for it, may free the cache or turn commit-ahead off."""
+    cache = cache_over(build, poisoned)
+    observed = cache.buffer.lock = _ObservedLock(cache.buffer.lock)
+    cache.commit_ahead(100, step_blocks=10)
+    assert cache.settle_commit_ahead(PATIENCE_S)
+
+    def stop_holding_the_lock() -> None:
+        with cache.buffer.lock:
+            observed.worker_waits.clear()
+            cache.commit(50)  # counted without the lock; wakes the worker, which asks for it
+            assert observed.worker_waits.wait(PATIENCE_S), "the worker never asked for the lock"
+            cache.free() if stop == "free" else cache.commit_ahead(0)
+
+    finishes(stop_holding_the_lock, f"{stop} under the caller's lock")
+    assert workers() == [], f"workers alive after {stop}: {workers()}"
+    assert cache.commit_ahead_window == 0
+    cache.free()
+
+
+class _HeldStep(WrappingDriver):
+    """Holds the commit-ahead worker inside its next map until `go` is set:
+    a step in flight while other threads turn the worker off and on."""
+
+    def __init__(self, inner):
+        super().__init__(inner)
+        self.inside, self.go = threading.Event(), threading.Event()
+
+    def _map(self, address: int, chunk) -> None:
+        if threading.current_thread().name == "extkv-commit-ahead" and not self.go.is_set():
+            self.inside.set()
+            self.go.wait(PATIENCE_S)
+        super()._map(address, chunk)
+
+
+@pytest.mark.invariant(7)
+def test_commit_ahead_racing_free_and_itself_leaves_no_worker_after_free(build, poisoned):
+    """With a step in flight, threads change the worker's window and free
+    the cache, all called before the step ends: whatever the order, a cache
+    has at most one worker, and none once free() has returned."""
+    for trial in range(20):
+        held = _HeldStep(poisoned)
+        cache = cache_over(build, held)
+        cache.commit_ahead(CAPACITY, step_blocks=1)
+        assert held.inside.wait(PATIENCE_S), "the worker never stepped"
+        refused: list[BaseException] = []
+        calling = [threading.Event() for _ in range(3)]
+
+        def turn_on(window: int, called: threading.Event) -> None:
+            called.set()
+            try:
+                cache.commit_ahead(window, step_blocks=1)
+            except StateError as error:  # freed first: refused
+                refused.append(error)
+
+        def free(called: threading.Event) -> None:
+            called.set()
+            cache.free()
+
+        threads = [threading.Thread(target=turn_on, args=(w, c)) for w, c in zip((50, 100), calling)]
+        threads.append(threading.Thread(target=free, args=(calling[2],)))
+        for thread in threads:
+            thread.start()
+        for called in calling:
+            assert called.wait(PATIENCE_S)
+        held.go.set()
+        for thread in threads:
+            thread.join(PATIENCE_S)
+        assert not any(thread.is_alive() for thread in threads), f"trial {trial}: a call never returned"
+        assert cache.is_freed and workers() == [], f"trial {trial}: workers alive after free: {workers()}"
+        assert all("not allowed on a freed cache" in str(error) for error in refused), refused
+
+
+@pytest.mark.invariant(6, 7)
+def test_a_commit_inside_the_window_is_refused_where_a_locked_commit_is(build, poisoned):
+    """The count without the lock checks what the locked commit checks: a
+    freed cache and a broken one refuse a commit of blocks the worker had
+    ready, and nothing changes."""
+    freed = cache_over(build, poisoned)
+    freed.commit_ahead(100)
+    assert freed.settle_commit_ahead(PATIENCE_S)
+    freed.free()
+    with pytest.raises(StateError, match="not allowed on a freed cache"):
+        freed.commit(50)
+
+    faults = FaultInjectingDriver(poisoned)
+    broken = cache_over(build, faults)
+    broken.commit_ahead(100, max_blocks=110)
+    assert broken.settle_commit_ahead(PATIENCE_S) and broken.grown_blocks == 110
+    # A locked commit past the window whose access grant fails, and the
+    # unmap that would undo it too: the buffer breaks.
+    faults.fail_in("set_access", 1)
+    faults.fail_in("unmap", 1)
+    with pytest.raises(DriverError, match="injected fault"):
+        broken.commit(600)
+    assert broken.is_broken
+    with pytest.raises(StateError, match="not allowed on a broken cache"):
+        broken.commit(50)
+    assert broken.num_committed_blocks == 10, f"a refused commit counted: {broken.num_committed_blocks}"
+    broken.free()
+    assert workers() == []
+
+
+@pytest.mark.invariant(6, 7)
+def test_a_forked_childs_copy_refuses_a_commit_inside_the_window_and_commits_its_own_cache(build):
+    """Forked while the worker runs: the child's copy refuses a commit of
+    blocks the parent's worker had ready (they are the parent's, and not
+    mapped in the child), and a cache the child makes commits as usual."""
+    cache = cache_over(build, driver_for("cpu"))
+    cache.commit_ahead(100)
+    assert cache.settle_commit_ahead(PATIENCE_S) and cache.grown_blocks == 110
+    child = os.fork()
+    if child == 0:
+        code = 1
+        try:
+            signal.alarm(60)  # a child stuck is a failure, not a hang
+            try:
+                cache.commit(50)
+                code = 2  # counted blocks it does not have
+            except StateError:
+                own = cache_over(build, driver_for("cpu"))
+                own.commit(40)
+                code = 0 if own.num_committed_blocks == 40 and cache.num_committed_blocks == 10 else 3
+                own.free()
+            cache.free()
+        finally:
+            os._exit(code)
+    _, status = os.waitpid(child, 0)
+    assert os.waitstatus_to_exitcode(status) == 0, f"the child exited {os.waitstatus_to_exitcode(status)}"
+    cache.commit(50)
+    assert cache.num_committed_blocks == 50
+    cache.free()
+
+
+class _FailingReading(WrappingDriver):
+    """`memory_info()` fails the next `failures` times, as a process out of
+    descriptors fails to read /proc/meminfo: an error outside any step."""
+
+    def __init__(self, inner):
+        super().__init__(inner)
+        self.failures = 0
+
+    def memory_info(self) -> tuple[int, int]:
+        if self.failures:
+            self.failures -= 1
+            raise OSError(errno.EMFILE, "Too many open files (injected)")
+        return self.inner.memory_info()
+
+
+@pytest.mark.invariant(5, 6)
+def test_an_error_around_a_step_is_kept_and_the_worker_lives_on(build, poisoned):
+    """The worker's reading of free memory fails: the next commit raises it,
+    the one after runs, and the worker, still alive, grows the window."""
+    reading = _FailingReading(poisoned)
+    cache = cache_over(build, reading)
+    reading.failures = 1
+    cache.commit_ahead(100)
+    assert cache.settle_commit_ahead(PATIENCE_S)
+    assert workers() == ["extkv-commit-ahead"], "the worker's thread ended"
+    assert cache.grown_blocks == 10, f"grown {cache.grown_blocks} past a failed reading"
+    with pytest.raises(BackgroundGrowthError, match="Too many open files") as raised:
+        cache.commit(20)
+    assert cache.num_committed_blocks == 10 and isinstance(raised.value.__cause__, OSError)
+    cache.commit(20)
+    assert cache.settle_commit_ahead(PATIENCE_S)
+    assert cache.grown_blocks == 120, f"after the retry: grown {cache.grown_blocks} of 120"
+    expect_zero_blocks(cache, 10, 120)
+    cache.free()

@@ -75,6 +75,7 @@ while commit-ahead is on.
 from __future__ import annotations
 
 import threading
+from typing import Callable
 
 from .errors import DriverError, OutOfMemoryError
 
@@ -95,15 +96,19 @@ class BackgroundGrowthError(DriverError):
 
 class CommitAhead:
     """The worker of one ExtensibleKVCache, which makes, drives and stops
-    it, holding the reservation's lock each time."""
+    it, holding the reservation's lock each time. The cache hands it its
+    count lock, `grow(n)` (map and zero blocks up to n, reservation lock
+    held) and the blocks its own growth has zeroed so far."""
 
-    def __init__(self, cache, window_blocks: int, max_blocks: int, step_blocks: int):
+    def __init__(self, cache, window_blocks: int, max_blocks: int, step_blocks: int, *,
+                 count_lock: threading.Lock, grow: Callable[[int], None], zeroed: int):
         self.cache = cache
+        self._grow = grow
         self.window_blocks = window_blocks
         self.max_blocks = max_blocks
         self.step_blocks = step_blocks
         #: Blocks a commit may count without the reservation's lock.
-        self.ready = 0 if cache.is_asleep else cache._zeroed_through
+        self.ready = 0 if cache.is_asleep else zeroed
         #: The fence after the last step's zeroing (None: none in flight).
         self.fence: object | None = None
         #: An error of the worker's for the next commit to raise.
@@ -117,19 +122,19 @@ class CommitAhead:
         self._pending = True
         #: The worker waits on `_work`; `settle` waits on `_idle`; both on
         #: the cache's count lock.
-        self._work = threading.Condition(cache._count_lock)
-        self._idle = threading.Condition(cache._count_lock)
+        self._work = threading.Condition(count_lock)
+        self._idle = threading.Condition(count_lock)
         self._waiting = False
         self._thread = threading.Thread(target=self._run, name="extkv-commit-ahead", daemon=True)
         self._thread.start()
 
     # -- the cache's operations, reservation lock held ------------------------------
-    def published(self) -> None:
-        """A locked operation changed what is grown: publish it as ready,
-        unless a pause or a withdrawal holds ready at 0, and wake the worker."""
+    def published(self, zeroed: int) -> None:
+        """A locked operation left `zeroed` blocks mapped and zeroed: ready,
+        unless a pause or a withdrawal holds ready at 0; wake the worker."""
         with self._work:
             if not (self._withdrawn or self._paused):
-                self.ready = self.cache._zeroed_through
+                self.ready = zeroed
             self.wake()
 
     def withdraw(self) -> None:
@@ -138,20 +143,20 @@ class CommitAhead:
         with self._work:
             self._withdrawn, self.ready = True, 0
 
-    def restore(self) -> None:
+    def restore(self, zeroed: int) -> None:
         with self._work:
             self._withdrawn = False
-        self.published()
+        self.published(zeroed)
 
     def pause(self) -> None:
         """The cache sleeps: nothing grows, nothing counts without the lock."""
         with self._work:
             self._paused, self.ready = True, 0
 
-    def resume(self) -> None:
+    def resume(self, zeroed: int) -> None:
         with self._work:
             self._paused = False
-        self.published()
+        self.published(zeroed)
 
     def raise_kept_error(self) -> None:
         with self._work:
@@ -257,7 +262,7 @@ class CommitAhead:
         if grown >= target:
             return False
         to = min(target, grown + self.step_blocks)
-        cache._grow_zeroed(to)
+        self._grow(to)
         fence = driver.fence()
         with self._work:
             # No operation that withdraws or pauses can be in flight: it

@@ -207,6 +207,8 @@ class ExtensibleKVCache:
     warmup_committable_blocks: int = 0
     #: The byte cap put on torch's allocator once the cache is sized; None: uncapped.
     torch_memory_limit: int | None = None
+    #: What `commit_ahead` starts (extkv.ahead).
+    _Worker = CommitAhead
 
     def __init__(
         self,
@@ -331,7 +333,7 @@ class ExtensibleKVCache:
         try:
             self._remapping_commit(num_blocks, defragment, shrink, preserve_contents)
         finally:
-            ahead.restore()
+            ahead.restore(self._zeroed_through)
 
     def _grow_zeroed(self, num_blocks: int) -> None:
         """Map and zero blocks up to `num_blocks`; reservation lock held."""
@@ -346,7 +348,7 @@ class ExtensibleKVCache:
             if num_blocks > self._committed:
                 self._committed = num_blocks
         if self._ahead is not None:
-            self._ahead.published()
+            self._ahead.published(self._zeroed_through)
 
     def _uncount(self) -> None:
         """No block committed, before a release that remaps them; reservation
@@ -428,7 +430,8 @@ class ExtensibleKVCache:
             "step_blocks", step_blocks, minimum=1, what="blocks")
         self._stop_commit_ahead()
         if window_blocks:
-            self._ahead = CommitAhead(self, window_blocks, max_blocks, step_blocks)
+            self._ahead = self._Worker(self, window_blocks, max_blocks, step_blocks, count_lock=self._count_lock,
+                                       grow=self._grow_zeroed, zeroed=self._zeroed_through)
 
     def _stop_commit_ahead(self) -> None:  # reservation lock held
         ahead, self._ahead = self._ahead, None
@@ -480,7 +483,7 @@ class ExtensibleKVCache:
         self._grow_zeroed(max(self._committed, self.grown_blocks))
         self._asleep = False
         if self._ahead is not None:
-            self._ahead.resume()
+            self._ahead.resume(self._zeroed_through)
 
     # -- sizes ------------------------------------------------------------------
     @property

@@ -39,7 +39,7 @@ from dataclasses import dataclass
 from typing import Callable, Iterable, Iterator
 
 from .. import deferred_signals
-from ..ahead import DEFAULT_STEP_BYTES, CommitAhead
+from ..ahead import CommitAhead
 from ..cache import ExtensibleKVCache
 from ..tensor import ExtensibleTensor
 from ..vmm import Driver, PoisoningDriver
@@ -286,14 +286,7 @@ class PublishesBeforeMapping(CommitAhead):
 class ReadyBeforeMappedCache(ExtensibleKVCache):
     """A cache whose commit-ahead worker is a `PublishesBeforeMapping`."""
 
-    def commit_ahead(self, window_blocks: int, *, max_blocks: int | None = None, step_blocks: int | None = None) -> None:
-        super().commit_ahead(0)
-        if window_blocks:
-            with self.buffer.lock:
-                self._ahead = PublishesBeforeMapping(
-                    self, window_blocks, max_blocks or self.capacity_blocks,
-                    step_blocks or max(1, DEFAULT_STEP_BYTES // self.bytes_per_block),
-                )
+    _Worker = PublishesBeforeMapping
 
 
 class CountsZeroedBeforeMapping(ExtensibleKVCache):
