@@ -53,6 +53,7 @@ from extkv.connector import (
     PeerRefusedError,
     SegmentExportConnector,
     SegmentNotContiguousError,
+    CommitAheadRegisteredError,
     StaleRegistrationError,
     listen_privately,
     peer_credentials,
@@ -457,6 +458,46 @@ def test_stale_registration_is_refused_until_restored(device, build, connector, 
         with import_segments(receiver) as imported:
             assert imported.digests() == digests_here(kv_cache)
         receiver.setblocking(False)
+
+
+@pytest.mark.invariant(6, 8)
+def test_a_registering_connector_refuses_commit_ahead_and_exports_once_it_is_off(device, build, connector, channel):
+    """Commit-ahead grows segments with chunks no registration covers: a
+    cache with it on is not registered (nor restored), one that turns it on
+    after registering is not exported, and with it off again (and a
+    defragmenting commit) the peer reads every segment."""
+    kv_cache = build.cache_for("padded", KVCacheLayout.LBHNC)
+    kv_cache.commit(300, defragment=True)
+    kv_cache.commit_ahead(64)
+    with pytest.raises(CommitAheadRegisteredError, match=r"register_kv_caches: commit-ahead is on \(window 64 blocks\)"):
+        connector.register_kv_caches(kv_cache)
+    assert not connector.is_registered and connector.registrations == []
+
+    kv_cache.commit_ahead(0)
+    kv_cache.commit(300, defragment=True)
+    connector.register_kv_caches(kv_cache)
+    kv_cache.commit_ahead(64)
+    assert kv_cache.settle_commit_ahead(60) and kv_cache.grown_blocks > 300
+    sender, receiver = channel
+    receiver.setblocking(False)
+    fds = fd_count()
+    with pytest.raises(StaleRegistrationError, match=r"commit-ahead is on \(window 64 blocks\)"):
+        connector.export_to(sender)
+    assert fd_count() == fds
+    with pytest.raises(BlockingIOError):
+        receiver.recv(1)  # nothing was sent
+    with pytest.raises(CommitAheadRegisteredError, match="restore_kv_caches: commit-ahead is on"):
+        connector.restore_kv_caches()
+
+    kv_cache.commit_ahead(0)
+    kv_cache.commit(300, shrink=True)
+    kv_cache.commit(300, defragment=True)
+    fill_segments(kv_cache, seed=11)
+    connector.restore_kv_caches()
+    connector.export_to(sender)
+    receiver.setblocking(True)
+    with import_segments(receiver) as imported:
+        assert imported.digests() == digests_here(kv_cache)
 
 
 @pytest.mark.invariant(8)

@@ -27,6 +27,14 @@ memory changes afterwards (released, recommitted, grown), `export_to` refuses
 with `StaleRegistrationError` instead of exporting chunks that no longer back
 the segments; `restore_kv_caches()` registers the current mapping.
 
+Commit-ahead (extkv.ahead) and a registering connector do not mix: the
+worker grows every segment past its committed blocks with chunks of its
+own, so no registration stays whole for long. Registering (or restoring) a
+cache with commit-ahead on raises `CommitAheadRegisteredError` and registers
+nothing; turning it on after registering makes the next `export_to` refuse
+as stale, naming commit-ahead. An engine turns it off (`commit_ahead(0)`)
+and commits with `defragment=True` before it registers.
+
 A peer does not decide the exporter's time: the whole send of one export
 (header and descriptors) is over within `timeout` (DEFAULT_EXPORT_TIMEOUT_S
 by default), however slowly the peer reads, or `export_to` raises
@@ -85,6 +93,10 @@ DEFAULT_EXPORT_TIMEOUT_S = 60.0
 class SegmentNotContiguousError(ExtkvError, ValueError):
     """A segment's committed bytes span several physical chunks, so it cannot
     be registered as one range."""
+
+
+class CommitAheadRegisteredError(StateError):
+    """A cache with commit-ahead on was given to a registering connector."""
 
 
 class StaleRegistrationError(StateError):
@@ -203,6 +215,7 @@ class SegmentExportConnector:
         self._require("register_kv_caches")
         if not isinstance(kv_cache, ExtensibleKVCache):
             raise ValueError(f"register_kv_caches needs an ExtensibleKVCache, got {kv_cache!r}")
+        _refuse_commit_ahead("register_kv_caches", kv_cache)
         registrations = _segment_registrations(kv_cache.buffer)
         self._kv_cache = kv_cache
         self._registrations = registrations
@@ -222,6 +235,7 @@ class SegmentExportConnector:
         """Register the cache's current mapping (after release and recommit)."""
         self._require("restore_kv_caches")
         assert self._kv_cache is not None  # both legal states keep it
+        _refuse_commit_ahead("restore_kv_caches", self._kv_cache)
         self._registrations = _segment_registrations(self._kv_cache.buffer)
         self._state = _State.REGISTERED
 
@@ -330,6 +344,12 @@ class SegmentExportConnector:
         gone = [r.index for r in self._registrations if r.mapped_chunk is not None and id(r.mapped_chunk) not in live]
         sizes = buffer.segment_sizes
         resized = [r.index for r in self._registrations if sizes[r.index] != r.committed_bytes]
+        if (gone or resized) and self._kv_cache is not None and self._kv_cache.commit_ahead_window:
+            raise StaleRegistrationError(
+                f"the KV cache's memory changed since register_kv_caches: commit-ahead is on (window "
+                f"{self._kv_cache.commit_ahead_window} blocks) and grows segments {sorted(set(gone + resized))} past "
+                "what was registered; turn it off (commit_ahead(0)), commit with defragment=True and restore_kv_caches()"
+            )
         if gone or resized:
             raise StaleRegistrationError(
                 f"the KV cache's memory changed since register_kv_caches (segments {sorted(set(gone + resized))} "
@@ -411,6 +431,15 @@ def listen_privately(parent: str | None = None, *, backlog: int = 1) -> PrivateL
         listener.close()
         raise
     return listener
+
+
+def _refuse_commit_ahead(operation: str, kv_cache: ExtensibleKVCache) -> None:
+    if kv_cache.commit_ahead_window:
+        raise CommitAheadRegisteredError(
+            f"{operation}: commit-ahead is on (window {kv_cache.commit_ahead_window} blocks); its worker grows every "
+            "segment with chunks of its own, which no registration covers: turn it off (commit_ahead(0)) and commit "
+            "with defragment=True first; nothing was registered"
+        )
 
 
 def _segment_registrations(buffer: ExtensibleTensor) -> list[SegmentRegistration]:
