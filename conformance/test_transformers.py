@@ -412,27 +412,43 @@ def test_an_update_over_memory_released_under_the_cache_raises_before_touching_i
     assert not cache.is_asleep
 
 
+def release_and_map_again(cache, how: str) -> None:
+    """Drop the contents of `cache`'s ExtensibleKVCache behind its back and
+    map its committed blocks again, zeroed."""
+    if how == "shrink and regrow":
+        committed = cache.kv_cache.num_committed_blocks
+        cache.kv_cache.commit(0, shrink=True)
+        cache.kv_cache.commit(committed)
+        return
+    engine = sleep_under(cache, how)
+    if engine is None:
+        cache.kv_cache.recommit()
+    else:
+        engine.wake_up()
+
+
 @pytest.mark.invariant(4)
-def test_after_a_controllers_wake_the_cache_refuses_until_reset_then_a_re_prefill_matches_dynamic_cache(device, caches):
-    """A SleepController woke the ExtensibleKVCache: its blocks read zero, so
-    the tokens the cache held are gone. Continuing the generation raises
+@pytest.mark.parametrize("how", ["controller", "release_physical", "shrink and regrow"])
+def test_after_a_wake_the_cache_refuses_until_reset_then_a_re_prefill_matches_dynamic_cache(device, caches, how):
+    """Someone released the ExtensibleKVCache's memory and mapped it again
+    (a SleepController's sleep and wake, its own release_physical() and
+    recommit(), a shrink and a regrowth): its blocks read zero, so the
+    tokens the cache held are gone. Continuing the generation raises
     StateError rather than attend over zeroes; after reset() a re-prefill of
     the whole conversation generates DynamicCache's tokens. A cache that held
     no tokens when it slept takes its woken blocks as they are."""
     model = make_model("llama", device)
     cache = caches(model, 512, margin=16)
     first, _ = greedy(model, prompt(12, device), cache, 20)
-    engine = sleep_under(cache, "controller")
-    engine.wake_up()
+    release_and_map_again(cache, how)
     conversation = torch.cat([first, prompt(5, device, seed=2)], dim=1)
     with pytest.raises(StateError, match=r"reset\(\) and re-prefill"):
         greedy(model, conversation, cache, 10)
     cache.reset()
     expected = greedy(model, conversation, DynamicCache(config=model.config), 10)
-    expect_same_generation(greedy(model, conversation, cache, 10), expected, "re-prefilled after the controller's wake")
+    expect_same_generation(greedy(model, conversation, cache, 10), expected, f"re-prefilled after {how}")
     cache.reset()
-    engine.sleep(level=2)
-    engine.wake_up()
+    release_and_map_again(cache, how)
     expect_same_generation(greedy(model, conversation, cache, 10), expected, "an empty cache slept and woken")
 
 

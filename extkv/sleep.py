@@ -107,12 +107,6 @@ Signals. Each attempt runs with signal handlers deferred
 wait for a lock runs in tries of `LOCK_RETRY_S` seconds, each ending the
 deferral: a handler that raises (Ctrl-C) ends the wait within one try,
 having changed nothing.
-
-Code that keeps state about a reservation's contents (the transformers
-cache, extkv.integrations.transformers) must learn that a controller
-released them, even when a wake has mapped the memory again before it
-looks: `times_released` counts the releases controllers made of each
-reservation, offloaded or not.
 """
 
 from __future__ import annotations
@@ -121,7 +115,6 @@ import contextlib
 import enum
 import logging
 import threading
-import weakref
 from dataclasses import dataclass
 from types import MappingProxyType
 from typing import Callable, Mapping, NamedTuple
@@ -204,17 +197,6 @@ class _Snapshot:
 _NOTHING_REGISTERED = _Snapshot(MappingProxyType({}), MappingProxyType({}), 0)
 
 
-#: Releases each reservation went through under any controller (`times_released`).
-_RELEASES: "weakref.WeakKeyDictionary[ExtensibleTensor, int]" = weakref.WeakKeyDictionary()
-
-
-def times_released(target: ExtensibleKVCache | ExtensibleTensor) -> int:
-    """How many times a SleepController of this process released the memory
-    of `target`'s reservation: two readings differ once its contents went,
-    even if a wake has since mapped fresh pages or written a copy back."""
-    return _RELEASES.get(target.buffer if isinstance(target, ExtensibleKVCache) else target, 0)
-
-
 def _describe(value: object) -> str:
     """`value` for an error message. A tensor is described, never printed:
     its repr reads every element, and a view cut from a reservation may
@@ -285,8 +267,6 @@ class _Registration:
         return self.buffer.segment_sizes
 
     def release(self) -> None:
-        # Counted first: a release that fails part way has unmapped some.
-        _RELEASES[self.buffer] = _RELEASES.get(self.buffer, 0) + 1
         self.target.release_physical()
 
     def recommit(self) -> None:

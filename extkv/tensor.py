@@ -474,6 +474,12 @@ class ExtensibleTensor:
         #: Held by every state-changing operation; re-entrant, so a caller
         #: may hold it around several operations that must not interleave.
         self.lock = threading.RLock()
+        #: Releases that unmapped something (`release_physical`, and every
+        #: shrink or discarding defragment of a cache, which go through it):
+        #: two readings differ once contents were dropped, even if memory
+        #: has been mapped again since. Code that keeps state about the
+        #: contents (the transformers cache) compares it.
+        self.release_count = 0
         self.size = size
         self.segment_capacities = capacities
         offsets, end = [], 0
@@ -994,6 +1000,9 @@ class ExtensibleTensor:
         self._finish_cleanup()
         if not self._mapping.count:
             return
+        # Counted before the first unmap: a release that fails part way has
+        # already taken some contents.
+        self.release_count += 1
         # Kernels still queued may touch these pages; unmapping under them is
         # an illegal-address fault.
         self._driver.synchronize()

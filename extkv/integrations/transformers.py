@@ -77,7 +77,7 @@ its reservation), or its own `release_physical()`. Every update, and
 mapped, so an update over released memory raises StateError before it
 touches a block (a touch would kill the process). The tokens are gone
 after such a sleep whatever its wake brings back, so after a
-SleepController's wake (`extkv.sleep.times_released` says there was one)
+wake (the reservation's `release_count` says there was a release)
 a cache that held tokens refuses to continue, with StateError, until
 `reset()`; then the caller re-prefills, as after `recommit()`. A cache that
 held none takes the woken blocks as they are.
@@ -118,7 +118,6 @@ from ..layout import (
     create_kv_cache_views,
     pad_kv_cache_segments,
 )
-from ..sleep import times_released
 from ..vmm import Driver, driver_for
 
 __all__ = ["DEFAULT_BLOCK_SIZE", "DEFAULT_MARGIN", "ExtensibleCache", "ExtensibleLayer"]
@@ -347,8 +346,8 @@ class ExtensibleCache(Cache):
         with deferred_signals():
             self.kv_cache = ExtensibleKVCache(kv_cache_config, driver, LAYOUT)
             self._state = _State.LIVE
-        #: `times_released(kv_cache)` when this cache last knew what its blocks hold.
-        self._releases_seen = times_released(self.kv_cache)
+        #: The reservation's `release_count` when this cache last knew what its blocks hold.
+        self._releases_seen = self.kv_cache.buffer.release_count
         try:
             reservation = self.kv_cache.allocate(placement.size)  # commits the null block
             blocks = create_kv_cache_views(reservation, spec, capacity, LAYOUT, placement)
@@ -407,15 +406,16 @@ class ExtensibleCache(Cache):
             )
 
     def _require_blocks(self, operation: str) -> None:
-        """`_require_mapped`, and StateError if a SleepController released the
-        blocks since this cache last knew their contents while it held tokens."""
+        """`_require_mapped`, and StateError if anyone released the blocks
+        since this cache last knew their contents while it held tokens."""
         self._require_mapped(operation)
-        releases = times_released(self.kv_cache)
+        releases = self.kv_cache.buffer.release_count
         if releases != self._releases_seen:
             if self._seq_length:
                 raise StateError(
-                    f"ExtensibleCache.{operation}() is not allowed: a SleepController released and woke its "
-                    f"ExtensibleKVCache, so the keys and values of its {self._seq_length} tokens are gone; call "
+                    f"ExtensibleCache.{operation}() is not allowed: its ExtensibleKVCache was released and mapped "
+                    "again (by a SleepController, release_physical() or a shrink), so the keys and values of its "
+                    f"{self._seq_length} tokens are gone; call "
                     "reset() and re-prefill the prompt and the tokens generated so far"
                 )
             self._releases_seen = releases
@@ -573,7 +573,7 @@ class ExtensibleCache(Cache):
         self._require("recommit", _State.ASLEEP)
         self.kv_cache.recommit()
         self._empty()
-        self._releases_seen = times_released(self.kv_cache)
+        self._releases_seen = self.kv_cache.buffer.release_count
         self._state = _State.LIVE
 
     def reset(self) -> None:
@@ -583,7 +583,7 @@ class ExtensibleCache(Cache):
         for layer in self.layers:
             layer._zero_committed(self.kv_cache.num_committed_blocks)
         self._empty()
-        self._releases_seen = times_released(self.kv_cache)
+        self._releases_seen = self.kv_cache.buffer.release_count
 
     def _empty(self) -> None:
         self._seq_length = 0
