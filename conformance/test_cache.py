@@ -230,9 +230,15 @@ def test_release_and_recommit_zero_at_same_addresses(cache, usage):
 
 
 @pytest.mark.invariant(1)
-def test_committed_views_and_tensors_agree_with_the_reservation(case, cache):
+@pytest.mark.parametrize("committed_blocks", [123, "capacity"])
+def test_committed_views_and_tensors_agree_with_the_reservation(case, cache, committed_blocks):
+    """Per-layer views and placements describe the same bytes, the first and
+    the last committed block of every layer within its segment's committed
+    storage, also with every block committed (where a placement that
+    counted from the capacity, or a layer's region past its segment, would
+    reach the next layer's memory or past the reservation)."""
     _, layout, config = case
-    n = 123
+    n = cache.capacity_blocks if committed_blocks == "capacity" else committed_blocks
     cache.commit(n)
     committed = KVCacheConfig(num_blocks=n, kv_cache_tensors=config.kv_cache_tensors, kv_cache_groups=config.kv_cache_groups)
     views = cache.committed_views(committed, layout)
@@ -245,7 +251,6 @@ def test_committed_views_and_tensors_agree_with_the_reservation(case, cache):
     where = {name: (p, i) for p in placements for i, name in enumerate(p.layers)}
     assert set(where) == set(views)
     full = cache.buffer.full_view()
-    block = n - 1
     for name, view in views.items():
         placement, index = where[name]
         storage = view.untyped_storage()
@@ -253,14 +258,20 @@ def test_committed_views_and_tensors_agree_with_the_reservation(case, cache):
         assert storage_start in cache.segment_offsets
         segment = cache.segment_offsets.index(storage_start)
         assert storage.nbytes() == n * cache.segment_strides[segment]  # exactly the committed blocks
-        # Write one block through the view; find it where the placement says.
-        page = view[block].view(torch.uint8)
-        page.fill_(0xC3)
-        start = storage_start + placement.offset + index * placement.layer_stride + block * placement.block_stride
-        check_all_equal(full[start : start + page.numel()], 0xC3, f"layer {name}'s block {block} where its placement says")
-        written = sum(int(cache.buffer.segment_view(i).count_nonzero()) for i in range(len(cache.segment_strides)))
-        assert written == page.numel()
-        page.zero_()
+        for block in (0, n - 1):
+            # Write one block through the view; find it where the placement says.
+            page = view[block].view(torch.uint8)
+            start = placement.offset + index * placement.layer_stride + block * placement.block_stride
+            assert 0 <= start and start + page.numel() <= storage.nbytes(), (
+                f"layer {name}'s block {block} placed at bytes {start}-{start + page.numel()} of a storage of "
+                f"{storage.nbytes()} committed bytes"
+            )
+            page.fill_(0xC3)
+            start += storage_start
+            check_all_equal(full[start : start + page.numel()], 0xC3, f"layer {name}'s block {block} where its placement says")
+            written = sum(int(cache.buffer.segment_view(i).count_nonzero()) for i in range(len(cache.segment_strides)))
+            assert written == page.numel(), f"layer {name}'s block {block}: {written} bytes written, {page.numel()} expected"
+            page.zero_()
 
 
 @pytest.mark.invariant(6)
