@@ -15,6 +15,7 @@ import fcntl
 import json
 import os
 import resource
+import signal
 import subprocess
 import sys
 import threading
@@ -170,6 +171,48 @@ def test_runs_get_a_directory_of_their_own_and_a_named_one_must_be_empty(tmp_pat
     (first / "bench.json").write_text("{}")
     assert prepare_run_directory(first, facts, True, ("check*.json",)) == first.resolve()
     assert sorted(path.name for path in first.iterdir()) == ["bench.json"], "--overwrite removes this run's own files only"
+
+
+@pytest.mark.invariant(6)
+@pytest.mark.parametrize("when", ["setup", "teardown"])
+def test_a_test_that_errs_in_setup_or_teardown_fails_its_device(when):
+    """The harness records a test whose fixture raised, before or after a
+    body that passed, as `error`: its device and the run are not certified."""
+    tests = full("host", "host") | full(H200, "cuda")
+    tests["test_3[cuda:0]"] = {**record(H200, [3], "error"), "message": f"RuntimeError: raised in {when}"}
+    lines = run_verdict(merged(tests), RUN)
+    assert lines[1].startswith("cuda:0 NVIDIA H200 (driver 580.159.04, torch 2.11.0+cu130): NOT CERTIFIED: 1 failed"), lines
+    assert lines[-1].startswith("NOT CERTIFIED cuda:0") and "1 failed" in lines[-1], lines[-1]
+
+
+def interrupted_step(tmp_path: Path, tests: dict[str, dict]) -> dict:
+    """load_check of one host step that a signal stopped (pytest's exit
+    status 2), the harness's record of it written as the harness writes it."""
+    document = {"format": "extkv-check/2", "step": "check-host", "machine": {**FACTS, "gpus": []}, "invariants": {},
+                "totals": {}, "exit_status": 2, "devices": {"host": "host"}, "selection": {"args": ["conformance"]},
+                "collection_errors": [], "worker_gpus": {}, "tests": tests}
+    (tmp_path / "check-host.json").write_text(json.dumps(document))
+    return load_check(tmp_path)
+
+
+@pytest.mark.invariant(6)
+def test_an_interrupted_step_certifies_nothing_and_its_stopped_test_is_no_failure(tmp_path):
+    """Every test passed but the one a signal stopped, which the harness
+    holds as an error without a message (no report of it came): the test is
+    `interrupted`, not failed, and neither the device nor the run is
+    certified; a run that a signal ended says so last."""
+    tests = full("host", "host")
+    tests["test_stopped[host]"] = record("host", [3], "error")
+    check = interrupted_step(tmp_path, tests)
+    assert check["tests"]["test_stopped[host]"]["outcome"] == "interrupted"
+    run = {**RUN, "phases": [], "machine": {**FACTS, "gpus": []}}
+    lines = run_verdict(check, run)
+    assert lines[0].startswith("host driver (Linux 6.18, memfd): NOT CERTIFIED: 1 interrupted"), lines
+    assert lines[-1] == ("NOT CERTIFIED host driver (Linux 6.18, memfd): 1 interrupted; check-host: interrupted "
+                         "(pytest exit status 2); 7 passed, 1 interrupted, 0 skipped in 104 s"), lines[-1]
+    ended = run_verdict(check, {**run, "interrupted": "SIGTERM"})
+    assert ended[-1] == "INTERRUPTED by SIGTERM: nothing certified; 7 passed, 1 interrupted, 0 skipped in 104 s"
+    assert not any("failed" in line for line in lines + ended), lines + ended
 
 
 def clean_env() -> dict[str, str]:
@@ -363,3 +406,77 @@ def test_a_run_orders_the_planted_defects_first_and_the_exclusive_tests_last(pyt
     result = pytester.runpytest_inprocess("-p", "extkv.testing.harness", "--extkv", "-p", "no:cacheprovider", "--co", "-q")
     collected = [line.split("::")[1] for line in result.outlines if "::" in line]
     assert collected == ["test_planted_late", "test_plain", "test_alone"], result.outlines
+
+
+BLOCKING = '''
+def test_blocks_until_the_run_is_interrupted():
+    with open({started!r}, "w") as started:
+        started.write("in the test\\n")
+    with open({never!r}) as never:  # a FIFO no one opens for writing
+        never.read()
+'''
+#: Set in the environment of an `extkv check` under test, which every
+#: process it starts inherits, to find any of them left after it.
+TREE_MARK = "EXTKV_TEST_PROCESS_TREE"
+
+
+def processes_marked(mark: str) -> list[int]:
+    """The pids of live processes whose environment holds TREE_MARK=mark."""
+    found = []
+    for entry in os.listdir("/proc"):
+        try:
+            with open(f"/proc/{entry}/environ", "rb") as file:
+                if f"{TREE_MARK}={mark}".encode() in file.read().split(b"\0"):
+                    found.append(int(entry))
+        except (OSError, ValueError):
+            continue  # not a process, ended, or another user's
+    return found
+
+
+@pytest.mark.invariant(6)
+@pytest.mark.parametrize("number", [signal.SIGINT, signal.SIGTERM], ids=["SIGINT", "SIGTERM"])
+def test_a_signal_to_the_check_alone_ends_the_whole_run_with_an_interrupted_report(tmp_path, number):
+    """`extkv check` running one test (it blocks on a FIFO), its pytest and
+    xdist worker in processes of their own: the signal sent to its pid only
+    ends every process of the run, which exits 128 + the signal's number
+    with one line and a report marked interrupted, where the stopped test
+    is no failure."""
+    started, never = tmp_path / "started", tmp_path / "never"
+    os.mkfifo(started)
+    os.mkfifo(never)
+    (tmp_path / "test_blocking.py").write_text(BLOCKING.format(started=str(started), never=str(never)))
+    suite = Path(__file__).resolve().parent
+    mark = f"{os.getpid()}-{tmp_path.name}"
+    command = [sys.executable, "-m", "extkv", "check", "--report-dir", str(tmp_path / "run"), "--host-workers", "1",
+               f"--ignore-glob={suite}/test_*.py", str(tmp_path / "test_blocking.py")]
+    check = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                             env={**clean_env(), TREE_MARK: mark}, start_new_session=True)
+    seen = []
+    reader = threading.Thread(target=lambda: seen.append(started.read_text()))
+    reader.start()
+    try:
+        reader.join(timeout=300)
+        if reader.is_alive():
+            started.write_text("")  # lets the reader go
+        assert seen == ["in the test\n"], "the run never reached its test"
+        check.send_signal(number)
+        output, _ = check.communicate(timeout=300)
+    finally:
+        if check.poll() is None:
+            os.killpg(check.pid, signal.SIGKILL)
+            check.wait()
+    left = processes_marked(mark)
+    for pid in left:
+        os.kill(pid, signal.SIGKILL)
+    name = signal.Signals(number).name
+    assert check.returncode == 128 + number, output[-3000:]
+    assert left == [], f"processes of the run still running after it exited: {left}"
+    assert "Traceback" not in output, output[-3000:]
+    ending = [line for line in output.splitlines() if "INTERRUPTED" in line]
+    summary = tmp_path / "run" / "summary.md"
+    assert ending == [f"extkv check: INTERRUPTED by {name}: nothing certified; report {summary}"], output[-3000:]
+    assert output.splitlines()[-1] == ending[0]
+    report = summary.read_text()
+    assert f"INTERRUPTED by {name}: nothing certified; 0 passed, 1 interrupted, 0 skipped" in report, report[:3000]
+    assert "1 failed" not in report and "1 errors" not in report, report[:3000]
+    assert json.loads((tmp_path / "run" / "check-run.json").read_text())["interrupted"] == name

@@ -71,7 +71,7 @@ LAYERS: list[set[str]] = [
     {"extkv.testing.stress.under_pressure", "extkv.testing.stress.processes", "extkv.testing.stress.warm_up",
      "extkv.testing.stress.__main__"},
     {"extkv.testing.stress"},
-    {"extkv.reporting.rundir"},
+    {"extkv.reporting.rundir", "extkv.reporting.steps"},
     {"extkv.reporting.machine", "extkv.reporting.plots", "extkv.reporting.verdict"},
     {"extkv.reporting.summary"},
     {"extkv.benchmarking.results"},

@@ -36,7 +36,10 @@ and its worker is replaced, rather than a lost run. The run directory is a
 new one under `reports/runs/` (extkv.reporting.rundir) unless `--report-dir`
 names one. Arguments `extkv check` does not know go to pytest in every step
 (`extkv check -k sizing`); a run they narrow certifies nothing. The exit
-status is 0 only for a CERTIFIED run. `check-run.json` records the plan,
+status is 0 only for a CERTIFIED run. Ctrl-C or SIGTERM, to this process
+alone or to its whole group, ends every step and what they started
+(extkv.reporting.steps), renders the report of what ran, marked
+INTERRUPTED, and ends in one line and exit status 130 or 143. `check-run.json` records the plan,
 the paths each step was given, the phases' and the run's wall time.
 
 From a checkout the suite is `conformance/` and pytest reads the checkout's
@@ -61,6 +64,7 @@ from pathlib import Path
 from . import render_report
 from .machine import machine_facts
 from .rundir import RunDirectoryInUse, checkout_root, prepare_run_directory, suite_directory
+from .steps import RunInterrupted, end_all, interruptible, start as start_step
 from .summary import RUN_FILE, load_check, slowest_tests
 from .verdict import run_verdict
 
@@ -177,30 +181,32 @@ def _progress(run_dir: Path, step: Step) -> str:
     return f"{step.what}: {done}/{total}" + (f" ({failed} FAILED)" if failed != "0" else "")
 
 
-def run_phase(number: int, total: int, phase: Phase, suite: Path, run_dir: Path, pytest_args: list[str]) -> dict:
-    """Run `phase`'s steps at once, printing progress until all end; returns the phase's record."""
+def run_phase(number: int, total: int, phase: Phase, suite: Path, run_dir: Path, pytest_args: list[str],
+              started_steps: list[subprocess.Popen]) -> dict:
+    """Run `phase`'s steps at once, printing progress until all end; returns
+    the phase's record. Each step's process joins `started_steps` as it starts."""
     print(f"extkv check [{number}/{total}] {phase.name}", flush=True)
     started = time.monotonic()
     running = []
     for step in phase.steps:
         command = pytest_command(suite, run_dir, step, pytest_args)
+        with open(run_dir / f"{step.name}.log", "w") as log:
+            process = start_step(command, cwd=checkout_root() or Path.cwd(), env={**os.environ, **step.env},
+                                stdout=log, stderr=subprocess.STDOUT)
+        started_steps.append(process)
         print(f"  {step.name}: " + " ".join(command[3:]) + f"  > {step.name}.log", flush=True)
-        log = open(run_dir / f"{step.name}.log", "w")
-        process = subprocess.Popen(command, cwd=checkout_root() or Path.cwd(), env={**os.environ, **step.env},
-                                   stdout=log, stderr=subprocess.STDOUT)
-        running.append((step, process, log))
+        running.append((step, process))
     statuses: dict[str, int] = {}
     said = time.monotonic()
     while len(statuses) < len(running):
         time.sleep(0.5)
-        for step, process, log in running:
+        for step, process in running:
             if step.name not in statuses and process.poll() is not None:
-                log.close()
                 statuses[step.name] = process.returncode
                 print(f"  {step.name} ended (exit status {process.returncode}) after {time.monotonic() - started:.0f} s", flush=True)
         if time.monotonic() - said >= PROGRESS_EVERY_S and len(statuses) < len(running):
             said = time.monotonic()
-            print(f"  {time.monotonic() - started:.0f} s: " + "; ".join(_progress(run_dir, step) for step, _, _ in running), flush=True)
+            print(f"  {time.monotonic() - started:.0f} s: " + "; ".join(_progress(run_dir, step) for step, _ in running), flush=True)
     wall = time.monotonic() - started
     print(f"extkv check [{number}/{total}] done in {wall:.0f} s", flush=True)
     return {"name": phase.name, "steps": [step.name for step in phase.steps], "statuses": statuses, "wall_s": round(wall, 1)}
@@ -232,21 +238,46 @@ def run(args: argparse.Namespace, pytest_args: list[str]) -> int:
         "wall_s": 0.0,
     }
     total = len(phases) + 1
-    for number, phase in enumerate(phases, 1):
-        record["phases"].append(run_phase(number, total, phase, suite, run_dir, pytest_args))
-    record["wall_s"] = round(time.monotonic() - started, 1)
-    (run_dir / RUN_FILE).write_text(json.dumps(record, indent=1) + "\n")
+    started_steps: list[subprocess.Popen] = []
+    with interruptible():
+        try:
+            for number, phase in enumerate(phases, 1):
+                record["phases"].append(run_phase(number, total, phase, suite, run_dir, pytest_args, started_steps))
+            record["wall_s"] = round(time.monotonic() - started, 1)
+            (run_dir / RUN_FILE).write_text(json.dumps(record, indent=1) + "\n")
+            print(f"extkv check [{total}/{total}] report", flush=True)
+            return _report(run_dir, record)
+        except RunInterrupted as interrupt:
+            end_all(started_steps)
+            record["interrupted"] = interrupt.signal_name
+            record["wall_s"] = round(time.monotonic() - started, 1)
+            (run_dir / RUN_FILE).write_text(json.dumps(record, indent=1) + "\n")
+            print(f"extkv check: INTERRUPTED by {interrupt.signal_name}: nothing certified; "
+                  f"{interrupted_report(run_dir)}", flush=True)
+            return interrupt.exit_status
+        except BaseException:
+            end_all(started_steps)  # a run that fails takes its steps with it
+            raise
 
-    print(f"extkv check [{total}/{total}] report", flush=True)
+
+def interrupted_report(run_dir: Path) -> str:
+    """For the one line an interrupted run (check, stress, bench) ends with:
+    `report <summary.md>` once rendered from what results there are, else
+    why there is none."""
+    try:
+        return f"report {render_report(run_dir)}"
+    except (OSError, ValueError) as error:
+        return f"no report ({error})"
+
+
+def _report(run_dir: Path, record: dict) -> int:
+    """Render the report, print its closing lines; the run's exit status."""
     try:
         summary = render_report(run_dir)
-        check = load_check(run_dir)
+        check = load_check(run_dir)  # not None: the run's record is there
     except (OSError, ValueError) as error:
         print(f"extkv check: the report could not be rendered: {error}", flush=True)
         print("extkv check: NOT CERTIFIED: no report", flush=True)
-        return 1
-    if check is None:
-        print(f"extkv check: NOT CERTIFIED: no step left results in {run_dir} (see its *.log)", flush=True)
         return 1
     lines = closing_lines(check, record, summary)
     for line in lines:

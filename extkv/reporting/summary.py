@@ -10,7 +10,9 @@ several GPUs the multi-GPU tests. `check-run.json` (extkv.reporting.check_run)
 names the steps in order, the paths each was given and the wall time.
 `load_check` merges the steps' tests, keyed by nodeid; a nodeid that ran in
 two steps (every GPU's step runs every GPU test) is kept once per step, the
-later ones as `<nodeid> (<step>)`.
+later ones as `<nodeid> (<step>)`. A test a signal stopped is `interrupted`,
+neither passed nor failed; a run a signal ended (`interrupted` in
+check-run.json) has a report even where no step left results.
 
 `check_section` renders the merged results: the verdict lines
 (extkv.reporting.verdict), which invariants each device kind can prove,
@@ -28,7 +30,7 @@ from pathlib import Path
 from ..testing.invariants import DEVICE_KINDS, INVARIANTS
 from ..testing.timeline import Timeline
 from .rundir import read_json
-from .verdict import planted_counts, run_verdict
+from .verdict import INTERRUPTED_STATUS, planted_counts, run_verdict
 
 #: The harness's results format (extkv.testing.record.RECORD_FORMAT; the
 #: harness needs pytest, which rendering a report does not, so it is not
@@ -71,7 +73,8 @@ def load_run(run_dir: Path) -> dict | None:
 
 
 def load_check(run_dir: Path) -> dict | None:
-    """The merged results of every check step in `run_dir`; None when it has none.
+    """The merged results of every check step in `run_dir`; None when it has
+    neither results nor check-run.json.
 
     Returns {"steps": {step: document}, "tests": {key: record}, "machine": facts,
     "devices": {label: kind}, "worker_gpus": {worker: label}, "invariants": {"1": words, ...},
@@ -81,15 +84,14 @@ def load_check(run_dir: Path) -> dict | None:
     run = load_run(run_dir)
     paths = {path.stem: path for path in run_dir.glob(STEP_GLOB) if path.name != RUN_FILE}
     order = [step for step in (run["steps"] if run else []) if step in paths] + sorted(set(paths) - set(run["steps"] if run else []))
-    steps = {step: load_results(paths[step]) for step in order}
-    if not steps:
+    steps = {step: _unfinished_as_interrupted(load_results(paths[step])) for step in order}
+    if not steps and run is None:
         return None
     tests: dict[str, dict] = {}
     for step, document in steps.items():
         for nodeid, record in document["tests"].items():
             key = nodeid if nodeid not in tests else f"{nodeid} ({step})"
             tests[key] = {**record, "step": step}
-    first = next(iter(steps.values()))
     devices: dict[str, str] = {}
     workers: dict[str, str] = {}
     if run is not None:
@@ -104,12 +106,29 @@ def load_check(run_dir: Path) -> dict | None:
         "steps": steps,
         "tests": tests,
         # The host's step sees no GPU beside GPUs: the run's own facts do.
-        "machine": run["machine"] if run else first["machine"],
+        "machine": run["machine"] if run else next(iter(steps.values()))["machine"],
         "devices": devices,
         "worker_gpus": workers,
-        "invariants": first["invariants"],
+        "invariants": next(iter(steps.values()))["invariants"] if steps else {
+            str(number): invariant.words for number, invariant in INVARIANTS.items()
+        },
         "run": run,
     }
+
+
+def _unfinished_as_interrupted(document: dict) -> dict:
+    """A step's results where a signal stopped pytest (exit status
+    INTERRUPTED_STATUS): the test it stopped in, which the harness records as
+    an error without a message since no report of it came, is `interrupted`
+    rather than an error of the code under test."""
+    if document["exit_status"] != INTERRUPTED_STATUS:
+        return document
+    tests = {
+        nodeid: {**record, "outcome": "interrupted"} if record["outcome"] == "error" and record["message"] is None
+        else record
+        for nodeid, record in document["tests"].items()
+    }
+    return {**document, "tests": tests, "totals": Counter(record["outcome"] for record in tests.values())}
 
 
 def device_columns(tests: dict[str, dict]) -> list[str]:
@@ -132,7 +151,7 @@ def _cell(counts: Counter | None) -> str:
     """`passed/run`, and `(k skipped)`; `-` where the device ran none."""
     if not counts:
         return "-"
-    run = counts["passed"] + counts["failed"] + counts["error"]
+    run = counts["passed"] + counts["failed"] + counts["error"] + counts["interrupted"]
     text = f"{counts['passed']}/{run}"
     if counts["skipped"]:
         text += f" ({counts['skipped']} skipped)"
@@ -158,7 +177,9 @@ def _totals_line(step: str, document: dict) -> str:
     totals = document["totals"]
     return (
         f"- `{step}`: {sum(totals.values())} tests: {totals['passed']} passed, {totals['failed']} failed, "
-        f"{totals['error']} errors, {totals['skipped']} skipped; pytest exit status {document['exit_status']}"
+        f"{totals['error']} errors, {totals['skipped']} skipped"
+        + (f", {totals['interrupted']} interrupted" if totals.get("interrupted") else "")
+        + f"; pytest exit status {document['exit_status']}"
         f" (`pytest {shlex.join(document.get('arguments', []))}`)"
     )
 

@@ -9,7 +9,11 @@ asked to check is, nothing failed anywhere else (the multi-GPU step, a
 planted defect the checks missed, a collection error, a step that pytest
 could not finish), and the suite ran whole: a run narrowed by `-k`, `-m`,
 paths, `--deselect`, `--lf` or stopped early by `-x` certifies nothing, and
-says so. `extkv check` prints these lines last and exits 0 only on a
+says so. A test that errs in setup or teardown is failed like one that errs
+in its body. A test a signal stopped is `interrupted`, counted apart from
+the failures (the code under test did not fail), and certifies nothing: nor
+does its device, its step (pytest's exit status 2) or a run that a signal
+ended (`interrupted` in check-run.json), whose last line says so. `extkv check` prints these lines last and exits 0 only on a
 CERTIFIED run; the report shows the same lines.
 
 Everything here reads the merged results (extkv.reporting.summary.load_check)
@@ -27,6 +31,8 @@ from ..testing.invariants import DEVICE_KINDS, number_ranges
 #: pytest exit statuses a step may end with and still have run every test
 #: it selected: all passed, some failed (the records say which), none selected.
 FINISHED_STATUSES = (0, 1, 5)
+#: pytest's exit status where a signal (KeyboardInterrupt) stopped it.
+INTERRUPTED_STATUS = 2
 #: Options that narrow what a pytest run selects or stop it early, as the
 #: harness records them (`selection` in each results file).
 NARROWING = {
@@ -49,7 +55,7 @@ class DeviceVerdict:
 
     @property
     def certified(self) -> bool:
-        return not self.failed and not self.unproven and self.counts["passed"] > 0
+        return not self.failed and not self.counts["interrupted"] and not self.unproven and self.counts["passed"] > 0
 
     def problems(self) -> list[str]:
         """Why this device is not certified; [] when it is."""
@@ -57,6 +63,8 @@ class DeviceVerdict:
         if self.failed:
             found.append(f"{len(self.failed)} failed" + (f" (invariants {number_ranges(self.failed_invariants)})"
                                                          if self.failed_invariants else ""))
+        if self.counts["interrupted"]:
+            found.append(f"{self.counts['interrupted']} interrupted")
         if self.unproven:
             plural = "s" if len(self.unproven) > 1 else ""
             found.append(f"invariant{plural} {number_ranges(self.unproven)} ran no passing test")
@@ -140,7 +148,9 @@ def other_failures(check: dict, verdicts: list[DeviceVerdict], run: dict | None 
     ]
     for step, document in check["steps"].items():
         problems += [f"{step}: collection error in {error['nodeid']}" for error in document["collection_errors"]]
-        if document["exit_status"] not in FINISHED_STATUSES:
+        if document["exit_status"] == INTERRUPTED_STATUS:
+            problems.append(f"{step}: interrupted (pytest exit status {INTERRUPTED_STATUS})")
+        elif document["exit_status"] not in FINISHED_STATUSES:
             problems.append(f"{step}: pytest ended with exit status {document['exit_status']}")
     if run is not None:
         problems += [f"{step}: left no results (see {step}.log)" for step in run["steps"] if step not in check["steps"]]
@@ -159,13 +169,17 @@ def run_verdict(check: dict, run: dict | None) -> list[str]:
     verdicts = device_verdicts(check)
     totals = Counter(record["outcome"] for record in check["tests"].values())
     failed = totals["failed"] + totals["error"]
-    counts = f"{totals['passed']} passed" + (f", {failed} failed" if failed else "") + f", {totals['skipped']} skipped"
+    counts = f"{totals['passed']} passed" + (f", {failed} failed" if failed else "")
+    counts += (f", {totals['interrupted']} interrupted" if totals["interrupted"] else "") + f", {totals['skipped']} skipped"
     if run is not None:
         counts += f" in {run['wall_s']:.0f} s"
     lines = [verdict.line() for verdict in verdicts]
     caught, planted = planted_counts(check)
     if planted:
         lines.append(f"the checks caught {caught} of {planted} planted defects")
+    if run is not None and run.get("interrupted"):
+        lines.append(f"INTERRUPTED by {run['interrupted']}: nothing certified; {counts}")
+        return lines
     narrowed = narrowed_by(check, run["targets"] if run is not None else None)
     problems = other_failures(check, verdicts, run)
     if narrowed:
