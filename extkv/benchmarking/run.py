@@ -23,7 +23,10 @@ Two phases, each announced by a progress line and timed:
 The run directory is a new `reports/runs/<date>-<host>-<gpus>/` (extkv.reporting.rundir)
 unless `--report-dir` names one. `--rounds N` caps the rounds of every case.
 Other arguments go to pytest (`extkv bench -k commit`). Device settings
-(clocks) are never changed: the report says they were not pinned.
+(clocks) are never changed: the report says they were not pinned. Ctrl-C
+or SIGTERM ends pytest and everything it started (extkv.reporting.steps),
+renders what report the results make, and ends in one line and exit
+status 130 or 143.
 
 Run against run: pytest-benchmark's storage and compare
 --------------------------------------------------------
@@ -68,15 +71,15 @@ whose verdicts read them all, which `extkv pool` does
 from __future__ import annotations
 
 import argparse
-import subprocess
 import sys
 import time
 from pathlib import Path
 
 from .. import vmm
 from ..reporting import render_report
-from ..reporting.check_run import add_report_dir_argument, installed_suite_options
+from ..reporting.check_run import add_report_dir_argument, installed_suite_options, interrupted_report
 from ..reporting.machine import machine_facts, write_machine_facts
+from ..reporting.steps import RunInterrupted, end_all, interruptible, start as start_step
 from ..reporting.rundir import (
     RunDirectoryInUse,
     checkout_root,
@@ -167,7 +170,19 @@ def run(args: argparse.Namespace, pytest_args: list[str]) -> int:
     storage = benchmark_storage(args.benchmark_storage, profile)
     command = pytest_command(suite_directory("reports"), run_dir, profile, device, args.rounds, storage) + pytest_args
     started = _phase(1, "measuring (a line per case)", command)
-    status = subprocess.call(command, cwd=checkout_root() or Path.cwd())
+    process = None
+    with interruptible():
+        try:
+            process = start_step(command, cwd=checkout_root() or Path.cwd())
+            status = process.wait()
+        except RunInterrupted as interrupt:
+            end_all([process] if process else [])
+            print(f"extkv bench: INTERRUPTED by {interrupt.signal_name}: the run did not measure every case; "
+                  f"{interrupted_report(run_dir)}", flush=True)
+            return interrupt.exit_status
+        except BaseException:
+            end_all([process] if process else [])  # a run that fails takes its pytest with it
+            raise
     print(f"extkv bench [1/2] {'done' if status == 0 else f'FAILED (exit status {status})'} "
           f"in {time.monotonic() - started:.0f} s; pytest-benchmark's storage {storage} "
           f"(`pytest-benchmark --storage {storage} compare` sets its runs side by side)", flush=True)

@@ -14,19 +14,23 @@ its own files and leaves the others'; then `summary.md` is rendered once
 over all three. Every step runs even when one before failed, so a failing
 check still leaves its benchmarks and stress results to read; the exit
 status is the first non-zero one. Extra arguments go to all three pytest
-runs (narrowing them makes the check say `partial run`).
+runs (narrowing them makes the check say `partial run`). Ctrl-C or SIGTERM
+passes SIGINT on to the step running, which ends its own pytest and writes
+its report (extkv.reporting.steps), and stops the reference there: exit
+status 130 or 143.
 """
 
 from __future__ import annotations
 
 import argparse
-import subprocess
 import sys
 import time
 from pathlib import Path
 
+from .check_run import interrupted_report
 from .machine import machine_facts
 from .rundir import checkout_root, gpu_slug
+from .steps import GRACE_S, RunInterrupted, end_all, interruptible, start as start_step
 from . import render_report
 
 #: Minutes the stress step takes: long enough that every stress test gets
@@ -70,11 +74,24 @@ def run(args: argparse.Namespace, pytest_args: list[str]) -> int:
     report_dir = (args.report_dir or reference_directory(machine_facts())).resolve()
     report_dir.mkdir(parents=True, exist_ok=True)
     status, started = 0, time.monotonic()
-    for name, command in steps(report_dir, args.stress_minutes, pytest_args):
-        print(f"extkv reference: {name} -> {report_dir}", flush=True)
-        code = subprocess.call(command)
-        print(f"extkv reference: {name} exited {code}", flush=True)
-        status = status or code
+    with interruptible():
+        process = None
+        try:
+            for name, command in steps(report_dir, args.stress_minutes, pytest_args):
+                print(f"extkv reference: {name} -> {report_dir}", flush=True)
+                process = start_step(command)
+                code = process.wait()
+                print(f"extkv reference: {name} exited {code}", flush=True)
+                status = status or code
+        except RunInterrupted as interrupt:
+            # The step ends its own pytest and writes its report first.
+            end_all([process] if process else [], grace_s=2 * GRACE_S)
+            print(f"extkv reference: INTERRUPTED by {interrupt.signal_name}: no reference made; "
+                  f"{interrupted_report(report_dir)}", flush=True)
+            return interrupt.exit_status
+        except BaseException:
+            end_all([process] if process else [])  # a run that fails takes its steps with it
+            raise
     summary = render_report(report_dir)
     held = sum(path.stat().st_size for path in report_dir.rglob("*") if path.is_file())
     print(f"extkv reference: {summary} ({held / 2**20:.1f} MiB in {report_dir}, "

@@ -167,6 +167,9 @@ def _headline(run: dict, totals: dict, tests: list[dict]) -> list[str]:
             f"seed {run.get('seed')}, pytest exit status {run.get('exit_status')}; "
             f"{run.get('layout_of_work', '')}"
         )
+        if run.get("interrupted"):
+            lines.append(f"- **INTERRUPTED by {run['interrupted']}** before its bound: the counts below are of what "
+                         "ran until then")
     outcomes = overall["outcomes"]
     lines.append(
         f"- tests: {outcomes['passed']} passed, {outcomes['failed'] + outcomes['error']} failed, {outcomes['skipped']} skipped"

@@ -30,7 +30,10 @@ Two phases, each announced by a progress line and timed:
 The run directory is a new `reports/runs/<date>-<host>-<gpus>/`
 (extkv.reporting.rundir) unless `--report-dir` names one, which must be
 empty unless `--overwrite` lets this run replace the stress results there. Arguments `extkv stress` does not know go to
-pytest (`extkv stress --minutes 1 -k walk`).
+pytest (`extkv stress --minutes 1 -k walk`). Ctrl-C or SIGTERM ends pytest
+and everything it started (extkv.reporting.steps), renders the report of
+what ran, marked INTERRUPTED, and ends in one line and exit status 130 or
+143.
 """
 
 from __future__ import annotations
@@ -45,9 +48,10 @@ import time
 from pathlib import Path
 
 from . import render_report
-from .check_run import add_report_dir_argument, installed_suite_options
+from .check_run import add_report_dir_argument, installed_suite_options, interrupted_report
 from .machine import machine_facts, write_machine_facts
 from .rundir import RunDirectoryInUse, checkout_root, prepare_run_directory, suite_directory
+from .steps import RunInterrupted, end_all, interruptible, start as start_step
 from .stress import RUN_FILE, STRESS_DIR, STRESS_FORMAT, load_stress, stress_totals
 
 #: Files of an earlier stress run that --overwrite removes from --report-dir.
@@ -129,8 +133,7 @@ def _watch(process: subprocess.Popen, results: Path, deadline: float) -> int:
             )
         if time.time() > deadline + OVERRUN_S:
             print(f"extkv stress: pytest ran {OVERRUN_S:.0f} s past its bound; killing it", flush=True)
-            process.kill()
-            process.wait()
+            end_all([process])
             return 1
 
 
@@ -163,13 +166,6 @@ def run(args: argparse.Namespace, pytest_args: list[str]) -> int:
     print("extkv stress [1/2] the stress suite (a line per test; every test gets its share of the bound)", flush=True)
     print("$ " + shlex.join(command), flush=True)
     env = dict(os.environ, EXTKV_HYPOTHESIS_PROFILE="nightly")
-    process = subprocess.Popen(command, cwd=checkout_root() or Path.cwd(), env=env)
-    status = _watch(process, results, deadline)
-    print(f"extkv stress [1/2] {'done' if status == 0 else f'FAILED (exit status {status})'} "
-          f"in {time.time() - started:.0f} s", flush=True)
-
-    phase = time.time()
-    print("extkv stress [2/2] report", flush=True)
     document = {
         "format": STRESS_FORMAT,
         "command_line": shlex.join(["extkv", "stress", *sys.argv[2:]]) if sys.argv[1:2] == ["stress"] else "extkv stress",
@@ -178,9 +174,33 @@ def run(args: argparse.Namespace, pytest_args: list[str]) -> int:
         "layout_of_work": layout,
         "pytest": command,
         "started": started,
-        "finished": time.time(),
-        "exit_status": status,
     }
+    process = None
+    with interruptible():
+        try:
+            process = start_step(command, cwd=checkout_root() or Path.cwd(), env=env)
+            status = _watch(process, results, deadline)
+            print(f"extkv stress [1/2] {'done' if status == 0 else f'FAILED (exit status {status})'} "
+                  f"in {time.time() - started:.0f} s", flush=True)
+            return _report(run_dir, results, {**document, "finished": time.time(), "exit_status": status})
+        except RunInterrupted as interrupt:
+            end_all([process] if process else [])
+            document.update(finished=time.time(), exit_status=process.returncode if process else None,
+                            interrupted=interrupt.signal_name)
+            (results / RUN_FILE).write_text(json.dumps(document, indent=1) + "\n")
+            print(f"extkv stress: INTERRUPTED by {interrupt.signal_name}: the run ended before its bound; "
+                  f"{interrupted_report(run_dir)}", flush=True)
+            return interrupt.exit_status
+        except BaseException:
+            end_all([process] if process else [])  # a run that fails takes its pytest with it
+            raise
+
+
+def _report(run_dir: Path, results: Path, document: dict) -> int:
+    """Phase 2: run.json, the report and the closing lines; the run's exit status."""
+    phase = time.time()
+    print("extkv stress [2/2] report", flush=True)
+    status = document["exit_status"]
     (results / RUN_FILE).write_text(json.dumps(document, indent=1) + "\n")
     try:
         summary = render_report(run_dir)
