@@ -16,6 +16,7 @@ shortest bound, met here in a second.
 
 from __future__ import annotations
 
+import errno
 import json
 import time
 
@@ -23,7 +24,7 @@ import pytest
 from hypothesis import settings
 from hypothesis.stateful import run_state_machine_as_test
 
-from extkv import KVCacheLayout
+from extkv import KVCacheLayout, OutOfMemoryError
 from extkv.testing.machines import CACHE_MACHINE_CASES, endurance_machine
 from extkv.reporting.stress import stress_section
 from extkv.testing.stress import (
@@ -47,6 +48,7 @@ from extkv.testing.stress import (
     walked_through,
     warmed_probe,
 )
+from extkv.testing.stress.walk import out_of_memory_waiter
 from extkv.vmm import FAULTABLE_STEPS, HostDriver, driver_for
 
 CASE_IDS = [f"{kind}-{layout.name}" for kind, layout in CACHE_MACHINE_CASES]
@@ -139,6 +141,26 @@ def test_real_memory_pressure(device):
         assert tally.events["refused commit succeeded once memory returned"] == 1, dict(tally.events)
     assert tally.events["pressure cycles (take, hold, free)"] >= 1, dict(tally.events)
     assert [short["workload"] for short in tally.short_bounds] == ["real out-of-memory episodes", "walk under memory pressure"]
+
+
+@pytest.mark.harness
+def test_a_walk_under_pressure_waits_for_the_pressure_process_to_release():
+    """A commit a walk under pressure saw refused is checked, then retried
+    once the pressure process says its cycle released the memory: its
+    event, whatever the machine's free memory does meanwhile."""
+    tally, seen = StressTally(), []
+    with PressureProcess("cpu") as pressure:
+        assert pressure.ask("next-release") == "error: not cycling"  # nothing to wait for: an answer, not a hang
+        assert pressure.ask(f"cycle hold {HOST_STRESS_GRANULE} 0.01") == "cycling"
+        waiter = out_of_memory_waiter(
+            tally, lambda: seen.append(("checked", pressure.cycles())), lambda: seen.append(("released", pressure.next_release()))
+        )
+        waiter(OutOfMemoryError("fallocate", errno.ENOMEM, "ENOMEM", size=1 << 40))
+        assert pressure.ask("stop").startswith("stopped ")
+    (checked, cycles_then), (released, cycles_after) = seen
+    assert (checked, released) == ("checked", "released") and cycles_after > cycles_then, seen
+    assert tally.events["real out-of-memory met by a walk's commit"] == 1
+    assert tally.events["retried after the pressure process released its memory"] == 1
 
 
 @pytest.mark.invariant(7)

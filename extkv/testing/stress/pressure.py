@@ -8,8 +8,11 @@ on the host (fallocate'd, so the kernel really gives them; named
 PRESSURE_MEMFD_NAME, not extkv's, so no probe counts them), torch
 allocations on a GPU. It holds a given amount (`hold`), fills the device
 down to a given free amount (`fill`), releases, or cycles take, hold, free
-in a thread of its own. The workloads that meet its pressure are
-extkv.testing.stress.under_pressure's.
+in a thread of its own. While it cycles, `next-release` answers once the
+cycle after the question has released its memory: a workload that met
+out-of-memory waits for that event, not for the machine's free memory to
+rise, which other processes move too. The workloads that meet its pressure
+are extkv.testing.stress.under_pressure's.
 """
 
 from __future__ import annotations
@@ -119,6 +122,7 @@ def pressure_main(device: torch.device) -> None:
     cycle MODE N SECONDS  in a thread: hold N (MODE hold) or fill to N free
                   (MODE fill) for SECONDS, release for SECONDS, again -> cycling
     cycles        cycles completed so far       -> cycles <cycles>
+    next-release  wait until the cycle releases its memory next -> released <cycles>
     stop          end the cycle, release        -> stopped <cycles>
     quit          exit
     """
@@ -126,15 +130,29 @@ def pressure_main(device: torch.device) -> None:
     stop = threading.Event()
     cycler: threading.Thread | None = None
     cycles = 0
+    #: Notified at every release of the cycle, and when the cycle ends.
+    released = threading.Condition()
 
     def cycle(mode: str, amount: int, seconds: float) -> None:
         nonlocal cycles
-        while not stop.is_set():
-            holder.hold(amount) if mode == "hold" else holder.fill(amount)
-            stop.wait(seconds)
-            holder.release()
-            cycles += 1
-            stop.wait(seconds)
+        try:
+            while not stop.is_set():
+                holder.hold(amount) if mode == "hold" else holder.fill(amount)
+                stop.wait(seconds)
+                holder.release()
+                with released:
+                    cycles += 1
+                    released.notify_all()
+                stop.wait(seconds)
+        finally:
+            with released:  # a waiter for the next release must not wait for a cycle that ended
+                released.notify_all()
+
+    def next_release() -> str:
+        with released:
+            seen = cycles
+            released.wait_for(lambda: cycles > seen or cycler is None or not cycler.is_alive())
+            return f"released {cycles}" if cycles > seen else "error: not cycling"
 
     def answer(text: str) -> None:
         print(text, flush=True)
@@ -156,6 +174,8 @@ def pressure_main(device: torch.device) -> None:
             answer("cycling")
         elif command == "cycles":
             answer(f"cycles {cycles}")
+        elif command == "next-release":
+            answer(next_release())
         elif command == "stop":
             stop.set()
             if cycler is not None:
@@ -182,6 +202,14 @@ class PressureProcess(ChildProcess):
         reply = self.ask(command)
         if not reply.startswith("held "):
             raise AssertionError(f"pressure process answered {command!r} with {reply!r}")
+        return int(reply.split()[1])
+
+    def next_release(self) -> int:
+        """Wait until the cycle's next release of its memory; returns the
+        cycles completed then."""
+        reply = self.ask("next-release")
+        if not reply.startswith("released "):
+            raise AssertionError(f"pressure process answered 'next-release' with {reply!r}")
         return int(reply.split()[1])
 
     def cycles(self) -> int:

@@ -16,7 +16,8 @@ be granted) and otherwise shown to fit the kernel's headroom again.
 
 `walk_under_pressure`: the endurance walk while the pressure process takes
 and frees memory in a loop; each commit refused by real out-of-memory must
-leave the cache consistent and succeed once memory returns. Beside a full
+leave the cache consistent and succeed once the pressure process says it
+released its memory (`PressureProcess.next_release`). Beside a full
 GPU its checks compare on the host, with up to HOST_COMPARE_THREADS threads.
 """
 
@@ -278,7 +279,8 @@ def walk_under_pressure(
     a time; on a GPU it fills the device to half a GiB free for a second at a
     time, beside a cache of up to 1.5 GiB, so growing commits meet real
     out-of-memory: each must leave the cache consistent (read-back, usage
-    probe) and succeed when made again once memory returns. `until` is a
+    probe) and succeed when made again once the pressure process released
+    its memory next (its event, not a reading of free memory). `until` is a
     floor for the least episode: `least_steps` steps, walked through at
     least one whole pressure cycle (take, hold, free)."""
     device = torch.device(device)
@@ -309,7 +311,7 @@ def walk_under_pressure(
     try:
         ran = run_walk(
             device, "full", KVCacheLayout.LBHNC, seed, tally, until=until, steps=steps, probe=probe,
-            capacity=capacity, weights=weights, retry_out_of_memory=True,
+            capacity=capacity, weights=weights, memory_returns=pressure.next_release,
             # A device-wide reading would count the pressure process too.
             usage_checks=probe.per_process, beside_full_device=capacity is not None,
             least=least, least_what=f"{least_steps} step{'s' if least_steps != 1 else ''}, through a whole pressure cycle",

@@ -17,8 +17,9 @@ A walk's deadline is a floor for its least episode (`least`; in the nightly
 suite `walked_through`: every operation of WALK_EPISODE_OPERATIONS ran).
 `run_walk` walks a fresh cache on `stress_driver(device)` and then requires
 that freeing it left nothing behind; under real memory pressure it retries
-a commit refused by out-of-memory once memory returns
-(`out_of_memory_waiter`).
+a commit refused by out-of-memory once the process pressing on memory has
+released it (`out_of_memory_waiter`): an event that process sends, never a
+reading of the machine's free memory, which other processes move too.
 """
 
 from __future__ import annotations
@@ -32,11 +33,10 @@ import torch
 from ...errors import OutOfMemoryError
 from ...layout import KVCacheLayout
 from ...usage import UsageProbe
-from ...vmm import Driver
 from ..choices import SeededChoices
 from ..modelled_cache import ModelledCache
 from ..models import LeakFound
-from .base import CHILD_TIMEOUT_S, stress_driver, warmed_probe
+from .base import stress_driver, warmed_probe
 from .bounds import Floor
 from .tally import StressTally
 
@@ -142,7 +142,7 @@ def run_walk(
     weights: dict[str, float] = WALK_WEIGHTS,
     probe: UsageProbe | None = None,
     capacity: int | None = None,
-    retry_out_of_memory: bool = False,
+    memory_returns: Callable[[], None] | None = None,
     usage_checks: bool = True,
     beside_full_device: bool = False,
     least: Callable[[int], bool] | None = None,
@@ -151,8 +151,9 @@ def run_walk(
 ) -> int:
     """A walk over a fresh cache of `config_for(kind, layout, capacity)` on
     `stress_driver(device)`; the cache is freed afterwards and must leave
-    nothing behind. With `retry_out_of_memory`, a commit refused by real
-    out-of-memory is checked, then made again once memory returns;
+    nothing behind. With `memory_returns`, a commit refused by real
+    out-of-memory is checked, then made again once `memory_returns()` has
+    returned (it waits for the pressing process's next release);
     `beside_full_device` keeps the checks from taking device memory (no
     snapshots, comparisons on the host). `least`, `least_what`: the walk's
     least episode (see `walk`). Returns the steps run."""
@@ -166,8 +167,8 @@ def run_walk(
     driven.snapshot_checks = not beside_full_device
     driven.compare_on_host = beside_full_device
     tally.settings["usage probe compared"] = "yes" if usage_checks else f"no: {probe.source}, other processes share the device"
-    if retry_out_of_memory:
-        driven.on_out_of_memory = out_of_memory_waiter(driver, tally, driven.check_mapping)
+    if memory_returns is not None:
+        driven.on_out_of_memory = out_of_memory_waiter(tally, driven.check_mapping, memory_returns)
     replay = (
         f"python -m extkv.testing.stress walk --device {device} --kind {kind} --layout {layout.name} "
         f"--seed {seed} --full-check-every {full_check_every}"
@@ -189,22 +190,19 @@ def run_walk(
 
 
 def out_of_memory_waiter(
-    driven_driver: Driver, tally: StressTally, check: Callable[[], None], timeout_s: float = CHILD_TIMEOUT_S
+    tally: StressTally, check: Callable[[], None], memory_returns: Callable[[], None]
 ) -> Callable[[OutOfMemoryError], None]:
     """A `ModelledCache.on_out_of_memory` for walks under real pressure: the
-    cache must be consistent after the refusal (`check`); then wait until the
-    driver reports more free memory than at the refusal, and let the caller
-    retry the same call."""
+    cache must be consistent after the refusal (`check`); then wait for the
+    pressing process's next release (`memory_returns`, bounded by that
+    process's answer), and let the caller retry the same call. A retry that
+    meets out-of-memory again (another process took the memory meanwhile)
+    waits for the release after that."""
 
     def wait_for_memory(error: OutOfMemoryError) -> None:
         tally.events["real out-of-memory met by a walk's commit"] += 1
         check()
-        refused_at, _ = driven_driver.memory_info()
-        deadline = time.monotonic() + timeout_s
-        while driven_driver.memory_info()[0] <= refused_at:
-            if time.monotonic() > deadline:
-                raise AssertionError(f"memory did not return within {timeout_s} s after: {error}") from error
-            time.sleep(0.02)
-        tally.events["retried after memory returned"] += 1
+        memory_returns()
+        tally.events["retried after the pressure process released its memory"] += 1
 
     return wait_for_memory
