@@ -25,6 +25,7 @@ from hypothesis import settings
 from hypothesis.stateful import run_state_machine_as_test
 
 from extkv import KVCacheLayout, OutOfMemoryError
+from extkv.testing.exclusive import Inconclusive
 from extkv.testing.machines import CACHE_MACHINE_CASES, endurance_machine
 from extkv.reporting.stress import stress_section
 from extkv.testing.stress import (
@@ -126,19 +127,30 @@ def test_every_driver_step_of_every_operation(device):
 
 
 @pytest.mark.invariant(4, 5)
-@pytest.mark.exclusive  # fills the device, and reads what it has free
+@pytest.mark.exclusive  # fills the device: the suite's other tests there would meet its pressure
 def test_real_memory_pressure(device):
+    """One whole pressure episode and a walk through a pressure cycle. Other
+    jobs' memory never decides the verdict: an episode it decided is
+    retried (extkv.testing.exclusive), and ten in a row skip the test."""
     tally = StressTally()
     with PressureProcess(device) as pressure:
         # Spent deadlines: one whole episode all the same, then the walk's
         # steps, through a whole pressure cycle at least.
-        assert meet_real_out_of_memory(device, pressure, tally, seed=SEED, until=time.monotonic()) == 1
+        try:
+            assert meet_real_out_of_memory(device, pressure, tally, seed=SEED, until=time.monotonic()) == 1
+        except Inconclusive as why:
+            pytest.skip(f"inconclusive on this machine: {why}")
         steps = walk_under_pressure(device, pressure, tally, seed=SEED, until=time.monotonic(), least_steps=PRESSURE_WALK_STEPS)
     assert steps >= PRESSURE_WALK_STEPS
     no_failures(tally)
-    assert tally.events["commit refused by real out-of-memory"] == 1, dict(tally.events)
+    assert tally.checks["whole real out-of-memory episode"] == 1, dict(tally.checks)
+    inconclusive = sum(count for event, count in tally.events.items() if event.startswith("episode inconclusive"))
+    assert tally.events["pressure episodes"] == 1 + inconclusive, dict(tally.events)
+    assert tally.events["commit refused by real out-of-memory"] >= 1, dict(tally.events)
     if device.type == "cuda":
-        assert tally.events["refused commit succeeded once memory returned"] == 1, dict(tally.events)
+        assert tally.events["refused commit succeeded once memory returned"] >= 1, dict(tally.events)
+    else:
+        assert tally.events["refused commit past the machine's whole memory: never fits, not performed"] == 1, dict(tally.events)
     assert tally.events["pressure cycles (take, hold, free)"] >= 1, dict(tally.events)
     assert [short["workload"] for short in tally.short_bounds] == ["real out-of-memory episodes", "walk under memory pressure"]
 

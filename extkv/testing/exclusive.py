@@ -24,6 +24,23 @@ tests wait for each other. The harness orders exclusive tests last, so they
 wait for the tail of the run instead of holding a worker early. Without a
 lock directory nothing is locked (a plain `pytest -n N` run for speed).
 While a test holds its device alone, ALONE_VARIABLE says so.
+
+Alone among the suite's tests is not alone on the machine: the locks keep
+the suite's own workers off a device, never another job, which may take
+and free memory there at any moment. So an exclusive test's verdict rests
+only on what other jobs cannot move: the memory of the processes the test
+made (NVML's per-process reading, the kernel's pages of their memfds) and
+out-of-memory as the driver reports it to the test's own calls. Where
+another job's memory can still decide an attempt (a commit sized to fail
+fits because a job freed memory meanwhile; a fill the test made is undone
+by a job's release; a job takes what the test left and the next allocation
+meets out-of-memory), the attempt raises `Inconclusive`, the test checks
+that its cache is still consistent and usable, and tries again, at most
+INCONCLUSIVE_ATTEMPTS times in a row (`until_conclusive`). If every attempt
+was decided by others, the test is skipped with their reasons: that
+machine could not say, which is neither a pass nor a failure. A defect
+cannot hide there: what each inconclusive attempt leaves behind is checked
+as a failure would be, once the memory is back.
 """
 
 from __future__ import annotations
@@ -33,9 +50,14 @@ import fcntl
 import os
 import re
 from pathlib import Path
-from typing import Iterator
+from typing import Callable, Iterator, TypeVar
 
 MACHINE_LOCK = "machine.lock"
+#: Attempts in a row that other jobs' memory may decide before a test gives
+#: up as inconclusive. Each is a window of a second or less in which a job
+#: must free or take memory at just the wrong moment: ten in a row do not
+#: happen beside a job that allocates and frees in a loop.
+INCONCLUSIVE_ATTEMPTS = 10
 #: Set to "1" while a test holds its device alone, so that a workload can
 #: take the CPUs the device's other workers are not using then
 #: (extkv.testing.stress.under_pressure.host_compare_threads).
@@ -83,3 +105,22 @@ def alone_on_device(alone: bool) -> Iterator[None]:
         yield
     finally:
         os.environ.pop(ALONE_VARIABLE, None)
+
+
+class Inconclusive(Exception):
+    """An attempt whose outcome another job's memory decided, not extkv."""
+
+
+Result = TypeVar("Result")
+
+
+def until_conclusive(attempt: Callable[[], Result], attempts: int = INCONCLUSIVE_ATTEMPTS) -> Result:
+    """`attempt()`'s result, tried again each time it raises `Inconclusive`;
+    after `attempts` in a row, `Inconclusive` naming every reason."""
+    reasons: list[str] = []
+    while len(reasons) < attempts:
+        try:
+            return attempt()
+        except Inconclusive as why:
+            reasons.append(str(why))
+    raise Inconclusive(f"{attempts} attempts in a row were decided by other jobs' memory: " + "; ".join(reasons))

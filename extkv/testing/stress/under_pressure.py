@@ -4,15 +4,23 @@ Theory of operation
 -------------------
 `meet_real_out_of_memory`: the pressure process takes memory, and a commit
 needing more than is left must be refused with `OutOfMemoryError` by the
-real driver or kernel, change nothing, and leave the cache usable; once the
-pressure process lets go the same commit succeeds, and a sleeping cache's
-wake is refused while it does not fit and wakes once memory returns. On a
-GPU the pressure fills the device, so commits meet the driver's real
-out-of-memory. On the host the refusal comes from the kernel's numbers
-before anything is allocated; what the refused commit would allocate once
-memory returns is most of the machine, so it is performed only below
-`host_commit_bound()` (`AllocationBound` refuses anything larger that would
-be granted) and otherwise shown to fit the kernel's headroom again.
+real driver or kernel, change nothing, and leave the cache usable; on a GPU,
+once the pressure process lets go the same commit succeeds, and a sleeping
+cache's wake is refused while it does not fit and wakes once memory
+returns. Other processes take and free memory too, and no reading of free
+memory holds still until the commit: each side sizes its commit so.
+
+- On the host the refusal comes from the kernel's numbers before anything
+  is allocated, so a larger commit costs nothing: the refused commit asks
+  for more than the machine's whole memory, which no other process's
+  release can let fit, and is never performed (`AllocationBound` would
+  refuse anything above `host_commit_bound()` that the kernel would grant).
+- On a GPU the pressure fills the device and the commit asks for what was
+  free plus 0.5 to 1 GiB, so that it fits once the pressure lets go. An
+  episode that another process's memory decided (the commit fitted, or a
+  step that needed the room the pressure left met out-of-memory) is
+  inconclusive: the cache is checked once the pressure let go, and the
+  episode runs again, a bounded number of times (extkv.testing.exclusive).
 
 `walk_under_pressure`: the endurance walk while the pressure process takes
 and frees memory in a loop; each commit refused by real out-of-memory must
@@ -23,8 +31,10 @@ GPU its checks compare on the host, with up to HOST_COMPARE_THREADS threads.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import random
+from typing import Iterator
 
 import torch
 
@@ -37,6 +47,7 @@ from ...vmm import torch_memory
 from ...vmm.host_memory import read_host_memory_headroom
 from ...vmm.wrapping import WrappingDriver
 from .. import exclusive
+from ..exclusive import Inconclusive, until_conclusive
 from ..checks import check_readback_matches_bookkeeping, check_unchanged, snapshot
 from ..configs import config_for
 from ..models import ContentMismatch
@@ -121,10 +132,10 @@ PRESSURE_SMALL_COMMIT_BYTES = 8 << 20
 #: machine's memory, and reading back every granule of it stays quick.
 PRESSURE_HOST_GRANULE = 32 << 20
 #: Address space of a GPU episode's cache: more than any commit it makes
-#: (what the pressure process leaves free, at most 6 GiB, plus 1 GiB).
-GPU_PRESSURE_CAPACITY_BYTES = 12 << 30
-#: Skipped pressure episodes in a row that mean the pressure never presses.
-MAX_SKIPPED_EPISODES = 10
+#: (what the pressure process leaves free, at most 6 GiB, what another job
+#: may free meanwhile, up to 8 GiB beside tools/busy_check.py, plus 1 GiB),
+#: so that an episode the pressure left the span free of stays rare.
+GPU_PRESSURE_CAPACITY_BYTES = 24 << 30
 #: Most torch CPU threads a walk beside a full GPU compares bytes with. Its
 #: checks copy what they compare to the host (a comparison on the device
 #: would need device memory the pressure leaves none of): the 200 steps of
@@ -157,20 +168,26 @@ def meet_real_out_of_memory(
     episodes: int | None = None,
     layout: KVCacheLayout = KVCacheLayout.BLHNC,
 ) -> int:
-    """Episodes until `until` (time.monotonic) or `episodes` of them; returns
-    how many ran. `layout` BLHNC commits one run; LBHNC one run per layer,
-    each of which may fit alone where all do not (on the host the commit is
-    refused whole before its first create). In each, the pressure process takes memory; a commit
-    needing more than is left then is refused with `OutOfMemoryError` by the
-    real driver or kernel, changes nothing, and the cache stays usable (a
-    small commit succeeds); the pressure process lets go; the same commit
-    succeeds (new blocks zero, kept blocks kept); the cache sleeps, its wake
-    meets pressure and is refused while it does not fit, and wakes once
-    memory returns. On the host a commit is performed only below
-    `host_commit_bound()`: above it, the refused commit is shown to fit the
-    kernel's headroom once memory returned, and is not performed. `until` is
-    a floor for one whole episode (a skipped one, where the pressure left
-    more free than the cache spans, does not count)."""
+    """Whole episodes until `until` (time.monotonic) or `episodes` of them;
+    returns how many. `layout` BLHNC commits one run; LBHNC one run per
+    layer, each of which may fit alone where all do not (on the host the
+    commit is refused whole before its first create). In each, the pressure
+    process takes memory; a commit needing more than is left then is refused
+    with `OutOfMemoryError` by the real driver or kernel, changes nothing,
+    and the cache stays usable (a small commit succeeds); the pressure
+    process lets go; on a GPU the same commit succeeds (new blocks zero,
+    kept blocks kept), and the cache sleeps, its wake meets pressure and is
+    refused while it does not fit, and wakes once memory returns. On the
+    host the refused commit asks for more than the machine's whole memory
+    (MemAvailable never exceeds MemTotal, nor a cgroup's headroom its
+    limit), so no other process freeing memory can let it fit, and it is
+    never performed. On a GPU it asks for what was free plus 0.5 to 1 GiB:
+    an episode that another process's memory decided (the commit fitted,
+    the pressure left the cache's span free, or a step that needed room met
+    out-of-memory) is inconclusive: the cache is checked once the pressure
+    let go, and the episode runs again (extkv.testing.exclusive), up to
+    INCONCLUSIVE_ATTEMPTS in a row, then `Inconclusive`. `until` is a floor
+    for one whole episode."""
     if until is None and episodes is None:
         raise ValueError("meet_real_out_of_memory needs a bound: until= or episodes=")
     device = torch.device(device)
@@ -181,87 +198,147 @@ def meet_real_out_of_memory(
     _, total = real.memory_info()
     bound = host_commit_bound() if host else total
     driver = AllocationBound(PoisoningDriver(real), bound) if host else PoisoningDriver(real)
-    margin = host_pressure_bound() // 2 if host else 1 << 30
     tally.settings["real out-of-memory: largest commit performed (bytes)"] = bound
     stride = bytes_per_block("full", layout)
     capacity_bytes = total + total // 4 if host else GPU_PRESSURE_CAPACITY_BYTES
     kv_cache = ExtensibleKVCache(config_for("full", layout, -(-capacity_bytes // stride)), driver, layout)
-    small = PRESSURE_KEPT_BLOCKS + PRESSURE_SMALL_COMMIT_BYTES // stride
+    episode = PressureEpisode(kv_cache, driver, pressure, tally, rng, total)
     try:
         kv_cache.commit(PRESSURE_KEPT_BLOCKS)
         write_block_values(kv_cache, 0, PRESSURE_KEPT_BLOCKS, PRESSURE_PATTERN)
-        ran = whole = skipped_in_a_row = 0
+        whole = 0
         floor = Floor(until, lambda: whole >= 1)
-        while (episodes is None or ran < episodes) and floor.more():
-            ran += 1
-            held = pressure.held(f"hold {host_pressure_bound()}") if host else pressure.held(f"fill {rng.randint(2, 6) << 30}")
-            tally.events["pressure episodes"] += 1
-            available = free_memory_for(driver, total)
-            wanted = available + rng.randint(margin // 2, margin)
-            target = min(PRESSURE_KEPT_BLOCKS + -(-wanted // stride), kv_cache.capacity_blocks)
-            new_bytes = (target - PRESSURE_KEPT_BLOCKS) * stride
-            if new_bytes <= available:
-                tally.events["episode skipped: the pressure process left more free than the cache spans"] += 1
-                pressure.ask("release")
-                skipped_in_a_row += 1
-                if skipped_in_a_row >= MAX_SKIPPED_EPISODES:
-                    raise AssertionError(
-                        f"{skipped_in_a_row} pressure episodes in a row left more free ({available} bytes) than the cache spans"
-                    )
-                continue
-            skipped_in_a_row = 0
+        while (episodes is None or whole < episodes) and floor.more():
+            until_conclusive(episode.attempt)
+            whole += 1
+            tally.checks["whole real out-of-memory episode"] += 1
+        floor.close(tally, "real out-of-memory episodes", f"{whole} whole pressure episode{'s' if whole != 1 else ''}")
+    finally:
+        kv_cache.free()
+    return whole
+
+
+#: Why a pressure episode was inconclusive, as the tally counts it.
+FITTED = "the refused commit fitted: other processes freed memory between the reading and the commit"
+LEFT_FREE = "the pressure left the cache's span free: other processes freed memory meanwhile"
+TAKEN = "out-of-memory where the pressure left room: other processes took it"
+
+
+@contextlib.contextmanager
+def others_may_take_the_room(what: str) -> Iterator[None]:
+    """Out-of-memory inside the block (extkv's or torch's) becomes
+    `Inconclusive`: the pressure left room for it, which another process
+    can take at any moment; the episode checks the cache afterwards."""
+    try:
+        yield
+    except (OutOfMemoryError, torch.OutOfMemoryError) as error:
+        raise Inconclusive(f"{TAKEN} ({what})") from error
+
+
+class PressureEpisode:
+    """One real-out-of-memory episode of `meet_real_out_of_memory` over one
+    cache, which holds PRESSURE_KEPT_BLOCKS patterned blocks between episodes."""
+
+    def __init__(self, kv_cache: ExtensibleKVCache, driver: Driver, pressure: PressureProcess,
+                 tally: StressTally, rng: random.Random, total: int):
+        self.kv_cache, self.driver, self.pressure, self.tally, self.rng = kv_cache, driver, pressure, tally, rng
+        self.total = total
+        self.host = driver.kind == "host"
+        self.stride = kv_cache.bytes_per_block
+        self.margin = host_pressure_bound() // 2 if self.host else 1 << 30
+
+    def attempt(self) -> None:
+        """One episode; `Inconclusive` once the cache was checked after it."""
+        self.tally.events["pressure episodes"] += 1
+        try:
+            self.run()
+        except Inconclusive as why:
+            self.tally.events[f"episode inconclusive: {str(why).split(' (')[0]}"] += 1
+            self.recover()
+            raise
+
+    def run(self) -> None:
+        kv_cache, pressure, tally, rng, stride = self.kv_cache, self.pressure, self.tally, self.rng, self.stride
+        held = pressure.held(f"hold {host_pressure_bound()}") if self.host else pressure.held(f"fill {rng.randint(2, 6) << 30}")
+        available = free_memory_for(self.driver, self.total)
+        # Past the host's whole memory, no release by anyone lets it fit.
+        wanted = (self.total if self.host else available) + rng.randint(self.margin // 2, self.margin)
+        target = min(PRESSURE_KEPT_BLOCKS + -(-wanted // stride), kv_cache.capacity_blocks)
+        new_bytes = (target - PRESSURE_KEPT_BLOCKS) * stride
+        if new_bytes <= available:
+            raise Inconclusive(f"{LEFT_FREE} ({available} bytes available, the cache spans {new_bytes} more)")
+        with others_may_take_the_room("a snapshot's copy"):
             before = snapshot(kv_cache)
-            try:
-                kv_cache.commit(target)
-            except OutOfMemoryError:
-                tally.events["commit refused by real out-of-memory"] += 1
-            else:
-                raise AssertionError(
-                    f"a commit of {new_bytes} new bytes succeeded with {available} available "
-                    f"and {held} held by the pressure process"
-                )
+        try:
+            kv_cache.commit(target)
+        except OutOfMemoryError:
+            tally.events["commit refused by real out-of-memory"] += 1
+        else:
+            if self.host:
+                raise AssertionError(f"a commit of {new_bytes} new bytes, more than the machine's {self.total}, succeeded")
+            self.release()
+            check_block_values(kv_cache, 0, PRESSURE_KEPT_BLOCKS, PRESSURE_PATTERN, "kept blocks after a commit that fitted")
+            check_block_values(kv_cache, PRESSURE_KEPT_BLOCKS, target, 0, "blocks a commit that fitted added")
+            raise Inconclusive(f"{FITTED} ({new_bytes} new bytes with {available} available, {held} held by the pressure)")
+        with others_may_take_the_room("checks and a small commit under pressure"):
             check_unchanged(kv_cache, before)
             tally.checks["refused commit changed nothing (snapshot: chunks, read-back, bytes)"] += 1
+            small = PRESSURE_KEPT_BLOCKS + PRESSURE_SMALL_COMMIT_BYTES // stride
             kv_cache.commit(small)
             check_block_values(kv_cache, 0, PRESSURE_KEPT_BLOCKS, PRESSURE_PATTERN, "kept blocks under pressure")
             check_block_values(kv_cache, PRESSURE_KEPT_BLOCKS, small, 0, "blocks committed under pressure")
-            kv_cache.commit(PRESSURE_KEPT_BLOCKS, shrink=True)
-            write_block_values(kv_cache, 0, PRESSURE_KEPT_BLOCKS, PRESSURE_PATTERN)
-            tally.operations["commit refused by real out-of-memory, small commit and shrink under pressure"] += 3
-            if pressure.ask("release") != "released":
-                raise AssertionError("the pressure process did not release its memory")
-            returned = free_memory_for(driver, new_bytes)
-            if new_bytes > bound:
-                fits = "fits" if returned >= new_bytes else "does not fit (others took memory meanwhile)"
-                tally.events[f"refused commit {fits} once memory returned; not performed: above the {bound >> 20} MiB bound"] += 1
-                whole += 1
-                continue
+        kv_cache.commit(PRESSURE_KEPT_BLOCKS, shrink=True)
+        write_block_values(kv_cache, 0, PRESSURE_KEPT_BLOCKS, PRESSURE_PATTERN)
+        tally.operations["commit refused by real out-of-memory, small commit and shrink under pressure"] += 3
+        self.release()
+        if self.host:
+            tally.events["refused commit past the machine's whole memory: never fits, not performed"] += 1
+            return
+        with others_may_take_the_room("the refused commit once the pressure let go"):
             kv_cache.commit(target)
             tally.events["refused commit succeeded once memory returned"] += 1
             check_block_values(kv_cache, 0, PRESSURE_KEPT_BLOCKS, PRESSURE_PATTERN, "kept blocks after the retried commit")
             check_block_values(kv_cache, PRESSURE_KEPT_BLOCKS, target, 0, "blocks the retried commit added")
+        check_readback_matches_bookkeeping(kv_cache.buffer)
+        tally.observe_physical(kv_cache.physical_bytes)
+        kv_cache.release_physical()  # sleep
+        pressure.held(f"fill {rng.randint(1, 3) << 30}")
+        try:
+            kv_cache.recommit()
+            tally.events["wake fitted beside the pressure"] += 1
+        except OutOfMemoryError:
+            tally.events["wake refused by real out-of-memory"] += 1
             check_readback_matches_bookkeeping(kv_cache.buffer)
-            tally.observe_physical(kv_cache.physical_bytes)
-            kv_cache.release_physical()  # sleep
-            pressure.held(f"fill {rng.randint(1, 3) << 30}")
-            try:
-                kv_cache.recommit()
-                tally.events["wake fitted beside the pressure"] += 1
-            except OutOfMemoryError:
-                tally.events["wake refused by real out-of-memory"] += 1
-                check_readback_matches_bookkeeping(kv_cache.buffer)
-            if pressure.ask("release") != "released":
-                raise AssertionError("the pressure process did not release its memory")
+        self.release()
+        with others_may_take_the_room("the wake once the pressure let go"):
             kv_cache.recommit()
             check_block_values(kv_cache, 0, target, 0, "blocks after a wake")
-            kv_cache.commit(PRESSURE_KEPT_BLOCKS, shrink=True)
-            write_block_values(kv_cache, 0, PRESSURE_KEPT_BLOCKS, PRESSURE_PATTERN)
-            tally.operations["retried commit, sleep, wake under pressure, wake, shrink"] += 5
-            whole += 1
-        floor.close(tally, "real out-of-memory episodes", f"{whole} whole pressure episode{'s' if whole != 1 else ''}")
-    finally:
-        kv_cache.free()
-    return ran
+        kv_cache.commit(PRESSURE_KEPT_BLOCKS, shrink=True)
+        write_block_values(kv_cache, 0, PRESSURE_KEPT_BLOCKS, PRESSURE_PATTERN)
+        tally.operations["retried commit, sleep, wake under pressure, wake, shrink"] += 5
+
+    def release(self) -> None:
+        if self.pressure.ask("release") != "released":
+            raise AssertionError("the pressure process did not release its memory")
+
+    def recover(self) -> None:
+        """After an inconclusive episode, with the pressure let go: the cache
+        is consistent, wakes, holds its kept blocks again and still commits;
+        any failure here is extkv's, since the memory is back."""
+        kv_cache = self.kv_cache
+        self.release()
+        check_readback_matches_bookkeeping(kv_cache.buffer)
+        if kv_cache.is_asleep:
+            kv_cache.recommit()
+        kv_cache.commit(PRESSURE_KEPT_BLOCKS, shrink=True)
+        write_block_values(kv_cache, 0, PRESSURE_KEPT_BLOCKS, PRESSURE_PATTERN)
+        small = PRESSURE_KEPT_BLOCKS + PRESSURE_SMALL_COMMIT_BYTES // self.stride
+        kv_cache.commit(small)
+        check_block_values(kv_cache, 0, PRESSURE_KEPT_BLOCKS, PRESSURE_PATTERN, "kept blocks after an inconclusive episode")
+        check_block_values(kv_cache, PRESSURE_KEPT_BLOCKS, small, 0, "blocks committed after an inconclusive episode")
+        kv_cache.commit(PRESSURE_KEPT_BLOCKS, shrink=True)
+        check_readback_matches_bookkeeping(kv_cache.buffer)
+        self.tally.checks["after an inconclusive episode: read-back, kept blocks, a small commit"] += 1
 
 
 def walk_under_pressure(
