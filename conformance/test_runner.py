@@ -25,6 +25,7 @@ from extkv.runner import (
 )
 from extkv.testing.checks import check_usage_matches
 from extkv.testing.configs import config_for, fill_segments
+from extkv.testing.readings import InjectedReadingsDriver
 from extkv.vmm import device_memory_info
 
 CAPACITY = 256
@@ -152,17 +153,28 @@ def generate(runner: ReferenceModelRunner, first_block: int, steps: int, *, use_
     return torch.stack([sequences.step(use_graph=use_graph) for _ in range(steps)])
 
 
+#: Free memory the lifecycle test's runner reads at every step: ample for
+#: its cache, whatever the machine has free (the test never reads that).
+LIFECYCLE_FREE_BYTES = 4 << 30
+
+
 @pytest.mark.invariant(1, 4, 5)
 def test_lifecycle_end_to_end_matches_a_preallocated_runner(device, usage, runners):
+    """The runner sizes its cache from readings the test sets
+    (`InjectedReadingsDriver`: every chunk, mapping and byte real), so what
+    other processes do to the machine's free memory decides nothing."""
     use_graphs = device.type == "cuda"
     baseline = usage.read_outside_torch()
-    init_free, _ = device_memory_info(device)
+    real = driver_for(device)
+    total = real.memory_info()[1]  # the machine's size, which no other process moves
+    init_free = min(LIFECYCLE_FREE_BYTES, total // 2)
+    readings = InjectedReadingsDriver(real, free=init_free, total=total)
 
     plain = runners(device, CAPACITY, extensible=False)
     plain.allocate_kv_cache()
     expected = generate(plain, first_block=32, steps=24, use_graph=False)
 
-    runner = runners(device, CAPACITY)
+    runner = runners(device, CAPACITY, driver=readings)
     kv_cache = runner.extensible_kv_cache
     runner.profile_run(max_batch=max(BATCHES))
     runner.allocate_kv_cache()
@@ -519,6 +531,7 @@ def test_reference_runner_refuses_bad_arguments(device, runners):
         ({"config": None}, "config must be a TinyDecoderConfig, got None"),
         ({"layout": "LBHNC"}, "attention reads LBHNC pages, got layout 'LBHNC'"),
         ({"connector": object()}, "connector must be a KVConnector"),
+        ({"driver": "cpu"}, "driver must be a Driver of "),
     ]:
         with pytest.raises(ValueError, match=re.escape(message)):
             runners(device, **{"capacity_blocks": CAPACITY, **kwargs})

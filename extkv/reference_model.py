@@ -39,7 +39,7 @@ from .layout import (
 )
 from .ranks import agree_on_committable_blocks
 from .runner import ensure_kv_cache_blocks, extend_kv_cache, kv_cache_lent_for_weight_update, num_committable_kv_blocks
-from .vmm import driver_for, torch_memory
+from .vmm import Driver, canonical_device, driver_for, torch_memory
 
 
 class _Stage(enum.Enum):
@@ -199,6 +199,9 @@ class ReferenceModelRunner:
     `capacity_blocks` is the reservation; `connector` an optional KVConnector.
     With `extensible=False` it allocates a plain torch tensor for all blocks
     up front: the baseline that the extensible runner must match bit for bit.
+    `driver` backs the extensible cache (default: the device's own); every
+    memory reading of the lifecycle is the cache's driver's, so a test may
+    pass one whose readings it sets (extkv.testing.readings).
     """
 
     NULL_BLOCK = 0
@@ -213,6 +216,7 @@ class ReferenceModelRunner:
         connector: KVConnector | None = None,
         extensible: bool = True,
         seed: int = 0,
+        driver: Driver | None = None,
     ):
         capacity_blocks = validate.integer("capacity_blocks", capacity_blocks, minimum=1, what="a block count")
         extensible = validate.flag("extensible", extensible)
@@ -223,6 +227,9 @@ class ReferenceModelRunner:
             raise ValueError(f"the reference model's attention reads LBHNC pages, got layout {layout!r}")
         if connector is not None and not isinstance(connector, KVConnector):
             raise ValueError(f"connector must be a KVConnector or None, got {connector!r}")
+        if driver is not None and not (isinstance(driver, Driver) and driver.device == canonical_device(device)):
+            raise ValueError(f"driver must be a Driver of {canonical_device(device)} or None, got {driver!r}")
+        driver = driver_for(device) if driver is None else driver
         self.device = torch.device(device)
         self.config = config
         self.kv_cache_layout = layout
@@ -240,9 +247,9 @@ class ReferenceModelRunner:
         kv_cache_config = build_kv_cache_config(groups, capacity_blocks, layout)
         # Layer regions on granules: a defragmenting commit then backs every
         # segment with exactly one chunk at any block count.
-        self.allocated_config = pad_kv_cache_segments(kv_cache_config, layout, driver_for(self.device).granularity)
+        self.allocated_config = pad_kv_cache_segments(kv_cache_config, layout, driver.granularity)
         self.kv_cache_config = self.allocated_config
-        self.extensible_kv_cache = ExtensibleKVCache(self.allocated_config, self.device, layout) if extensible else None
+        self.extensible_kv_cache = ExtensibleKVCache(self.allocated_config, driver, layout) if extensible else None
         self.kv_caches: list[torch.Tensor] = []
         self._plain_buffer: torch.Tensor | None = None
         self.graphs: dict[int, _CapturedDecode] = {}
