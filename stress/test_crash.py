@@ -1,8 +1,10 @@
 """Crash safety: a child process that commits, defragments and exports in a
 loop is killed (SIGKILL) at a random point of one of them; a peer that
 imported its segments keeps reading the same bytes, and the memory the child
-held comes back: no process reaches its memfds any more (host), NVML's used
-memory returns (GPU). extkv.testing.stress.crash_once is one such crash."""
+held comes back: no process reaches its memfds any more (host), NVML lists
+the child no more and the peer holds no more than before (GPU; the test's
+own processes only, so other jobs on the GPU cannot move it).
+extkv.testing.stress.crash_once is one such crash."""
 
 from __future__ import annotations
 
