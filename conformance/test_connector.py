@@ -66,6 +66,7 @@ from extkv.layout import (
 from extkv.peer import import_segments, run_peer
 from extkv.testing.checks import check_mapped_read_only, check_usage_matches, maps_permissions
 from extkv.testing.configs import CAPACITY, GRANULE, config_for, fill_segments
+from extkv.testing.readings import InjectedReadingsDriver
 from extkv.vmm import FaultInjectingDriver, driver_for, live_chunks, live_reservations
 from extkv.vmm.base import READ_WRITE
 from extkv.wire import MAX_HEADER_BYTES, PROTOCOL, receive_message, send_message
@@ -466,7 +467,10 @@ def test_a_registering_connector_refuses_commit_ahead_and_exports_once_it_is_off
     cache with it on is not registered (nor restored), one that turns it on
     after registering is not exported, and with it off again (and a
     defragmenting commit) the peer reads every segment."""
-    kv_cache = build.cache_for("padded", KVCacheLayout.LBHNC)
+    # Free memory as the test sets it: the worker's window must not depend
+    # on what the rest of the machine holds.
+    readings = InjectedReadingsDriver(driver_for(device), free=64 << 30, total=128 << 30)
+    kv_cache = build.cache_for("padded", KVCacheLayout.LBHNC, device=readings)
     kv_cache.commit(300, defragment=True)
     kv_cache.commit_ahead(64)
     with pytest.raises(CommitAheadRegisteredError, match=r"register_kv_caches: commit-ahead is on \(window 64 blocks\)"):
