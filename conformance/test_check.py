@@ -15,7 +15,6 @@ import fcntl
 import json
 import os
 import resource
-import signal
 import subprocess
 import sys
 import threading
@@ -407,76 +406,3 @@ def test_a_run_orders_the_planted_defects_first_and_the_exclusive_tests_last(pyt
     collected = [line.split("::")[1] for line in result.outlines if "::" in line]
     assert collected == ["test_planted_late", "test_plain", "test_alone"], result.outlines
 
-
-BLOCKING = '''
-def test_blocks_until_the_run_is_interrupted():
-    with open({started!r}, "w") as started:
-        started.write("in the test\\n")
-    with open({never!r}) as never:  # a FIFO no one opens for writing
-        never.read()
-'''
-#: Set in the environment of an `extkv check` under test, which every
-#: process it starts inherits, to find any of them left after it.
-TREE_MARK = "EXTKV_TEST_PROCESS_TREE"
-
-
-def processes_marked(mark: str) -> list[int]:
-    """The pids of live processes whose environment holds TREE_MARK=mark."""
-    found = []
-    for entry in os.listdir("/proc"):
-        try:
-            with open(f"/proc/{entry}/environ", "rb") as file:
-                if f"{TREE_MARK}={mark}".encode() in file.read().split(b"\0"):
-                    found.append(int(entry))
-        except (OSError, ValueError):
-            continue  # not a process, ended, or another user's
-    return found
-
-
-@pytest.mark.invariant(6)
-@pytest.mark.parametrize("number", [signal.SIGINT, signal.SIGTERM], ids=["SIGINT", "SIGTERM"])
-def test_a_signal_to_the_check_alone_ends_the_whole_run_with_an_interrupted_report(tmp_path, number):
-    """`extkv check` running one test (it blocks on a FIFO), its pytest and
-    xdist worker in processes of their own: the signal sent to its pid only
-    ends every process of the run, which exits 128 + the signal's number
-    with one line and a report marked interrupted, where the stopped test
-    is no failure."""
-    started, never = tmp_path / "started", tmp_path / "never"
-    os.mkfifo(started)
-    os.mkfifo(never)
-    (tmp_path / "test_blocking.py").write_text(BLOCKING.format(started=str(started), never=str(never)))
-    suite = Path(__file__).resolve().parent
-    mark = f"{os.getpid()}-{tmp_path.name}"
-    command = [sys.executable, "-m", "extkv", "check", "--report-dir", str(tmp_path / "run"), "--host-workers", "1",
-               f"--ignore-glob={suite}/test_*.py", str(tmp_path / "test_blocking.py")]
-    check = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                             env={**clean_env(), TREE_MARK: mark}, start_new_session=True)
-    seen = []
-    reader = threading.Thread(target=lambda: seen.append(started.read_text()))
-    reader.start()
-    try:
-        reader.join(timeout=300)
-        if reader.is_alive():
-            started.write_text("")  # lets the reader go
-        assert seen == ["in the test\n"], "the run never reached its test"
-        check.send_signal(number)
-        output, _ = check.communicate(timeout=300)
-    finally:
-        if check.poll() is None:
-            os.killpg(check.pid, signal.SIGKILL)
-            check.wait()
-    left = processes_marked(mark)
-    for pid in left:
-        os.kill(pid, signal.SIGKILL)
-    name = signal.Signals(number).name
-    assert check.returncode == 128 + number, output[-3000:]
-    assert left == [], f"processes of the run still running after it exited: {left}"
-    assert "Traceback" not in output, output[-3000:]
-    ending = [line for line in output.splitlines() if "INTERRUPTED" in line]
-    summary = tmp_path / "run" / "summary.md"
-    assert ending == [f"extkv check: INTERRUPTED by {name}: nothing certified; report {summary}"], output[-3000:]
-    assert output.splitlines()[-1] == ending[0]
-    report = summary.read_text()
-    assert f"INTERRUPTED by {name}: nothing certified; 0 passed, 1 interrupted, 0 skipped" in report, report[:3000]
-    assert "1 failed" not in report and "1 errors" not in report, report[:3000]
-    assert json.loads((tmp_path / "run" / "check-run.json").read_text())["interrupted"] == name

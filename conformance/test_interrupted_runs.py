@@ -1,0 +1,146 @@
+"""Ctrl-C or SIGTERM to a run of `extkv check`, sent to the run's own pid
+only, as a terminal or a job scheduler sends it (extkv.reporting.steps).
+
+Each run is a real one, in a session of its own, given one extra test that
+blocks on a FIFO: the run's pytest has started and stands in that test, the
+moment the test writes to a second FIFO this process reads, so the signal
+goes out at a known point without a sleep. Every process the run starts
+inherits a mark in its environment, by which any left after the run exits
+is found in /proc. The run must end whole, exit 128 plus the signal's
+number, print one `INTERRUPTED` line, last, and leave a report marked
+interrupted in which the stopped test is no failure.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+#: Every test here checks extkv's own tooling: its runs and their reports.
+pytestmark = pytest.mark.harness
+
+SIGNALS = pytest.mark.parametrize("number", [signal.SIGINT, signal.SIGTERM], ids=["SIGINT", "SIGTERM"])
+BLOCKING = '''
+def test_blocks_until_the_run_is_interrupted():
+    with open({started!r}, "w") as started:
+        started.write("in the test\\n")
+    with open({never!r}) as never:  # a FIFO no one opens for writing
+        never.read()
+'''
+#: Set in the environment of a run under test, which every process it
+#: starts inherits, to find any of them left after it.
+TREE_MARK = "EXTKV_TEST_PROCESS_TREE"
+#: Seconds a run may take to reach its blocking test, or to end once
+#: signalled: a net against a hang, never a wait for an event.
+NET_S = 300
+
+
+def run_environment(host_only: bool) -> dict[str, str]:
+    """This process's environment for a run: without an outer xdist worker's
+    variables (the run would pin a GPU and call itself a worker), extkv
+    importable from a source tree, and with `host_only` no GPU visible."""
+    env = {name: value for name, value in os.environ.items() if not name.startswith(("PYTEST_", "XDIST_"))}
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(Path(__file__).resolve().parents[1]), env.get("PYTHONPATH")]))
+    if host_only:
+        env["CUDA_VISIBLE_DEVICES"] = ""
+    return env
+
+
+def processes_marked(mark: str) -> list[int]:
+    """The pids of live processes whose environment holds TREE_MARK=mark."""
+    found = []
+    for entry in os.listdir("/proc"):
+        try:
+            with open(f"/proc/{entry}/environ", "rb") as file:
+                if f"{TREE_MARK}={mark}".encode() in file.read().split(b"\0"):
+                    found.append(int(entry))
+        except (OSError, ValueError):
+            continue  # not a process, ended, or another user's
+    return found
+
+
+def blocking_test(tmp_path: Path, name: str) -> Path:
+    """Write the blocking test as tmp_path/NAME, with its two FIFOs."""
+    os.mkfifo(tmp_path / "started")
+    os.mkfifo(tmp_path / "never")
+    path = tmp_path / name
+    path.write_text(BLOCKING.format(started=str(tmp_path / "started"), never=str(tmp_path / "never")))
+    return path
+
+
+@dataclass
+class Ended:
+    status: int
+    output: str
+    left: list[int]  # processes of the run alive after it exited
+
+    def assert_ended_by(self, number: int, line: str) -> None:
+        """Exit status 128 + number, no process left, no traceback, and
+        `line` the one INTERRUPTED line, printed last."""
+        assert self.status == 128 + number, self.output[-3000:]
+        assert self.left == [], f"processes of the run still running after it exited: {self.left}"
+        assert "Traceback" not in self.output, self.output[-3000:]
+        ending = [said for said in self.output.splitlines() if "INTERRUPTED" in said]
+        assert ending == [line], self.output[-3000:]
+        assert self.output.splitlines()[-1] == line, self.output[-3000:]
+
+
+def signalled_in_the_blocking_test(tmp_path: Path, command: list[str], number: int, env: dict[str, str]) -> Ended:
+    """Run `command` until its pytest stands in the blocking test, send
+    `number` to the run's pid alone, and wait for the run to end."""
+    mark = f"{os.getpid()}-{tmp_path.name}"
+    run = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                           env={**env, TREE_MARK: mark}, start_new_session=True)
+    said: list[str] = []
+    # Read as it comes, so that no run stalls on a full pipe before its test.
+    printer = threading.Thread(target=lambda: said.append(run.stdout.read()), daemon=True)
+    printer.start()
+    seen: list[str] = []
+    reader = threading.Thread(target=lambda: seen.append((tmp_path / "started").read_text()))
+    reader.start()
+    try:
+        reader.join(timeout=NET_S)
+        if reader.is_alive():
+            (tmp_path / "started").write_text("")  # lets the reader go
+        assert seen == ["in the test\n"], "the run never reached its test"
+        run.send_signal(number)
+        run.wait(timeout=NET_S)
+    finally:
+        if run.poll() is None:
+            os.killpg(run.pid, signal.SIGKILL)
+            run.wait()
+        left = processes_marked(mark)
+        for pid in left:
+            os.kill(pid, signal.SIGKILL)
+    printer.join(timeout=NET_S)  # ends once nothing holds the pipe
+    assert not printer.is_alive(), "the run's output never ended"
+    return Ended(run.returncode, "".join(said), left)
+
+
+@SIGNALS
+def test_a_signal_to_the_check_alone_ends_the_whole_run_with_an_interrupted_report(tmp_path, number):
+    """`extkv check` running one test (it blocks on a FIFO), its pytest and
+    xdist worker in processes of their own: the signal sent to its pid only
+    ends every process of the run, which exits 128 + the signal's number
+    with one line and a report marked interrupted, where the stopped test
+    is no failure."""
+    blocking = blocking_test(tmp_path, "test_blocking.py")
+    suite = Path(__file__).resolve().parent
+    command = [sys.executable, "-m", "extkv", "check", "--report-dir", str(tmp_path / "run"), "--host-workers", "1",
+               f"--ignore-glob={suite}/test_*.py", str(blocking)]
+    ended = signalled_in_the_blocking_test(tmp_path, command, number, run_environment(host_only=False))
+    name, summary = signal.Signals(number).name, tmp_path / "run" / "summary.md"
+    ended.assert_ended_by(number, f"extkv check: INTERRUPTED by {name}: nothing certified; report {summary}")
+    report = summary.read_text()
+    assert f"INTERRUPTED by {name}: nothing certified; 0 passed, 1 interrupted, 0 skipped" in report, report[:3000]
+    assert "1 failed" not in report and "1 errors" not in report, report[:3000]
+    assert json.loads((tmp_path / "run" / "check-run.json").read_text())["interrupted"] == name
+
