@@ -1,5 +1,6 @@
-"""Ctrl-C or SIGTERM to a run of `extkv check`, sent to the run's own pid
-only, as a terminal or a job scheduler sends it (extkv.reporting.steps).
+"""Ctrl-C or SIGTERM to a run of `extkv check` or `extkv stress`, sent to
+the run's own pid only, as a terminal or a job scheduler sends it
+(extkv.reporting.steps).
 
 Each run is a real one, in a session of its own, given one extra test that
 blocks on a FIFO: the run's pytest has started and stands in that test, the
@@ -8,13 +9,16 @@ goes out at a known point without a sleep. Every process the run starts
 inherits a mark in its environment, by which any left after the run exits
 is found in /proc. The run must end whole, exit 128 plus the signal's
 number, print one `INTERRUPTED` line, last, and leave a report marked
-interrupted in which the stopped test is no failure.
+interrupted in which the stopped test is no failure. Stress runs on the
+host driver, whatever GPUs the machine has: a stress run on a GPU keeps
+only GPU tests, and the blocking test is none.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -23,6 +27,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
+
+from extkv.reporting.rundir import suite_directory
 
 #: Every test here checks extkv's own tooling: its runs and their reports.
 pytestmark = pytest.mark.harness
@@ -143,4 +149,26 @@ def test_a_signal_to_the_check_alone_ends_the_whole_run_with_an_interrupted_repo
     assert f"INTERRUPTED by {name}: nothing certified; 0 passed, 1 interrupted, 0 skipped" in report, report[:3000]
     assert "1 failed" not in report and "1 errors" not in report, report[:3000]
     assert json.loads((tmp_path / "run" / "check-run.json").read_text())["interrupted"] == name
+
+
+@SIGNALS
+def test_a_signal_to_the_stress_run_alone_ends_it_whole_with_an_interrupted_verdict(tmp_path, number):
+    """`extkv stress` with the blocking test in place of the stress suite:
+    the signal to its pid only ends its pytest, which a stopped test leaves
+    no stress result of; the report is rendered all the same, its verdict
+    interrupted and not passed, the stopped test `interrupted`."""
+    blocking = blocking_test(tmp_path, "test_blocking.py")
+    command = [sys.executable, "-m", "extkv", "stress", "--minutes", "10", "--report-dir", str(tmp_path / "run"),
+               f"--ignore-glob={suite_directory('stress')}/test_*.py", str(blocking)]
+    ended = signalled_in_the_blocking_test(tmp_path, command, number, run_environment(host_only=True))
+    name, summary = signal.Signals(number).name, tmp_path / "run" / "summary.md"
+    ended.assert_ended_by(number, f"extkv stress: INTERRUPTED by {name}: the run ended before its bound; "
+                                  f"report {summary}")
+    report = summary.read_text()
+    assert (f"- verdict: **INTERRUPTED by {name}: not passed (the run ended before its bound); 0 passed, "
+            "1 interrupted, 0 skipped**") in report, report[:3000]
+    assert re.search(r"(?m)^\| `test_blocks_until_the_run_is_interrupted` \| [^|]+ \| interrupted \|", report), report
+    assert "1 failed" not in report, report[:3000]
+    recorded = json.loads((tmp_path / "run" / "stress" / "run.json").read_text())
+    assert recorded["interrupted"] == name and recorded["exit_status"] == 2, recorded
 

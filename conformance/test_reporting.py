@@ -4,7 +4,9 @@ the summary's per-invariant, per-device counts are checked against pytest's
 own JUnit XML of the same run. One run takes a few conformance tests; a
 second, as the multi-GPU step, takes a planted file whose tests pass, fail,
 error in teardown and skip, and the timeline test again, so every outcome
-and both ways of merging go through the harness, the merge and the table. Bad run directories raise errors that name the file."""
+and both ways of merging go through the harness, the merge and the table. Bad run directories raise errors that name the file.
+The stress section's verdict is read from results written here file by
+file, as `extkv stress` leaves them, in every way a run can end."""
 
 from __future__ import annotations
 
@@ -385,3 +387,77 @@ def test_pool_writes_its_files_anew_in_a_directory_that_holds_symlinks(tmp_path)
         assert (tmp_path / f"outside-{name}").read_text() == "not pooled", f"{name} was written through the symlink"
         assert (out / name).is_file() and not (out / name).is_symlink(), name
     assert json.loads((out / "machine.json").read_text()) == machine
+
+
+# -- the stress section's verdict -----------------------------------------------------------------
+def stress_run_directory(run_dir: Path, outcomes: list[str], run: dict | None, stopped: list[str] = ()) -> Path:
+    """A stress run's results as `extkv stress` leaves them: a result per
+    test of `outcomes` (from the stress suite's conftest), `run` as
+    run.json, and the harness's record of the same pytest run, in which
+    the tests `stopped` are those a signal stopped (no report of them came)."""
+    from extkv.testing.stress import StressTally
+
+    tests = run_dir / "stress" / "tests"
+    tests.mkdir(parents=True)
+    harness_tests = {}
+    for number, outcome in enumerate(outcomes):
+        nodeid = f"stress/test_walk.py::test_{number}[host]"
+        record = {"format": "extkv-stress/1", "nodeid": nodeid, "worker": "main", "device": "host",
+                  "device_label": None, "outcome": outcome, "failure": "", "skip_reason": None, "seed": 1,
+                  "budget_s": 1.0, "started": float(number), "duration_s": 1.0, "tally": StressTally().to_json()}
+        (tests / f"main--test_{number}.json").write_text(json.dumps(record))
+        harness_tests[nodeid] = {"device": "host", "invariants": [], "outcome": outcome, "planted_defect": None,
+                                 "duration_s": 1.0, "message": "boom" if outcome == "error" else None,
+                                 "skip_reason": None}
+    for nodeid in stopped:
+        harness_tests[nodeid] = {"device": "host", "invariants": [], "outcome": "error", "planted_defect": None,
+                                 "duration_s": 1.0, "message": None, "skip_reason": None}
+    status = (run or {}).get("exit_status", 0)
+    harness = {"format": CHECK_FORMAT, "step": "stress", "machine": {"gpus": []}, "invariants": {}, "totals": {},
+               "exit_status": status, "devices": {}, "selection": {"args": ["stress"]}, "collection_errors": [],
+               "worker_gpus": {}, "tests": harness_tests}
+    (run_dir / "stress" / "stress.json").write_text(json.dumps(harness))
+    if run is not None:
+        (run_dir / "stress" / "run.json").write_text(json.dumps({"started": 0.0, "finished": 1.0, **run}))
+    return run_dir
+
+
+@pytest.mark.parametrize("outcomes, run, stopped, verdict", [
+    (["passed", "passed"], {"exit_status": 0}, [], "PASSED: 2 passed, 0 skipped"),
+    (["passed", "error"], {"exit_status": 1}, [],
+     "NOT PASSED: 1 failed, pytest ended with exit status 1; 1 passed, 1 failed, 0 skipped"),
+    (["passed"], {"exit_status": 2}, ["stress/test_walk.py::test_stopped[host]"],
+     "NOT PASSED: 1 interrupted, interrupted (pytest exit status 2); 1 passed, 1 interrupted, 0 skipped"),
+    (["passed"], {"exit_status": 2, "interrupted": "SIGINT"}, ["stress/test_walk.py::test_stopped[host]"],
+     "INTERRUPTED by SIGINT: not passed (the run ended before its bound); 1 passed, 1 interrupted, 0 skipped"),
+    (["passed"], {"exit_status": 3}, [], "NOT PASSED: pytest ended with exit status 3; 1 passed, 0 skipped"),
+    (["passed"], None, [], "NOT PASSED: no run.json: how the run ended is unknown; 1 passed, 0 skipped"),
+    (["skipped"], {"exit_status": 0}, [], "NOT PASSED: no test passed; 0 passed, 1 skipped"),
+], ids=["passed", "errored", "stopped", "interrupted", "pytest-error", "no-run-file", "none-passed"])
+def test_a_stress_run_passes_only_where_every_test_ran_and_passed(tmp_path, outcomes, run, stopped, verdict):
+    """The stress verdict mirrors the check's: a test that erred, a pytest
+    a signal stopped or that ended on an error of its own, and a run a
+    signal ended pass nothing; a stopped test is `interrupted`, no failure,
+    also where the harness holds it as an error without a message."""
+    from extkv.reporting.stress import load_stress, stress_section, stress_verdict
+
+    stress_run_directory(tmp_path, outcomes, run, stopped)
+    passed, line = stress_verdict(load_stress(tmp_path))
+    assert (passed, line) == (verdict.startswith("PASSED"), verdict)
+    section = stress_section(tmp_path)
+    assert f"- verdict: **{verdict}**" in section, section
+    for nodeid in stopped:
+        assert f"| `{nodeid.split('::')[-1]}` | host | interrupted | - |" in section, section
+    if stopped:
+        assert "1 failed" not in section, section
+
+
+def test_a_stress_run_a_signal_ended_before_any_test_finished_is_still_reported(tmp_path):
+    """No test left a result, only run.json and the harness's record: the
+    report renders the stress section, interrupted, rather than refusing a
+    directory without results."""
+    stress_run_directory(tmp_path, [], {"exit_status": 2, "interrupted": "SIGTERM"},
+                         ["stress/test_walk.py::test_stopped[host]"])
+    summary = render_report(tmp_path).read_text()
+    assert ("- verdict: **INTERRUPTED by SIGTERM: not passed (the run ended before its bound); 0 passed, "
+            "1 interrupted, 0 skipped**") in summary, summary

@@ -9,12 +9,22 @@ checks, events, faults by (operation, step, mode), leaks, content
 mismatches and failures with their reproductions), one memory timeline per
 worker process (`timeline-<worker>.json`: this process's extkv memory read
 by the usage probe and the device's used memory, sampled outside extkv), and
-`run.json` (the bound, the seed, the command, the exit status). A tally's
+`run.json` (the bound, the seed, the command, the exit status, and the
+signal that ended the run before its bound, if one did). A tally's
 `short_bounds` are the workloads whose least episode outlasted their share
 (a deadline is a floor for one whole episode, not a hard stop): the report
 names each, so a short bound reads as the least, not as a full run.
-`load_stress` reads them all; `stress_totals` adds them up per device; `stress_section`
-renders the markdown and draws one memory plot per worker and device.
+`load_stress` reads them all, and from the harness's record of the same
+pytest run (`stress.json`) the tests a signal stopped, which leave no
+result of their own; `stress_totals` adds them up per device;
+`stress_section` renders the markdown and draws one memory plot per worker
+and device.
+
+`stress_verdict` mirrors the check's rule (extkv.reporting.verdict): the run
+passed only where pytest ended with status 0, a test passed, and none
+failed, leaked, mismatched or was interrupted; a run a signal ended, or
+whose pytest a signal stopped (exit status 2), passed nothing, and its
+stopped tests are `interrupted`, never failures.
 
 Everything here is plain JSON reading, so a report renders again without the
 test extra (pytest, hypothesis) installed.
@@ -28,12 +38,16 @@ from pathlib import Path
 from ..vmm import FAULTABLE_STEPS
 from .plots import matplotlib_missing
 from .rundir import read_json, save_figure
+from .summary import load_step_results
+from .verdict import INTERRUPTED_STATUS
 
 #: The stress suite's results format (stress/conftest.py's RESULT_FORMAT;
 #: the suite is not importable from here).
 STRESS_FORMAT = "extkv-stress/1"
 STRESS_DIR = "stress"
 RUN_FILE = "run.json"
+#: The harness's results step of a stress run: its record is `<step>.json`.
+HARNESS_STEP = "stress"
 FAULT_MODES = ("failure", "out of memory")
 _UNITS = [(1 << 30, "GiB"), (1 << 20, "MiB"), (1 << 10, "KiB"), (1, "bytes")]
 
@@ -47,16 +61,22 @@ def _read(path: Path) -> dict:
 
 
 def load_stress(run_dir: Path) -> dict | None:
-    """{"run": run.json or {}, "tests": [records], "timelines": [documents]}
-    from `run_dir/stress/`; None when there are no stress results."""
+    """{"run": run.json or {}, "tests": [records], "interrupted": [the
+    harness's records of tests a signal stopped], "timelines": [documents]}
+    from `run_dir/stress/`; None when it holds neither a test's result nor
+    run.json."""
     directory = Path(run_dir) / STRESS_DIR
     tests = sorted((directory / "tests").glob("*.json")) if directory.is_dir() else []
-    if not tests:
-        return None
     run_file = directory / RUN_FILE
+    if not tests and not run_file.is_file():
+        return None
+    harness_file = directory / f"{HARNESS_STEP}.json"
+    harness_tests = load_step_results(harness_file)["tests"] if harness_file.is_file() else {}
     return {
         "run": read_json(run_file) if run_file.is_file() else {},
         "tests": [_read(path) for path in tests],
+        "interrupted": [{**record, "nodeid": nodeid} for nodeid, record in harness_tests.items()
+                        if record["outcome"] == "interrupted"],
         "timelines": [_read(path) for path in sorted(directory.glob("timeline-*.json"))],
     }
 
@@ -157,9 +177,48 @@ def plot_memory(timeline: dict, device: str, path: Path) -> Path:
     return path
 
 
-def _headline(run: dict, totals: dict, tests: list[dict]) -> list[str]:
+def _counts(outcomes: Counter, interrupted: int) -> str:
+    """`3 passed, 1 failed, 1 interrupted, 0 skipped`: failed and interrupted where any."""
+    failed = outcomes["failed"] + outcomes["error"]
+    return (f"{outcomes['passed']} passed" + (f", {failed} failed" if failed else "")
+            + (f", {interrupted} interrupted" if interrupted else "") + f", {outcomes['skipped']} skipped")
+
+
+def stress_verdict(stress: dict) -> tuple[bool, str]:
+    """(passed, the line that says so and why) of a load_stress document."""
+    run, overall = stress["run"], stress_totals(stress)["overall"]
+    outcomes, interrupted = overall["outcomes"], len(stress["interrupted"])
+    counts = _counts(outcomes, interrupted)
+    if run.get("interrupted"):
+        return False, f"INTERRUPTED by {run['interrupted']}: not passed (the run ended before its bound); {counts}"
+    problems = []
+    if not run:
+        problems.append(f"no {RUN_FILE}: how the run ended is unknown")
+    failed = outcomes["failed"] + outcomes["error"]
+    if failed:
+        problems.append(f"{failed} failed")
+    if interrupted:
+        problems.append(f"{interrupted} interrupted")
+    for count, what in ((len(overall["leaks"]), "leaks"), (overall["content_mismatches"], "content mismatches"),
+                        (0 if failed else overall["failures"], "failures")):
+        if count:
+            problems.append(f"{count} {what}")
+    status = run.get("exit_status")
+    if status == INTERRUPTED_STATUS:
+        problems.append(f"interrupted (pytest exit status {status})")
+    elif run and status != 0:
+        problems.append(f"pytest ended with exit status {status}")
+    if not outcomes["passed"]:
+        problems.append("no test passed")
+    if problems:
+        return False, f"NOT PASSED: {', '.join(problems)}; {counts}"
+    return True, f"PASSED: {counts}"
+
+
+def _headline(stress: dict, totals: dict) -> list[str]:
+    run, tests = stress["run"], stress["tests"]
     overall = totals["overall"]
-    lines = ["## Stress", ""]
+    lines = ["## Stress", "", f"- verdict: **{stress_verdict(stress)[1]}**"]
     if run:
         elapsed = run.get("finished", 0) - run.get("started", 0)
         lines.append(
@@ -170,10 +229,7 @@ def _headline(run: dict, totals: dict, tests: list[dict]) -> list[str]:
         if run.get("interrupted"):
             lines.append(f"- **INTERRUPTED by {run['interrupted']}** before its bound: the counts below are of what "
                          "ran until then")
-    outcomes = overall["outcomes"]
-    lines.append(
-        f"- tests: {outcomes['passed']} passed, {outcomes['failed'] + outcomes['error']} failed, {outcomes['skipped']} skipped"
-    )
+    lines.append(f"- tests: {_counts(overall['outcomes'], len(stress['interrupted']))}")
     per_device = ", ".join(
         f"{device}: {sum(device_totals['operations'].values()):,}" for device, device_totals in totals["devices"].items()
         if sum(device_totals["operations"].values())
@@ -219,7 +275,7 @@ def _short_bound_lines(tests: list[dict]) -> list[str]:
     return lines
 
 
-def _tests_table(tests: list[dict]) -> list[str]:
+def _tests_table(tests: list[dict], interrupted: list[dict]) -> list[str]:
     lines = [
         "", "### Tests", "",
         "| test | device | outcome | share of the bound | ran | operations | faults | seed |",
@@ -234,6 +290,12 @@ def _tests_table(tests: list[dict]) -> list[str]:
             f"| `{name}` | {device_of(record)} | {outcome} | {budget} | {record['duration_s']:.0f} s | "
             f"{tally['operations_total']:,} | {tally['faults_injected']:,} | {record.get('seed') if record.get('seed') is not None else '-'} |"
         )
+    # A test a signal stopped left no tally: the harness's record says where it ran and for how long.
+    lines += [
+        f"| `{record['nodeid'].split('::')[-1]}` | {record.get('device') or '-'} | interrupted | - | "
+        f"{record['duration_s']:.0f} s | - | - | - |"
+        for record in interrupted
+    ]
     return lines
 
 
@@ -330,8 +392,8 @@ def stress_section(run_dir: Path) -> str | None:
         "Hypothesis machine, everything: addresses, every committed byte, the driver's read-back of every granule, "
         "one chunk per segment, the usage probe."
     )
-    lines = _headline(stress["run"], totals, stress["tests"])
-    lines += _tests_table(stress["tests"])
+    lines = _headline(stress, totals)
+    lines += _tests_table(stress["tests"], stress["interrupted"])
     lines += _short_bound_lines(stress["tests"])
     lines += _counter_table("Operations", overall["operations"], "operation (each a public operation on a real cache, checked)")
     lines += _counter_table("Checks passed", overall["checks"], "check", check_note)

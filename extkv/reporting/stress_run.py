@@ -24,8 +24,10 @@ Two phases, each announced by a progress line and timed:
    OVERRUN_S, it is killed, and the run fails.
 2. The report: `run.json` (bound, seed, command, exit status) joins the raw
    results, and `render_report(<run>)` writes `summary.md`, whose stress
-   section (extkv.reporting.stress) counts operations, faults, (operation,
-   step) pairs, leaks and content mismatches, and plots the memory timeline.
+   section (extkv.reporting.stress) gives the verdict, counts operations,
+   faults, (operation, step) pairs, leaks and content mismatches, and plots
+   the memory timeline. The closing lines give the verdict, and the exit
+   status is 0 only where the run passed.
 
 The run directory is a new `reports/runs/<date>-<host>-<gpus>/`
 (extkv.reporting.rundir) unless `--report-dir` names one, which must be
@@ -52,7 +54,7 @@ from .check_run import add_report_dir_argument, installed_suite_options, interru
 from .machine import machine_facts, write_machine_facts
 from .rundir import RunDirectoryInUse, checkout_root, prepare_run_directory, suite_directory
 from .steps import RunInterrupted, end_all, interruptible, start as start_step
-from .stress import RUN_FILE, STRESS_DIR, STRESS_FORMAT, load_stress, stress_totals
+from .stress import HARNESS_STEP, RUN_FILE, STRESS_DIR, STRESS_FORMAT, load_stress, stress_totals, stress_verdict
 
 #: Files of an earlier stress run that --overwrite removes from --report-dir.
 STRESS_FILES = (STRESS_DIR, "summary.md", "*.png")
@@ -83,7 +85,7 @@ def pytest_command(suite: Path, results: Path, deadline: float, seed: int, gpus:
         f"--stress-device={'gpu' if gpus else 'host'}",
         f"--junitxml={results / 'stress-junit.xml'}",
         f"--extkv-report-dir={results}",
-        "--extkv-report-step=stress",
+        f"--extkv-report-step={HARNESS_STEP}",
     ]
     if gpus > 1:
         command += ["-n", str(gpus), "--dist", "each"]
@@ -208,11 +210,11 @@ def _report(run_dir: Path, results: Path, document: dict) -> int:
         print(f"extkv stress: the report could not be rendered: {error}", flush=True)
         return 1
     done, operations, faults = _operations_so_far(results)
+    passed, verdict = stress_verdict(load_stress(run_dir))  # not None: run.json is there
     print(f"extkv stress [2/2] done in {time.time() - phase:.0f} s; report {summary}", flush=True)
-    print(f"extkv stress: {done} tests, {operations:,} operations, {faults:,} faults; "
-          f"{'passed' if status == 0 else 'FAILED'}", flush=True)
+    print(f"extkv stress: {done} tests, {operations:,} operations, {faults:,} faults; {verdict}", flush=True)
     short = _short_bounds(results)
     if short:
         print(f"extkv stress: bound too short for {len(short)} of {done} tests: they ran only their least episode "
               f"(listed in the report): {', '.join(nodeid.split('::')[-1] for nodeid in short)}", flush=True)
-    return status
+    return status or (0 if passed else 1)

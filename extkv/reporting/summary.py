@@ -84,7 +84,7 @@ def load_check(run_dir: Path) -> dict | None:
     run = load_run(run_dir)
     paths = {path.stem: path for path in run_dir.glob(STEP_GLOB) if path.name != RUN_FILE}
     order = [step for step in (run["steps"] if run else []) if step in paths] + sorted(set(paths) - set(run["steps"] if run else []))
-    steps = {step: _unfinished_as_interrupted(load_results(paths[step])) for step in order}
+    steps = {step: load_step_results(paths[step]) for step in order}
     if not steps and run is None:
         return None
     tests: dict[str, dict] = {}
@@ -116,11 +116,13 @@ def load_check(run_dir: Path) -> dict | None:
     }
 
 
-def _unfinished_as_interrupted(document: dict) -> dict:
-    """A step's results where a signal stopped pytest (exit status
-    INTERRUPTED_STATUS): the test it stopped in, which the harness records as
-    an error without a message since no report of it came, is `interrupted`
-    rather than an error of the code under test."""
+def load_step_results(path: Path) -> dict:
+    """One step's results file (`load_results`), read as a run a signal may
+    have stopped: where it did (pytest's exit status INTERRUPTED_STATUS), the
+    test it stopped in, which the harness records as an error without a
+    message since no report of it came, is `interrupted` rather than an error
+    of the code under test."""
+    document = load_results(path)
     if document["exit_status"] != INTERRUPTED_STATUS:
         return document
     tests = {
