@@ -642,13 +642,11 @@ def test_ctrl_c_ends_a_sleep_waiting_for_a_cache_lock_and_changes_nothing(build,
 
 # -- commit-ahead -------------------------------------------------------------------
 def cache_mapped_ahead(build, driver, committed: int = 100, ahead: int = 64):
-    """A cache of `committed` blocks with commit-ahead on and `ahead` blocks
-    mapped and zeroed past them, as its worker leaves them. They are grown
-    here, as the worker's step grows them, so that the worker finds its
-    window full and maps nothing meanwhile."""
+    """A cache of `committed` blocks with commit-ahead on and its worker
+    idle, `ahead` blocks mapped and zeroed past them."""
     cache = kv_cache(build, driver, blocks=committed)
-    cache.buffer.grow_blocks_(committed + ahead, zero_new=True)
     cache.commit_ahead(ahead)
+    assert cache.settle_commit_ahead(60), "the worker never went idle"
     assert cache.num_committed_blocks == committed and cache.grown_blocks == committed + ahead
     return cache
 
@@ -708,3 +706,45 @@ def test_a_failed_wake_of_an_offloaded_cache_with_blocks_mapped_ahead_completes_
     check_readback_matches_bookkeeping(kv.buffer)
     expect_committed(kv, patterns, "committed blocks after the second wake")
     engine.unregister(kv)
+
+
+@pytest.mark.invariant(4, 7)
+def test_no_commit_is_counted_between_an_offloaded_sleeps_copy_and_its_release(build, poisoned):
+    """A scheduler thread commits blocks the worker has ready while the
+    controller's sleep has copied the cache and not yet released it: the
+    commit waits for the sleep to end (the copy would lack the blocks it
+    counted), and the wake brings back the committed bytes of the copy."""
+    kv = cache_mapped_ahead(build, poisoned)
+    patterns = fill_committed(kv, seed=45)
+    engine = SleepController()
+    engine.register(kv, offload=True)
+    copied, committing, counted = threading.Event(), threading.Event(), threading.Event()
+
+    def hook(frame, event, arg):
+        if event == "return" and frame.f_code.co_name == "copy_out" and not copied.is_set():
+            copied.set()
+            assert committing.wait(60), "the scheduler thread never committed"
+            # A commit counted without the lock returns at once; one that
+            # waits for the sleep's lock does not return before the release.
+            counted.wait(1.0)
+
+    def schedule() -> None:
+        assert copied.wait(60)
+        committing.set()
+        kv.commit(130)
+        counted.set()
+
+    scheduler = threading.Thread(target=schedule)
+    scheduler.start()
+    previous = sys.getprofile()
+    sys.setprofile(hook)
+    try:
+        engine.sleep(level=1)
+        counted_during_the_sleep = counted.is_set()
+    finally:
+        sys.setprofile(previous)
+    scheduler.join(60)
+    assert not counted_during_the_sleep, "a commit was counted between the sleep's copy and its release"
+    assert engine.offloaded_bytes == 100 * kv.bytes_per_block
+    engine.wake_up()
+    expect_committed(kv, patterns, "committed blocks after the wake")

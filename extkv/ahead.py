@@ -130,12 +130,16 @@ class CommitAhead:
 
     # -- the cache's operations, reservation lock held ------------------------------
     def published(self, zeroed: int) -> None:
-        """A locked operation left `zeroed` blocks mapped and zeroed: ready,
-        unless a pause or a withdrawal holds ready at 0; wake the worker."""
+        """A locked operation left `zeroed` blocks mapped and zeroed."""
         with self._work:
-            if not (self._withdrawn or self._paused):
-                self.ready = zeroed
-            self.wake()
+            self._publish(zeroed)
+
+    def _publish(self, zeroed: int) -> None:  # count lock held
+        """`zeroed` blocks are ready, unless a pause or a withdrawal holds
+        ready at 0; wake the worker."""
+        if not (self._withdrawn or self._paused):
+            self.ready = zeroed
+        self.wake()
 
     def withdraw(self) -> None:
         """Before an operation that unmaps or moves mapped blocks: no commit
@@ -146,7 +150,7 @@ class CommitAhead:
     def restore(self, zeroed: int) -> None:
         with self._work:
             self._withdrawn = False
-        self.published(zeroed)
+            self._publish(zeroed)
 
     def pause(self) -> None:
         """The cache sleeps: nothing grows, nothing counts without the lock."""
@@ -156,7 +160,7 @@ class CommitAhead:
     def resume(self, zeroed: int) -> None:
         with self._work:
             self._paused = False
-        self.published(zeroed)
+            self._publish(zeroed)
 
     def raise_kept_error(self) -> None:
         with self._work:

@@ -51,6 +51,7 @@ live readings of free memory.
 from __future__ import annotations
 
 import bisect
+import contextlib
 import enum
 import functools
 import gc
@@ -152,12 +153,7 @@ def _operation(method):
             if state not in legal_in:
                 article = "an" if state is _State.INHERITED else "a"
                 raise StateError(f"ExtensibleKVCache.{name}() is not allowed on {article} {state.value} cache")
-            try:
-                return method(self, *args, **kwargs)
-            except BaseException:
-                if self._ahead is not None and self.buffer.is_broken:
-                    self._ahead.withdraw()  # no commit counts blocks of a broken buffer
-                raise
+            return method(self, *args, **kwargs)
 
     return locked
 
@@ -295,7 +291,9 @@ class ExtensibleKVCache:
         ready, or withdrawn since the caller looked)."""
         with _DEFERRED_SIGNALS, self._count_lock:
             ahead = self._ahead
-            if ahead is None or num_blocks > ahead.ready:
+            # A buffer breaks under the reservation's lock (a failed undo, in
+            # a step or a locked operation), whatever ready says then.
+            if ahead is None or num_blocks > ahead.ready or self.buffer.is_broken:
                 return False
             if num_blocks > self._committed:
                 self.buffer.driver.wait_for(ahead.fence)
@@ -320,6 +318,11 @@ class ExtensibleKVCache:
             if num_blocks > self._committed:
                 if num_blocks > self._zeroed_through:
                     self._grow_zeroed(num_blocks)
+                    if self._asleep:
+                        # Every committed block is mapped now: awake.
+                        self._asleep = False
+                        if ahead is not None:
+                            ahead.resume(self._zeroed_through)
                 elif ahead is not None:
                     # The worker grew them: its zeroing is ordered before
                     # the caller's later kernels. (A stopped worker's ran
@@ -344,11 +347,16 @@ class ExtensibleKVCache:
         """A locked commit made `num_blocks` committed (grow-only: a count
         raised meanwhile without the lock stays); the worker, if any, is
         told what is grown now."""
+        ahead = self._ahead
+        if ahead is None:
+            # No count without the lock runs while commit-ahead is off: the
+            # reservation's lock, held here, is the only writer's.
+            self._committed = num_blocks
+            return
         with self._count_lock:
             if num_blocks > self._committed:
                 self._committed = num_blocks
-        if self._ahead is not None:
-            self._ahead.published(self._zeroed_through)
+        ahead.published(self._zeroed_through)
 
     def _uncount(self) -> None:
         """No block committed, before a release that remaps them; reservation
@@ -438,6 +446,22 @@ class ExtensibleKVCache:
         if ahead is not None:
             ahead.stop()
 
+    @contextlib.contextmanager
+    def commits_locked(self):
+        """While inside, with `buffer.lock` held, no commit lands: commit-ahead's
+        count without the reservation's lock is withdrawn, so every commit
+        waits for that lock. For work that must see the committed blocks
+        stay put across several steps (a sleep's copy, then its release)."""
+        ahead = self._ahead
+        if ahead is None:
+            yield
+            return
+        ahead.withdraw()
+        try:
+            yield
+        finally:
+            ahead.restore(self._zeroed_through)
+
     @property
     def commit_ahead_window(self) -> int:
         """Blocks the commit-ahead worker keeps ahead of the committed ones (0: off)."""
@@ -466,7 +490,9 @@ class ExtensibleKVCache:
     @_operation
     def release_physical(self) -> None:
         """Drop the physical pages for sleep; addresses and views stay valid.
-        A commit-ahead worker pauses until `recommit`."""
+        A commit-ahead worker pauses until `recommit`, or until a commit
+        past the committed blocks, which maps them all and so wakes the
+        cache as a recommit would."""
         self._asleep = True
         self._zeroed_through = 0
         if self._ahead is not None:

@@ -269,6 +269,13 @@ class _Registration:
     def release(self) -> None:
         self.target.release_physical()
 
+    def commits_held(self) -> contextlib.AbstractContextManager:
+        """No commit lands while inside (buffer lock held): a KV cache's
+        commit-ahead counts without that lock otherwise, and a block counted
+        between the copy and the release would wake without its bytes."""
+        target = self.target
+        return target.commits_locked() if isinstance(target, ExtensibleKVCache) else contextlib.nullcontext()
+
     def recommit(self) -> None:
         if isinstance(self.target, ExtensibleKVCache):
             self.target.recommit()
@@ -479,6 +486,13 @@ class SleepController:
 
     @staticmethod
     def _sleep(registrations: list[_Registration], keep_offloaded: bool) -> None:
+        with contextlib.ExitStack() as held:
+            for registration in registrations:
+                held.enter_context(registration.commits_held())
+            SleepController._copy_and_release(registrations, keep_offloaded)
+
+    @staticmethod
+    def _copy_and_release(registrations: list[_Registration], keep_offloaded: bool) -> None:
         awake = [r for r in registrations if not r.asleep]
         # Every copy before the first release: host memory running out then changes nothing.
         backups = {id(r): r.copy_out() for r in awake if keep_offloaded and r.offload}
