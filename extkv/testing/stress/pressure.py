@@ -132,9 +132,12 @@ def pressure_main(device: torch.device) -> None:
     cycles = 0
     #: Notified at every release of the cycle, and when the cycle ends.
     released = threading.Condition()
+    #: Whether the cycle ended (set under `released`: a waiter woken by the
+    #: end must see it, and the thread is still alive while it notifies).
+    ended = False
 
     def cycle(mode: str, amount: int, seconds: float) -> None:
-        nonlocal cycles
+        nonlocal cycles, ended
         try:
             while not stop.is_set():
                 holder.hold(amount) if mode == "hold" else holder.fill(amount)
@@ -146,12 +149,13 @@ def pressure_main(device: torch.device) -> None:
                 stop.wait(seconds)
         finally:
             with released:  # a waiter for the next release must not wait for a cycle that ended
+                ended = True
                 released.notify_all()
 
     def next_release() -> str:
         with released:
             seen = cycles
-            released.wait_for(lambda: cycles > seen or cycler is None or not cycler.is_alive())
+            released.wait_for(lambda: cycles > seen or cycler is None or ended)
             return f"released {cycles}" if cycles > seen else "error: not cycling"
 
     def answer(text: str) -> None:
@@ -169,6 +173,8 @@ def pressure_main(device: torch.device) -> None:
             answer("released")
         elif command == "cycle":
             stop.clear()
+            with released:
+                ended = False
             cycler = threading.Thread(target=cycle, args=(arguments[0], int(arguments[1]), float(arguments[2])), daemon=True)
             cycler.start()
             answer("cycling")
