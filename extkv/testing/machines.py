@@ -29,7 +29,6 @@ from __future__ import annotations
 
 import collections
 import threading
-import time
 
 from hypothesis import note
 from hypothesis import strategies as st
@@ -282,11 +281,8 @@ def commit_ahead_machine(driver: Driver, probe: UsageProbe, layout: KVCacheLayou
             """The grown count the worker must reach, and wait for it."""
             if not self.asleep and self.window:
                 self.grown = max(self.grown, min(self.committed + self.window, capacity))
-            deadline = time.monotonic() + AHEAD_PATIENCE_S
-            while not self.asleep and self.cache.grown_blocks < self.grown:
-                if time.monotonic() > deadline:
-                    raise AssertionError(f"the worker grew {self.cache.grown_blocks} of {self.grown} blocks")
-                time.sleep(0.002)
+            if not self.cache.settle_commit_ahead(AHEAD_PATIENCE_S):
+                raise AssertionError(f"the worker never went idle: grown {self.cache.grown_blocks} of {self.grown} blocks")
 
         @precondition(lambda self: not self.asleep)
         @rule(n=blocks)

@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import random
 import threading
-import time
 
 import torch
 
@@ -59,11 +58,10 @@ def _block_rows(kv_cache: ExtensibleKVCache, segment: int, block: int) -> torch.
 def _wait_idle(kv_cache: ExtensibleKVCache, window: int) -> None:
     """Until the worker has grown its whole window (the capacity caps it)."""
     want = min(kv_cache.num_committed_blocks + window, kv_cache.capacity_blocks)
-    deadline = time.monotonic() + IDLE_PATIENCE_S
-    while kv_cache.physical_bytes and kv_cache.grown_blocks < want:
-        if time.monotonic() > deadline:
-            raise AssertionError(f"the worker grew {kv_cache.grown_blocks} of {want} blocks in {IDLE_PATIENCE_S} s")
-        time.sleep(0.002)
+    if not kv_cache.settle_commit_ahead(IDLE_PATIENCE_S):
+        raise AssertionError(f"the worker never went idle in {IDLE_PATIENCE_S} s: grown {kv_cache.grown_blocks} of {want}")
+    if kv_cache.physical_bytes and kv_cache.grown_blocks < want:
+        raise AssertionError(f"the worker went idle at {kv_cache.grown_blocks} of {want} blocks")
 
 
 def decode_beside_commit_ahead(
