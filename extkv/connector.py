@@ -344,16 +344,14 @@ class SegmentExportConnector:
         gone = [r.index for r in self._registrations if r.mapped_chunk is not None and id(r.mapped_chunk) not in live]
         sizes = buffer.segment_sizes
         resized = [r.index for r in self._registrations if sizes[r.index] != r.committed_bytes]
-        if (gone or resized) and self._kv_cache is not None and self._kv_cache.commit_ahead_window:
-            raise StaleRegistrationError(
-                f"the KV cache's memory changed since register_kv_caches: commit-ahead is on (window "
-                f"{self._kv_cache.commit_ahead_window} blocks) and grows segments {sorted(set(gone + resized))} past "
-                "what was registered; turn it off (commit_ahead(0)), commit with defragment=True and restore_kv_caches()"
-            )
         if gone or resized:
+            window = self._kv_cache.commit_ahead_window if self._kv_cache is not None else 0
+            why = (f"commit-ahead is on (window {window} blocks) and grows them past what was registered; turn it off "
+                   "(commit_ahead(0)), commit with defragment=True and " if window else
+                   "they were released, remapped or resized; call ")
             raise StaleRegistrationError(
-                f"the KV cache's memory changed since register_kv_caches (segments {sorted(set(gone + resized))} "
-                "were released, remapped or resized); call restore_kv_caches() to register the current mapping"
+                f"the KV cache's memory changed since register_kv_caches (segments {sorted(set(gone + resized))}): "
+                f"{why}restore_kv_caches() to register the current mapping"
             )
 
     def _require(self, operation: str) -> None:

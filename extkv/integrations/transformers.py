@@ -398,8 +398,7 @@ class ExtensibleCache(Cache):
         the memory was released."""
         if self._state is not _State.LIVE:
             self._require(operation, _State.LIVE)
-        kv_cache = self.kv_cache
-        if kv_cache.is_asleep or kv_cache.grown_blocks < kv_cache.num_committed_blocks:
+        if self._memory_released():
             raise StateError(
                 f"ExtensibleCache.{operation}() is not allowed: its ExtensibleKVCache is asleep, its memory released "
                 "by a SleepController or by release_physical(); wake it the same way first"
@@ -425,6 +424,11 @@ class ExtensibleCache(Cache):
         """Asleep by its own `release_physical()`, or its memory released by another."""
         if self._state is not _State.LIVE:
             return self._state is _State.ASLEEP
+        return self._memory_released()
+
+    def _memory_released(self) -> bool:
+        """Whether committed blocks are unmapped: the cache released, or
+        only its reservation (a SleepController holding the buffer)."""
         kv_cache = self.kv_cache
         return kv_cache.is_asleep or kv_cache.grown_blocks < kv_cache.num_committed_blocks
 
