@@ -89,8 +89,10 @@ def _set_subreaper(on: bool) -> None:
 def interruptible() -> Iterator[None]:
     """While entered: ENDING_SIGNALS raise RunInterrupted (the first only)
     and the process is its descendants' subreaper; both undone on exit."""
-    previous = {number: signal.signal(number, _on_signal) for number in ENDING_SIGNALS}
+    # Reset before the handlers go in: a signal between the two would be
+    # taken for a second one and only hurry an end that never began.
     _state.first, _state.hurry = None, False
+    previous = {number: signal.signal(number, _on_signal) for number in ENDING_SIGNALS}
     try:
         _set_subreaper(True)
         yield
