@@ -465,6 +465,17 @@ def test_something_planted_at_the_lock_path_is_refused_at_once(driver, lock_path
     assert lock_path in message and ("a FIFO" if planted == "FIFO" else "ELOOP") in message, message
 
 
+def test_under_warnings_as_errors_a_commit_past_a_planted_lock_still_goes_on(driver, lock_path, recwarn):
+    """The warning says what was already done: filters that make warnings
+    errors (-W error) must not turn it into a refused commit."""
+    os.mkfifo(lock_path)
+    g = driver.granularity
+    with extkv.ExtensibleTensor(g, device=driver) as tensor, warnings.catch_warnings():
+        warnings.simplefilter("error")
+        tensor.resize_segments_([g])
+        assert tensor.segment_sizes == [g] and tensor.physical_bytes == g
+
+
 class SaysWhenAdmitting(WrappingDriver):
     """A real driver that sets `admitting` as a commit asks for admission,
     before it waits for any lock."""

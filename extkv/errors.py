@@ -10,6 +10,9 @@ a 64 GiB reservation fails at one granule out of thousands.
 
 from __future__ import annotations
 
+import sys
+import warnings
+
 
 class ExtkvError(Exception):
     """Base class of every exception extkv raises on purpose."""
@@ -61,3 +64,16 @@ class DeadlineExceededError(ExtkvError, TimeoutError):
     """An exchange with another process (or a digest) was not over within
     its timeout. The message names the exchange, the timeout and how far it
     got; a `TimeoutError`, so callers that catch the builtin still work."""
+
+
+def warn_without_raising(message: str, category: type[Warning] = RuntimeWarning, *, stacklevel: int = 1) -> None:
+    """Warn of something already done, never raise it: the caller is past a
+    step it cannot undo (a descriptor closed, a lock gone without), and
+    filters that turn warnings into errors (`-W error`) would make that step
+    look refused, and a refused step is retried or undone. Such a warning is
+    shown instead, at the caller's caller's line as `warnings.warn` would."""
+    try:
+        warnings.warn(message, category, stacklevel=stacklevel + 1)
+    except Warning as warning:
+        caller = sys._getframe(stacklevel)
+        warnings.showwarning(warning, category, caller.f_code.co_filename, caller.f_lineno)

@@ -81,13 +81,12 @@ import ctypes
 import errno
 import fcntl
 import os
-import sys
 import threading
-import warnings
 from typing import Hashable, Iterable, Iterator, NamedTuple
 
 import torch
 
+from ..errors import warn_without_raising
 from .base import NO_ACCESS, READ_ONLY, READ_WRITE, Chunk, Driver, format_granularity
 from .dlpack import uint8_view
 from .host_commits import one_commit_at_a_time
@@ -299,13 +298,7 @@ class HostDriver(Driver):
                 f"close(memfd {chunk.handle}) of a {chunk.size}-byte chunk failed with "
                 f"{errno.errorcode.get(error.errno, error.errno)}; its descriptor is not closed again"
             )
-            try:
-                warnings.warn(message, RuntimeWarning, stacklevel=3)
-            except RuntimeWarning as warning:
-                # Filters that make warnings errors (-W error) would make this
-                # release look refused, and a refused release is retried.
-                caller = sys._getframe(2)
-                warnings.showwarning(warning, RuntimeWarning, caller.f_code.co_filename, caller.f_lineno)
+            warn_without_raising(message, stacklevel=3)
 
     def _export_fd(self, chunk: Chunk, writable: bool) -> int:
         fd = chunk.handle

@@ -56,11 +56,10 @@ import stat
 import tempfile
 import threading
 import time
-import warnings
 from typing import Iterator
 
 from ..deferred_signals import signal_waiting
-from ..errors import DriverError
+from ..errors import DriverError, warn_without_raising
 
 #: The machine's host commits take an flock on this file (any process may
 #: open it for reading, which is all flock needs).
@@ -175,10 +174,10 @@ def _wait_for_lock(descriptor: int) -> None:
 
 
 def _go_on_without(why: str) -> None:
-    warnings.warn(
+    warn_without_raising(
         f"host commit goes on without the machine's commit lock {COMMITS_LOCK_PATH}: {why}; its headroom check "
         "is no longer kept apart from other processes' commits",
-        RuntimeWarning, stacklevel=2,
+        stacklevel=2,
     )
 
 
