@@ -869,6 +869,41 @@ def test_the_report_says_what_each_contender_that_ran_is_in_its_runs_words(tmp_p
     assert "memset, as recorded" not in section, "memset did not run in this case"
 
 
+@pytest.mark.parametrize("record, partial", [
+    ({"exit_status": 2, "interrupted": "SIGINT"}, "INTERRUPTED by SIGINT"),
+    ({"exit_status": 3}, "pytest ended with exit status 3"),
+    ({"exit_status": 1}, None),
+    (None, None),
+], ids=["interrupted", "pytest-error", "a-test-failed", "no-run-file"])
+def test_a_run_that_did_not_end_on_its_own_is_headed_as_partial(tmp_path, record, partial):
+    """What was measured is shown, but under headings that say partial and
+    a line before any figure; a run that finished (a failed test included)
+    or recorded no bench-run.json reads as complete."""
+    from extkv.benchmarking.report import RUN_FILE, bench_section
+
+    write_one_case_run(tmp_path, ["extkv", "raw"], {"extkv": [0.002], "raw": [0.001]})
+    if record is not None:
+        (tmp_path / RUN_FILE).write_text(json.dumps(record))
+    section = bench_section(tmp_path)
+    assert "| grow8 blhnc1 (1 seg) 1GiB recycled | extkv | 2 ms / 2 ms |" in section, "what was measured is shown"
+    if partial is None:
+        assert section.startswith("## Benchmarks\n\nProfile **gpu**") and "partial" not in section, section
+        return
+    assert section.startswith(
+        f"## Benchmarks ({partial}: partial results)\n\n**{partial} before every case was measured: partial results, "
+        "not a complete run.** Cases with a contender measured: 1 of 1;"), section
+    for heading in ("### Targets (partial: ", "### Scaling (partial)", "### Every case (partial)"):
+        assert heading in section, heading
+
+
+def test_a_run_interrupted_before_the_engine_wrote_its_cases_says_nothing_was_measured(tmp_path):
+    from extkv.benchmarking.report import RUN_FILE, bench_section
+
+    (tmp_path / RUN_FILE).write_text(json.dumps({"exit_status": -9, "interrupted": "SIGTERM"}))
+    assert bench_section(tmp_path) == ("## Benchmarks (INTERRUPTED by SIGTERM: partial results)\n\n**INTERRUPTED by "
+                                       "SIGTERM before any case's results were written: nothing measured.**\n")
+
+
 def test_a_scaling_reading_the_run_did_not_count_says_so():
     run = BenchRun({}, [result("commit", {"extkv": entry("extkv", [1.0])}, geometry=g, bytes=b, case=f"{g}-{b}")
                         for g, b in (("blhnc1", 64 * MiB), ("blhnc1", 64 << 30))])

@@ -1,6 +1,6 @@
-"""Ctrl-C or SIGTERM to a run of `extkv check` or `extkv stress`, sent to
-the run's own pid only, as a terminal or a job scheduler sends it
-(extkv.reporting.steps).
+"""Ctrl-C or SIGTERM to a run of `extkv check`, `extkv stress` or `extkv
+bench`, sent to the run's own pid only, as a terminal or a job scheduler
+sends it (extkv.reporting.steps).
 
 Each run is a real one, in a session of its own, given one extra test that
 blocks on a FIFO: the run's pytest has started and stands in that test, the
@@ -9,9 +9,9 @@ goes out at a known point without a sleep. Every process the run starts
 inherits a mark in its environment, by which any left after the run exits
 is found in /proc. The run must end whole, exit 128 plus the signal's
 number, print one `INTERRUPTED` line, last, and leave a report marked
-interrupted in which the stopped test is no failure. Stress runs on the
-host driver, whatever GPUs the machine has: a stress run on a GPU keeps
-only GPU tests, and the blocking test is none.
+interrupted in which the stopped test is no failure. Stress and bench run on
+the host driver, whatever GPUs the machine has: a stress run on a GPU
+keeps only GPU tests, and the blocking test is none.
 """
 
 from __future__ import annotations
@@ -28,6 +28,8 @@ from pathlib import Path
 
 import pytest
 
+from extkv.benchmarking.cases import PROFILES, catalogue
+from extkv.benchmarking.contenders import CONTENDERS
 from extkv.reporting.rundir import suite_directory
 
 #: Every test here checks extkv's own tooling: its runs and their reports.
@@ -176,3 +178,38 @@ def test_a_signal_to_the_stress_run_alone_ends_it_whole_with_an_interrupted_verd
     recorded = json.loads((tmp_path / "run" / "stress" / "run.json").read_text())
     assert recorded["interrupted"] == name and recorded["exit_status"] == 2, recorded
 
+
+def smallest_main_process_case() -> str:
+    """The quick profile's smallest recycled case whose contenders all run
+    in the bench's own process: measured in well under a second."""
+    cases = [case for case in catalogue(PROFILES["quick"])
+             if case.state == "recycled" and all(CONTENDERS[name].process == "main" for name in case.contenders)]
+    return min(cases, key=lambda case: (case.bytes, len(case.contenders))).id
+
+
+@SIGNALS
+def test_a_signal_to_the_bench_alone_ends_it_whole_with_a_partial_report(tmp_path, number):
+    """`extkv bench --quick` measuring one case, then standing in the
+    blocking test: the signal to its pid only ends its pytest, whose
+    measured case still reaches the report; the bench section is headed as
+    partial, says so before any figure, and shows the case measured."""
+    case = smallest_main_process_case()
+    blocking = blocking_test(tmp_path, "bench_blocking.py")
+    command = [sys.executable, "-m", "extkv", "bench", "--quick", "--report-dir", str(tmp_path / "run"),
+               "--benchmark-storage", str(tmp_path / "storage"), "-k", f"{case} or blocks_until", str(blocking)]
+    ended = signalled_in_the_blocking_test(tmp_path, command, number, run_environment(host_only=True))
+    name, summary = signal.Signals(number).name, tmp_path / "run" / "summary.md"
+    ended.assert_ended_by(number, f"extkv bench: INTERRUPTED by {name}: the run did not measure every case; "
+                                  f"report {summary}")
+    report = summary.read_text()
+    cases = len(catalogue(PROFILES["quick"]))
+    assert (f"## Benchmarks (INTERRUPTED by {name}: partial results)\n\n**INTERRUPTED by {name} before every case "
+            f"was measured: partial results, not a complete run.** Cases with a contender measured: 1 of {cases};"
+            ) in report, report[:3000]
+    assert "### Targets (partial: " in report and "### Every case (partial)" in report, report[:3000]
+    op, geometry, size, state = case.split("-")
+    assert re.search(rf"(?m)^\| {op} {geometry} \(\d+ seg\) {size} {state}[^|]* \| extkv \| [0-9.]+ (us|ms|s) / ",
+                     report), report
+    assert "1 failed" not in report, report[:3000]
+    recorded = json.loads((tmp_path / "run" / "bench-run.json").read_text())
+    assert recorded["interrupted"] == name and recorded["exit_status"] == 2, recorded

@@ -11,6 +11,14 @@ readings at a glance, every target row with its verdict
 target, the scaling plots (extkv.benchmarking.plots) and every case with
 every contender. extkv.reporting.render_report puts it beside the check and
 stress sections.
+
+A run that did not end on its own is partial: `bench-run.json` (RUN_FILE,
+written by `extkv bench`) names the signal that ended it, or pytest's exit
+status where pytest did not finish (extkv.reporting.verdict's rule). Its
+section is headed as partial, says so before any figure, and renders what
+was measured; the cases it did not reach read `not run`, their targets `not
+measured`. A run without that file (pooled runs, runs of older versions) is
+read as complete.
 """
 
 from __future__ import annotations
@@ -19,10 +27,30 @@ import statistics
 from pathlib import Path
 
 from . import decode, growth_loop
+from ..reporting.verdict import FINISHED_STATUSES
 from .geometry import size_label
 from .plots import plot
 from .results import BenchRun, CaseResult, Entry, carryover, load, ratio, read_json_object
 from .targets import ScalingRow, TargetRow, evaluate, evaluate_scaling, fewest_calls_reason
+
+#: What `extkv bench` records of the run as a whole: its pytest command and
+#: exit status, and the signal that ended it, if one did.
+RUN_FILE = "bench-run.json"
+
+
+def partial_reason(run_dir: Path) -> str | None:
+    """Why the run's results are partial (`INTERRUPTED by SIGTERM`, `pytest
+    ended with exit status 3`); None for a run that ran what it selected or
+    recorded no RUN_FILE."""
+    path = Path(run_dir) / RUN_FILE
+    if not path.exists():
+        return None
+    record = read_json_object(path)
+    if record.get("interrupted"):
+        return f"INTERRUPTED by {record['interrupted']}"
+    if record.get("exit_status") not in FINISHED_STATUSES:
+        return f"pytest ended with exit status {record.get('exit_status')}"
+    return None
 
 
 def _pooled_lines(facts: dict) -> list[str]:
@@ -283,22 +311,40 @@ def bench_section(run_dir: Path) -> str | None:
     """Markdown for the bench results in `run_dir` (plots written beside it), or None when there are none."""
     run = load(Path(run_dir))
     decode_lines = _decode_lines(Path(run_dir))
+    partial = partial_reason(Path(run_dir))
+    heading = "## Benchmarks" + (f" ({partial}: partial results)" if partial else "")
     if run is None:
-        return "\n".join(["## Benchmarks", "", *decode_lines]) if decode_lines else None
+        if partial:
+            return "\n".join([heading, "", f"**{partial} before any case's results were written: nothing "
+                               "measured.**", "", *decode_lines])
+        return "\n".join([heading, "", *decode_lines]) if decode_lines else None
     rows = evaluate(run)
     scaling = evaluate_scaling(run)
     met = sum(1 for r in rows if r.met)
     missed = sum(1 for r in rows if r.met is False)
-    lines = ["## Benchmarks", "", *_facts_lines(run), "",
-             f"### {_HEADLINE_HEADING}", "", *_headline_table(run, rows, scaling), "",
-             f"### Targets ({met} met, {missed} missed, {len(rows) - met - missed} not measured)", "",
+    tag = " (partial)" if partial else ""
+    lines = [heading, "", *_partial_lines(run, partial), *_facts_lines(run), "",
+             f"### {_HEADLINE_HEADING}{tag}", "", *_headline_table(run, rows, scaling), "",
+             f"### Targets ({'partial: ' if partial else ''}{met} met, {missed} missed, "
+             f"{len(rows) - met - missed} not measured)", "",
              *_targets_table(rows, run.facts["granularity"]), "",
              *_carryover_lines(rows, run.facts["granularity"])]
     paths, why_not = plot(run, run_dir)
-    lines += ["### Scaling", ""]
+    lines += [f"### Scaling{tag}", ""]
     lines += [f"![{path.stem}]({path.name})" for path in paths] or [why_not]
-    lines += ["", "### Every case", *_every_case_table(run, rows), "", *decode_lines]
+    lines += ["", f"### Every case{tag}", *_every_case_table(run, rows), "", *decode_lines]
     return "\n".join(lines)
+
+
+def _partial_lines(run: BenchRun, partial: str | None) -> list[str]:
+    """What a partial run's figures are, before any of them."""
+    if partial is None:
+        return []
+    reached = sum(1 for case in run.cases if case.entries)
+    return [f"**{partial} before every case was measured: partial results, not a complete run.** "
+            f"Cases with a contender measured: {reached} of {len(run.cases)}; a case the run did not reach reads "
+            "*not run*, and a target on it *not measured*. The figures are of the rounds measured before the end.",
+            ""]
 
 
 def _decode_lines(run_dir: Path) -> list[str]:

@@ -25,8 +25,10 @@ unless `--report-dir` names one. `--rounds N` caps the rounds of every case.
 Other arguments go to pytest (`extkv bench -k commit`). Device settings
 (clocks) are never changed: the report says they were not pinned. Ctrl-C
 or SIGTERM ends pytest and everything it started (extkv.reporting.steps),
-renders what report the results make, and ends in one line and exit
-status 130 or 143.
+renders the report of what was measured, headed as partial, and ends in
+one line and exit status 130 or 143. `bench-run.json` records pytest's
+command and exit status, and the signal that ended the run, if one did:
+the report reads from it whether the run is complete.
 
 Run against run: pytest-benchmark's storage and compare
 --------------------------------------------------------
@@ -71,6 +73,7 @@ whose verdicts read them all, which `extkv pool` does
 from __future__ import annotations
 
 import argparse
+import json
 import sys
 import time
 from pathlib import Path
@@ -89,6 +92,7 @@ from ..reporting.rundir import (
     suite_directory,
 )
 from .playback import BENCH_JSON, PLAYBACK_TIMER
+from .report import RUN_FILE
 
 #: Files of an earlier bench that --overwrite removes from --report-dir.
 BENCH_FILES = ("bench*.json", "bench*.png", "bench.log", "summary.md")
@@ -151,6 +155,12 @@ def _phase(number: int, what: str, command: list[str] | None = None) -> float:
     return time.monotonic()
 
 
+def _record_run(run_dir: Path, command: list[str], status: int | None, interrupted: str | None = None) -> None:
+    """Write RUN_FILE: pytest's command and exit status, and the signal that ended the run."""
+    record = {"pytest": command, "exit_status": status} | ({"interrupted": interrupted} if interrupted else {})
+    (run_dir / RUN_FILE).write_text(json.dumps(record, indent=1) + "\n")
+
+
 def run(args: argparse.Namespace, pytest_args: list[str]) -> int:
     if args.rounds is not None and args.rounds < 1:
         raise SystemExit(f"extkv bench: --rounds must be an int >= 1, got {args.rounds}")
@@ -177,12 +187,14 @@ def run(args: argparse.Namespace, pytest_args: list[str]) -> int:
             status = process.wait()
         except RunInterrupted as interrupt:
             end_all([process] if process else [])
+            _record_run(run_dir, command, process.returncode if process else None, interrupt.signal_name)
             print(f"extkv bench: INTERRUPTED by {interrupt.signal_name}: the run did not measure every case; "
                   f"{interrupted_report(run_dir)}", flush=True)
             return interrupt.exit_status
         except BaseException:
             end_all([process] if process else [])  # a run that fails takes its pytest with it
             raise
+    _record_run(run_dir, command, status)
     print(f"extkv bench [1/2] {'done' if status == 0 else f'FAILED (exit status {status})'} "
           f"in {time.monotonic() - started:.0f} s; pytest-benchmark's storage {storage} "
           f"(`pytest-benchmark --storage {storage} compare` sets its runs side by side)", flush=True)
