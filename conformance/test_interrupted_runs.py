@@ -1,6 +1,6 @@
-"""Ctrl-C or SIGTERM to a run of `extkv check`, `extkv stress` or `extkv
-bench`, sent to the run's own pid only, as a terminal or a job scheduler
-sends it (extkv.reporting.steps).
+"""Ctrl-C or SIGTERM to a run of `extkv check`, `extkv stress`, `extkv
+bench` or `extkv reference`, sent to the run's own pid only, as a terminal
+or a job scheduler sends it (extkv.reporting.steps).
 
 Each run is a real one, in a session of its own, given one extra test that
 blocks on a FIFO: the run's pytest has started and stands in that test, the
@@ -9,9 +9,11 @@ goes out at a known point without a sleep. Every process the run starts
 inherits a mark in its environment, by which any left after the run exits
 is found in /proc. The run must end whole, exit 128 plus the signal's
 number, print one `INTERRUPTED` line, last, and leave a report marked
-interrupted in which the stopped test is no failure. Stress and bench run on
-the host driver, whatever GPUs the machine has: a stress run on a GPU
-keeps only GPU tests, and the blocking test is none.
+interrupted in which the stopped test is no failure; the reference's
+INTERRUPTED line is its running step's, and its own line closes. Stress,
+bench and the reference run on the host driver, whatever GPUs the machine
+has: a stress run on a GPU keeps only GPU tests, and the blocking test is
+none.
 """
 
 from __future__ import annotations
@@ -213,3 +215,26 @@ def test_a_signal_to_the_bench_alone_ends_it_whole_with_a_partial_report(tmp_pat
     assert "1 failed" not in report, report[:3000]
     recorded = json.loads((tmp_path / "run" / "bench-run.json").read_text())
     assert recorded["interrupted"] == name and recorded["exit_status"] == 2, recorded
+
+
+@SIGNALS
+def test_a_signal_to_the_reference_alone_ends_its_step_and_the_reference(tmp_path, number):
+    """`extkv reference` standing in its check step's blocking test: the
+    signal to its pid only reaches the step as that signal, which ends its
+    own pytest and says so in the run's one INTERRUPTED line; the reference
+    makes no reference, ends with the same exit status and runs no step
+    after."""
+    blocking = blocking_test(tmp_path, "test_blocking.py")
+    suite = Path(__file__).resolve().parent
+    command = [sys.executable, "-m", "extkv", "reference", "--report-dir", str(tmp_path / "run"),
+               f"--ignore-glob={suite}/test_*.py", str(blocking)]
+    ended = signalled_in_the_blocking_test(tmp_path, command, number, run_environment(host_only=True))
+    name, summary = signal.Signals(number).name, tmp_path / "run" / "summary.md"
+    assert ended.status == 128 + number and ended.left == [], (ended.left, ended.output[-3000:])
+    assert "Traceback" not in ended.output, ended.output[-3000:]
+    ending = [said for said in ended.output.splitlines() if "INTERRUPTED" in said]
+    assert ending == [f"extkv check: INTERRUPTED by {name}: nothing certified; report {summary}"], ended.output[-3000:]
+    assert ended.output.splitlines()[-1] == (f"extkv reference: no reference made: its check step ended on {name}; "
+                                             f"report {summary}"), ended.output[-3000:]
+    assert "extkv reference: bench" not in ended.output, "a step ran after the interrupted one"
+    assert json.loads((tmp_path / "run" / "check-run.json").read_text())["interrupted"] == name

@@ -15,9 +15,11 @@ over all three. Every step runs even when one before failed, so a failing
 check still leaves its benchmarks and stress results to read; the exit
 status is the first non-zero one. Extra arguments go to all three pytest
 runs (narrowing them makes the check say `partial run`). Ctrl-C or SIGTERM
-passes SIGINT on to the step running, which ends its own pytest and writes
-its report (extkv.reporting.steps), and stops the reference there: exit
-status 130 or 143.
+passes the same signal on to the step running, which ends its own pytest,
+writes its report and says in the one INTERRUPTED line that the signal
+ended it (extkv.reporting.steps); the reference stops there, saying it
+made no reference, with exit status 130 or 143. A signal between steps is
+the reference's own INTERRUPTED line.
 """
 
 from __future__ import annotations
@@ -84,10 +86,15 @@ def run(args: argparse.Namespace, pytest_args: list[str]) -> int:
                 print(f"extkv reference: {name} exited {code}", flush=True)
                 status = status or code
         except RunInterrupted as interrupt:
+            running = process is not None and process.poll() is None
             # The step ends its own pytest and writes its report first.
-            end_all([process] if process else [], grace_s=2 * GRACE_S)
-            print(f"extkv reference: INTERRUPTED by {interrupt.signal_name}: no reference made; "
-                  f"{interrupted_report(report_dir)}", flush=True)
+            end_all([process] if process else [], grace_s=2 * GRACE_S, number=interrupt.number)
+            if running:  # the step said in its INTERRUPTED line what ended it
+                print(f"extkv reference: no reference made: its {name} step ended on {interrupt.signal_name}; "
+                      f"{interrupted_report(report_dir)}", flush=True)
+            else:
+                print(f"extkv reference: INTERRUPTED by {interrupt.signal_name}: no reference made; "
+                      f"{interrupted_report(report_dir)}", flush=True)
             return interrupt.exit_status
         except BaseException:
             end_all([process] if process else [])  # a run that fails takes its steps with it

@@ -20,7 +20,9 @@ pytest was killed) becomes the run's child rather than init's, so the run
 can wait for every process it started, however deep.
 
 `end_all` sends SIGINT to each step's group, so that pytest stops the test
-it is in and writes the results it has (pytest's exit status 2), and waits
+it is in and writes the results it has (pytest's exit status 2), or the
+run's own signal to a step that is itself a run (`extkv reference`'s steps,
+which then name the signal the user sent), and waits
 up to GRACE_S for them; then SIGKILL to each group, and every child the run
 has left is killed and reaped, again until it has none. Once the run has
 returned, no process it started runs. A second signal while the steps end
@@ -131,11 +133,11 @@ def _children() -> list[int]:
     return found
 
 
-def end_all(steps: list[subprocess.Popen], grace_s: float = GRACE_S) -> None:
+def end_all(steps: list[subprocess.Popen], grace_s: float = GRACE_S, number: int = signal.SIGINT) -> None:
     """End every step and every process they started, each step given
-    `grace_s` to end on SIGINT; returns once none runs."""
+    `grace_s` to end on signal `number`; returns once none runs."""
     for step in steps:
-        _signal_group(step, signal.SIGINT)
+        _signal_group(step, number)
     deadline = time.monotonic() + grace_s
     for step in steps:
         while step.poll() is None and not _state.hurry and time.monotonic() < deadline:
