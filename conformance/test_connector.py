@@ -473,12 +473,16 @@ def test_a_registering_connector_refuses_commit_ahead_and_exports_once_it_is_off
     kv_cache = build.cache_for("padded", KVCacheLayout.LBHNC, device=readings)
     kv_cache.commit(300, defragment=True)
     kv_cache.commit_ahead(64)
+    assert kv_cache.settle_commit_ahead(60) and kv_cache.grown_blocks == 364
     with pytest.raises(CommitAheadRegisteredError, match=r"register_kv_caches: commit-ahead is on \(window 64 blocks\)"):
         connector.register_kv_caches(kv_cache)
     assert not connector.is_registered and connector.registrations == []
 
+    # Off, the blocks it mapped past the committed ones stay: a defragmenting
+    # commit releases them with the rest.
     kv_cache.commit_ahead(0)
     kv_cache.commit(300, defragment=True)
+    assert kv_cache.grown_blocks == 300
     connector.register_kv_caches(kv_cache)
     kv_cache.commit_ahead(64)
     assert kv_cache.settle_commit_ahead(60) and kv_cache.grown_blocks > 300
@@ -494,7 +498,6 @@ def test_a_registering_connector_refuses_commit_ahead_and_exports_once_it_is_off
         connector.restore_kv_caches()
 
     kv_cache.commit_ahead(0)
-    kv_cache.commit(300, shrink=True)
     kv_cache.commit(300, defragment=True)
     fill_segments(kv_cache, seed=11)
     connector.restore_kv_caches()

@@ -420,6 +420,9 @@ def test_an_import_mapped_read_write_is_flagged(device, build):
 
 @pytest.mark.planted_defect("read-only-but-one-granule")
 def test_an_import_writable_in_one_granule_inside_a_view_is_flagged(device, build):
+    if device.type == "cuda":
+        pytest.skip("CUDA grants access over whole mappings: cuMemSetAccess of one granule inside a chunk's mapping "
+                    "is CUDA_ERROR_INVALID_VALUE (seen on the H200), so this defect cannot be planted there")
     def flagged(imported, kv_cache):
         g = imported.driver.granularity
         ends = [(view.data_ptr(), view.data_ptr() + view.numel() * view.element_size() - 1) for view in imported.views]

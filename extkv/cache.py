@@ -382,7 +382,10 @@ class ExtensibleKVCache:
                 "preserve_contents=True contradicts shrink=True: a shrink remaps a smaller prefix and "
                 "discards contents; shrink and defragment in two commits if that is what you want"
             )
-        fragmented = defragment and not all(self.buffer.segments_backed_by_one_chunk(self._sizes_for(num_blocks)))
+        # Over what the buffer holds: blocks a commit-ahead worker mapped past
+        # `num_blocks` are chunks of their own, and a registration covers them.
+        fragmented = defragment and not all(
+            self.buffer.segments_backed_by_one_chunk(self._sizes_for(max(num_blocks, self.grown_blocks))))
         # A shrink that failed in its release left no blocks committed and
         # some chunks mapped: calling it again releases those too. (Chunks a
         # failed growth left mapped past committed blocks are no reason to
