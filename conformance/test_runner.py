@@ -729,22 +729,28 @@ def test_weight_update_puts_the_torch_cap_back_when_the_recommit_fails(device, b
 
 @pytest.mark.invariant(4)
 def test_weight_update_leaves_an_asleep_cache_asleep_and_untouched(device, build):
-    """A cache asleep, with blocks a commit mapped meanwhile: the update
-    neither lends nor wakes it; whoever put it to sleep wakes it."""
-    kv_cache = build.cache_for("padded", KVCacheLayout.LBHNC, device=device)
+    """A cache still asleep after a wake that failed part way, some of its
+    chunks mapped: the update neither lends nor wakes it (a recommit after
+    the update would map its blocks behind the back of whoever put it to
+    sleep, who completes the wake)."""
+    faulty = FaultInjectingDriver(driver_for(device))
+    kv_cache = build.cache_for("padded", KVCacheLayout.LBHNC, device=faulty)
     connector = RecordingConnector()
-    kv_cache.commit(10)
+    kv_cache.commit(64)
     kv_cache.release_physical()
-    kv_cache.commit(64)  # maps 64 blocks; the cache still sleeps
+    faulty.fail_in("map", 2)
+    with pytest.raises(DriverError, match="injected fault"):
+        kv_cache.recommit()
     held = kv_cache.physical_bytes
-    assert kv_cache.is_asleep and held > 0
-    kv_cache.buffer.segment_view(0).fill_(7)
+    assert kv_cache.is_asleep and held > 0, f"asleep {kv_cache.is_asleep}, {held} bytes mapped"
     huge = HugeLayerModel(device_memory_info(device)[1])
     with kv_cache_lent_for_weight_update(kv_cache, huge, reclaimable=True, fail_if_short=True, connector=connector):
         assert kv_cache.physical_bytes == held, "an asleep cache was lent"
     assert kv_cache.is_asleep, "the update woke a cache someone else put to sleep"
-    assert kv_cache.physical_bytes == held and bool((kv_cache.buffer.segment_view(0) == 7).all())
+    assert kv_cache.physical_bytes == held and kv_cache.num_committed_blocks == 64
     assert connector.operations == []
+    kv_cache.recommit()  # whoever put it to sleep completes the wake
+    assert not kv_cache.is_asleep and kv_cache.physical_bytes == kv_cache.physical_bytes_for(64)
 
 
 @pytest.mark.invariant(6)
