@@ -319,10 +319,7 @@ class ExtensibleKVCache:
                 if num_blocks > self._zeroed_through:
                     self._grow_zeroed(num_blocks)
                     if self._asleep:
-                        # Every committed block is mapped now: awake.
-                        self._asleep = False
-                        if ahead is not None:
-                            ahead.resume(self._zeroed_through)
+                        self._wake_counted()
                 elif ahead is not None:
                     # The worker grew them: its zeroing is ordered before
                     # the caller's later kernels. (A stopped worker's ran
@@ -337,6 +334,13 @@ class ExtensibleKVCache:
             self._remapping_commit(num_blocks, defragment, shrink, preserve_contents)
         finally:
             ahead.restore(self._zeroed_through)
+
+    def _wake_counted(self) -> None:
+        """A commit mapped every committed block of a released cache: it is
+        awake, as after `recommit`."""
+        self._asleep = False
+        if self._ahead is not None:
+            self._ahead.resume(self._zeroed_through)
 
     def _grow_zeroed(self, num_blocks: int) -> None:
         """Map and zero blocks up to `num_blocks`; reservation lock held."""
@@ -382,10 +386,12 @@ class ExtensibleKVCache:
                 "preserve_contents=True contradicts shrink=True: a shrink remaps a smaller prefix and "
                 "discards contents; shrink and defragment in two commits if that is what you want"
             )
-        # Over what the buffer holds: blocks a commit-ahead worker mapped past
-        # `num_blocks` are chunks of their own, and a registration covers them.
+        # The prefix of `num_blocks`, and the blocks a commit-ahead worker
+        # mapped past the committed ones: chunks of their own, which a
+        # registration of the buffer covers.
+        past = self.grown_blocks if self.grown_blocks > self._committed else 0
         fragmented = defragment and not all(
-            self.buffer.segments_backed_by_one_chunk(self._sizes_for(max(num_blocks, self.grown_blocks))))
+            self.buffer.segments_backed_by_one_chunk(self._sizes_for(max(num_blocks, past))))
         # A shrink that failed in its release left no blocks committed and
         # some chunks mapped: calling it again releases those too. (Chunks a
         # failed growth left mapped past committed blocks are no reason to
@@ -401,7 +407,11 @@ class ExtensibleKVCache:
             self._uncount()
             self._zeroed_through = 0
             self.buffer.release_physical()
-        self.commit(num_blocks)  # the growth left is a plain commit
+            self.commit(num_blocks)  # the growth left is a plain commit
+            if self._asleep:  # of no blocks: every committed block is mapped all the same
+                self._wake_counted()
+        else:
+            self.commit(num_blocks)
         if fragmented and preserve_contents:
             self.buffer.defragment_segments_()
         if shrinking or fragmented:
