@@ -387,14 +387,15 @@ def test_a_child_forked_during_a_commit_holds_none_of_its_locks(driver, lock_pat
     finally:
         paused.resume.set()
         committing.join(HANG_S)
+        # Closed, not written to: the child's reads end whichever it waits
+        # in (a test that failed before the first word wrote none).
+        os.close(commit_now)
         if pid is not None:
-            os.write(commit_now, b"x")
             if os.waitpid(pid, os.WNOHANG) == (0, 0) and not select.select([report], [], [], HANG_S)[0]:
                 os.kill(pid, signal.SIGKILL)  # hung in its commit
             _, status = os.waitpid(pid, 0)
             os.close(report)
             assert os.WIFEXITED(status) and os.WEXITSTATUS(status) == 0, f"the child ended with status {status}"
-        os.close(commit_now)
         tensor.free()
 
 
