@@ -370,6 +370,7 @@ def test_a_child_forked_during_a_commit_holds_none_of_its_locks(driver, lock_pat
         assert paused.inside.wait(HANG_S), "the commit never reached its first create"
         pid = os.fork()
         if pid == 0:
+            os.close(commit_now)  # the parent's end alone: its close ends the child's reads
             _child_commits(commit_now_r, report_w)
         os.close(commit_now_r)
         os.close(report_w)
