@@ -703,7 +703,8 @@ def test_a_failed_wake_of_an_offloaded_cache_with_blocks_mapped_ahead_completes_
     assert faulty.fired and engine.is_sleeping and engine.offloaded_bytes == held
     engine.wake_up()
     assert engine.states == {"kv_cache": "awake"} and engine.offloaded_bytes == 0
-    check_readback_matches_bookkeeping(kv.buffer)
+    with kv.buffer.lock:  # awake, the worker maps again: read back between its steps
+        check_readback_matches_bookkeeping(kv.buffer)
     expect_committed(kv, patterns, "committed blocks after the second wake")
     engine.unregister(kv)
 
