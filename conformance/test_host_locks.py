@@ -333,6 +333,7 @@ def _child_commits(commit_now: int, report: int) -> None:
     say how it went, then live until the parent's next word."""
     status = 1
     try:
+        os.write(report, b"forked\n")  # past the fork's handlers
         os.read(commit_now, 1)
         with warnings.catch_warnings():
             warnings.simplefilter("error", RuntimeWarning)
@@ -374,6 +375,10 @@ def test_a_child_forked_during_a_commit_holds_none_of_its_locks(driver, lock_pat
             _child_commits(commit_now_r, report_w)
         os.close(commit_now_r)
         os.close(report_w)
+        # Until the child has run the fork's handlers it holds its copy of
+        # the lock's descriptor (a window of the child's scheduling, not of
+        # its life): the parent's commit ends after that here.
+        assert read_line(report) == "forked"
         paused.resume.set()
         committing.join(HANG_S)
         assert not committing.is_alive() and tensor.segment_sizes == [g]

@@ -20,6 +20,10 @@ keeps them apart from the check to the last create:
   and forgotten as it is closed, both under a lock that a fork waits for,
   and the child closes its copy at once. Closing a copy never releases the
   lock while the parent's descriptor stays open, so the parent keeps it.
+  Between the fork and the child's first instruction after it the copy is
+  still open: a parent commit that ends in that window leaves the lock
+  held until the child is scheduled (a wait of the scheduler's, bounded
+  like any other by MACHINE_LOCK_WAIT_S, never the child's life).
 
 That file is anyone's: any local process of any user can hold its lock, or
 put something other than a regular file at its path. A commit therefore
