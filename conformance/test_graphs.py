@@ -206,12 +206,6 @@ def cudagraph_skips() -> int:
     return counters["inductor"]["cudagraph_skips"]
 
 
-@pytest.mark.skip(
-    reason="torch 2.11's torch.compile(mode='reduce-overhead') functionalizes the step's in-place write into a KV "
-    "view: it copies the whole view, unmapped blocks included, and the copy faults (CUDA_ERROR_ILLEGAL_ADDRESS on "
-    "the H200, with torch._dynamo.mark_static_address on the views too), which ends the process's CUDA context for "
-    "every test after it"
-)
 @pytest.mark.parametrize("change", CHANGES)
 def test_a_compiled_step_captured_before_a_change_replays_after_it(build, change, graph_captures):
     """torch.compile(mode="reduce-overhead") records the step's graph in its

@@ -31,17 +31,25 @@ inductor's fused, reordered kernels give the bits eager ones do.
 (scaled_dot_product_attention's softmax is exact in no order; it is only
 ever compared with the same kernels.)
 
-torch.compile. AOTAutograd functionalizes a compiled graph's writes to its
-inputs, and two shapes of write would copy the whole reservation, unmapped
-pages included, which faults: a write through an integer index
-(`kv[b, 0, t] = x` becomes a select_scatter over the whole view), and a
-write to one of several inputs that share a storage and may overlap (the
-layers of a block-outermost layout interleave: AOTAutograd merges them into
-one "synthetic base", the storage, and scatters into a copy of it). So the
-step writes with a single index_put_ of tensor indices, which inductor
-stores in place, and a compiled step gets `separately_stored` views: the
-same elements, each layer on a storage of its own, which is true to the
-memory because no two layers share an element.
+torch.compile. A compiled step must never touch the whole of a view, which
+spans unmapped pages, and three ways to write into it would:
+- a write through an integer index (`kv[b, 0, t] = x`): AOTAutograd makes it
+  a select_scatter over the whole view;
+- a write to one of several inputs that share a storage and may overlap
+  (the layers of a block-outermost layout interleave): AOTAutograd merges
+  them into one "synthetic base", the storage, and scatters into a copy;
+- a write inductor compiles into a Triton kernel of its own: before it
+  picks among the kernel's configurations, inductor benchmarks them on
+  copies of the arguments the kernel mutates, the whole view. On the H200
+  (torch 2.11) that step failed with a CUDA error at its first call, and
+  ran with torch._inductor.config.triton.autotune_pointwise off.
+So the step writes through `write_slots`, an operator of this module that
+torch.compile calls as it is on the view it is given (the way engines
+write their caches through custom operators), and a compiled step gets
+`separately_stored` views: the same elements, each layer on a storage of
+its own, which is true to the memory because no two layers share an
+element. The step's reads gather by index, and touch only the blocks
+named.
 
 Contents are read over committed blocks only (`committed_bytes`): with
 commit-ahead on, a worker maps and zeroes blocks past them while a test
@@ -177,6 +185,19 @@ def segments_on_one_chunk(cache: ExtensibleKVCache) -> list[bool]:
 
 
 # -- the step ------------------------------------------------------------------------
+@torch.library.custom_op("extkv_testing::write_slots", mutates_args=("kv",))
+def write_slots(kv: torch.Tensor, blocks: torch.Tensor, k_then_v: torch.Tensor, tokens: torch.Tensor,
+                values: torch.Tensor) -> None:
+    """kv[blocks, k_then_v, tokens] = values, in place: the step's write, an
+    operator torch.compile calls as it is (see the module's theory)."""
+    kv.index_put_((blocks, k_then_v, tokens), values)
+
+
+@write_slots.register_fake
+def _write_slots_fake(kv, blocks, k_then_v, tokens, values) -> None:
+    return None
+
+
 class PagedStep(torch.nn.Module):
     """One decode step of `batch` sequences of `blocks_per_seq` blocks over
     the layer `views` (full attention, `spec`). Every input is a buffer:
@@ -221,8 +242,7 @@ class PagedStep(torch.nn.Module):
         """The step over `views` in place of the captured ones (eager runs)."""
         outputs = []
         for layer, kv in enumerate(views):
-            # One index_put_ of tensor indices: see the module's theory.
-            kv.index_put_((self.slot_blocks, self.k_then_v, self.slot_tokens), self.new_kv + layer)
+            write_slots(kv, self.slot_blocks, self.k_then_v, self.slot_tokens, self.new_kv + layer)
             gathered = kv[self.block_table]  # (batch, blocks, K/V, tokens, heads, head_size)
             if self.attend:
                 keys = gathered[:, :, 0].flatten(1, 2).transpose(1, 2)  # (batch, heads, tokens, head_size)
