@@ -1107,6 +1107,21 @@ def test_pooling_needs_two_runs_and_a_directory_of_its_own(tmp_path):
         pool([run, tmp_path / "empty"], tmp_path / "pooled")
 
 
+def test_a_pool_of_a_partial_run_is_headed_as_partial_and_names_it(tmp_path):
+    from extkv.benchmarking.pool import pool
+    from extkv.benchmarking.report import RUN_FILE, bench_section
+
+    walls = {"extkv": [1.0] * 6, "raw": [1.0] * 6}
+    first, second = (write_one_case_run(tmp_path / name, ["extkv", "raw"] * 6, walls) for name in ("a", "b"))
+    (second / RUN_FILE).write_text(json.dumps({"exit_status": 2, "interrupted": "SIGINT"}))
+    section = bench_section(pool([first, second], tmp_path / "pooled"))
+    assert section.startswith("## Benchmarks (pooled from partial runs (b: INTERRUPTED by SIGINT): partial results)"), (
+        section[:200])
+    (second / RUN_FILE).write_text(json.dumps({"exit_status": 0}))
+    section = bench_section(pool([first, second], tmp_path / "pooled"))
+    assert "partial" not in section, "a pool made again of finished runs keeps the earlier pool's partial mark"
+
+
 def test_extkv_pool_writes_the_pooled_report_or_says_why_not(tmp_path, capsys):
     from extkv.cli import main
 

@@ -28,6 +28,10 @@ named. So is a run given twice (under any spelling: a symlink, a path
 through `..`), whose rounds would count twice, and a pooled directory that
 is one of the runs, which would be overwritten; both before anything is
 read or written.
+
+A run that did not end on its own (extkv.benchmarking.report.partial_reason)
+is pooled, and so is its partiality: the pooled directory's `bench-run.json`
+names each partial run and why, and its report is headed as partial.
 """
 
 from __future__ import annotations
@@ -43,6 +47,7 @@ from ..reporting.machine import MACHINE_FILE, read_machine_facts
 from ..reporting.rundir import read_json_object, results_as_written, write_text
 from .engine import CASES_FILE
 from .playback import BENCH_JSON
+from .report import RUN_FILE, partial_reason
 
 #: Facts that must be equal in every run pooled.
 SAME_IN_EVERY_RUN = ("profile", "device", "device_description", "granularity", "torch", "host", "headline_bytes")
@@ -73,10 +78,12 @@ def pool(run_dirs: Sequence[Path], out_dir: Path) -> Path:
                     f"{run_dir} is {earlier} again: a run pooled with itself would count each of its rounds "
                     "twice; name each run directory once"
                 )
-    runs = []
+    runs, partial = [], []
     for run_dir in run_dirs:
         with results_as_written(run_dir, "bench results"):
             runs.append(_read(run_dir))
+            if reason := partial_reason(run_dir):
+                partial.append(f"{run_dir.name}: {reason}")
     first_facts = runs[0][0]
     for run_dir, (facts, _) in zip(run_dirs[1:], runs[1:]):
         for key in SAME_IN_EVERY_RUN:
@@ -95,6 +102,10 @@ def pool(run_dirs: Sequence[Path], out_dir: Path) -> Path:
     write_text(out_dir / BENCH_JSON, json.dumps({"benchmarks": benchmarks}, indent=1))
     if machine is not None:
         write_text(out_dir / MACHINE_FILE, json.dumps(machine, indent=1) + "\n")
+    if partial:
+        write_text(out_dir / RUN_FILE, json.dumps({"pooled_partial": partial}, indent=1) + "\n")
+    else:
+        (out_dir / RUN_FILE).unlink(missing_ok=True)  # an earlier pool's, of other runs
     return out_dir
 
 

@@ -34,7 +34,8 @@ from .results import BenchRun, CaseResult, Entry, carryover, load, ratio, read_j
 from .targets import ScalingRow, TargetRow, evaluate, evaluate_scaling, fewest_calls_reason
 
 #: What `extkv bench` records of the run as a whole: its pytest command and
-#: exit status, and the signal that ended it, if one did.
+#: exit status, and the signal that ended it, if one did. A pooled run
+#: (extkv.benchmarking.pool) records there which of its runs were partial.
 RUN_FILE = "bench-run.json"
 
 
@@ -46,6 +47,8 @@ def partial_reason(run_dir: Path) -> str | None:
     if not path.exists():
         return None
     record = read_json_object(path)
+    if record.get("pooled_partial"):
+        return "pooled from partial runs (" + "; ".join(record["pooled_partial"]) + ")"
     if record.get("interrupted"):
         return f"INTERRUPTED by {record['interrupted']}"
     if record.get("exit_status") not in FINISHED_STATUSES:
