@@ -16,24 +16,20 @@ shortest bound, met here in a second.
 
 from __future__ import annotations
 
-import errno
-import json
 import time
 
 import pytest
 from hypothesis import settings
 from hypothesis.stateful import run_state_machine_as_test
 
-from extkv import KVCacheLayout, OutOfMemoryError
+from extkv import KVCacheLayout
 from extkv.testing.exclusive import Inconclusive
 from extkv.testing.machines import CACHE_MACHINE_CASES, endurance_machine
-from extkv.reporting.stress import stress_section
 from extkv.testing.stress import (
     HOST_STRESS_GRANULE,
     LEAST_THREAD_ROUNDS,
     OPERATIONS,
     WALK_EPISODE_OPERATIONS,
-    Floor,
     PressureProcess,
     StressTally,
     crash_once,
@@ -43,13 +39,11 @@ from extkv.testing.stress import (
     run_walk,
     run_walk_processes,
     stress_driver,
-    share_of_bound,
     thread_rounds,
     walk_under_pressure,
     walked_through,
     warmed_probe,
 )
-from extkv.testing.stress.walk import out_of_memory_waiter
 from extkv.vmm import FAULTABLE_STEPS, HostDriver, driver_for
 
 CASE_IDS = [f"{kind}-{layout.name}" for kind, layout in CACHE_MACHINE_CASES]
@@ -155,26 +149,6 @@ def test_real_memory_pressure(device):
     assert [short["workload"] for short in tally.short_bounds] == ["real out-of-memory episodes", "walk under memory pressure"]
 
 
-@pytest.mark.harness
-def test_a_walk_under_pressure_waits_for_the_pressure_process_to_release():
-    """A commit a walk under pressure saw refused is checked, then retried
-    once the pressure process says its cycle released the memory: its
-    event, whatever the machine's free memory does meanwhile."""
-    tally, seen = StressTally(), []
-    with PressureProcess("cpu") as pressure:
-        assert pressure.ask("next-release") == "error: not cycling"  # nothing to wait for: an answer, not a hang
-        assert pressure.ask(f"cycle hold {HOST_STRESS_GRANULE} 0.01") == "cycling"
-        waiter = out_of_memory_waiter(
-            tally, lambda: seen.append(("checked", pressure.cycles())), lambda: seen.append(("released", pressure.next_release()))
-        )
-        waiter(OutOfMemoryError("fallocate", errno.ENOMEM, "ENOMEM", size=1 << 40))
-        assert pressure.ask("stop").startswith("stopped ")
-    (checked, cycles_then), (released, cycles_after) = seen
-    assert (checked, released) == ("checked", "released") and cycles_after > cycles_then, seen
-    assert tally.events["real out-of-memory met by a walk's commit"] == 1
-    assert tally.events["retried after the pressure process released its memory"] == 1
-
-
 @pytest.mark.invariant(7)
 @pytest.mark.parametrize("layout", [KVCacheLayout.LBHNC, KVCacheLayout.BLHNC], ids=lambda layout: layout.name)
 def test_threads(device, layout):
@@ -220,73 +194,3 @@ def test_several_processes_on_one_device(device):
     assert tally.events["walk processes sharing the device"] == 2 and len(tally.seeds) == 2
     assert sum(tally.operations.values()) >= 2 * PROCESS_WALK_STEPS
     assert sorted(short["ran"] for short in tally.short_bounds) == [f"{PROCESS_WALK_STEPS} steps (the least it was given)"] * 2, tally.short_bounds
-
-
-@pytest.mark.harness
-def test_walk_processes_that_die_without_a_tally_are_each_a_failure_of_the_pooled_tally(monkeypatch):
-    """Every walk child dies at its start, before printing a tally (its
-    environment's thread count is no number): each is a failure of the
-    pooled tally, with the command that reproduces it, and the run raises
-    naming both."""
-    monkeypatch.setenv("EXTKV_TORCH_THREADS", "none")
-    tally = StressTally()
-    with pytest.raises(AssertionError, match=r"(?s)^walk process 0: .*; walk process 1: "):
-        run_walk_processes("cpu", 2, SEED, tally, steps=1)
-    assert len(tally.failures) == 2, tally.failures
-    for index, failure in enumerate(tally.failures):
-        assert "exited before saying anything" in failure["error"] and "ValueError" in failure["error"], failure["error"]
-        assert " walk --device cpu " in failure["reproduction"] and f" --seed {SEED + index} " in failure["reproduction"]
-    assert tally.events["walk processes sharing the device"] == 0
-
-
-@pytest.mark.harness
-def test_a_spent_bound_gives_no_test_seconds():
-    """The nightly suite's shares: by weight of what is left, none once it is
-    spent (a workload's floor, not a least number of seconds, keeps a test
-    meaningful); a test's share never exceeds what is left."""
-    assert share_of_bound(40.0, 1.0, 4.0) == 10.0
-    assert share_of_bound(40.0, 3.0, 4.0) == 30.0
-    assert share_of_bound(40.0, 2.0, 1.0) == 40.0
-    assert share_of_bound(0.0, 1.0, 4.0) == 0.0
-    assert share_of_bound(-12.0, 1.0, 4.0) == 0.0
-    with pytest.raises(ValueError):
-        share_of_bound(10.0, 0.0, 4.0)
-
-
-@pytest.mark.harness
-def test_a_floor_runs_the_least_past_its_deadline():
-    ran = 0
-    floor = Floor(time.monotonic() - 1.0, lambda: ran >= 3)
-    while floor.more():
-        ran += 1
-    tally = StressTally()
-    floor.close(tally, "crashes", f"{ran} crashes")
-    assert ran == 3 and floor.too_short
-    assert tally.short_bounds == [{"workload": "crashes", "ran": "3 crashes", "seconds": tally.short_bounds[0]["seconds"], "share_s": 0.0}]
-    # Bounded by a count instead, a floor never stops a loop, nor reports.
-    counted, ran = Floor(None, lambda: ran >= 3), 0
-    while counted.more() and ran < 10:
-        ran += 1
-    assert ran == 10 and not counted.too_short
-
-
-@pytest.mark.harness
-def test_the_report_names_each_bound_too_short(tmp_path):
-    """A test whose least outlasted its share is named in the stress
-    section, with what it ran, in how long, of what share."""
-    tally = StressTally()
-    tally.operations["commit (grow)"] += 1
-    tally.bound_too_short("real out-of-memory episodes", "1 whole pressure episode", 6.04, 0.0)
-    record = {
-        "format": "extkv-stress/1", "nodeid": "stress/test_pressure.py::test_commits_meet_real_out_of_memory[host]",
-        "worker": "main", "device": "host", "device_label": None, "outcome": "passed", "failure": "", "skip_reason": None,
-        "seed": 1, "budget_s": 0.0, "started": 0.0, "duration_s": 7.5, "tally": tally.to_json(),
-    }
-    (tmp_path / "stress" / "tests").mkdir(parents=True)
-    (tmp_path / "stress" / "tests" / "main--pressure.json").write_text(json.dumps(record))
-    section = stress_section(tmp_path)
-    assert "- bounds too short: 1 test ran only its least episode" in section, section
-    assert (
-        "| `test_commits_meet_real_out_of_memory[host]` | host | real out-of-memory episodes | 1 whole pressure episode "
-        "| 6.0 s | 0 s | 8 s |"
-    ) in section, section
