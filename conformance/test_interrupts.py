@@ -15,18 +15,13 @@ from __future__ import annotations
 
 import contextlib
 import inspect
-import json
 import os
 import signal
 import socket
 import sys
 import threading
-from pathlib import Path
 
 import pytest
-import torch
-
-import extkv.validate
 
 from extkv import ExtensibleTensor
 from extkv.cache import ExtensibleKVCache
@@ -34,10 +29,10 @@ from extkv.connector import SegmentExportConnector
 from extkv.deferred_signals import deferred_signals, deferring, run_deferred
 from extkv.layout import KVCacheLayout
 from extkv.peer import import_segments
-from extkv.testing.checks import check_all_equal, check_readback_matches_bookkeeping
+from extkv.testing.checks import check_readback_matches_bookkeeping
 from extkv.testing.configs import config_for
 from extkv.wire import close_all
-from extkv.testing.interrupts import lands_in_library, run_in_child
+from extkv.testing.interrupts import run_in_child
 from extkv.vmm import live_reservations
 from extkv.vmm.wrapping import WrappingDriver
 
@@ -278,38 +273,6 @@ def test_an_interrupt_on_the_way_into_closing_a_failed_imports_descriptors_leave
             doubling.close()
         assert isinstance(raised.value.__context__, ConnectionError), f"the import failed with {raised.value.__context__!r}"
         assert open_descriptors() == before, f"{open_descriptors()} descriptors open after the import, {before} before"
-
-
-def frame_raised_in(call) -> object:
-    """The frame in which `call` raised its exception: a real frame, as a
-    signal handler is given the one an interrupt arrived in."""
-    try:
-        call()
-    except Exception as error:  # noqa: BLE001 - any exception: only its frame matters
-        traceback = error.__traceback__
-        while traceback.tb_next is not None:
-            traceback = traceback.tb_next
-        return traceback.tb_frame
-    raise AssertionError(f"{call} raised nothing")
-
-
-@pytest.mark.harness
-def test_the_random_interrupt_run_counts_only_interrupts_that_land_in_extkv_code():
-    """`inside`, which the run above must bring to 1,000, counts a frame of
-    extkv's own code; a frame of extkv.testing (the workload), of torch, of
-    the standard library or of this test is outside, and so is none."""
-    in_extkv = frame_raised_in(lambda: ExtensibleTensor(-1))
-    elsewhere = {
-        "extkv.testing": frame_raised_in(lambda: check_all_equal(torch.zeros(1, dtype=torch.uint8), 1, "a byte")),
-        "torch": frame_raised_in(lambda: torch.testing.assert_close(torch.zeros(1), torch.ones(1))),
-        "the standard library": frame_raised_in(lambda: json.loads("{")),
-        "this test": sys._getframe(),
-    }
-    assert in_extkv.f_code.co_filename == str(Path(extkv.validate.__file__)), in_extkv.f_code.co_filename
-    assert lands_in_library(in_extkv)
-    counted = [where for where, frame in elsewhere.items() if lands_in_library(frame)]
-    assert counted == [], f"interrupts in {counted} counted as landing in extkv"
-    assert not lands_in_library(None)
 
 
 @pytest.mark.invariant(5, 6)
