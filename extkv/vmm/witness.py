@@ -93,24 +93,29 @@ class MemfdPages:
 
 
 @functools.lru_cache(maxsize=None)
-def _nvml():
+def nvml():
+    """pynvml, initialized once per process."""
     import pynvml
 
     pynvml.nvmlInit()
     return pynvml
 
 
+def nvml_handle(index: int):
+    """NVML's handle of CUDA device `index`. NVML numbers GPUs physically;
+    CUDA_VISIBLE_DEVICES renumbers them for CUDA. The UUID is the same in
+    both worlds."""
+    uuid = str(torch.cuda.get_device_properties(index).uuid)
+    if not uuid.startswith("GPU-"):
+        uuid = f"GPU-{uuid}"
+    return nvml().nvmlDeviceGetHandleByUUID(uuid)
+
+
 class NvmlUsage:
     """The CUDA driver's witness: NVML's reading for this process on one GPU."""
 
     def __init__(self, index: int):
-        nvml = _nvml()
-        # NVML numbers GPUs physically; CUDA_VISIBLE_DEVICES renumbers them
-        # for CUDA. The UUID is the same in both worlds.
-        uuid = str(torch.cuda.get_device_properties(index).uuid)
-        if not uuid.startswith("GPU-"):
-            uuid = f"GPU-{uuid}"
-        self._handle = nvml.nvmlDeviceGetHandleByUUID(uuid)
+        self._handle = nvml_handle(index)
         self.per_process = self._process_usage() is not None
         self.source = (
             "NVML per-process used memory" if self.per_process
@@ -118,10 +123,10 @@ class NvmlUsage:
         )
 
     def _process_usage(self) -> int | None:
-        nvml = _nvml()
+        api = nvml()
         try:
-            processes = nvml.nvmlDeviceGetComputeRunningProcesses(self._handle)
-        except nvml.NVMLError:
+            processes = api.nvmlDeviceGetComputeRunningProcesses(self._handle)
+        except api.NVMLError:
             return None
         for process in processes:
             if process.pid == os.getpid() and isinstance(process.usedGpuMemory, int):
@@ -133,4 +138,4 @@ class NvmlUsage:
             # A process with no CUDA work left may drop out of the list.
             used = self._process_usage()
             return 0 if used is None else used
-        return _nvml().nvmlDeviceGetMemoryInfo(self._handle).used
+        return nvml().nvmlDeviceGetMemoryInfo(self._handle).used
