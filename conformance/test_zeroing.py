@@ -50,17 +50,6 @@ def expect_bytes(tensor, start: int, end: int, value: int, what: str) -> None:
     check_all_equal(tensor.full_view()[start:end], value, f"{what} [{start:#x}, {end:#x})")
 
 
-@pytest.mark.harness
-def test_poisoning_driver_takes_a_non_zero_byte(device):
-    inner = driver_for(device)
-    for pattern in (0, 256, -1, True, 1.5):
-        with pytest.raises(ValueError, match="pattern must be an int >= 1 and <= 255"):
-            PoisoningDriver(inner, pattern)
-    with pytest.raises(ValueError, match="wraps a Driver"):
-        PoisoningDriver(device)
-    assert PoisoningDriver(inner, 0x5C).describe()["poison"] == "every created chunk filled with 0x5c"
-
-
 # -- the tensor ---------------------------------------------------------------
 @pytest.mark.invariant(1)
 def test_a_run_cut_into_chunks_is_zeroed_in_every_chunk(build, poisoned, granule):
