@@ -33,10 +33,11 @@ test extra (pytest, hypothesis) installed.
 from __future__ import annotations
 
 from collections import Counter
-from pathlib import Path
+from pathlib import Path, PurePosixPath
 
 from ..vmm import FAULTABLE_STEPS
 from .plots import matplotlib_missing
+from .portable import option_value, portable_command_line, recorded_checkout
 from .rundir import read_json, save_figure
 from .summary import load_step_results
 from .verdict import INTERRUPTED_STATUS
@@ -215,6 +216,15 @@ def stress_verdict(stress: dict) -> tuple[bool, str]:
     return True, f"PASSED: {counts}"
 
 
+def _command_line(run: dict) -> str:
+    """The command the run was started with, its paths shown relative to the
+    checkout or the run (extkv.reporting.portable)."""
+    pytest = run.get("pytest") or []
+    results = option_value(pytest, "--stress-results")
+    run_dir = PurePosixPath(results).parent if results else None
+    return portable_command_line(run.get("command_line", "extkv stress"), recorded_checkout(pytest), run_dir)
+
+
 def _headline(stress: dict, totals: dict) -> list[str]:
     run, tests = stress["run"], stress["tests"]
     overall = totals["overall"]
@@ -222,7 +232,7 @@ def _headline(stress: dict, totals: dict) -> list[str]:
     if run:
         elapsed = run.get("finished", 0) - run.get("started", 0)
         lines.append(
-            f"- `{run.get('command_line', 'extkv stress')}`: bound {run.get('minutes')} min, ran {_duration(elapsed)}, "
+            f"- `{_command_line(run)}`: bound {run.get('minutes')} min, ran {_duration(elapsed)}, "
             f"seed {run.get('seed')}, pytest exit status {run.get('exit_status')}; "
             f"{run.get('layout_of_work', '')}"
         )

@@ -29,6 +29,7 @@ from pathlib import Path
 
 from ..testing.invariants import DEVICE_KINDS, INVARIANTS
 from ..testing.timeline import Timeline
+from .portable import portable_command
 from .rundir import read_json
 from .verdict import INTERRUPTED_STATUS, planted_counts, run_verdict
 
@@ -182,7 +183,7 @@ def _totals_line(step: str, document: dict) -> str:
         f"{totals['error']} errors, {totals['skipped']} skipped"
         + (f", {totals['interrupted']} interrupted" if totals.get("interrupted") else "")
         + f"; pytest exit status {document['exit_status']}"
-        f" (`pytest {shlex.join(document.get('arguments', []))}`)"
+        f" (`pytest {shlex.join(portable_command(document.get('arguments', [])))}`)"
     )
 
 
