@@ -209,15 +209,17 @@ def reopen(fd: int, *, writable: bool) -> int:
         raise _fail(f"open(/proc/self/fd/{fd}, {mode})", None, None, error.errno) from None
 
 
-def create_memfd(size: int) -> int:
+def create_memfd(size: int, name: str = MEMFD_NAME) -> int:
     """A chunk's memfd: `size` bytes whose pages exist (`fallocate`), mode
     0600, sealed at that size (CHUNK_SEALS); the caller owns the descriptor.
     No check that the pages fit: the driver's create checks that first
     (`check_room`), and a raw sequence measured against the driver makes
-    the same file without it. DriverError (OutOfMemoryError for ENOMEM and
-    ENOSPC) where the kernel refuses."""
+    the same file without it. Memory held for another purpose (a pressure
+    process's) takes another `name`, so that no witness counts it as a
+    chunk. DriverError (OutOfMemoryError for ENOMEM and ENOSPC) where the
+    kernel refuses."""
     try:
-        fd = os.memfd_create(MEMFD_NAME, os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
+        fd = os.memfd_create(name, os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
     except OSError as error:
         raise _fail("memfd_create", size, None, error.errno) from None
     try:

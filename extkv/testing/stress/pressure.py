@@ -3,39 +3,28 @@
 Theory of operation
 -------------------
 `PressureProcess` starts `pressure_main` in a child process on a device and
-tells it, a line at a time, to hold or free real memory there: memfd pages
-on the host (fallocate'd, so the kernel really gives them; named
-PRESSURE_MEMFD_NAME, not extkv's, so no probe counts them), torch
-allocations on a GPU. It holds a given amount (`hold`), fills the device
-down to a given free amount (`fill`), releases, or cycles take, hold, free
-in a thread of its own. While it cycles, `next-release` answers once the
-cycle after the question has released its memory: a workload that met
-out-of-memory waits for that event, not for the machine's free memory to
-rise, which other processes move too. The workloads that meet its pressure
-are extkv.testing.stress.under_pressure's.
+tells it, a line at a time, to hold or free real memory there, as
+extkv.vmm.pressure holds it for that device (memfd pages on the host, not
+named as extkv's chunks, so no probe counts them; torch allocations on a
+GPU). It holds a given amount (`hold`), fills the device down to a given
+free amount (`fill`), releases, or cycles take, hold, free in a thread of
+its own. While it cycles, `next-release` answers once the cycle after the
+question has released its memory: a workload that met out-of-memory waits
+for that event, not for the machine's free memory to rise, which other
+processes move too. The workloads that meet its pressure are
+extkv.testing.stress.under_pressure's.
 """
 
 from __future__ import annotations
 
-import os
 import sys
 import threading
 
 import torch
 
 from ... import vmm
+from ...vmm.pressure import pressure_memory
 from .child import ChildProcess
-
-
-#: Pieces a pressure process holds (`hold`), and the smallest it tries when
-#: filling (`fill` asks for the whole gap at once and halves what the device
-#: refuses): small enough to leave little unused when the device is nearly full.
-HOST_PRESSURE_PIECE = 64 << 20
-GPU_PRESSURE_PIECE = 256 << 20
-#: The largest piece of a GPU fill.
-GPU_FILL_PIECE = 8 << 30
-#: Name of the pressure process's memfds (not extkv's, so no probe counts them).
-PRESSURE_MEMFD_NAME = "extkv-stress-pressure"
 
 
 def host_pressure_bound() -> int:
@@ -46,52 +35,38 @@ def host_pressure_bound() -> int:
 
 
 class MemoryHolder:
-    """Real memory held by the pressure process: memfd pages on the host
-    (fallocate'd, so the kernel really gives them), torch allocations on a GPU."""
+    """Real memory of `device` held by the pressure process, in the pieces
+    the device's pressure memory takes (extkv.vmm.pressure)."""
 
     def __init__(self, device: torch.device):
         self.device = device
+        self.memory = pressure_memory(device)
         self.pieces: list = []
         self.held = 0
 
     def _take(self, size: int) -> bool:
         """Allocate one piece; False when the device has no more."""
-        if self.device.type == "cpu":
-            fd = os.memfd_create(PRESSURE_MEMFD_NAME, os.MFD_CLOEXEC)
-            try:
-                os.posix_fallocate(fd, 0, size)
-            except OSError:
-                os.close(fd)
-                return False
-            self.pieces.append(fd)
-        else:
-            try:
-                self.pieces.append(torch.empty(size, dtype=torch.uint8, device=self.device))
-            except torch.OutOfMemoryError:
-                return False
+        piece = self.memory.take(size)
+        if piece is None:
+            return False
+        self.pieces.append(piece)
         self.held += size
         return True
 
     def hold(self, nbytes: int) -> int:
         """Hold about `nbytes` more (whole pieces); returns what is held."""
-        piece = HOST_PRESSURE_PIECE if self.device.type == "cpu" else GPU_PRESSURE_PIECE
         target = self.held + nbytes
-        while self.held < target and self._take(min(piece, target - self.held)):
+        while self.held < target and self._take(min(self.memory.hold_piece, target - self.held)):
             pass
         return self.held
 
     def fill(self, leave: int) -> int:
         """Allocate until the device's free memory is at most `leave` bytes,
-        in pieces of at most GPU_FILL_PIECE that each fit what is free, a
-        piece the device refuses halved down to the smallest piece. On a
-        141 GB H200 that is about 17 allocations a fill, where pieces of
-        256 MiB were about 540. Measured there: asking for the whole gap at
-        once (135.29 GiB of 139.29 free) is refused, and a fill that went on
-        with halved pieces after that refusal was not given back by
-        `release`: the device still read 4 GiB free 3 s later. Pieces of at
-        most 8 GiB come back at `release`."""
-        smallest = HOST_PRESSURE_PIECE if self.device.type == "cpu" else GPU_PRESSURE_PIECE
-        largest = HOST_PRESSURE_PIECE if self.device.type == "cpu" else GPU_FILL_PIECE
+        in pieces of at most the device's `largest_piece` that each fit what
+        is free, a piece the device refuses halved down to its
+        `smallest_piece`. On a 141 GB H200 that is about 17 allocations a
+        fill, where pieces of 256 MiB were about 540."""
+        smallest, largest = self.memory.smallest_piece, self.memory.largest_piece
         while True:
             free, _ = vmm.device_memory_info(self.device)
             if free <= leave:
@@ -103,13 +78,8 @@ class MemoryHolder:
                 piece = max(piece // 2, smallest)
 
     def release(self) -> None:
-        for piece in self.pieces:
-            if self.device.type == "cpu":
-                os.close(piece)
-        self.pieces = []
+        self.memory.give_back(self.pieces)
         self.held = 0
-        if self.device.type == "cuda":
-            torch.cuda.empty_cache()
 
 
 def pressure_main(device: torch.device) -> None:
