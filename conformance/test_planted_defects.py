@@ -12,10 +12,14 @@ test file under pytest inside the test (`pytester`, in this process, with
 outcome; what the defect kept is released for real afterwards, so this
 file's own leak check still sees nothing left.
 
-Every defect test carries `@pytest.mark.planted_defect(name)`; each sanity
-test carries instead the invariant its check guards, and runs with the
-suite's other tests. Each runs on the host driver and on each CUDA device
-(`device`): every defect is made of the driver protocol's own steps.
+Every test carries the invariant its check guards, `@pytest.mark.invariant(n)`:
+a defect test proves that the check of invariant n catches what breaks it
+(the invariants its defect names, extkv.testing.planted; meta/
+test_planted_catalogue.py holds the two to each other), and carries
+`@pytest.mark.planted_defect(name)` too, so that a run takes it first; each
+sanity test runs with the suite's other tests. Each runs on the host driver
+and on each CUDA device (`device`): every defect is made of the driver
+protocol's own steps.
 """
 
 from __future__ import annotations
@@ -79,6 +83,7 @@ def commit_and_recommit(tensor: ExtensibleTensor, size: int, check) -> None:
     check(tensor.segment_view(0))
 
 
+@pytest.mark.invariant(1, 4)
 @pytest.mark.planted_defect("zeroing-skipped")
 def test_unzeroed_new_and_recommitted_bytes_are_flagged(device, build):
     broken = make("zeroing-skipped", driver_for(device))
@@ -112,6 +117,7 @@ def two_one_granule_commits(tensor: ExtensibleTensor) -> None:
     assert tensor.num_physical_chunks == 2
 
 
+@pytest.mark.invariant(3)
 @pytest.mark.planted_defect("granule-mapped-twice")
 def test_a_granule_mapped_twice_is_flagged_by_the_read_back(device, build):
     broken = make("granule-mapped-twice", driver_for(device))
@@ -122,6 +128,7 @@ def test_a_granule_mapped_twice_is_flagged_by_the_read_back(device, build):
         check_readback_matches_bookkeeping(tensor)
 
 
+@pytest.mark.invariant(3)
 @pytest.mark.planted_defect("chunk-split-behind-bookkeeping")
 def test_one_bookkept_chunk_over_two_driver_chunks_is_flagged(device, build):
     broken = make("chunk-split-behind-bookkeeping", driver_for(device))
@@ -148,6 +155,7 @@ def test_mapping_checks_pass_on_the_real_driver(device, build):
 
 
 # -- leaks: the named checks and the stress tally ------------------------------------------
+@pytest.mark.invariant(5)
 @pytest.mark.planted_defect("chunk-kept-uncounted")
 def test_a_chunk_kept_after_free_is_flagged_by_the_usage_witness(device, usage):
     broken = make("chunk-kept-uncounted", driver_for(device))
@@ -178,6 +186,7 @@ def walk_until_freed(driver, usage, tally: StressTally) -> ModelledCache:
     return driven
 
 
+@pytest.mark.invariant(5)
 @pytest.mark.planted_defect("chunk-kept-uncounted")
 def test_a_leak_in_a_stress_walk_reaches_the_pooled_tally(device, usage):
     broken = make("chunk-kept-uncounted", driver_for(device))
@@ -213,6 +222,7 @@ def attempt_never_reached(real, usage, tally: StressTally) -> bool:
     return fault_attempt(operation, CACHE_MACHINE_CASES[0], real, usage, tally, "release", 1 << 20, "failure", golden={})
 
 
+@pytest.mark.invariant(5)
 @pytest.mark.planted_defect("chunk-kept-uncounted")
 def test_a_leak_in_a_fault_free_run_of_the_fault_enumeration_is_flagged(device, usage):
     broken = make("chunk-kept-uncounted", driver_for(device))
@@ -265,6 +275,7 @@ def planted_param(name: str, *values):
     return pytest.param(name, *values, id=name, marks=pytest.mark.planted_defect(name))
 
 
+@pytest.mark.invariant(5)
 @pytest.mark.parametrize(
     "name, pattern",
     [
@@ -287,6 +298,7 @@ def test_the_harness_passes_a_test_that_leaks_nothing(device, pytester):
 
 
 # -- usage as bookkept ---------------------------------------------------------------------
+@pytest.mark.invariant(5)
 @pytest.mark.parametrize(
     "name, misstated", [planted_param("usage-over-reported", 1), planted_param("usage-under-reported", -1)]
 )
@@ -333,6 +345,7 @@ def export_checked(build, driver, *, check) -> None:
         connector.close()
 
 
+@pytest.mark.invariant(8)
 @pytest.mark.planted_defect("byte-changed-by-export")
 def test_an_export_that_changes_a_byte_is_flagged_by_check_unchanged(device, build):
     def flagged(kv_cache, before):
@@ -360,6 +373,7 @@ def recommit_awake_with_the_worker_on(cache: ExtensibleKVCache, watch: "WorkerWa
     check(cache, before)
 
 
+@pytest.mark.invariant(4)
 @pytest.mark.planted_defect("worker-stopped-by-awake-recommit")
 def test_a_recommit_that_turns_commit_ahead_off_is_flagged_by_check_unchanged(device):
     def flagged(kv_cache, before):
@@ -406,6 +420,7 @@ def import_read_only(build, exporter, importer, *, check, blocks: int = 300) -> 
         connector.close()
 
 
+@pytest.mark.invariant(8)
 @pytest.mark.planted_defect("read-only-ignored")
 def test_an_import_mapped_read_write_is_flagged(device, build):
     def flagged(imported, kv_cache):
@@ -418,6 +433,7 @@ def test_an_import_mapped_read_write_is_flagged(device, build):
     import_read_only(build, broken, broken, check=flagged)
 
 
+@pytest.mark.invariant(8)
 @pytest.mark.planted_defect("read-only-but-one-granule")
 def test_an_import_writable_in_one_granule_inside_a_view_is_flagged(device, build):
     if device.type == "cuda":
@@ -573,6 +589,7 @@ def commit_after_a_refused_step(cache: ExtensibleKVCache, watch: WorkerWatch, ch
 UNMAPPED_COUNTS = ("ahead-ready-before-mapped", "zeroed-before-mapped")
 
 
+@pytest.mark.invariant(1, 4)
 @pytest.mark.parametrize("name", [planted_param(name) for name in UNMAPPED_COUNTS])
 def test_blocks_counted_but_never_mapped_are_flagged_by_the_read_back(device, name):
     def flagged(cache):
@@ -601,6 +618,7 @@ def test_committed_blocks_read_back_mapped_on_the_real_cache(device):
 
 
 # -- interrupts -----------------------------------------------------------------------------
+@pytest.mark.invariant(6)
 @pytest.mark.planted_defect("signals-not-deferred")
 def test_the_interrupt_run_flags_operations_a_signal_can_stop_half_way(device):
     """With handlers free to raise between steps, the random-interrupt run
@@ -609,21 +627,3 @@ def test_the_interrupt_run_flags_operations_a_signal_can_stop_half_way(device):
     code, tally = run_in_child(device, inside_target=1000, seed=SEED, defect="signals-not-deferred")
     assert code != 0 or (tally is not None and tally["problem_count"] > 0), (
         f"no problem found in {tally and tally['steps']} steps, {tally and tally['inside']} interrupts inside extkv")
-
-
-# -- the zoo is covered -------------------------------------------------------------------------
-@pytest.mark.harness
-def test_every_planted_defect_is_planted_by_a_test():
-    """Each defect of `planted.DEFECTS` has a test here, and each test's
-    marker names a known defect."""
-    named: set[str] = set()
-    for value in list(globals().values()):
-        for mark in getattr(value, "pytestmark", []):
-            if mark.name == "planted_defect":
-                named.add(mark.args[0])
-            if mark.name == "parametrize":
-                named.update(m.args[0] for param in mark.args[1] for m in getattr(param, "marks", ()) if m.name == "planted_defect")
-    assert named <= set(planted.DEFECTS), sorted(named - set(planted.DEFECTS))
-    assert set(planted.DEFECTS) <= named, sorted(set(planted.DEFECTS) - named)
-    for defect in planted.DEFECTS.values():
-        assert defect.breaks and defect.caught_by, defect.name
