@@ -5,7 +5,8 @@ the code under test that is a failed test rather than a lost run.
 
 The verdict is read from merged results built here record by record (the
 report's own merge is tested from real runs in test_reporting.py); the
-crash and the plugin run real pytest processes.
+crash and the plugin run real pytest processes. All of it is tooling: it
+proves no invariant of the cache, so `extkv check` does not run it.
 """
 
 from __future__ import annotations
@@ -35,6 +36,9 @@ from extkv.testing.invariants import DEVICE_KINDS, INVARIANTS
 
 pytest_plugins = ["pytester"]
 
+#: Every test here checks extkv's own tooling: the check runner, its verdict and the harness.
+pytestmark = pytest.mark.harness
+
 H200 = "GPU 0 (NVIDIA H200)"
 FACTS = {
     "host": "node-1", "torch": "2.11.0+cu130", "host_driver": "Linux 6.18",
@@ -62,7 +66,6 @@ def full(device: str, kind: str) -> dict[str, dict]:
 RUN = {"steps": ["check-host"], "targets": {"check-host": ["conformance"]}, "wall_s": 104.4}
 
 
-@pytest.mark.invariant(6)
 def test_a_whole_run_with_every_invariant_proven_is_certified_with_counts():
     lines = run_verdict(merged(full("host", "host") | full(H200, "cuda")), RUN)
     assert lines[-1] == ("CERTIFIED cuda:0 NVIDIA H200 (driver 580.159.04, torch 2.11.0+cu130): invariants 1-8 proven; "
@@ -72,7 +75,6 @@ def test_a_whole_run_with_every_invariant_proven_is_certified_with_counts():
     assert host_only[-1].startswith("CERTIFIED host driver (Linux 6.18, memfd): invariants 1, 3-8 proven (2 needs a GPU")
 
 
-@pytest.mark.invariant(6)
 def test_a_failed_test_names_its_device_and_invariant():
     tests = full("host", "host") | full(H200, "cuda") | {"test_x[cuda:0]": record(H200, [3], "failed")}
     lines = run_verdict(merged(tests), RUN)
@@ -80,7 +82,6 @@ def test_a_failed_test_names_its_device_and_invariant():
     assert "1 failed" in lines[-1] and lines[0].startswith("host driver") and "NOT" not in lines[0]
 
 
-@pytest.mark.invariant(6)
 def test_an_invariant_the_device_can_prove_but_ran_no_test_is_not_certified():
     tests = full("host", "host") | {key: r for key, r in full(H200, "cuda").items() if r["invariants"] != [2]}
     assert "invariant 2 ran no passing test" in run_verdict(merged(tests), RUN)[-1]
@@ -92,7 +93,6 @@ def test_an_invariant_the_device_can_prove_but_ran_no_test_is_not_certified():
     assert run_verdict(merged(skipped), RUN)[-1].startswith("NOT CERTIFIED")
 
 
-@pytest.mark.invariant(6)
 @pytest.mark.parametrize(
     ("selection", "said"),
     [({"args": ["conformance"], "keyword": "sizing"}, "-k sizing"),
@@ -106,7 +106,6 @@ def test_a_narrowed_run_certifies_nothing(selection, said):
     assert last.startswith(f"partial run: nothing certified (narrowed by {said})"), last
 
 
-@pytest.mark.invariant(6)
 def test_a_step_pytest_could_not_finish_or_a_missed_planted_defect_fails_the_run():
     tests = full("host", "host") | full(H200, "cuda")
     assert "exit status 3" in run_verdict(merged(tests, exit_status=3), RUN)[-1]
@@ -116,7 +115,6 @@ def test_a_step_pytest_could_not_finish_or_a_missed_planted_defect_fails_the_run
     assert "the checks caught 1 of 2 planted defects" in lines and lines[-1].startswith("NOT CERTIFIED")
 
 
-@pytest.mark.invariant(6)
 def test_a_step_that_left_no_results_fails_the_run(tmp_path):
     """A GPU whose pytest run died before writing its results is still a
     device the run was asked to check: the run names the step, and the GPU,
@@ -134,7 +132,6 @@ def test_a_step_that_left_no_results_fails_the_run(tmp_path):
     assert last.startswith("NOT CERTIFIED cuda:0 NVIDIA H200") and "check-gpu0: left no results (see check-gpu0.log)" in last
 
 
-@pytest.mark.invariant(6)
 def test_the_plan_runs_every_gpu_test_on_every_gpu_and_host_tests_once(tmp_path):
     two = {**FACTS, "gpus": FACTS["gpus"] + [{**FACTS["gpus"][0], "index": 1, "id": "1", "label": "GPU 1 (NVIDIA H200)"}]}
     phases = plan(tmp_path, two, 4, 6)
@@ -155,7 +152,6 @@ def test_the_plan_runs_every_gpu_test_on_every_gpu_and_host_tests_once(tmp_path)
     assert workers(2, 0, None, None) == (2, 0) and workers(16, 1, None, None) == (8, 8) and workers(32, 2, None, None) == (16, 8)
 
 
-@pytest.mark.invariant(6)
 def test_runs_get_a_directory_of_their_own_and_a_named_one_must_be_empty(tmp_path):
     facts = {"host": "node-1", "gpus": []}
     first = run_directory(facts, datetime.date(2026, 12, 1), tmp_path)
@@ -172,7 +168,6 @@ def test_runs_get_a_directory_of_their_own_and_a_named_one_must_be_empty(tmp_pat
     assert sorted(path.name for path in first.iterdir()) == ["bench.json"], "--overwrite removes this run's own files only"
 
 
-@pytest.mark.invariant(6)
 @pytest.mark.parametrize("when", ["setup", "teardown"])
 def test_a_test_that_errs_in_setup_or_teardown_fails_its_device(when):
     """The harness records a test whose fixture raised, before or after a
@@ -194,7 +189,6 @@ def interrupted_step(tmp_path: Path, tests: dict[str, dict]) -> dict:
     return load_check(tmp_path)
 
 
-@pytest.mark.invariant(6)
 def test_an_interrupted_step_certifies_nothing_and_its_stopped_test_is_no_failure(tmp_path):
     """Every test passed but the one a signal stopped, which the harness
     holds as an error without a message (no report of it came): the test is
@@ -244,7 +238,6 @@ def test_after_the_crash():
 '''
 
 
-@pytest.mark.invariant(6)
 def test_a_crash_of_the_code_under_test_is_a_failed_test_with_its_name(tmp_path):
     (tmp_path / "test_crash.py").write_text(CRASHING)
     command = [sys.executable, "-m", "pytest", str(tmp_path), "-q", "-p", "no:cacheprovider", "-c", os.devnull,
@@ -273,7 +266,6 @@ def test_untouched():
 '''
 
 
-@pytest.mark.invariant(6)
 def test_the_installed_plugin_is_inert_until_asked(tmp_path):
     """Loaded by its entry point in someone else's project, the harness pins
     no GPU, sets no threads, loads no Hypothesis profile and adds no header,
@@ -331,7 +323,6 @@ def enters(directory: Path, exclusive: bool, gpu_id: str | None, release: thread
     return entered
 
 
-@pytest.mark.harness
 def test_an_exclusive_test_waits_for_the_tests_of_its_device_only(tmp_path):
     """flock locks of two descriptors conflict within one process too, so threads stand in for workers."""
     host_running, gpu_running, done = threading.Event(), threading.Event(), threading.Event()
@@ -352,7 +343,6 @@ def test_an_exclusive_test_waits_for_the_tests_of_its_device_only(tmp_path):
     assert exclusive_locks.plan(True, "0") == [("machine.lock", fcntl.LOCK_SH), ("gpu-0.lock", fcntl.LOCK_EX)]
 
 
-@pytest.mark.invariant(6)
 def test_the_terminal_ends_with_the_slowest_tests_the_report_its_plots_and_the_verdict(tmp_path):
     tests = full("host", "host") | full(H200, "cuda")
     tests["test_3[host]"]["duration_s"] = 9.5
@@ -366,7 +356,6 @@ def test_the_terminal_ends_with_the_slowest_tests_the_report_its_plots_and_the_v
     assert lines[-1].startswith("CERTIFIED cuda:0")
 
 
-@pytest.mark.harness
 def test_reports_name_the_extkv_build_and_torch_cuda():
     facts = machine_facts()
     assert facts["extkv"] and facts["torch_cuda"], facts
@@ -376,7 +365,6 @@ def test_reports_name_the_extkv_build_and_torch_cuda():
         assert facts["extkv_commit"] and f"at commit {facts['extkv_commit']}" in section
 
 
-@pytest.mark.harness
 def test_every_invariant_has_words_and_a_statement():
     assert sorted(INVARIANTS) == list(range(1, 9))
     assert all(invariant.words and invariant.statement.endswith(".") for invariant in INVARIANTS.values())
@@ -399,7 +387,6 @@ def test_alone():
 '''
 
 
-@pytest.mark.invariant(6)
 def test_a_run_orders_the_planted_defects_first_and_the_exclusive_tests_last(pytester):
     pytester.makepyfile(test_order=ORDERED)
     result = pytester.runpytest_inprocess("-p", "extkv.testing.harness", "--extkv", "-p", "no:cacheprovider", "--co", "-q")
