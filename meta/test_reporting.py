@@ -35,7 +35,7 @@ from extkv.testing.record import DEVICE_PROPERTY, HOST_LABEL, INVARIANTS_PROPERT
 #: Every test here checks extkv's own tooling: benchmarks, reports, the command line.
 pytestmark = pytest.mark.harness
 
-CONFORMANCE = Path(__file__).resolve().parent
+CONFORMANCE = Path(__file__).resolve().parents[1] / "conformance"
 #: Real conformance tests for the first run: invariant 5 on the host
 #: (and a skipped or run cuda:0), invariant 6 on the host.
 REAL_SELECTION = [str(CONFORMANCE / "test_timeline.py"), str(CONFORMANCE / "test_ranks.py"), "-k", "timeline or rejects"]
