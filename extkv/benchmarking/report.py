@@ -19,6 +19,17 @@ section is headed as partial, says so before any figure, and renders what
 was measured; the cases it did not reach read `not run`, their targets `not
 measured`. A run without that file (pooled runs, runs of older versions) is
 read as complete.
+
+A run that measures nothing worth quoting judges nothing (`not_a_verdict`):
+a smoke run (`extkv bench --quick`, profile `quick`: tiny sizes, two
+rounds) and a run narrowed by pytest's selection (`-k`, `-m`, `-x`, ...,
+as bench-run.json records its command). Its section says so before any
+figure and shows each ratio alone (extkv.benchmarking.targets.readings_only):
+no target met or missed, no count of them.
+
+The section opens with the readings a reader decides on, and ends with how
+they were measured; `bench_front` is the short table of the report's front
+page (extkv.benchmarking.headline).
 """
 
 from __future__ import annotations
@@ -31,7 +42,7 @@ from ..reporting.verdict import FINISHED_STATUSES
 from .geometry import size_label
 from .plots import plot
 from .results import BenchRun, CaseResult, Entry, carryover, load, ratio, read_json_object
-from .targets import ScalingRow, TargetRow, evaluate, evaluate_scaling, fewest_calls_reason
+from .targets import ScalingRow, TargetRow, evaluate, evaluate_scaling, fewest_calls_reason, readings_only
 
 #: What `extkv bench` records of the run as a whole: its pytest command and
 #: exit status, and the signal that ended it, if one did. A pooled run
@@ -54,6 +65,43 @@ def partial_reason(run_dir: Path) -> str | None:
     if record.get("exit_status") not in FINISHED_STATUSES:
         return f"pytest ended with exit status {record.get('exit_status')}"
     return None
+
+
+#: Profiles of smoke runs, which prove the pipeline and measure nothing worth quoting.
+SMOKE_PROFILES = ("quick",)
+#: Options of pytest that narrow what a run selects or stop it early: those that take a value, and those that do not.
+NARROWING_WITH_VALUE = ("-k", "-m", "--deselect", "--ignore", "--ignore-glob", "--maxfail")
+NARROWING_FLAGS = ("--lf", "--last-failed", "--sw", "--stepwise", "-x", "--exitfirst")
+
+
+def narrowing(command: list[str]) -> list[str]:
+    """The options of a recorded pytest command (`python -m pytest ...`) that
+    narrow what it ran: `-k commit`, `-x`."""
+    arguments = command[command.index("pytest") + 1:] if "pytest" in command else command
+    found = []
+    for index, argument in enumerate(arguments):
+        option, equals, value = argument.partition("=")
+        if option in NARROWING_FLAGS:
+            found.append(option)
+        elif option in NARROWING_WITH_VALUE:
+            found.append(f"{option} {value if equals else ''.join(arguments[index + 1:index + 2])}")
+        elif argument[:2] in ("-k", "-m") and len(argument) > 2 and argument[2] != "-":
+            found.append(f"{argument[:2]} {argument[2:]}")  # -kcommit
+    return list(dict.fromkeys(found))
+
+
+def not_a_verdict(run_dir: Path, facts: dict) -> str | None:
+    """Why the run's figures are readings and no verdict (`profile quick:
+    smoke run: ...`, `narrowed by -k commit`); None for a run that judges
+    its targets."""
+    reasons = []
+    if facts.get("profile") in SMOKE_PROFILES:
+        reasons.append(f"profile {facts['profile']}: {facts.get('profile_what', 'a smoke run')}")
+    path = Path(run_dir) / RUN_FILE
+    narrowed = narrowing(read_json_object(path).get("pytest") or []) if path.exists() else []
+    if narrowed:
+        reasons.append("narrowed by " + ", ".join(narrowed))
+    return "; ".join(reasons) or None
 
 
 def _pooled_lines(facts: dict) -> list[str]:
@@ -94,8 +142,11 @@ def _ratio(value: float | None) -> str:
     return "-" if value is None else f"{value:.2f}x"
 
 
-def _mark(met: bool | None) -> str:
-    return {True: "met", False: "MISSED", None: "n/a"}[met]
+def _mark(row: TargetRow) -> str:
+    """`met`, `MISSED`, `not measured`, or `not judged` in a run that judges nothing."""
+    if row.ratio_min is None:
+        return "not measured"
+    return {True: "met", False: "MISSED", None: "not judged"}[row.met]
 
 
 def _case_words(case: CaseResult, granularity: int = 0) -> str:
@@ -142,7 +193,6 @@ def _facts_lines(run: BenchRun) -> list[str]:
         "Clocks: " + "; at the end: ".join(dict.fromkeys(f["clocks"])) + ".",
         *_driver_probe_lines(f),
         "",
-        "How it was measured:",
         *_contender_lines(run),
         "- Contenders of a case run interleaved, one round each per round, in the orders of a Williams design, so "
         "each meets the driver state every other one leaves equally often (a plain rotation would give each the same "
@@ -164,9 +214,9 @@ def _facts_lines(run: BenchRun) -> list[str]:
     return lines
 
 
-def _targets_table(rows: list[TargetRow], granularity: int) -> list[str]:
+def _targets_table(rows: list[TargetRow], granularity: int, judged: bool) -> list[str]:
     lines = ["| target | case | extkv (min / median) | against (min / median) | rounds | ratio min | ratio median | "
-             "bound | verdict |",
+             f"bound | {'verdict' if judged else 'reading, not a verdict'} |",
              "|---|---|---|---|---|---|---|---|---|"]
     for row in rows:
         subject, baseline = row.case.entries.get(row.target.subject), row.case.entries.get(row.target.baseline)
@@ -218,7 +268,9 @@ def _headline_table(run: BenchRun, rows: list[TargetRow], scaling: list[ScalingR
             split = "" if found[0].split is None else f"; halves {' / '.join(map(shown, found[0].split))}"
             if found[0].split_in_time is not None:
                 split += f"; earlier / later {' / '.join(map(shown, found[0].split_in_time))}"
-            cells.append(f"{shown(found[0].ratio_min)} ({_mark(found[0].met)}{alone}{split})")
+            # A run that judges nothing shows the ratio alone (its rows have no halves nor raw alone).
+            judged = "" if found[0].met is None else f" ({_mark(found[0])}{alone}{split})"
+            cells.append(f"{shown(found[0].ratio_min)}{judged}")
         lines.append(f"| {words} | " + " | ".join(cells) + " |")
     lines.append("")
     if any(row.raw_alone is not None for row in rows):
@@ -279,7 +331,7 @@ def _every_case_table(run: BenchRun, rows: list[TargetRow]) -> list[str]:
     for row in rows:
         # On the row of the contender the target compares extkv with.
         where = row.target.baseline if row.target.subject == "extkv" else row.target.subject
-        verdicts.setdefault((row.case.id, where), []).append(f"{row.target.name}: {_mark(row.met)}")
+        verdicts.setdefault((row.case.id, where), []).append(f"{row.target.name}: {_mark(row)}")
     lines = []
     for op in dict.fromkeys(c.facts["op"] for c in run.cases):
         cases = [c for c in run.cases if c.facts["op"] == op]
@@ -310,6 +362,23 @@ def _every_case_table(run: BenchRun, rows: list[TargetRow]) -> list[str]:
     return lines
 
 
+def judged_rows(run_dir: Path, run: BenchRun) -> tuple[list[TargetRow], list[ScalingRow], str | None]:
+    """The run's target and scaling rows, and why they judge nothing (then
+    readings only), or None where they judge."""
+    rows, scaling = evaluate(run), evaluate_scaling(run)
+    withheld = not_a_verdict(run_dir, run.facts)
+    if withheld is not None:
+        rows, scaling = readings_only(rows, scaling)
+    return rows, scaling, withheld
+
+
+def target_counts(rows: list[TargetRow]) -> str:
+    """`54 met, 25 missed, 3 not measured`."""
+    met = sum(1 for row in rows if row.met)
+    missed = sum(1 for row in rows if row.met is False)
+    return f"{met} met, {missed} missed, {len(rows) - met - missed} not measured"
+
+
 def bench_section(run_dir: Path) -> str | None:
     """Markdown for the bench results in `run_dir` (plots written beside it), or None when there are none."""
     run = load(Path(run_dir))
@@ -321,22 +390,27 @@ def bench_section(run_dir: Path) -> str | None:
             return "\n".join([heading, "", f"**{partial} before any case's results were written: nothing "
                                "measured.**", "", *decode_lines])
         return "\n".join([heading, "", *decode_lines]) if decode_lines else None
-    rows = evaluate(run)
-    scaling = evaluate_scaling(run)
-    met = sum(1 for r in rows if r.met)
-    missed = sum(1 for r in rows if r.met is False)
+    rows, scaling, withheld = judged_rows(Path(run_dir), run)
     tag = " (partial)" if partial else ""
-    lines = [heading, "", *_partial_lines(run, partial), *_facts_lines(run), "",
+    counts = "readings only, not a verdict" if withheld else target_counts(rows)
+    lines = [heading, "", *_partial_lines(run, partial), *_withheld_lines(withheld),
              f"### {_HEADLINE_HEADING}{tag}", "", *_headline_table(run, rows, scaling), "",
-             f"### Targets ({'partial: ' if partial else ''}{met} met, {missed} missed, "
-             f"{len(rows) - met - missed} not measured)", "",
-             *_targets_table(rows, run.facts["granularity"]), "",
+             f"### Targets ({'partial: ' if partial else ''}{counts})", "",
+             *_targets_table(rows, run.facts["granularity"], withheld is None), "",
              *_carryover_lines(rows, run.facts["granularity"])]
     paths, why_not = plot(run, run_dir)
     lines += [f"### Scaling{tag}", ""]
     lines += [f"![{path.stem}]({path.name})" for path in paths] or [why_not]
     lines += ["", f"### Every case{tag}", *_every_case_table(run, rows), "", *decode_lines]
+    lines += ["", "### How it was measured", "", *_facts_lines(run)]
     return "\n".join(lines)
+
+
+def _withheld_lines(withheld: str | None) -> list[str]:
+    """What the figures of a run that judges nothing are, before any of them."""
+    if withheld is None:
+        return []
+    return [f"**Not a verdict: {withheld}.** The figures below are readings only; no target is judged by them.", ""]
 
 
 def _partial_lines(run: BenchRun, partial: str | None) -> list[str]:

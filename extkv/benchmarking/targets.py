@@ -21,11 +21,16 @@ rest on one lucky round, so each verdict is also read on the even-numbered
 and the odd-numbered rounds alone, and on the earlier and the later half
 of the rounds (`halves`); where two halves of one run disagree, the verdict
 says so, naming both readings.
+
+A run that judges nothing (a smoke run, a narrowed one: see
+extkv.benchmarking.report) shows its rows through `readings_only`: each
+ratio alone, no verdict, nothing said of halves or of the raw sequence
+alone, which exist only to qualify a verdict.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from .results import BenchRun, CaseResult, Entry, ratio
 
@@ -339,3 +344,18 @@ def _reading_ratio(reading: str, near: Entry, far: Entry, *, or_cpu: bool = Fals
     if not near_cpu or not far_cpu:
         return None
     return min(far_cpu) / min(near_cpu)
+
+
+def readings_only(rows: list[TargetRow], scaling: list[ScalingRow]) -> tuple[list[TargetRow], list[ScalingRow]]:
+    """`rows` and `scaling` of a run that judges nothing: each its ratio
+    alone, `met` None, no halves nor raw sequence alone."""
+    shown_rows = [
+        replace(row, met=None, raw_alone=None, split=None, split_in_time=None,
+                words=row.words if row.ratio_min is None else f"{row.target.shown(row.ratio_min)}, not judged")
+        for row in rows
+    ]
+    shown_scaling = [
+        replace(row, met=None, words=row.words if row.value is None else f"{row.value:.2f}x, not judged")
+        for row in scaling
+    ]
+    return shown_rows, shown_scaling
