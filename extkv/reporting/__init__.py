@@ -8,7 +8,8 @@ XML and JSON. `render_report(run_dir)` turns whatever raw results the
 directory holds into `summary.md` and PNG plots, so a report can be rendered
 again later (`extkv report DIR`) from the same files.
 
-The summary is its sections, in order: the machine (from the check results,
+The summary opens with its front page (extkv.reporting.front): each run's
+verdict on one screen. Its sections follow, in order: the machine (from the check results,
 or `machine.json` of a run without them), the check (extkv.reporting.summary,
 with a memory-timeline plot per device drawn by extkv.reporting.plots), then
 the bench section (extkv.benchmarking.report) and the stress section, each
@@ -20,6 +21,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from ..testing.timeline import TIMELINE_GLOB, Timeline
+from .front import front_page
 from .machine import machine_section, read_machine_facts
 from .plots import matplotlib_missing, plot_timeline
 from .rundir import results_as_written, write_text
@@ -37,7 +39,7 @@ def render_report(run_dir: Path) -> Path:
     with results_as_written(run_dir, "check results and machine facts"):
         check = load_check(run_dir)
         facts = check["machine"] if check is not None else read_machine_facts(run_dir)
-        sections = [f"# extkv report: {run_dir.name}\n"]
+        sections = []
         if facts is not None:
             sections.append(machine_section(facts, check["worker_gpus"] if check is not None else None))
         if check is not None:
@@ -62,6 +64,8 @@ def render_report(run_dir: Path) -> Path:
         raise ValueError(
             f"{run_dir}: no results to report: expected check.json (extkv check), or bench or stress results"
         )
+    with results_as_written(run_dir, "results"):
+        front = front_page(run_dir, facts, check)
     summary = run_dir / SUMMARY_FILE
-    write_text(summary, "\n".join(sections + found).rstrip() + "\n")
+    write_text(summary, "\n".join([front] + sections + found).rstrip() + "\n")
     return summary

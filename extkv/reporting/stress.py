@@ -18,7 +18,7 @@ names each, so a short bound reads as the least, not as a full run.
 pytest run (`stress.json`) the tests a signal stopped, which leave no
 result of their own; `stress_totals` adds them up per device;
 `stress_section` renders the markdown and draws one memory plot per worker
-and device.
+and device; `stress_front` is its verdict line on the report's front page.
 
 `stress_verdict` mirrors the check's rule (extkv.reporting.verdict): the run
 passed only where pytest ended with status 0, a test passed, and none
@@ -223,6 +223,19 @@ def _command_line(run: dict) -> str:
     results = option_value(pytest, "--stress-results")
     run_dir = PurePosixPath(results).parent if results else None
     return portable_command_line(run.get("command_line", "extkv stress"), recorded_checkout(pytest), run_dir)
+
+
+def stress_front(run_dir: Path) -> list[str] | None:
+    """The stress run on a report's front page: its verdict and what it ran,
+    in one line; None where `run_dir` holds no stress results."""
+    stress = load_stress(Path(run_dir))
+    if stress is None:
+        return None
+    run, overall = stress["run"], stress_totals(stress)["overall"]
+    bound = f"bound {run['minutes']} min, " if run.get("minutes") is not None else ""
+    return [f"**Stress: {stress_verdict(stress)[1]}** ({bound}{sum(overall['operations'].values()):,} operations, "
+            f"{sum(overall['faults'].values()):,} faults injected, {len(overall['leaks'])} leaks, "
+            f"{overall['content_mismatches']} content mismatches)."]
 
 
 def _headline(stress: dict, totals: dict) -> list[str]:

@@ -14,11 +14,11 @@ later ones as `<nodeid> (<step>)`. A test a signal stopped is `interrupted`,
 neither passed nor failed; a run a signal ended (`interrupted` in
 check-run.json) has a report even where no step left results.
 
-`check_section` renders the merged results: the verdict lines
-(extkv.reporting.verdict), which invariants each device kind can prove,
-per invariant the tests run and passed on each device, the failures, the
-skips grouped by reason, test time per file, the multi-GPU step and the
-memory timeline of each device, with its plot.
+`check_section` renders the detail below the verdict lines, which head the
+report (extkv.reporting.front, extkv.reporting.verdict): which invariants
+each device kind can prove, per invariant the tests run and passed on each
+device, the failures, the skips grouped by reason, test time per file, the
+multi-GPU step and the memory timeline of each device, with its plot.
 """
 
 from __future__ import annotations
@@ -31,7 +31,7 @@ from ..testing.invariants import DEVICE_KINDS, INVARIANTS
 from ..testing.timeline import Timeline
 from .portable import portable_command
 from .rundir import read_json
-from .verdict import INTERRUPTED_STATUS, planted_counts, run_verdict
+from .verdict import INTERRUPTED_STATUS, planted_counts
 
 #: The harness's results format (extkv.testing.record.RECORD_FORMAT; the
 #: harness needs pytest, which rendering a report does not, so it is not
@@ -272,7 +272,8 @@ def check_section(check: dict, timelines: list[tuple[Timeline, str | None]], plo
     """Markdown for the merged `check` (load_check) and each device's timeline
     with its image name (None: not drawn; `plots_skipped` says why)."""
     tests = check["tests"]
-    lines = ["## Check", "", "### Verdict", "", "```"] + run_verdict(check, check["run"]) + ["```", ""]
+    # The verdict lines head the report (extkv.reporting.front); the detail follows here.
+    lines = ["## Check", ""]
     caught, planted = planted_counts(check)
     if planted:
         missed = [key for key, r in tests.items() if r["planted_defect"] and r["outcome"] in ("failed", "error")]

@@ -9,12 +9,13 @@ asked to check is, nothing failed anywhere else (the multi-GPU step, a
 planted defect the checks missed, a collection error, a step that pytest
 could not finish), and the suite ran whole: a run narrowed by `-k`, `-m`,
 paths, `--deselect`, `--lf` or stopped early by `-x` certifies nothing, and
-says so. A test that errs in setup or teardown is failed like one that errs
+says so: its device lines are their counts alone, judging no device. A test that errs in setup or teardown is failed like one that errs
 in its body. A test a signal stopped is `interrupted`, counted apart from
 the failures (the code under test did not fail), and certifies nothing: nor
 does its device, its step (pytest's exit status 2) or a run that a signal
 ended (`interrupted` in check-run.json), whose last line says so. `extkv check` prints these lines last and exits 0 only on a
-CERTIFIED run; the report shows the same lines.
+CERTIFIED run; the report's front page shows the same lines, the run's
+first (`front_lines`).
 
 Everything here reads the merged results (extkv.reporting.summary.load_check)
 and `check-run.json` (what `extkv check` ran: the steps and their targets,
@@ -71,6 +72,13 @@ class DeviceVerdict:
         if not self.counts["passed"] and not self.unproven:
             found.append("no test passed")
         return found
+
+    def reading(self) -> str:
+        """The device's counts alone, for a run that judges nothing."""
+        failed = len(self.failed)
+        return (f"{self.name}: {self.counts['passed']} passed" + (f", {failed} failed" if failed else "")
+                + (f", {self.counts['interrupted']} interrupted" if self.counts["interrupted"] else "")
+                + f", {self.counts['skipped']} skipped")
 
     def line(self) -> str:
         counts = f"{self.counts['passed']} passed, {self.counts['skipped']} skipped"
@@ -173,14 +181,15 @@ def run_verdict(check: dict, run: dict | None) -> list[str]:
     counts += (f", {totals['interrupted']} interrupted" if totals["interrupted"] else "") + f", {totals['skipped']} skipped"
     if run is not None:
         counts += f" in {run['wall_s']:.0f} s"
-    lines = [verdict.line() for verdict in verdicts]
+    narrowed = narrowed_by(check, run["targets"] if run is not None else None)
+    # A narrowed run judges no device: each line is its counts alone.
+    lines = [verdict.reading() if narrowed else verdict.line() for verdict in verdicts]
     caught, planted = planted_counts(check)
     if planted:
         lines.append(f"the checks caught {caught} of {planted} planted defects")
     if run is not None and run.get("interrupted"):
         lines.append(f"INTERRUPTED by {run['interrupted']}: nothing certified; {counts}")
         return lines
-    narrowed = narrowed_by(check, run["targets"] if run is not None else None)
     problems = other_failures(check, verdicts, run)
     if narrowed:
         lines.append(f"partial run: nothing certified (narrowed by {', '.join(narrowed)}); {counts}")
@@ -197,6 +206,13 @@ def run_verdict(check: dict, run: dict | None) -> list[str]:
         f"CERTIFIED {_names(named)}: invariants {number_ranges(certified)} proven{_cannot(named[0].cannot)}; {counts}"
     )
     return lines
+
+
+def front_lines(check: dict, run: dict | None) -> list[str]:
+    """The check on a report's front page: the run's verdict line first, in
+    bold, then each device's and the planted defects'."""
+    lines = run_verdict(check, run)
+    return [f"**Check: {lines[-1]}**", ""] + [f"- {line}" for line in lines[:-1]]
 
 
 def _names(verdicts: list[DeviceVerdict]) -> str:
