@@ -26,12 +26,14 @@ ROOT = Path(extkv.__file__).resolve().parent.parent
 LAYERS: list[set[str]] = [
     {"extkv.errors", "extkv.validate", "extkv.deferred_signals", "extkv.files", "extkv.vmm.dlpack",
      "extkv.vmm.torch_memory", "extkv.vmm.witness"},
+    {"extkv.cli_arguments"},
     {"extkv.vmm.base"},
     {"extkv.vmm.host_memory", "extkv.vmm.host_commits"},
     {"extkv.vmm.transaction"},
     {"extkv.vmm.wrapping", "extkv.vmm.host", "extkv.vmm.cuda"},
     {"extkv.vmm.faults", "extkv.vmm.poison"},
     {"extkv.vmm"},
+    {"extkv.vmm.primitives", "extkv.vmm.pressure"},
     {"extkv.tensor", "extkv.layout_types", "extkv.sizing", "extkv.usage", "extkv.wire"},
     {"extkv.layout", "extkv.peer"},
     {"extkv.ahead"},
@@ -72,13 +74,14 @@ LAYERS: list[set[str]] = [
      "extkv.testing.stress.__main__"},
     {"extkv.testing.stress"},
     {"extkv.reporting.rundir", "extkv.reporting.steps"},
-    {"extkv.reporting.machine", "extkv.reporting.plots", "extkv.reporting.verdict"},
+    {"extkv.reporting.machine", "extkv.reporting.plots", "extkv.reporting.verdict", "extkv.reporting.portable"},
     {"extkv.reporting.summary"},
     {"extkv.benchmarking.results"},
     {"extkv.benchmarking.targets", "extkv.benchmarking.plots"},
     {"extkv.benchmarking.report"},
-    {"extkv.benchmarking.pool"},
+    {"extkv.benchmarking.pool", "extkv.benchmarking.headline"},
     {"extkv.reporting.stress"},
+    {"extkv.reporting.front"},
     {"extkv.reporting"},
     {"extkv.reporting.check_run"},
     {"extkv.benchmarking.run"},
@@ -229,13 +232,88 @@ def test_no_private_attribute_is_reached_across_modules():
     assert not reached, "private attributes reached from another module:\n" + "\n".join(reached)
 
 
-@pytest.mark.parametrize("module", ["tensor.py", "cache.py", "runner.py", "usage.py", "sizing.py", "layout.py",
-                                    "layout_types.py"])
-def test_only_vmm_knows_the_device_kind(module):
-    source = (ROOT / "extkv" / module).read_text()
-    branches = [
-        f"line {number}: {text.strip()}"
-        for number, text in enumerate(source.splitlines(), 1)
-        if "device.type" in text or "torch.cuda" in text
+#: Command-line entry points among the top-level modules: tooling, which
+#: reports on the machine (its GPUs, its cuda-bindings) rather than runs
+#: the cache, so it is not held to the product's rule.
+TOOLING_TOP_LEVEL = {"cli.py", "cli_arguments.py", "__main__.py"}
+#: Strings that name a kind of device or driver (`device.type`, `Driver.kind`).
+DEVICE_KINDS = {"cuda", "cpu", "host", "mps", "xpu"}
+
+
+def product_files() -> list[Path]:
+    """The product: extkv's top-level modules and its integrations."""
+    top = [path for path in (ROOT / "extkv").glob("*.py") if path.name not in TOOLING_TOP_LEVEL]
+    return sorted(top + list((ROOT / "extkv" / "integrations").rglob("*.py")))
+
+
+def device_kind_branches(tree: ast.AST) -> list[tuple[int, str]]:
+    """(line, code) of every place that asks which kind of device it runs
+    on: a comparison with a device kind's name (`device.type == "cuda"`,
+    `driver.kind != "host"`, `"cpu" in types`), `.is_cuda` / `.is_cpu`, and
+    any use of `torch.cuda`."""
+    found = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Compare):
+            if any(isinstance(side, ast.Constant) and side.value in DEVICE_KINDS for side in [node.left, *node.comparators]):
+                found.append((node.lineno, ast.unparse(node)))
+        elif isinstance(node, ast.Attribute) and node.attr in ("is_cuda", "is_cpu"):
+            found.append((node.lineno, ast.unparse(node)))
+        elif isinstance(node, ast.Attribute) and node.attr == "cuda" and ast.unparse(node.value) == "torch":
+            found.append((node.lineno, ast.unparse(node)))
+    return sorted(set(found))
+
+
+@pytest.mark.parametrize("path", product_files(), ids=lambda path: str(path.relative_to(ROOT)))
+def test_only_vmm_knows_the_device_kind(path):
+    """What differs between devices is a Driver method or property (graphs,
+    streams, staging memory, where a collective reduces): a product module
+    that compares a device kind, or calls torch.cuda, has a branch that
+    belongs behind the driver."""
+    branches = [f"line {line}: {code}" for line, code in device_kind_branches(ast.parse(path.read_text(), str(path)))]
+    assert not branches, f"{path.relative_to(ROOT)} asks which kind of device it runs on:\n" + "\n".join(branches)
+
+
+#: Modules outside extkv.vmm that may import a CUDA binding, with the reason.
+CUDA_BINDING_IMPORTERS = {
+    # `extkv --version` names the cuda-bindings release and whether it
+    # imports, which is the question itself; it calls nothing of them.
+    "extkv/cli.py": "reports whether cuda-bindings imports",
+}
+
+
+def cuda_binding_loads(tree: ast.AST) -> list[tuple[int, str]]:
+    """(line, code) of every import of a CUDA binding (cuda.bindings,
+    cuda.cuda, cuda.cudart, cudart, cuda.core, by import statement or
+    importlib) and every ctypes load of a CUDA library (libcuda, libcudart)."""
+
+    def binding(name: str) -> bool:
+        return name == "cuda" or name.startswith(("cuda.", "cudart"))
+
+    found = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import) and any(binding(alias.name) for alias in node.names):
+            found.append((node.lineno, ast.unparse(node)))
+        elif isinstance(node, ast.ImportFrom) and not node.level and binding(node.module or ""):
+            found.append((node.lineno, ast.unparse(node)))
+        elif isinstance(node, ast.Call):
+            called = ast.unparse(node.func)
+            texts = [arg.value for arg in node.args if isinstance(arg, ast.Constant) and isinstance(arg.value, str)]
+            if called.endswith(("import_module", "__import__")) and any(binding(text) for text in texts):
+                found.append((node.lineno, ast.unparse(node)))
+            elif called.endswith(("CDLL", "LoadLibrary", "PyDLL")) and any("cuda" in text.lower() for text in texts):
+                found.append((node.lineno, ast.unparse(node)))
+    return found
+
+
+def test_only_vmm_imports_a_cuda_binding():
+    """Every call into the CUDA driver is extkv.vmm's: one binding, each
+    raw sequence written once, beside the drivers' own."""
+    checked = [path for path in library_files() if "vmm" not in path.relative_to(ROOT / "extkv").parts[:1]]
+    checked += [path for directory in ("meta", "tools") if (ROOT / directory).is_dir() for path in (ROOT / directory).rglob("*.py")]
+    loads = [
+        f"{path.relative_to(ROOT)}:{line}: {code}"
+        for path in checked + suite_files()
+        if str(path.relative_to(ROOT)) not in CUDA_BINDING_IMPORTERS
+        for line, code in cuda_binding_loads(ast.parse(path.read_text(), str(path)))
     ]
-    assert not branches, f"extkv/{module} asks which kind of device it runs on:\n" + "\n".join(branches)
+    assert not loads, "CUDA bindings loaded outside extkv.vmm:\n" + "\n".join(loads)

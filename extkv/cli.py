@@ -35,38 +35,38 @@ example.
 from __future__ import annotations
 
 import argparse
-import math
-import os
-import stat
+import importlib
 import sys
 from pathlib import Path
 
-import torch
-
-from . import vmm
-from .benchmarking import run as bench_run
-from .benchmarking.pool import pool
-from .errors import ExtkvError
-from .peer import DEFAULT_PEER_TIMEOUT_S, run_peer
-from .reporting import check_run, reference_run, render_report, stress_run
-from .reporting.rundir import checkout_root
-from .testing import facts
+from . import cli_arguments as arguments
+from .cli_arguments import Parser
 
 #: Subcommands that run pytest: whatever they do not know goes to pytest.
-#: Each: its module, what it does, and an example of pytest arguments.
+#: Each: the module whose run() runs it, what it does, and an example of
+#: pytest arguments. The modules are imported only to run (they import
+#: torch), so --help of any subcommand costs none.
 _PYTEST_COMMANDS = {
     "check": (
-        check_run,
+        "extkv.reporting.check_run",
         "run the conformance suite on the GPUs found, else on the host, and write a report",
         "extkv check -x -k sizing",
     ),
-    "bench": (bench_run, "run the benchmarks and write a report", "extkv bench --quick -k commit"),
+    "bench": ("extkv.benchmarking.run", "run the benchmarks and write a report", "extkv bench --quick -k commit"),
     "stress": (
-        stress_run,
+        "extkv.reporting.stress_run",
         "run the nightly stress suite for a bounded time and write a report",
         "extkv stress --minutes 1 -k walk",
     ),
 }
+#: Minutes `extkv reference` gives its stress step: long enough that every
+#: stress test gets its share of the bound (a 1-minute run leaves 6 of 14
+#: tests short).
+DEFAULT_STRESS_MINUTES = 5.0
+#: `peer --timeout`'s default: extkv.peer's DEFAULT_PEER_TIMEOUT_S, named
+#: here so that `extkv peer --help` needs no torch (meta/test_cli.py checks
+#: that the two agree).
+DEFAULT_PEER_TIMEOUT_S = 120.0
 
 
 def version_text() -> str:
@@ -74,13 +74,16 @@ def version_text() -> str:
     it) when extkv is imported from a git checkout: a report or a bug names
     the code that ran, not only the release. The facts are the ones every
     report records (extkv.testing.facts)."""
+    from .testing import facts
+
     version = facts.version_of("extkv")
     text = "extkv (not installed: no version recorded)" if version == facts.NOT_INSTALLED else f"extkv {version}"
     commit = facts.extkv_commit()  # a bare source tree `python -m extkv` runs from has none
     if commit is None:
         return text
     sha, _, dirty = commit.partition("+")
-    return f"{text} (checkout {checkout_root()}, commit {sha}{', uncommitted changes' if dirty else ''})"
+    checkout = Path(__file__).resolve().parent.parent  # the directory above extkv/, whose git extkv_commit asked
+    return f"{text} (checkout {checkout}, commit {sha}{', uncommitted changes' if dirty else ''})"
 
 
 class _Version(argparse.Action):
@@ -122,6 +125,8 @@ def bindings_lines() -> list[str]:
     its major matches the driver's CUDA major. Bindings of a newer major than
     the driver's fail at their first call (13.x needs a CUDA 13 driver);
     older ones run on a newer driver."""
+    from .testing import facts
+
     version = facts.version_of("cuda-bindings")
     try:
         from cuda.bindings import driver as _  # noqa: F401
@@ -154,6 +159,10 @@ def bindings_lines() -> list[str]:
 
 
 def _info(args, _pytest_args) -> int:
+    import torch
+
+    from . import vmm
+
     for line in bindings_lines():
         print(line)
     gpus = torch.cuda.device_count() if vmm.cuda_usable() else 0
@@ -163,6 +172,8 @@ def _info(args, _pytest_args) -> int:
 
 
 def _report(args, _pytest_args) -> int:
+    from .reporting import render_report
+
     try:
         summary = render_report(Path(args.run_dir))
     except (OSError, ValueError) as error:  # each names the file it could not read
@@ -173,6 +184,9 @@ def _report(args, _pytest_args) -> int:
 
 
 def _pool(args, _pytest_args) -> int:
+    from .benchmarking.pool import pool
+    from .reporting import render_report
+
     try:
         pool(args.run_dirs, Path(args.out_dir))
         # OUT_DIR may hold files of its own that the report reads too.
@@ -184,51 +198,10 @@ def _pool(args, _pytest_args) -> int:
     return 0
 
 
-#: The longest path an AF_UNIX address holds (sun_path, less its NUL), on Linux.
-_UNIX_PATH_MOST_BYTES = 107
-#: What a file that is not a socket is, in words, by its stat.S_IS* test.
-_FILE_KINDS = [
-    (stat.S_ISDIR, "a directory"),
-    (stat.S_ISREG, "a regular file"),
-    (stat.S_ISFIFO, "a FIFO"),
-    (stat.S_ISCHR, "a character device"),
-    (stat.S_ISBLK, "a block device"),
-]
-
-
-def _socket_path(text: str) -> str:
-    """--peer: the path of a Unix socket, checked before the peer starts so
-    that a mistyped path is a usage error naming it, not a traceback from
-    connect() (which names no path)."""
-    expected = "expected the Unix socket a SegmentExportConnector listens on"
-    try:
-        status = os.stat(text)
-    except (OSError, ValueError) as error:  # ValueError: a NUL in the path
-        reason = error.strerror if isinstance(error, OSError) else str(error)
-        raise argparse.ArgumentTypeError(f"{text!r}: {reason}; {expected}") from None
-    if not stat.S_ISSOCK(status.st_mode):
-        kind = next((words for test, words in _FILE_KINDS if test(status.st_mode)), "not a socket")
-        raise argparse.ArgumentTypeError(f"{text!r} is {kind}; {expected}")
-    if len(os.fsencode(text)) > _UNIX_PATH_MOST_BYTES:
-        raise argparse.ArgumentTypeError(
-            f"{text!r} is {len(os.fsencode(text))} bytes, more than the {_UNIX_PATH_MOST_BYTES} an AF_UNIX "
-            "address holds; name the socket by a shorter path (a relative one, or a symlink)"
-        )
-    return text
-
-
-def _seconds(text: str) -> float:
-    """--timeout: a number of seconds > 0 (nan is none)."""
-    try:
-        seconds = float(text)
-    except ValueError:
-        seconds = math.nan
-    if not seconds > 0:
-        raise argparse.ArgumentTypeError(f"must be a number of seconds > 0, got {text!r}")
-    return seconds
-
-
 def _peer(args, _pytest_args) -> int:
+    from .errors import ExtkvError
+    from .peer import run_peer
+
     try:
         run_peer(args.peer, args.timeout)
     except (OSError, ValueError, ExtkvError) as error:
@@ -240,60 +213,138 @@ def _peer(args, _pytest_args) -> int:
     return 0
 
 
+def _add_report_dir(command: argparse.ArgumentParser, help: str, overwrite: bool = True) -> None:
+    command.add_argument("--report-dir", metavar="DIR", type=arguments.report_directory, default=None, help=help)
+    if overwrite:
+        command.add_argument(
+            "--overwrite", action="store_true", help="let --report-dir hold files, replacing this kind of run's results there"
+        )
+
+
+_RUN_REPORT_DIR = "write the results and the report here (new or empty) instead of a new reports/runs/<date>-<host>-<gpus>/"
+
+
+def _add_check(command: argparse.ArgumentParser) -> None:
+    _add_report_dir(command, _RUN_REPORT_DIR)
+    workers = "xdist workers of the host driver's step, 1 to the usable cores"
+    command.add_argument("--host-workers", type=arguments.worker_count, default=None, metavar="N", help=workers)
+    command.add_argument(
+        "--gpu-workers", type=arguments.worker_count, default=None, metavar="N",
+        help="xdist workers of each GPU's step, 1 to the usable cores",
+    )
+
+
+def _add_bench(command: argparse.ArgumentParser) -> None:
+    command.add_argument("--quick", action="store_true", help="smoke run: tiny sizes, two rounds; fails unless the report renders")
+    _add_report_dir(command, _RUN_REPORT_DIR)
+    command.add_argument(
+        "--rounds", type=arguments.run_count, default=None, metavar="N", help="at most N rounds per case (default: the profile's)"
+    )
+    command.add_argument(
+        "--benchmark-storage", metavar="DIR", default=None,
+        help="pytest-benchmark's storage that every run is saved in, for `pytest-benchmark --storage DIR compare` "
+        "and --benchmark-compare (default: reports/runs/.benchmarks/<profile>)",
+    )
+
+
+def _add_stress(command: argparse.ArgumentParser) -> None:
+    command.add_argument(
+        "--minutes", type=arguments.minutes, required=True, help="time bound of the whole run, report included"
+    )
+    command.add_argument("--seed", type=int, default=None, help="seed of the run (default: from the clock; printed)")
+    _add_report_dir(command, _RUN_REPORT_DIR)
+
+
+def _add_reference(command: argparse.ArgumentParser) -> None:
+    command.add_argument(
+        "--stress-minutes", type=arguments.minutes, default=DEFAULT_STRESS_MINUTES,
+        help="minutes for the stress step (default %(default)s)",
+    )
+    # Its steps replace their own files there (--overwrite), so it may hold files.
+    _add_report_dir(
+        command, "where the reference goes (default: reports/reference/<this machine's GPUs, or host>)", overwrite=False
+    )
+
+
+def _run_pytest_command(args, pytest_args) -> int:
+    return importlib.import_module(_PYTEST_COMMANDS[args.command][0]).run(args, pytest_args)
+
+
+def _run_reference(args, pytest_args) -> int:
+    from .reporting import reference_run
+
+    return reference_run.run(args, pytest_args)
+
+
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(
+    parser = Parser(
         prog="extkv",
         description="extkv: a growable KV-cache allocation on virtual memory (CUDA VMM, or Linux memfd on the host), "
         "and the suites that prove it.",
     )
     parser.add_argument("--version", action=_Version)
     commands = parser.add_subparsers(dest="command", required=True)
+    parsers: dict[str, argparse.ArgumentParser] = {}
 
     def add(name: str, text: str, **kwargs) -> argparse.ArgumentParser:
         # The text twice: in the list of `extkv --help` and atop `extkv NAME --help`.
-        return commands.add_parser(name, help=text, description=text[0].upper() + text[1:] + ".", **kwargs)
+        parsers[name] = commands.add_parser(name, help=text, description=text[0].upper() + text[1:] + ".", **kwargs)
+        return parsers[name]
 
     add(
         "info", "show the devices and drivers extkv would use, and whether cuda-bindings matches the GPU driver"
     ).set_defaults(run=_info)
-    for name, (module, text, example) in _PYTEST_COMMANDS.items():
+    for name, (_, text, example), add_options in zip(
+        _PYTEST_COMMANDS, _PYTEST_COMMANDS.values(), (_add_check, _add_bench, _add_stress)
+    ):
         command = add(
             name,
             text + "; other arguments go to pytest",
             epilog=f"Arguments `extkv {name}` does not know go to pytest, e.g. `{example}`.",
         )
-        module.add_arguments(command)
-        command.set_defaults(run=module.run)
+        add_options(command)
+        command.set_defaults(run=_run_pytest_command)
     reference = add(
         "reference",
         "re-make this machine kind's reference run: check, bench and stress into reports/reference/<kind>; "
         "other arguments go to pytest",
     )
-    reference_run.add_arguments(reference)
-    reference.set_defaults(run=reference_run.run)
+    _add_reference(reference)
+    reference.set_defaults(run=_run_reference)
     report = add("report", "render a run directory's summary.md and plots again from its raw results")
-    report.add_argument("run_dir", metavar="DIR", help="a run directory, e.g. reports/runs/2026-11-30-myhost-h200")
+    report.add_argument(
+        "run_dir", metavar="DIR", type=arguments.run_directory_to_render,
+        help="a run directory, e.g. reports/runs/2026-11-30-myhost-h200",
+    )
     report.set_defaults(run=_report)
     pooled = add("pool", "write one bench report over the rounds of several runs of one code on one machine")
-    pooled.add_argument("out_dir", metavar="OUT_DIR", help="where the pooled run goes (not one of the runs)")
-    pooled.add_argument("run_dirs", metavar="RUN_DIR", nargs="+", help="bench run directories, two or more")
+    pooled.add_argument(
+        "out_dir", metavar="OUT_DIR", type=arguments.report_directory,
+        help="where the pooled run goes (not one of the runs)",
+    )
+    pooled.add_argument(
+        "run_dirs", metavar="RUN_DIR", nargs="+", type=arguments.run_directory, help="bench run directories, two or more"
+    )
     pooled.set_defaults(run=_pool)
     peer = add(
         "peer", "import the segments a SegmentExportConnector exports, reply with their sha256 digests, clean up"
     )
     peer.add_argument(
-        "--peer", metavar="SOCKET_PATH", required=True, type=_socket_path, help="Unix socket the exporter listens on"
+        "--peer", metavar="SOCKET_PATH", required=True, type=arguments.socket_path,
+        help="Unix socket the exporter listens on",
     )
     peer.add_argument(
         "--timeout",
-        type=_seconds,
+        type=arguments.seconds,
         default=DEFAULT_PEER_TIMEOUT_S,
         help="seconds to wait on the socket (default %(default)s)",
     )
     peer.set_defaults(run=_peer)
     args, extra = parser.parse_known_args(argv)
     if extra and args.command not in (*_PYTEST_COMMANDS, "reference"):
-        parser.error(f"unrecognized arguments: {' '.join(extra)}")
+        parsers[args.command].error(f"unrecognized arguments: {' '.join(extra)}")
+    if hasattr(args, "overwrite"):
+        arguments.refuse_held_report_dir(parsers[args.command], args)
     return args.run(args, extra)
 
 

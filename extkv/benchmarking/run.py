@@ -80,7 +80,7 @@ from pathlib import Path
 
 from .. import vmm
 from ..reporting import render_report
-from ..reporting.check_run import add_report_dir_argument, installed_suite_options, interrupted_report
+from ..reporting.check_run import installed_suite_options, interrupted_report
 from ..reporting.machine import machine_facts, write_machine_facts
 from ..reporting.steps import RunInterrupted, end_all, interruptible, start as start_step
 from ..reporting.rundir import (
@@ -102,18 +102,6 @@ BENCH_HEADING = "## Benchmarks"
 
 #: pytest-benchmark's storage, under reports/runs/ unless --benchmark-storage names one.
 STORAGE_DIRECTORY = ".benchmarks"
-
-
-def add_arguments(parser: argparse.ArgumentParser) -> None:
-    """Options of `extkv bench`; other arguments go to pytest."""
-    parser.add_argument("--quick", action="store_true", help="smoke run: tiny sizes, two rounds; fails unless the report renders")
-    add_report_dir_argument(parser)
-    parser.add_argument("--rounds", type=int, default=None, metavar="N", help="at most N rounds per case (default: the profile's)")
-    parser.add_argument(
-        "--benchmark-storage", metavar="DIR", default=None,
-        help="pytest-benchmark's storage that every run is saved in, for `pytest-benchmark --storage DIR compare` "
-        "and --benchmark-compare (default: reports/runs/.benchmarks/<profile>)",
-    )
 
 
 def benchmark_storage(chosen: str | None, profile: str) -> str:
@@ -162,8 +150,6 @@ def _record_run(run_dir: Path, command: list[str], status: int | None, interrupt
 
 
 def run(args: argparse.Namespace, pytest_args: list[str]) -> int:
-    if args.rounds is not None and args.rounds < 1:
-        raise SystemExit(f"extkv bench: --rounds must be an int >= 1, got {args.rounds}")
     facts = machine_facts()
     gpu = vmm.cuda_usable()
     device = "cuda:0" if gpu else "cpu"

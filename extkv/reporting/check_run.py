@@ -80,33 +80,12 @@ MOST_GPU_WORKERS = 8
 CHECK_FILES = ("check*.json", "check*.xml", "check*.log", "check*.progress", "locks", "timeline-*", "summary.md")
 
 
-def add_report_dir_argument(parser: argparse.ArgumentParser) -> None:
-    """`--report-dir DIR` and `--overwrite`, which check, bench and stress share."""
-    parser.add_argument(
-        "--report-dir",
-        metavar="DIR",
-        type=Path,
-        default=None,
-        help="write the results and the report here (new or empty) instead of a new reports/runs/<date>-<host>-<gpus>/",
-    )
-    parser.add_argument(
-        "--overwrite", action="store_true", help="let --report-dir hold files, replacing this kind of run's results there"
-    )
-
-
 def installed_suite_options(suite: Path) -> list[str]:
     """What pytest needs to run `suite` from an installed package, where no
     checkout gives it a conftest and ini options; nothing in a checkout."""
     if checkout_root() is not None:
         return []
     return ["-c", os.devnull, "--rootdir", str(suite), "-p", "no:cacheprovider", "-p", "extkv.testing.harness", *INSTALLED_OPTIONS]
-
-
-def add_arguments(parser: argparse.ArgumentParser) -> None:
-    """Options of `extkv check`; other arguments go to pytest."""
-    add_report_dir_argument(parser)
-    parser.add_argument("--host-workers", type=int, default=None, metavar="N", help="xdist workers of the host driver's step")
-    parser.add_argument("--gpu-workers", type=int, default=None, metavar="N", help="xdist workers of each GPU's step")
 
 
 @dataclass

@@ -35,27 +35,12 @@ from .rundir import checkout_root, gpu_slug
 from .steps import GRACE_S, RunInterrupted, end_all, interruptible, start as start_step
 from . import render_report
 
-#: Minutes the stress step takes: long enough that every stress test gets
-#: its share of the bound (a 1-minute run leaves 6 of 14 tests short).
-DEFAULT_STRESS_MINUTES = 5.0
-
 
 def reference_directory(facts: dict) -> Path:
     """`reports/reference/<gpus>` of the checkout (of the current directory
     for an installed extkv)."""
     root = checkout_root()
     return (root if root is not None else Path.cwd()) / "reports" / "reference" / gpu_slug(facts)
-
-
-def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument(
-        "--stress-minutes", type=float, default=DEFAULT_STRESS_MINUTES,
-        help="minutes for the stress step (default %(default)s)",
-    )
-    parser.add_argument(
-        "--report-dir", type=Path, default=None,
-        help="where the reference goes (default: reports/reference/<this machine's GPUs, or host>)",
-    )
 
 
 def steps(report_dir: Path, stress_minutes: float, pytest_args: list[str]) -> list[tuple[str, list[str]]]:
@@ -70,9 +55,6 @@ def steps(report_dir: Path, stress_minutes: float, pytest_args: list[str]) -> li
 
 
 def run(args: argparse.Namespace, pytest_args: list[str]) -> int:
-    if not args.stress_minutes > 0:
-        print(f"extkv reference: --stress-minutes must be > 0, got {args.stress_minutes}", file=sys.stderr)
-        return 2
     report_dir = (args.report_dir or reference_directory(machine_facts())).resolve()
     report_dir.mkdir(parents=True, exist_ok=True)
     status, started = 0, time.monotonic()

@@ -11,7 +11,10 @@ reference runs, one per machine kind, are committed under
 root is the checkout's `reports/runs/` when extkv runs from a source
 checkout (an editable install), else `./reports/runs` under the current
 directory. A directory the user names (`--report-dir`) must be empty or
-new, unless `--overwrite` says to replace its results.
+new, unless `--overwrite` says to replace its results, and any run directory
+one this process can write or make: one rule
+(extkv.cli_arguments.report_dir_problem), which the command line applies as
+it parses and `prepare_run_directory` again as it makes the directory.
 
 The suites ship in the distribution as packages of their own (pyproject maps
 `extkv_conformance` to `conformance/` and `extkv_benchmarks` to the
@@ -38,6 +41,7 @@ from collections import Counter
 from pathlib import Path
 from typing import BinaryIO, Callable, Iterator
 
+from ..cli_arguments import report_dir_problem
 from ..files import read_regular_file
 
 #: Suite directory in a checkout -> the package it is installed as.
@@ -166,27 +170,29 @@ def run_directory(facts: dict, day: datetime.date | None = None, root: Path | No
 
 
 class RunDirectoryInUse(ValueError):
-    """A directory the user named holds files, and nobody said to replace them."""
+    """A run's directory cannot be used: it holds files and nobody said to
+    replace them, or it is no directory this process can write or make."""
 
 
 def prepare_run_directory(chosen: Path | None, facts: dict, overwrite: bool, own_files: tuple[str, ...]) -> Path:
     """The run's directory, created: `chosen` (--report-dir) if given, which
     must be empty unless `overwrite`, when this run's own earlier files there
-    (`own_files`: glob patterns) are removed first; else a new `run_directory`."""
+    (`own_files`: glob patterns) are removed first; else a new `run_directory`.
+    The command line refused an unusable `chosen` already
+    (extkv.cli_arguments); asked again here, where it is made, for what
+    changed since and for the default directory, which the user did not
+    name: RunDirectoryInUse naming it."""
     if chosen is None:
         directory = run_directory(facts).resolve()
+        named = str(directory)
     else:
         directory = Path(chosen).resolve()
-        if directory.exists() and not directory.is_dir():
-            raise RunDirectoryInUse(f"--report-dir {chosen}: not a directory")
-        held = sorted(path.name for path in directory.iterdir()) if directory.is_dir() else []
-        if held and not overwrite:
-            shown = ", ".join(held[:5]) + (f" and {len(held) - 5} more" if len(held) > 5 else "")
-            raise RunDirectoryInUse(
-                f"--report-dir {chosen} is not empty (it holds {shown}): pass --overwrite to replace this "
-                "run's files there, or name an empty or new directory"
-            )
-        for pattern in own_files if held else ():
+        named = f"--report-dir {chosen}"
+    problem = report_dir_problem(directory, may_hold_files=chosen is not None and overwrite)
+    if problem is not None:
+        raise RunDirectoryInUse(f"{named} {problem}")
+    if chosen is not None and overwrite:
+        for pattern in own_files:
             for path in directory.glob(pattern):
                 if path.is_dir():
                     shutil.rmtree(path)

@@ -50,7 +50,7 @@ import time
 from pathlib import Path
 
 from . import render_report
-from .check_run import add_report_dir_argument, installed_suite_options, interrupted_report
+from .check_run import installed_suite_options, interrupted_report
 from .machine import machine_facts, write_machine_facts
 from .rundir import RunDirectoryInUse, checkout_root, prepare_run_directory, suite_directory
 from .steps import RunInterrupted, end_all, interruptible, start as start_step
@@ -65,13 +65,6 @@ PROGRESS_EVERY_S = 30.0
 #: Seconds pytest may run past its bound before it is killed: a test's own
 #: timeout is the bound plus five minutes, so this is later still.
 OVERRUN_S = 420.0
-
-
-def add_arguments(parser: argparse.ArgumentParser) -> None:
-    """Options of `extkv stress`; other arguments go to pytest."""
-    parser.add_argument("--minutes", type=float, required=True, help="time bound of the whole run, report included")
-    parser.add_argument("--seed", type=int, default=None, help="seed of the run (default: from the clock; printed)")
-    add_report_dir_argument(parser)
 
 
 def pytest_command(suite: Path, results: Path, deadline: float, seed: int, gpus: int) -> list[str]:
@@ -140,8 +133,6 @@ def _watch(process: subprocess.Popen, results: Path, deadline: float) -> int:
 
 
 def run(args: argparse.Namespace, pytest_args: list[str]) -> int:
-    if not args.minutes > 0:
-        raise SystemExit(f"extkv stress: --minutes must be a number > 0, got {args.minutes}")
     suite = suite_directory("stress")
     started = time.time()
     deadline = started + 60 * args.minutes - REPORT_RESERVE_S

@@ -21,9 +21,6 @@ import sys
 from importlib import metadata
 from pathlib import Path
 
-import torch
-
-from .. import vmm
 from .gpus import visible_gpu_ids
 
 
@@ -33,12 +30,18 @@ def gpu_label(gpu_id: str, name: str) -> str:
 
 
 def no_cuda_reason() -> str:
+    import torch  # here, not atop: `extkv --version` reads this module's versions without torch
+
     if not torch.cuda.is_available():
         return "torch.cuda.is_available() is False (no GPU or a CPU build of torch)"
     return "cuda-python (cuda-bindings) is not importable"
 
 
 def cuda_device_count() -> int:
+    import torch
+
+    from .. import vmm
+
     return torch.cuda.device_count() if vmm.cuda_usable() else 0
 
 
@@ -47,6 +50,10 @@ def machine_facts() -> dict:
     """Host name, versions, the host driver and each GPU this process sees:
     name, physical id and label, NVIDIA driver, CUDA driver API, VMM
     granularity."""
+    import torch
+
+    from .. import vmm
+
     host = vmm.driver_for("cpu").describe()
     facts = {
         "host": socket.gethostname(),
