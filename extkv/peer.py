@@ -50,7 +50,6 @@ from __future__ import annotations
 
 import ctypes
 import hashlib
-import os
 import socket
 
 import torch
@@ -58,7 +57,7 @@ import torch
 from . import validate
 from .deferred_signals import deferred_signals, run_deferred
 from .errors import DriverError, StateError
-from .vmm import Chunk, Driver, HostDriver, Transaction, UnreleasedChunks, cuda_usable, driver_for
+from .vmm import Chunk, Driver, Transaction, UnreleasedChunks, driver_for_import
 from .wire import (
     MAX_HEADER_BYTES,
     Deadline,
@@ -228,7 +227,7 @@ def _import(sock: socket.socket, driver: Driver | None, deadline: Deadline, max_
         try:
             message = receive_message(sock, max_bytes=MAX_HEADER_BYTES, deadline=deadline, what="the header")
             header = ExportHeader.from_message(message)
-            driver = _driver_for_header(header, driver)
+            driver = driver_for_import(header.driver_kind, header.granularity, header.device, driver)
             _check_announced_bytes(header, driver, max_bytes)
             receive_fds(sock, len(header.chunk_sizes), fds, deadline=deadline)
         finally:
@@ -277,60 +276,6 @@ def _check_announced_bytes(header: ExportHeader, driver: Driver, max_bytes: int 
         )
 
 
-def _check_allocated(driver: Driver, fd: int, index: int) -> None:
-    """Refuse a host memfd (`fd`, which the driver has imported) with holes:
-    each page of one this process reads would be allocated then, in its
-    memory cgroup."""
-    if driver.kind != "host":
-        return  # CUDA physical memory exists once created
-    status = os.fstat(fd)
-    allocated = status.st_blocks * 512
-    if allocated < status.st_size:
-        raise ValueError(
-            f"chunk {index} is a sparse memfd: {allocated} of its {status.st_size} bytes are allocated (an extkv "
-            "chunk has all of them); reading it would allocate the rest in this process"
-        )
-
-
-def _driver_for_header(header: ExportHeader, driver: Driver | None) -> Driver:
-    kind, granularity = header.driver_kind, header.granularity
-    if driver is not None:
-        if driver.kind != kind or driver.granularity != granularity:
-            raise ValueError(
-                f"driver {driver!r} cannot import chunks of a {kind} driver with granularity {granularity}"
-            )
-        return driver
-    if kind == "host":
-        default = driver_for("cpu")
-        # Chunk sizes are multiples of the exporter's granularity, not
-        # necessarily of this process's default.
-        return default if default.granularity == granularity else HostDriver(granularity)
-    if kind == "cuda":
-        driver = driver_for(_local_cuda_device(header.device))
-        if driver.granularity != granularity:
-            raise ValueError(
-                f"exporter's granularity {granularity} differs from {driver.granularity} on {driver.device}"
-            )
-        return driver
-    raise ValueError(f"header names driver kind {kind!r}; expected 'host' or 'cuda'")
-
-
-def _local_cuda_device(device: dict) -> torch.device:
-    """This process's index for the exporter's GPU."""
-    if not cuda_usable():
-        raise ValueError("the segments live on a GPU, but this process cannot use CUDA (no GPU or no cuda-python)")
-    uuid = device.get("uuid")
-    if uuid is None:
-        return torch.device("cuda", device.get("index") or 0)
-    for index in range(torch.cuda.device_count()):
-        if str(torch.cuda.get_device_properties(index).uuid) == uuid:
-            return torch.device("cuda", index)
-    raise ValueError(
-        f"the exporter's GPU {uuid} is not visible to this process "
-        f"(CUDA_VISIBLE_DEVICES={os.environ.get('CUDA_VISIBLE_DEVICES')!r})"
-    )
-
-
 def _map_imported(driver: Driver, fds: list[int], header: ExportHeader) -> ImportedSegments:
     """Import each chunk and map them back to back in one reservation: one
     transaction, each step undone if a later one fails."""
@@ -349,7 +294,7 @@ def _map_imported(driver: Driver, fds: list[int], header: ExportHeader) -> Impor
             for index, (fd, size, placement) in enumerate(zip(fds, header.chunk_sizes, placements)):
                 chunk = driver.import_fd(fd, size)
                 transaction.push(unreleased.release, chunk)
-                _check_allocated(driver, fd, index)
+                driver.refuse_partly_backed(fd, f"chunk {index}")
                 address = reservation + placement
                 driver.map(address, chunk)
                 transaction.push(driver.unmap, address, size)

@@ -27,8 +27,8 @@ import logging
 import torch
 import torch.distributed as dist
 
+from . import validate, vmm
 from .cache import ExtensibleKVCache
-from . import validate
 
 logger = logging.getLogger(__name__)
 
@@ -61,24 +61,7 @@ def reduction_device(group=None, device: torch.device | str | None = None) -> to
     must then be a CUDA device (None: the current CUDA device).
     """
     backend = str(dist.get_backend(group))
-    if "cpu" in _backend_devices(backend):
-        return torch.device("cpu")
-    if "cuda" not in _backend_devices(backend):
-        raise ValueError(f"backend {backend!r} reduces neither CPU nor CUDA tensors; extkv cannot reduce on it")
-    if device is None:
-        if not torch.cuda.is_available():
-            raise ValueError(f"backend {backend!r} reduces CUDA tensors only, but torch sees no CUDA device")
-        return torch.device("cuda", torch.cuda.current_device())
-    try:
-        device = torch.device(device)
-    except (RuntimeError, TypeError) as error:
-        raise ValueError(f"device {device!r} is not a torch device: {error}") from None
-    if device.type != "cuda":
-        raise ValueError(f"backend {backend!r} reduces CUDA tensors only; device {device} cannot carry the reduction")
-    if device.index is None:
-        # NCCL binds a communicator to one device: name it, as the current one.
-        device = torch.device("cuda", torch.cuda.current_device())
-    return device
+    return vmm.reduction_device(backend, _backend_devices(backend), device)
 
 
 def min_over_ranks(value: int, group=None, device: torch.device | str | None = None) -> int:
@@ -114,7 +97,7 @@ def agree_on_committable_blocks(kv_cache: ExtensibleKVCache, group=None) -> int:
     local = kv_cache.committable_blocks()
     cache_device = kv_cache.buffer.device
     # A host cache in a CUDA-only group still reduces on the current GPU.
-    agreed = min_over_ranks(local, group, device=cache_device if cache_device.type == "cuda" else None)
+    agreed = min_over_ranks(local, group, device=kv_cache.buffer.driver.collective_device)
     kv_cache.warmup_committable_blocks = agreed
     if distributed_is_initialized():
         logger.info(

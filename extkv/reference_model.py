@@ -185,7 +185,7 @@ class TinyDecoder(nn.Module):
 
 @dataclass
 class _CapturedDecode:
-    graph: torch.cuda.CUDAGraph
+    graph: object  # what Driver.capture_graph returns: replay() and pool()
     tokens: torch.Tensor
     positions: torch.Tensor
     block_tables: torch.Tensor
@@ -230,7 +230,7 @@ class ReferenceModelRunner:
         if driver is not None and not (isinstance(driver, Driver) and driver.device == canonical_device(device)):
             raise ValueError(f"driver must be a Driver of {canonical_device(device)} or None, got {driver!r}")
         driver = driver_for(device) if driver is None else driver
-        self.device = torch.device(device)
+        self.device, self._driver = torch.device(device), driver
         self.config = config
         self.kv_cache_layout = layout
         self.kernel_block_sizes = None
@@ -310,19 +310,14 @@ class ReferenceModelRunner:
         """Capture one decode step per batch size. The inputs point at the null
         block; replays may point anywhere in the capacity."""
         batch_sizes = _batch_sizes(batch_sizes)
-        if self.device.type != "cuda":
+        if not self._driver.supports_graphs:
             raise ExtkvError(f"CUDA graphs need a CUDA device, this runner is on {self.device}")
         pool = None
         for batch in sorted(batch_sizes, reverse=True):
             tokens, positions, block_tables, seq_lens = (t.clone() for t in self._null_inputs(batch))
-            stream = torch.cuda.Stream(self.device)
-            stream.wait_stream(torch.cuda.current_stream(self.device))
-            with torch.cuda.stream(stream):  # warm the kernels outside capture
-                self._forward(tokens, positions, block_tables, seq_lens, self.kv_caches)
-            torch.cuda.current_stream(self.device).wait_stream(stream)
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=pool):
-                logits = self._forward(tokens, positions, block_tables, seq_lens, self.kv_caches)
+            graph, logits = self._driver.capture_graph(
+                functools.partial(self._forward, tokens, positions, block_tables, seq_lens, self.kv_caches), pool=pool
+            )
             pool = graph.pool()
             self.graphs[batch] = _CapturedDecode(graph, tokens, positions, block_tables, seq_lens, logits)
 

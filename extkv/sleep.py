@@ -126,6 +126,7 @@ from .cache import ExtensibleKVCache
 from .deferred_signals import deferred_signals
 from .errors import StateError
 from .tensor import ExtensibleTensor
+from .vmm import torch_memory
 
 logger = logging.getLogger(__name__)
 _DEFERRED_SIGNALS = deferred_signals()
@@ -249,9 +250,9 @@ class _Registration:
         backup = []
         for index, size in enumerate(self.contents_sizes()):
             view = self.buffer.segment_view(index)[:size]
-            # Page-locked host memory is what a device copies to at transfer
-            # speed; bytes already in host memory copy as they are.
-            copy = torch.empty(size, dtype=torch.uint8, device="cpu", pin_memory=not view.is_cpu)
+            # Page-locked host memory beside a GPU, which copies to it at
+            # transfer speed; bytes already in host memory copy as they are.
+            copy = torch_memory.host_staging(view.device, (size,))
             if size:
                 copy.copy_(view)  # blocking: the release after it unmaps the source
             backup.append(copy)

@@ -57,8 +57,6 @@ import time
 from dataclasses import dataclass
 from typing import NamedTuple, Sequence
 
-import torch
-
 from . import validate
 from .deferred_signals import deferred_signals, run_deferred
 from .errors import DeadlineExceededError
@@ -112,11 +110,10 @@ class ExportHeader:
         cls, driver: Driver, chunk_sizes: list[int], segments: list[SegmentPlacement], writable: bool
     ) -> "ExportHeader":
         """The header for chunks of `driver`."""
-        device = driver.device
         return cls(
             driver_kind=driver.kind,
             granularity=driver.granularity,
-            device={"type": device.type, "index": device.index, "uuid": _cuda_uuid(device)},
+            device=driver.device_identity(),
             writable=writable,
             chunk_sizes=chunk_sizes,
             segments=segments,
@@ -212,12 +209,6 @@ def _wait(sock: socket.socket, deadline: Deadline | None, progress: str) -> None
     the socket's, never the deadline's own."""
     if deadline is not None:
         sock.settimeout(deadline.left(progress))
-
-
-def _cuda_uuid(device: torch.device) -> str | None:
-    if device.type != "cuda":
-        return None
-    return str(torch.cuda.get_device_properties(device).uuid)
 
 
 # -- messages -------------------------------------------------------------------

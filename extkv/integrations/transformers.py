@@ -328,7 +328,7 @@ class ExtensibleCache(Cache):
             raise ValueError("the model's config has no attention layers (num_hidden_layers is 0)")
         self.num_kv_heads, self.head_dim = _head_geometry(text_config)
         driver = driver_for(device)
-        self.device = driver.device
+        self.device, self._driver = driver.device, driver
         #: Chunks of block_size tokens per sequence.
         self.num_chunks = -(-self._max_cache_len // self.block_size)
         spec = FullAttentionSpec(
@@ -514,7 +514,7 @@ class ExtensibleCache(Cache):
         self.make_room(key_states.shape[-2])
 
     def _capturing(self) -> bool:
-        return self.device.type == "cuda" and torch.cuda.is_current_stream_capturing()
+        return self._driver.is_capturing()
 
     @torch.compiler.disable
     def make_room(self, num_tokens: int = 1) -> None:

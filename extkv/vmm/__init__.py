@@ -3,12 +3,17 @@
 `driver_for(device)` picks the driver: `cpu` gives the host driver (Linux
 virtual memory), `cuda:N` the CUDA driver for device N, and a `Driver`
 instance (a host driver with another granularity, a fault injector) is used
-as given.
+as given. `driver_for_import` picks the one that imports what another
+process's driver exported, from the kind, granularity and device identity
+that driver announced. Nothing above this package asks which kind of device
+it runs on: what differs between devices is a `Driver` method or property.
 """
 
 from __future__ import annotations
 
 import functools
+import os
+from typing import Sequence
 
 import torch
 
@@ -81,6 +86,73 @@ def driver_for(device: torch.device | str | int | Driver | None = None) -> Drive
     raise ValueError(f"device {device} is not supported: expected cpu (host driver) or cuda:N")
 
 
+def reduction_device(backend: str, reduces: Sequence[str], device: torch.device | str | None = None) -> torch.device:
+    """The device of the tensor that collective `backend`, which reduces
+    tensors of the device types `reduces`, takes: the host wherever it
+    reduces host tensors (no device synchronization then); otherwise
+    `device`, which must be a GPU (None: the current one)."""
+    if "cpu" in reduces:
+        return torch.device("cpu")
+    if "cuda" not in reduces:
+        raise ValueError(f"backend {backend!r} reduces neither CPU nor CUDA tensors; extkv cannot reduce on it")
+    if device is None:
+        if not torch.cuda.is_available():
+            raise ValueError(f"backend {backend!r} reduces CUDA tensors only, but torch sees no CUDA device")
+        return torch.device("cuda", torch.cuda.current_device())
+    try:
+        device = torch.device(device)
+    except (RuntimeError, TypeError) as error:
+        raise ValueError(f"device {device!r} is not a torch device: {error}") from None
+    if device.type != "cuda":
+        raise ValueError(f"backend {backend!r} reduces CUDA tensors only; device {device} cannot carry the reduction")
+    if device.index is None:
+        # NCCL binds a communicator to one device: name it, as the current one.
+        device = torch.device("cuda", torch.cuda.current_device())
+    return device
+
+
+def driver_for_import(kind: str, granularity: int, device: dict, driver: Driver | None = None) -> Driver:
+    """The driver that imports chunks another process's driver exported:
+    that driver's `kind` ("host" or "cuda") and `granularity`, on the device
+    it described (`Driver.device_identity()`). `driver` is used where given,
+    if it matches; otherwise this process's driver of that device."""
+    if driver is not None:
+        if driver.kind != kind or driver.granularity != granularity:
+            raise ValueError(
+                f"driver {driver!r} cannot import chunks of a {kind} driver with granularity {granularity}"
+            )
+        return driver
+    if kind == "host":
+        default = _default_host_driver()
+        # Chunk sizes are multiples of the exporter's granularity, not
+        # necessarily of this process's default.
+        return default if default.granularity == granularity else HostDriver(granularity)
+    if kind == "cuda":
+        driver = driver_for(_local_cuda_device(device))
+        if driver.granularity != granularity:
+            raise ValueError(
+                f"exporter's granularity {granularity} differs from {driver.granularity} on {driver.device}"
+            )
+        return driver
+    raise ValueError(f"header names driver kind {kind!r}; expected 'host' or 'cuda'")
+
+
+def _local_cuda_device(device: dict) -> torch.device:
+    """This process's index for the exporter's GPU."""
+    if not cuda_usable():
+        raise ValueError("the segments live on a GPU, but this process cannot use CUDA (no GPU or no cuda-python)")
+    uuid = device.get("uuid")
+    if uuid is None:
+        return torch.device("cuda", device.get("index") or 0)
+    for index in range(torch.cuda.device_count()):
+        if str(torch.cuda.get_device_properties(index).uuid) == uuid:
+            return torch.device("cuda", index)
+    raise ValueError(
+        f"the exporter's GPU {uuid} is not visible to this process "
+        f"(CUDA_VISIBLE_DEVICES={os.environ.get('CUDA_VISIBLE_DEVICES')!r})"
+    )
+
+
 __all__ = [
     "Chunk",
     "DEFAULT_HOST_GRANULARITY",
@@ -95,7 +167,9 @@ __all__ = [
     "cuda_usable",
     "device_memory_info",
     "driver_for",
+    "driver_for_import",
     "live_chunks",
     "live_reservations",
+    "reduction_device",
     "undo_failed",
 ]

@@ -47,6 +47,7 @@ from typing import Callable, ContextManager, Hashable, Iterable, NamedTuple, Seq
 import torch
 
 from .. import validate
+from ..errors import ExtkvError
 
 # How many reservations and chunks are alive, per driver kind ("host", "cuda").
 # Read by the test harness after every test.
@@ -237,6 +238,40 @@ class Driver(abc.ABC):
     def wait_for(self, fence: object | None) -> None:
         """Make work queued later on the calling thread's current stream wait
         until `fence` (from `fence()`, on any thread) has passed."""
+
+    # -- what the device offers besides memory -----------------------------------
+    #: Whether work on the device can be captured once and replayed
+    #: (`capture_graph`): CUDA graphs; the host runs work as it is called.
+    supports_graphs: bool = False
+    #: The GPU a collective over this driver's memory reduces on, where the
+    #: backend reduces GPU tensors only; None where the memory is on no GPU
+    #: (the process's current GPU carries it then).
+    collective_device: torch.device | None = None
+
+    def capture_graph(
+        self, step: Callable[[], object], *, warm: Callable[[], object] | None = None, pool: object = None
+    ) -> tuple[object, object]:
+        """`(graph, what step returned)`: `step()` captured on the device,
+        replayed by `graph.replay()`, its memory pool `graph.pool()` to share
+        with a later capture (`pool`). `warm()` (default `step`) runs first
+        on a side stream, so that kernels load outside the capture. A driver
+        whose device has no graphs raises ExtkvError."""
+        raise ExtkvError(f"{self!r} captures no graphs: its device runs work as it is called")
+
+    def is_capturing(self) -> bool:
+        """Whether the calling thread's current stream is capturing a graph."""
+        return False
+
+    def refuse_partly_backed(self, fd: int, what: str) -> None:
+        """Raise ValueError naming `what` where the memory behind `fd`, an
+        imported descriptor, is not all allocated: reading it would
+        allocate the rest in the importing process. Device memory exists
+        once created, so by default nothing is refused."""
+
+    def device_identity(self) -> dict:
+        """The device as another process finds it: `type`, `index`, and
+        the GPU's `uuid` (None where the device has none)."""
+        return {"type": self.device.type, "index": self.device.index, "uuid": None}
 
     # -- everything else -----------------------------------------------------
     @abc.abstractmethod

@@ -190,6 +190,7 @@ class CudaDriver(Driver):
     """CUDA virtual memory management on one device."""
 
     kind = "cuda"
+    supports_graphs = True
 
     def __init__(self, device: torch.device):
         if device.type != "cuda":
@@ -199,7 +200,7 @@ class CudaDriver(Driver):
             raise ValueError(
                 f"cuda device index {index} is out of range: {torch.cuda.device_count()} device(s) visible"
             )
-        self.device = torch.device("cuda", index)
+        self.device = self.collective_device = torch.device("cuda", index)
         self._cu = cu = _bindings()
         # torch's runtime owns the primary context; initializing torch's CUDA
         # state first means we share it rather than create a second one.
@@ -230,6 +231,28 @@ class CudaDriver(Driver):
         self.granularity = allocation_granularity(self._prop)
         self._current_stream = _raw_stream_lookup()
         self._thread = _ThreadState()
+
+    # -- what a raw sequence measured against this driver shares with it ------
+    @property
+    def bindings(self):
+        """cuda-python's driver module, as this driver calls it."""
+        return self._cu
+
+    @property
+    def chunk_properties(self):
+        """The CUmemAllocationProp every chunk of this driver is created with."""
+        return self._prop
+
+    @property
+    def read_write_access(self) -> list:
+        """The access descriptors a writable mapping is granted with."""
+        return self._access[True]
+
+    def current_stream(self):
+        """The stream this thread's work goes on, as the bindings take it:
+        the one its open `batch()` looked up, else torch's current one."""
+        stream = self._thread.stream
+        return self._cu.CUstream(self._current_stream(self.device.index)) if stream is None else stream
 
     def _active(self) -> contextlib.AbstractContextManager[None]:
         # Inside another `_active` or `batch` of this thread the context is
@@ -357,6 +380,25 @@ class CudaDriver(Driver):
 
     def synchronize(self) -> None:
         torch.cuda.synchronize(self.device)
+
+    def capture_graph(self, step, *, warm=None, pool=None):
+        side = torch.cuda.Stream(self.device)
+        side.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(side):  # kernels loaded outside the capture
+            (step if warm is None else warm)()
+        torch.cuda.current_stream(self.device).wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=pool):
+            result = step()
+        return graph, result
+
+    def is_capturing(self) -> bool:
+        return torch.cuda.is_current_stream_capturing()
+
+    def device_identity(self) -> dict:
+        # The UUID, not the index: CUDA_VISIBLE_DEVICES numbers GPUs per process.
+        uuid = str(torch.cuda.get_device_properties(self.device).uuid)
+        return {"type": self.device.type, "index": self.device.index, "uuid": uuid}
 
     def memory_info(self) -> tuple[int, int]:
         free, total = self._call("cuMemGetInfo", self._cu.cuMemGetInfo)

@@ -466,6 +466,17 @@ class HostDriver(Driver):
     def usage_witness(self) -> MemfdPages:
         return MemfdPages()
 
+    def refuse_partly_backed(self, fd: int, what: str) -> None:
+        # A memfd with holes is allocated as it is read, in the reader's
+        # memory cgroup; an extkv chunk has every page (create_memfd).
+        status = os.fstat(fd)
+        allocated = status.st_blocks * 512
+        if allocated < status.st_size:
+            raise ValueError(
+                f"{what} is a sparse memfd: {allocated} of its {status.st_size} bytes are allocated (an extkv "
+                "chunk has all of them); reading it would allocate the rest in this process"
+            )
+
     def describe(self) -> dict[str, str]:
         return {
             "device": "host (Linux virtual memory, memfd chunks)",

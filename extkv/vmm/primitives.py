@@ -56,12 +56,12 @@ class CudaPrimitives:
 
     def __init__(self, driver: CudaDriver):
         self._driver = driver
-        self._cu = driver._cu
+        self._cu = driver.bindings
         self.device = driver.device
         self.granularity = driver.granularity
-        self._prop = driver._prop
-        self._access = driver._access[True]
-        self._stream = self._cu.CUstream(driver._current_stream(self.device.index))
+        self._prop = driver.chunk_properties
+        self._access = driver.read_write_access
+        self._stream = driver.current_stream()
 
     @contextlib.contextmanager
     def batch(self) -> Iterator[None]:
@@ -69,7 +69,7 @@ class CudaPrimitives:
             # torch's current stream, as the driver's batch looked it up once:
             # asking torch per call costs microseconds that a 256-segment
             # commit would pay 256 times.
-            self._stream = self._driver._thread.stream
+            self._stream = self._driver.current_stream()
             yield
 
     def reserve(self, size: int) -> int:

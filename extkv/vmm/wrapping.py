@@ -31,6 +31,8 @@ class WrappingDriver(Driver):
         self.device = inner.device
         self.granularity = inner.granularity
         self.max_reservation_bytes = inner.max_reservation_bytes
+        self.supports_graphs = inner.supports_graphs
+        self.collective_device = inner.collective_device
 
     def _reserve(self, size: int) -> int:
         return self.inner._reserve(size)
@@ -109,6 +111,18 @@ class WrappingDriver(Driver):
 
     def describe(self) -> dict[str, str]:
         return self.inner.describe()
+
+    def capture_graph(self, step, *, warm=None, pool=None):
+        return self.inner.capture_graph(step, warm=warm, pool=pool)
+
+    def is_capturing(self) -> bool:
+        return self.inner.is_capturing()
+
+    def refuse_partly_backed(self, fd: int, what: str) -> None:
+        self.inner.refuse_partly_backed(fd, what)
+
+    def device_identity(self) -> dict:
+        return self.inner.device_identity()
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}({self.inner!r})"
