@@ -55,6 +55,7 @@ LAYERS: list[set[str]] = [
     {"extkv.testing.graphs"},
     # One line per owner, so that work on checks, benchmarks and stress runs
     # can add modules without touching each other's line.
+    {"extkv.testing.harness_hooks"},
     {"extkv.testing.harness", "extkv.testing.timeline"},
     {"extkv.benchmarking", "extkv.benchmarking.geometry", "extkv.benchmarking.primitives", "extkv.benchmarking.rounds"},
     {"extkv.benchmarking.decode"},
