@@ -1,4 +1,4 @@
-"""docs/INVARIANTS.md, the page that says what `extkv check` certifies, held
+"""docs/guarantees.md, the page that says what `extkv check` certifies, held
 to the code: for each invariant the test modules it names are exactly those
 whose tests carry that invariant's marker, and its table of what each kind of
 device can prove is extkv.testing.invariants.DEVICE_KINDS. So that those
@@ -20,7 +20,10 @@ from extkv.testing.invariants import DEVICE_KINDS, INVARIANTS
 
 pytestmark = pytest.mark.harness
 
-CONFORMANCE = Path(__file__).resolve().parent
+ROOT = Path(__file__).resolve().parent.parent
+#: The suite whose markers the page names; the tooling's tests (meta/) say what they are for too.
+CONFORMANCE = ROOT / "conformance"
+SUITES = (CONFORMANCE, ROOT / "meta")
 #: The markers that say what a test is for: one of them on every test.
 PURPOSE_MARKERS = ("invariant", "planted_defect", "harness")
 
@@ -39,14 +42,14 @@ def page() -> str:
     root = checkout_root()
     if root is None:
         pytest.skip("an installed extkv carries no docs/: checked from a checkout")
-    return (root / "docs" / "INVARIANTS.md").read_text()
+    return (root / "docs" / "guarantees.md").read_text()
 
 
 def test_each_invariant_names_the_modules_that_prove_it(page):
     modules = {path.name: marked_invariants(path) for path in CONFORMANCE.glob("test_*.py")}
     for number in INVARIANTS:
         entry = re.search(rf"(?ms)^{number}\. \*\*.*?Proven by: (.*?)\.\n", page)
-        assert entry, f"docs/INVARIANTS.md has no entry `{number}. **...** ... Proven by: ...` for invariant {number}"
+        assert entry, f"docs/guarantees.md has no entry `{number}. **...** ... Proven by: ...` for invariant {number}"
         named = set(re.findall(r"`(test_\w+\.py)`", entry.group(1)))
         proving = {name for name, numbers in modules.items() if number in numbers}
         assert named == proving, (
@@ -91,14 +94,13 @@ def unmarked_tests(path: Path) -> list[str]:
         node.name for node in tree.body
         if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) and node.name.startswith("test")
     ]
-    package = __name__.rpartition(".")[0]
-    module = importlib.import_module(f"{package}.{path.stem}" if package else path.stem)
+    module = importlib.import_module(f"{path.parent.name}.{path.stem}")
     module_marks = _names(getattr(module, "pytestmark", []))
     return [f"{path.name}::{name}" for name in names if not carries_a_purpose(getattr(module, name), module_marks)]
 
 
 def test_every_test_says_what_it_is_for():
-    paths = sorted(CONFORMANCE.glob("test_*.py"))
+    paths = sorted(path for suite in SUITES for path in suite.glob("test_*.py"))
     unmarked = [test for path in paths for test in unmarked_tests(path)]
     assert not unmarked, (
         f"{len(unmarked)} tests carry none of the markers {', '.join(PURPOSE_MARKERS)}:\n" + "\n".join(unmarked)

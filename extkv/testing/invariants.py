@@ -10,9 +10,9 @@ one passing test on it and no test on it failed (extkv.testing.verdict).
 What a kind cannot prove is said here with the reason, and the report shows
 it: the host driver has no CUDA graphs to replay.
 
-`docs/INVARIANTS.md` states each invariant in full, with the test modules
-that prove it; conformance/test_invariants_doc.py holds that page to this
-table. Device kinds are a driver's `kind` (extkv.vmm: `host`, `cuda`).
+`docs/guarantees.md` states each invariant in full, with the test modules
+that prove it; meta/test_invariants_doc.py holds that page to this table.
+Device kinds are a driver's `kind` (extkv.vmm: `host`, `cuda`).
 
 Nothing here imports pytest, so a report renders without the test extra.
 """
