@@ -93,7 +93,8 @@ def matches(expected: list[str], printed: str) -> bool:
     """Whether `printed` is `expected`, line by line, with `...` matching
     any text in a line and a line of only `...` any lines."""
     pattern = "".join(
-        r"(?:.*\n)*" if line.strip() == "..." else re.escape(line.rstrip()).replace(re.escape("..."), ".*") + r"[ \t]*\n"
+        r"(?:.*\n)*" if line.strip() == "..."
+        else re.escape(line.rstrip()).replace(re.escape("..."), ".*") + r"[ \t]*\n"
         for line in expected
     )
     lines = printed.splitlines()
@@ -123,7 +124,7 @@ def test_python_block_prints_what_it_says(block, tmp_path):
         pytest.importorskip(needs.group(1), reason=f"{block} needs extkv[{needs.group(1)}], not installed")
     script = tmp_path / "block.py"
     script.write_text(block.code)
-    result = subprocess.run([sys.executable, "-W", "ignore", str(script)], cwd=tmp_path, env=environment(),
+    result = subprocess.run([sys.executable, str(script)], cwd=tmp_path, env=environment(),
                             capture_output=True, text=True, timeout=RUN_TIMEOUT_S)
     assert result.returncode == 0, (
         f"{block} exited {result.returncode}:\n--- stdout\n{result.stdout}\n--- stderr\n{result.stderr}"
