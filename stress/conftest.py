@@ -3,7 +3,7 @@
 Theory of operation
 -------------------
 Every test here is marked `stress`, which the harness (the root conftest)
-skips unless pytest runs with `--stress`; the harness also gives the
+skips unless pytest runs with `--extkv-stress`; the harness also gives the
 `device` fixture, one GPU per xdist worker and the leak check after every
 test. This file adds what only stress runs need:
 
@@ -188,7 +188,7 @@ def memory_timeline(request):
     outside extkv for the whole session (with --stress and --stress-results)."""
     config = request.config
     results = config.getoption("--stress-results")
-    if not config.getoption("--stress") or results is None:
+    if not config.getoption("--extkv-stress") or results is None:
         yield None
         return
     gpus = torch.cuda.device_count() if vmm.cuda_usable() else 0

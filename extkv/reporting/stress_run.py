@@ -7,7 +7,7 @@ Two phases, each announced by a progress line and timed:
 
 1. The suite, in a pytest subprocess over `stress/` (from an installed
    package: the `extkv_stress` package, with the harness as a plugin), with
-   `--stress` and the run's end as a deadline (`--stress-deadline`: now plus
+   `--extkv-stress` and the run's end as a deadline (`--stress-deadline`: now plus
    M minutes, less REPORT_RESERVE_S for the report), the seed, and
    `--stress-results <run>/stress`. With GPUs only the GPU tests run
    (`--stress-device gpu`); on a machine of several, one xdist worker per GPU
@@ -69,7 +69,7 @@ OVERRUN_S = 420.0
 
 def pytest_command(suite: Path, results: Path, deadline: float, seed: int, gpus: int) -> list[str]:
     """The pytest command of the stress phase."""
-    command = [sys.executable, "-m", "pytest", str(suite), "-q", "-p", "no:cacheprovider", "--stress"]
+    command = [sys.executable, "-m", "pytest", str(suite), "-q", "-p", "no:cacheprovider", "--extkv-stress"]
     command += installed_suite_options(suite)
     command += [
         f"--stress-deadline={deadline:.0f}",

@@ -1,106 +1,59 @@
-"""The extkv harness, as a pytest plugin.
+"""The extkv harness, as a pytest plugin: the module pytest loads.
 
 Theory of operation
 -------------------
-The plugin is installed as a `pytest11` entry point named after this module
-(so `-p extkv.testing.harness` and a checkout's `pytest_plugins` find it
-already loaded), and stays inert until a run asks for it: importing it pins
-no GPU, sets no torch threads and loads no Hypothesis profile, and an
-inactive harness adds no fixtures' parameters, skips or leak checks to
-anybody's tests. `activate(config)` switches it on, once per process:
-extkv's suites do so from their conftest (conformance/, stress/, the
-benchmarks), and so does any of the harness's own options on the command
-line or `-p extkv.testing.harness`. Activation happens in pytest_configure,
-before collection, so nothing has initialized CUDA yet when it pins.
+pytest imports this module in every project of an environment where extkv
+is installed (the `pytest11` entry point `extkv`), so here it costs nothing
+and claims no name a project could use: it imports nothing of extkv or
+torch, and registers options only, each named `--extkv...`. The harness
+itself, its fixtures (`device`, `driver`, `build`, ...), markers (`gpu`,
+`stress`, `invariant(n)`, ...) and hooks, is extkv.testing.harness_hooks,
+which `activate(config)` imports and registers, once per process: extkv's
+suites call it from their conftest (conformance/, meta/, stress/, the
+benchmarks), and so does any harness option on the command line or naming
+the plugin with `-p extkv` or `-p extkv.testing.harness`.
 
-- One GPU per xdist worker: worker gwN gets GPU N modulo the count
-  (extkv.testing.gpus), by narrowing CUDA_VISIBLE_DEVICES.
-- The `device` fixture: the host driver and every CUDA device this process
-  sees (ids `host`, `cuda:0`, ...). Where there is no GPU a `cuda:0` case is
-  still collected, so the report shows it skipped and why.
-- Capability markers (gpu, cuda_graphs, multi_gpu(n), stress) become skips
-  with reasons in one hook, `pytest_collection_modifyitems`; the same hook
-  selects the tests of the device a run asks for (`--extkv-device`: how
-  `extkv check` runs every device at once) and orders them: planted
-  defects first, tests marked `exclusive` last, which `--extkv-lock-dir`
-  keeps alone on their device (extkv.testing.exclusive).
-- After every test: no reservation, chunk or memfd left behind, and physical
-  usage measured outside extkv back where it started.
-- Hypothesis profiles: `extkv-ci` (derandomized, the default), `extkv-dev`,
-  `extkv-nightly`; choose with EXTKV_HYPOTHESIS_PROFILE=ci|dev|nightly or
-  --hypothesis-profile. The prefix keeps them apart from Hypothesis's own
-  `ci` profile, which Hypothesis loads by itself wherever CI is set.
-- `@pytest.mark.invariant(n, ...)` names which invariants (1-8, the table
-  in extkv.testing.invariants, stated in docs/INVARIANTS.md) a test proves;
-  numbers are checked at collection. Each test carries its invariants, the
-  device it runs on as a label that names the physical GPU (`GPU 1 (NVIDIA
-  H200)`: in an xdist worker `cuda:0` is the worker's pinned GPU) or `host`,
-  its xdist worker and any planted defect on its report's user_properties,
-  which extkv.testing.record folds into the run's results.
-- `@pytest.mark.harness` marks a test of extkv's own checking, reporting or
-  tooling rather than of the cache: it proves no invariant, and the counts
-  per invariant (read from `invariant` markers alone) leave it out. Every
-  conformance test carries `invariant`, `planted_defect` or `harness`
-  (conformance/test_invariants_doc.py).
-- The `build` fixture makes ExtensibleTensors and ExtensibleKVCaches and
-  frees them after the test, even when it fails, before the leak check runs.
+Names: the entry point is `extkv`, the name pytest shows and `-p no:extkv`
+takes. The module's own name, which a checkout's conftest puts in
+`pytest_plugins` and `-p` also takes, is a second entry point that
+registers `MODULE_NAME_HOLDER`, which has no hooks: naming the module then
+finds it loaded instead of registering it again under another name (which
+pluggy refuses), and `-p no:extkv.testing.harness` blocks that name. Either
+block disables the harness: nothing activates it, and a conftest that
+activates it gets a usage error naming the flag.
 """
 
 from __future__ import annotations
 
-import functools
-import os
 import sys
-from pathlib import Path
 
 import pytest
-import torch
 
-from .. import vmm
-from ..cache import ExtensibleKVCache
-from ..layout import KVCacheConfig, KVCacheLayout
-from ..tensor import ExtensibleTensor
-from ..usage import UsageProbe, open_chunk_fds
-from .checks import warm_up_kernels
-from .configs import CAPACITY, CASE_IDS, CASES, config_for
-from .facts import cuda_device_count, machine_facts, no_cuda_reason
-from . import exclusive as exclusive_locks
-from .gpus import gpu_for_worker, pin_this_worker, visible_gpu_ids
-from .invariants import INVARIANTS as INVARIANT_TABLE
-from .record import (
-    DEVICE_PROPERTY,
-    HOST_LABEL,
-    INVARIANTS_PROPERTY,
-    PLANTED_PROPERTY,
-    WORKER_PROPERTY,
-    RunRecord,
-)
-
-MARKERS = {
-    "gpu": "needs a CUDA GPU driven through cuda-python",
-    "cuda_graphs": "captures and replays CUDA graphs",
-    "multi_gpu(n)": "needs n GPUs visible to this process",
-    "stress": "long randomized run; only with --stress",
-    "exclusive": "needs its device alone (fills it, or reads what the whole device has free): "
-    "runs last, and with --extkv-lock-dir alone (extkv.testing.exclusive)",
-    "planted_defect(name)": "plants a defect in a broken implementation; the check under test must flag it",
-    "invariant(n, ...)": "proves invariant(s) n (1-8, docs/INVARIANTS.md); counted per device",
-    "harness": "checks extkv's own checking, reporting or command-line tooling (verdicts, reports, the harness, "
-    "docs/INVARIANTS.md, the README commands), not an invariant of the cache; counted under no invariant",
-}
-#: The invariants by number, in a few words each.
-INVARIANTS = {number: invariant.words for number, invariant in INVARIANT_TABLE.items()}
 #: `--extkv-device`: which tests a run keeps, by where they run.
 DEVICE_CHOICES = ("all", "host", "gpu", "multi-gpu")
 #: Options whose presence on the command line activates the harness.
-ACTIVATING_OPTIONS = ("--stress", "--extkv", "--extkv-report-dir", "--extkv-progress", "--extkv-device", "--extkv-lock-dir")
+ACTIVATING_OPTIONS = (
+    "--extkv", "--extkv-stress", "--extkv-report-dir", "--extkv-progress", "--extkv-device", "--extkv-lock-dir",
+)
+#: The names the plugin goes by: its entry point, and its module's.
+PLUGIN_NAMES = ("extkv", __name__)
+#: Names of extkv.testing.harness_hooks that the suites read from here.
+_FROM_HOOKS = ("DEVICE_PROPERTY", "INVARIANTS")
 _ACTIVE = pytest.StashKey[bool]()
 
 
+class _ModuleNameHolder:
+    """Holds the plugin name `extkv.testing.harness` where the entry point
+    `extkv` loaded the module (see the theory above); it has no hooks."""
+
+
+MODULE_NAME_HOLDER = _ModuleNameHolder()
+
+
 def pytest_addoption(parser):
-    parser.addoption("--stress", action="store_true", help="run tests marked stress (long, nightly)")
     group = parser.getgroup("extkv", "extkv harness")
     group.addoption("--extkv", action="store_true", help="activate the extkv harness for this run")
+    group.addoption("--extkv-stress", action="store_true", help="run tests marked stress (long, nightly)")
     group.addoption(
         "--extkv-report-dir",
         metavar="DIR",
@@ -130,15 +83,24 @@ def pytest_addoption(parser):
     )
 
 
-def pytest_configure(config):
-    for name, text in MARKERS.items():
-        config.addinivalue_line("markers", f"{name}: {text}")
+def _blocked_name(config) -> str | None:
+    """The plugin name a `-p no:NAME` blocked, or None."""
+    return next((name for name in PLUGIN_NAMES if config.pluginmanager.is_blocked(name)), None)
+
+
+def _asked_on_command_line(config) -> bool:
     arguments = [str(argument) for argument in config.invocation_params.args]
-    asked = any(argument.split("=")[0] in ACTIVATING_OPTIONS for argument in arguments)
-    loaded = any(
-        argument == "extkv.testing.harness" and before == "-p" for before, argument in zip([""] + arguments, arguments)
+    named = {f"-p{name}" for name in PLUGIN_NAMES}
+    return any(
+        argument.split("=")[0] in ACTIVATING_OPTIONS
+        or argument in named
+        or (before == "-p" and argument in PLUGIN_NAMES)
+        for before, argument in zip([""] + arguments, arguments)
     )
-    if asked or loaded or "-pextkv.testing.harness" in arguments:
+
+
+def pytest_configure(config):
+    if _blocked_name(config) is None and _asked_on_command_line(config):
         activate(config)
 
 
@@ -147,367 +109,32 @@ def is_active(config) -> bool:
 
 
 def activate(config) -> None:
-    """Switch the harness on for this run (idempotent): pin this xdist
-    worker's GPU, one torch thread, the Hypothesis profile, the run record."""
+    """Switch the harness on for this run (idempotent): register its hooks
+    and fixtures (extkv.testing.harness_hooks), pin this xdist worker's GPU,
+    one torch thread, the Hypothesis profile, the run record. A usage error
+    where the plugin is disabled or was never loaded (its options missing)."""
     if is_active(config):
         return
-    config.stash[_ACTIVE] = True
-    if config.getoption("--extkv-device") != "multi-gpu":  # the multi-GPU tests need every GPU
-        pin_this_worker()
-    # The suites' CPU tensors are a few MiB: one thread copies or compares
-    # them in about a millisecond, while OpenMP threads on a busy machine, or
-    # under xdist (one process per core already), wait for each other for
-    # longer than the work takes (10 ms instead of 0.1 ms per op was measured
-    # on 2 loaded cores). EXTKV_TORCH_THREADS overrides.
-    torch.set_num_threads(int(os.environ.get("EXTKV_TORCH_THREADS", "1")))
-    _load_hypothesis_profile_if_used()
-    gpus = machine_facts()["gpus"]
-    kinds = {HOST_LABEL: "host"} | {gpu["label"]: "cuda" for gpu in gpus}
-    chosen = config.getoption("--extkv-device")
-    default = gpus[0]["label"] if chosen == "gpu" and gpus else HOST_LABEL
-    config.pluginmanager.register(RunRecord(config, default, kinds, worker_gpus(config)), "extkv-run-record")
-
-
-def _load_hypothesis_profile_if_used() -> None:
-    """The profile, once Hypothesis is imported: by the test modules that use
-    it, before their tests run. A process whose tests do not (an xdist
-    controller, a small suite) never pays its import, 1.6 s on 2 cores."""
-    if "hypothesis" in sys.modules:
-        _load_hypothesis_profile()
-
-
-@functools.cache
-def _load_hypothesis_profile() -> None:
-    from hypothesis import HealthCheck, settings
-
-    settings.register_profile(
-        "extkv-ci", derandomize=True, max_examples=40, stateful_step_count=20, deadline=None,
-        suppress_health_check=[HealthCheck.too_slow],
-    )
-    settings.register_profile("extkv-dev", max_examples=100, deadline=None)
-    settings.register_profile(
-        "extkv-nightly", max_examples=2000, stateful_step_count=100, deadline=None,
-        suppress_health_check=[HealthCheck.too_slow],
-    )
-    settings.load_profile("extkv-" + os.environ.get("EXTKV_HYPOTHESIS_PROFILE", "ci"))
-
-
-def _xdist_workers(config) -> int:
-    count = getattr(config.option, "numprocesses", None)
-    return count if isinstance(count, int) else 0
-
-
-def worker_gpus(config) -> dict[str, str]:
-    """Each xdist worker's GPU label ({} outside xdist or without GPUs)."""
-    labels = {gpu["id"]: gpu["label"] for gpu in machine_facts()["gpus"]}
-    gpu_ids = visible_gpu_ids()
-    pins = {}
-    for number in range(_xdist_workers(config)):
-        gpu = gpu_for_worker(f"gw{number}", gpu_ids)
-        if gpu is not None:
-            pins[f"gw{number}"] = labels.get(gpu, f"GPU {gpu}")
-    return pins
-
-
-def pytest_report_header(config):
-    if not is_active(config):
-        return None
-    facts = machine_facts()
-    lines = [
-        f"extkv {facts['extkv']}" + (f" at {facts['extkv_commit']}" if facts["extkv_commit"] else "")
-        + f": torch {facts['torch']} (CUDA {facts['torch_cuda']}), cuda-bindings {facts['cuda-bindings']}, "
-        f"nvidia-ml-py {facts['nvidia-ml-py']}, python {facts['python']}",
-        f"extkv: host driver: {facts['host_driver']}, granularity {facts['host_granularity']}",
-    ]
-    for gpu in facts["gpus"]:
-        lines.append(
-            f"extkv: cuda:{gpu['index']} = {gpu['label']}, driver {gpu['driver']} (CUDA {gpu['cuda_driver_api']}), "
-            f"VMM granularity {gpu['granularity']}"
-        )
-    if not facts["gpus"]:
-        lines.append(f"extkv: no CUDA device ({facts['no_gpu_reason']}); GPU tests skip")
-    pins = worker_gpus(config)
-    if pins:
-        lines.append("extkv: one GPU per xdist worker: " + ", ".join(f"{w}->{label}" for w, label in pins.items()))
-    elif _xdist_workers(config):
-        lines.append(f"extkv: {_xdist_workers(config)} xdist workers, host driver only")
-    return lines
-
-
-# -- collection: invariants, capabilities, device labels, selection ---------------
-def _invariants_of(item) -> list[int]:
-    numbers: set[int] = set()
-    for marker in item.iter_markers("invariant"):
-        if not marker.args or marker.kwargs:
-            raise pytest.UsageError(f"{item.nodeid}: write @pytest.mark.invariant(n, ...) with n in 1-8, got {marker}")
-        for number in marker.args:
-            if isinstance(number, bool) or number not in INVARIANTS:
-                raise pytest.UsageError(
-                    f"{item.nodeid}: invariant {number!r} is not one of the invariants {sorted(INVARIANTS)}"
-                )
-            numbers.add(number)
-    return sorted(numbers)
-
-
-def _wanted_gpus(item) -> int:
-    multi = item.get_closest_marker("multi_gpu")
-    if multi is None:
-        return 0
-    return multi.args[0] if multi.args else 2
-
-
-def _device_label(item, gpus: list[dict]) -> str:
-    """Where `item` runs: a test with a `device` parameter on that device;
-    multi_gpu(n) on the first n GPUs; gpu / cuda_graphs on cuda:0 (in an
-    xdist worker, the pinned GPU); everything else on the host. `gpus`: the
-    GPUs of `machine_facts()`."""
-    wanted = _wanted_gpus(item)
-    if wanted:
-        if len(gpus) < wanted:
-            return f"{wanted} GPUs (not visible)"
-        names = sorted({gpu["name"] for gpu in gpus[:wanted]})
-        return f"GPUs {', '.join(gpu['id'] for gpu in gpus[:wanted])} ({', '.join(names)})"
-    params = getattr(item, "callspec", None)
-    device = params.params.get("device") if params is not None else None
-    if device is None:
-        needs_cuda = item.get_closest_marker("gpu") or item.get_closest_marker("cuda_graphs")
-        device = "cuda:0" if needs_cuda else HOST_LABEL
-    if device == HOST_LABEL:
-        return HOST_LABEL
-    index = torch.device(device).index or 0
-    return gpus[index]["label"] if index < len(gpus) else f"{device} (no GPU)"
-
-
-def _where(item, label: str) -> str:
-    """`host`, `gpu` or `multi-gpu`: the `--extkv-device` choice that keeps `item`."""
-    if _wanted_gpus(item):
-        return "multi-gpu"
-    return "host" if label == HOST_LABEL else "gpu"
-
-
-def _part(item) -> str:
-    if item.get_closest_marker("planted_defect"):
-        return "planted"
-    return "exclusive" if item.get_closest_marker("exclusive") else "shared"
-
-
-def pytest_collection_modifyitems(config, items):
-    """The one place capability markers turn into skips and a run's device
-    and part select its tests; invariant markers are checked and, with the
-    device label, the worker and any planted defect, attached to the reports."""
-    if not is_active(config):
-        return
-    _load_hypothesis_profile_if_used()
-    gpus = cuda_device_count()
-    gpu_facts = machine_facts()["gpus"]
-    worker = os.environ.get("PYTEST_XDIST_WORKER", "")
-    device_choice = config.getoption("--extkv-device")
-    kept, dropped = [], []
-    for item in items:
-        label = _device_label(item, gpu_facts)
-        if device_choice not in ("all", _where(item, label)):
-            dropped.append(item)
-            continue
-        kept.append(item)
-        invariants = _invariants_of(item)
-        if invariants:
-            item.user_properties.append((INVARIANTS_PROPERTY, invariants))
-        item.user_properties.append((DEVICE_PROPERTY, label))
-        if worker:
-            item.user_properties.append((WORKER_PROPERTY, worker))
-        planted = item.get_closest_marker("planted_defect")
-        if planted is not None:
-            item.user_properties.append((PLANTED_PROPERTY, planted.args[0] if planted.args else item.name))
-        if item.get_closest_marker("stress") and not config.getoption("--stress"):
-            item.add_marker(pytest.mark.skip(reason="stress test: run with --stress"))
-        needs_cuda = item.get_closest_marker("gpu") or item.get_closest_marker("cuda_graphs")
-        if needs_cuda and gpus == 0:
-            what = "CUDA graphs need" if item.get_closest_marker("cuda_graphs") else "needs"
-            item.add_marker(pytest.mark.skip(reason=f"{what} a CUDA GPU: {no_cuda_reason()}"))
-        wanted = _wanted_gpus(item)
-        if wanted and gpus < wanted:
-            item.add_marker(pytest.mark.skip(reason=f"needs {wanted} GPUs visible to this process, found {gpus}"))
-    # The planted defects first: the checks are shown to catch them before
-    # the rest of the run leans on those checks. The exclusive tests last:
-    # they wait for the others on their device (extkv.testing.exclusive).
-    kept.sort(key=lambda item: {"planted": 0, "shared": 1, "exclusive": 2}[_part(item)])
-    items[:] = kept
-    if dropped:
-        config.hook.pytest_deselected(items=dropped)
-
-
-@pytest.hookimpl(wrapper=True)
-def pytest_runtest_protocol(item, nextitem):
-    """Setup, call and teardown under the test's locks (extkv.testing.exclusive)."""
-    config = item.config
-    directory = config.getoption("--extkv-lock-dir") if is_active(config) else None
-    if directory is None:
-        return (yield)
-    label = dict(item.user_properties).get(DEVICE_PROPERTY, HOST_LABEL)
-    gpus = {gpu["label"]: gpu["id"] for gpu in machine_facts()["gpus"]}
-    alone = _part(item) == "exclusive"
-    with exclusive_locks.held(Path(directory), alone, gpus.get(label)), exclusive_locks.alone_on_device(alone):
-        return (yield)
-
-
-def pytest_collection_finish(session):
-    """Which invariants the collected tests carry. Under xdist the controller
-    collects nothing and says nothing here; the terminal summary counts."""
-    reporter = session.config.pluginmanager.getplugin("terminalreporter")
-    if not is_active(session.config) or reporter is None or not session.items:
-        return
-    carried = {number: 0 for number in INVARIANTS}
-    for item in session.items:
-        for number in _invariants_of(item):
-            carried[number] += 1
-    reporter.write_line(
-        "extkv: tests per invariant: " + ", ".join(f"{number}: {count}" for number, count in carried.items())
-    )
-
-
-# -- fixtures ---------------------------------------------------------------------
-def device_ids() -> list[str]:
-    return ["host"] + [f"cuda:{i}" for i in range(max(cuda_device_count(), 1))]
-
-
-def pytest_generate_tests(metafunc):
-    if is_active(metafunc.config) and "device" in metafunc.fixturenames:
-        params = [
-            pytest.param(name, id=name, marks=() if name == "host" else pytest.mark.gpu) for name in device_ids()
-        ]
-        metafunc.parametrize("device", params, indirect=True)
-
-
-@pytest.fixture
-def device(request) -> torch.device:
-    """The device a test runs on: `cpu` (host driver) or `cuda:N`."""
-    if not hasattr(request, "param"):
+    blocked = _blocked_name(config)
+    if blocked is not None:
         raise pytest.UsageError(
-            f"{request.node.nodeid} asks for extkv's `device` fixture, but the extkv harness was not active when "
-            "tests were collected: run with --extkv (or -p extkv.testing.harness), or activate it in a conftest"
+            f"-p no:{blocked} disabled the extkv harness, which these tests need (their conftest activates it): "
+            f"drop -p no:{blocked}"
         )
-    return torch.device("cpu") if request.param == "host" else torch.device(request.param)
+    if not config.pluginmanager.is_registered(sys.modules[__name__]):
+        raise pytest.UsageError(
+            "the extkv harness plugin is not loaded (extkv is not installed here): run pytest with -p extkv.testing.harness"
+        )
+    from . import harness_hooks
+
+    config.stash[_ACTIVE] = True
+    config.pluginmanager.register(harness_hooks, "extkv-harness")
+    harness_hooks.start(config)
 
 
-@pytest.fixture
-def report_dir(request) -> Path | None:
-    """The run directory of --extkv-report-dir, for tests that leave results
-    beside check.json (the memory timeline); None when not reporting."""
-    directory = request.config.getoption("--extkv-report-dir")
-    return Path(directory) if directory is not None else None
+def __getattr__(name: str):
+    if name in _FROM_HOOKS:
+        from . import harness_hooks
 
-
-@pytest.fixture(params=CASES, ids=CASE_IDS)
-def case(request) -> tuple:
-    """(config kind, layout, config) for each KV cache case the suites share."""
-    kind, layout = request.param
-    return kind, layout, config_for(kind, layout)
-
-
-@pytest.fixture
-def driver(device) -> vmm.Driver:
-    return vmm.driver_for(device)
-
-
-@pytest.fixture
-def usage(device) -> UsageProbe:
-    """Physical usage of `device`, read outside extkv (NVML / memfd pages)."""
-    return _probe(device)
-
-
-_probes: dict[torch.device, UsageProbe] = {}
-
-
-def _probe(device: torch.device) -> UsageProbe:
-    if device not in _probes:
-        _probes[device] = UsageProbe(device)
-        warm_up_kernels(device)
-    return _probes[device]
-
-
-class Builder:
-    """Makes ExtensibleTensors and ExtensibleKVCaches that are freed at the
-    end of the test; `device` defaults to the test's `device` parameter."""
-
-    def __init__(self, default_device: torch.device | None):
-        self._default_device = default_device
-        self._made: list[ExtensibleTensor | ExtensibleKVCache] = []
-
-    def _device(self, device):
-        if device is not None:
-            return device
-        if self._default_device is None:
-            raise ValueError("this test has no `device` parameter: pass device= (a torch device or a Driver)")
-        return self._default_device
-
-    def tensor(self, size: int, *, device=None, segment_capacities=None, segment_strides=None) -> ExtensibleTensor:
-        tensor = ExtensibleTensor(size, device=self._device(device), segment_capacities=segment_capacities,
-                                  segment_strides=segment_strides)
-        self._made.append(tensor)
-        return tensor
-
-    def cache(self, config: KVCacheConfig, layout: KVCacheLayout, *, device=None) -> ExtensibleKVCache:
-        kv_cache = ExtensibleKVCache(config, self._device(device), layout)
-        self._made.append(kv_cache)
-        return kv_cache
-
-    def cache_for(self, kind: str, layout: KVCacheLayout, capacity: int = CAPACITY, *, device=None) -> ExtensibleKVCache:
-        """A cache over `extkv.testing.configs.config_for(kind, layout, capacity)`."""
-        return self.cache(config_for(kind, layout, capacity), layout, device=device)
-
-    def free_all(self) -> None:
-        # Newest first; every object is freed even if one fails, then the
-        # first failure is raised.
-        failure: Exception | None = None
-        while self._made:
-            try:
-                self._made.pop().free()
-            except Exception as error:
-                failure = failure or error
-        if failure is not None:
-            raise failure
-
-
-@pytest.fixture
-def build(request) -> Builder:
-    """Build tensors and caches (`build.tensor`, `build.cache`, `build.cache_for`)
-    that are freed after the test, even on failure."""
-    activate(request.config)
-    default = request.getfixturevalue("device") if "device" in request.fixturenames else None
-    builder = Builder(default)
-    yield builder
-    builder.free_all()
-
-
-def _nonzero(counts) -> dict[str, int]:
-    return {kind: count for kind, count in counts.items() if count}
-
-
-@pytest.fixture(autouse=True)
-def no_leaks(request):
-    """Fail a test that leaves a reservation, chunk, memfd or physical memory behind."""
-    if not is_active(request.config):
-        yield
-        return
-    devices = [request.getfixturevalue("device")] if "device" in request.fixturenames else []
-    reservations = _nonzero(vmm.live_reservations)
-    chunks = _nonzero(vmm.live_chunks)
-    fds = len(open_chunk_fds())
-    before = {d: _probe(d).read_outside_torch() for d in devices}
-    yield
-    problems = []
-    if _nonzero(vmm.live_reservations) != reservations:
-        problems.append(f"live reservations {reservations} -> {_nonzero(vmm.live_reservations)}")
-    if _nonzero(vmm.live_chunks) != chunks:
-        problems.append(f"live chunks {chunks} -> {_nonzero(vmm.live_chunks)}")
-    if len(open_chunk_fds()) != fds:
-        problems.append(f"open chunk memfds {fds} -> {len(open_chunk_fds())}")
-    for d, start in before.items():
-        end = _probe(d).read_outside_torch()
-        # A leaked chunk is at least one granule; CUDA's lazy module loading can
-        # add less than that to a context as a test runs new kernels.
-        tolerance = 0 if d.type == "cpu" else vmm.driver_for(d).granularity
-        if abs(end - start) >= max(tolerance, 1):
-            problems.append(f"{_probe(d).source} on {d}: {start} -> {end} bytes")
-    if problems:
-        pytest.fail("test leaked: " + "; ".join(problems), pytrace=False)
+        return getattr(harness_hooks, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
