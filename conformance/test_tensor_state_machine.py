@@ -20,10 +20,19 @@ from extkv.testing.machines import (
     commit_ahead_machine,
     tensor_machine,
 )
-from extkv.vmm import HostDriver, PoisoningDriver, driver_for
+from extkv.vmm import HostDriver, PoisoningDriver, driver_for, host_commits
 
 POISON = 0xA5
 HOST_GRANULE = 64 << 10
+
+
+@pytest.fixture(autouse=True)
+def commit_lock_of_its_own(monkeypatch, tmp_path):
+    """A machine commit lock of the test's own on the host: a machine commits
+    at nearly every step, and on the shared lock each commit met while
+    another process (another test worker) commits waits 20 ms a try. What
+    that lock keeps apart across processes is test_host_locks.py's to prove."""
+    monkeypatch.setattr(host_commits, "COMMITS_LOCK_PATH", str(tmp_path / "commits.lock"))
 
 
 def poisoned_driver(device: torch.device) -> PoisoningDriver:
