@@ -44,7 +44,7 @@ from extkv.testing.stress import (
     walked_through,
     warmed_probe,
 )
-from extkv.vmm import FAULTABLE_STEPS, HostDriver, driver_for
+from extkv.vmm import FAULTABLE_STEPS, HostDriver, driver_for, host_commits
 
 CASE_IDS = [f"{kind}-{layout.name}" for kind, layout in CACHE_MACHINE_CASES]
 SEED = 20261130
@@ -106,7 +106,18 @@ def test_endurance_state_machine(device, kind, layout):
         assert tally.operations[operation] > 0, dict(tally.operations)
 
 
+@pytest.fixture
+def commit_lock_of_its_own(monkeypatch, tmp_path):
+    """A machine commit lock of the test's own on the host, for a workload
+    of this process alone that commits hundreds of times: on the shared
+    lock each commit met while another process (another test worker)
+    commits waits 20 ms a try. What that lock keeps apart across processes
+    is test_host_locks.py's to prove."""
+    monkeypatch.setattr(host_commits, "COMMITS_LOCK_PATH", str(tmp_path / "commits.lock"))
+
+
 @pytest.mark.invariant(5)
+@pytest.mark.usefixtures("commit_lock_of_its_own")
 def test_every_driver_step_of_every_operation(device):
     real = HostDriver(HOST_STRESS_GRANULE) if device.type == "cpu" else driver_for(device)
     tally = StressTally()
