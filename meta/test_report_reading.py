@@ -150,3 +150,18 @@ def test_a_narrowed_check_judges_no_device():
     assert lines[2:] == ["- host driver (Linux 6.18, memfd): 1 passed, 1 failed, 0 skipped"], lines
     whole = front_lines(narrowed_check(None), None)
     assert whole[2].startswith("- host driver (Linux 6.18, memfd): NOT CERTIFIED: 1 failed"), whole
+
+
+@pytest.mark.parametrize("run, shown", [
+    ({"exit_status": 1, "pytest": ["python", "-m", "pytest", "stress", "-k", "walk"]},
+     "partial run: not a verdict (narrowed by -k walk); 1 passed, 1 failed, 0 skipped"),
+    ({"exit_status": 1, "pytest": ["python", "-m", "pytest", "stress"]},
+     "NOT PASSED: 1 failed, pytest ended with exit status 1; 1 passed, 1 failed, 0 skipped"),
+], ids=["narrowed", "whole"])
+def test_a_narrowed_stress_run_judges_nothing(tmp_path, run, shown):
+    from meta.test_reporting import stress_run_directory
+
+    summary = render_report(stress_run_directory(tmp_path, ["passed", "error"], run, [])).read_text()
+    front = summary.splitlines()[:FIRST_SCREEN]
+    assert any(line.startswith(f"**Stress: {shown}** (") for line in front), "\n".join(front)
+    assert f"- verdict: **{shown}**" in summary, summary

@@ -38,7 +38,7 @@ import statistics
 from pathlib import Path
 
 from . import decode, growth_loop
-from ..reporting.verdict import FINISHED_STATUSES
+from ..reporting.verdict import FINISHED_STATUSES, narrowing
 from .geometry import size_label
 from .plots import plot
 from .results import BenchRun, CaseResult, Entry, carryover, load, ratio, read_json_object
@@ -69,27 +69,6 @@ def partial_reason(run_dir: Path) -> str | None:
 
 #: Profiles of smoke runs, which prove the pipeline and measure nothing worth quoting.
 SMOKE_PROFILES = ("quick",)
-#: Options of pytest that narrow what a run selects or stop it early: those that take a value, and those that do not.
-NARROWING_WITH_VALUE = ("-k", "-m", "--deselect", "--ignore", "--ignore-glob", "--maxfail")
-NARROWING_FLAGS = ("--lf", "--last-failed", "--sw", "--stepwise", "-x", "--exitfirst")
-
-
-def narrowing(command: list[str]) -> list[str]:
-    """The options of a recorded pytest command (`python -m pytest ...`) that
-    narrow what it ran: `-k commit`, `-x`."""
-    arguments = command[command.index("pytest") + 1:] if "pytest" in command else command
-    found = []
-    for index, argument in enumerate(arguments):
-        option, equals, value = argument.partition("=")
-        if option in NARROWING_FLAGS:
-            found.append(option)
-        elif option in NARROWING_WITH_VALUE:
-            found.append(f"{option} {value if equals else ''.join(arguments[index + 1:index + 2])}")
-        elif argument[:2] in ("-k", "-m") and len(argument) > 2 and argument[2] != "-":
-            found.append(f"{argument[:2]} {argument[2:]}")  # -kcommit
-    return list(dict.fromkeys(found))
-
-
 def not_a_verdict(run_dir: Path, facts: dict) -> str | None:
     """Why the run's figures are readings and no verdict (`profile quick:
     smoke run: ...`, `narrowed by -k commit`); None for a run that judges

@@ -24,7 +24,9 @@ and device; `stress_front` is its verdict line on the report's front page.
 passed only where pytest ended with status 0, a test passed, and none
 failed, leaked, mismatched or was interrupted; a run a signal ended, or
 whose pytest a signal stopped (exit status 2), passed nothing, and its
-stopped tests are `interrupted`, never failures.
+stopped tests are `interrupted`, never failures. A report shows a run
+narrowed by pytest's selection as judging nothing (`shown_verdict`), as a
+narrowed check certifies nothing.
 
 Everything here is plain JSON reading, so a report renders again without the
 test extra (pytest, hypothesis) installed.
@@ -40,7 +42,7 @@ from .plots import matplotlib_missing
 from .portable import option_value, portable_command_line, recorded_checkout
 from .rundir import read_json, save_figure
 from .summary import load_step_results
-from .verdict import INTERRUPTED_STATUS
+from .verdict import INTERRUPTED_STATUS, narrowing
 
 #: The stress suite's results format (stress/conftest.py's RESULT_FORMAT;
 #: the suite is not importable from here).
@@ -225,6 +227,19 @@ def _command_line(run: dict) -> str:
     return portable_command_line(run.get("command_line", "extkv stress"), recorded_checkout(pytest), run_dir)
 
 
+def shown_verdict(stress: dict) -> str:
+    """`stress_verdict`'s line as a report shows it: a run narrowed by
+    pytest's selection (`-k`, `-x`, ... in its command) and not interrupted
+    passes nothing and judges nothing, its counts alone."""
+    words = stress_verdict(stress)[1]
+    narrowed = narrowing(stress["run"].get("pytest") or [])
+    if not narrowed or stress["run"].get("interrupted"):
+        return words
+    overall = stress_totals(stress)["overall"]
+    return (f"partial run: not a verdict (narrowed by {', '.join(narrowed)}); "
+            f"{_counts(overall['outcomes'], len(stress['interrupted']))}")
+
+
 def stress_front(run_dir: Path) -> list[str] | None:
     """The stress run on a report's front page: its verdict and what it ran,
     in one line; None where `run_dir` holds no stress results."""
@@ -233,7 +248,7 @@ def stress_front(run_dir: Path) -> list[str] | None:
         return None
     run, overall = stress["run"], stress_totals(stress)["overall"]
     bound = f"bound {run['minutes']} min, " if run.get("minutes") is not None else ""
-    return [f"**Stress: {stress_verdict(stress)[1]}** ({bound}{sum(overall['operations'].values()):,} operations, "
+    return [f"**Stress: {shown_verdict(stress)}** ({bound}{sum(overall['operations'].values()):,} operations, "
             f"{sum(overall['faults'].values()):,} faults injected, {len(overall['leaks'])} leaks, "
             f"{overall['content_mismatches']} content mismatches)."]
 
@@ -241,7 +256,7 @@ def stress_front(run_dir: Path) -> list[str] | None:
 def _headline(stress: dict, totals: dict) -> list[str]:
     run, tests = stress["run"], stress["tests"]
     overall = totals["overall"]
-    lines = ["## Stress", "", f"- verdict: **{stress_verdict(stress)[1]}**"]
+    lines = ["## Stress", "", f"- verdict: **{shown_verdict(stress)}**"]
     if run:
         elapsed = run.get("finished", 0) - run.get("started", 0)
         lines.append(

@@ -42,6 +42,27 @@ NARROWING = {
 }
 
 
+#: Options of pytest that narrow what a run selects or stop it early: those that take a value, and those that do not.
+NARROWING_WITH_VALUE = ("-k", "-m", "--deselect", "--ignore", "--ignore-glob", "--maxfail")
+NARROWING_FLAGS = ("--lf", "--last-failed", "--sw", "--stepwise", "-x", "--exitfirst")
+
+
+def narrowing(command: list[str]) -> list[str]:
+    """The options of a recorded pytest command (`python -m pytest ...`) that
+    narrow what it ran: `-k commit`, `-x`."""
+    arguments = command[command.index("pytest") + 1:] if "pytest" in command else command
+    found = []
+    for index, argument in enumerate(arguments):
+        option, equals, value = argument.partition("=")
+        if option in NARROWING_FLAGS:
+            found.append(option)
+        elif option in NARROWING_WITH_VALUE:
+            found.append(f"{option} {value if equals else ''.join(arguments[index + 1:index + 2])}")
+        elif argument[:2] in ("-k", "-m") and len(argument) > 2 and argument[2] != "-":
+            found.append(f"{argument[:2]} {argument[2:]}")  # -kcommit
+    return list(dict.fromkeys(found))
+
+
 @dataclass
 class DeviceVerdict:
     label: str                 # the harness's device label: `host`, `GPU 0 (NVIDIA H200)`
