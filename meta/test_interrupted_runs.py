@@ -143,7 +143,7 @@ def test_a_signal_to_the_check_alone_ends_the_whole_run_with_an_interrupted_repo
     with one line and a report marked interrupted, where the stopped test
     is no failure."""
     blocking = blocking_test(tmp_path, "test_blocking.py")
-    suite = Path(__file__).resolve().parent
+    suite = suite_directory("conformance")  # the check's suite, left out but for the blocking test
     command = [sys.executable, "-m", "extkv", "check", "--report-dir", str(tmp_path / "run"), "--host-workers", "1",
                f"--ignore-glob={suite}/test_*.py", str(blocking)]
     ended = signalled_in_the_blocking_test(tmp_path, command, number, run_environment(host_only=False))
@@ -225,7 +225,7 @@ def test_a_signal_to_the_reference_alone_ends_its_step_and_the_reference(tmp_pat
     makes no reference, ends with the same exit status and runs no step
     after."""
     blocking = blocking_test(tmp_path, "test_blocking.py")
-    suite = Path(__file__).resolve().parent
+    suite = suite_directory("conformance")  # the check's suite, left out but for the blocking test
     command = [sys.executable, "-m", "extkv", "reference", "--report-dir", str(tmp_path / "run"),
                f"--ignore-glob={suite}/test_*.py", str(blocking)]
     ended = signalled_in_the_blocking_test(tmp_path, command, number, run_environment(host_only=True))
