@@ -28,7 +28,7 @@ initialized CUDA yet when `start` pins.
   --hypothesis-profile. The prefix keeps them apart from Hypothesis's own
   `ci` profile, which Hypothesis loads by itself wherever CI is set.
 - `@pytest.mark.invariant(n, ...)` names which invariants (1-8, the table
-  in extkv.testing.invariants, stated in docs/INVARIANTS.md) a test proves;
+  in extkv.testing.invariants, stated in docs/guarantees.md) a test proves;
   numbers are checked at collection. Each test carries its invariants, the
   device it runs on as a label that names the physical GPU (`GPU 1 (NVIDIA
   H200)`: in an xdist worker `cuda:0` is the worker's pinned GPU) or `host`,
@@ -36,9 +36,12 @@ initialized CUDA yet when `start` pins.
   which extkv.testing.record folds into the run's results.
 - `@pytest.mark.harness` marks a test of extkv's own checking, reporting or
   tooling rather than of the cache: it proves no invariant, and the counts
-  per invariant (read from `invariant` markers alone) leave it out. Every
-  conformance test carries `invariant`, `planted_defect` or `harness`
-  (conformance/test_invariants_doc.py).
+  per invariant (read from `invariant` markers alone) leave it out. Such
+  tests live in meta/, which `extkv check` does not run. Every conformance
+  test carries `invariant`, a planted-defect test too (beside
+  `planted_defect(name)`: the invariants its defect breaks), and none
+  carries `harness`: conformance/conftest.py refuses any other at
+  collection.
 - The `build` fixture makes ExtensibleTensors and ExtensibleKVCaches and
   frees them after the test, even when it fails, before the leak check runs.
 
@@ -86,9 +89,9 @@ MARKERS = {
     "exclusive": "needs its device alone (fills it, or reads what the whole device has free): "
     "runs last, and with --extkv-lock-dir alone (extkv.testing.exclusive)",
     "planted_defect(name)": "plants a defect in a broken implementation; the check under test must flag it",
-    "invariant(n, ...)": "proves invariant(s) n (1-8, docs/INVARIANTS.md); counted per device",
+    "invariant(n, ...)": "proves invariant(s) n (1-8, docs/guarantees.md); counted per device",
     "harness": "checks extkv's own checking, reporting or command-line tooling (verdicts, reports, the harness, "
-    "docs/INVARIANTS.md, the README commands), not an invariant of the cache; counted under no invariant",
+    "docs/guarantees.md, the README commands), not an invariant of the cache; counted under no invariant",
 }
 #: The invariants by number, in a few words each.
 INVARIANTS = {number: invariant.words for number, invariant in INVARIANT_TABLE.items()}
