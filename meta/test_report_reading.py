@@ -165,3 +165,20 @@ def test_a_narrowed_stress_run_judges_nothing(tmp_path, run, shown):
     front = summary.splitlines()[:FIRST_SCREEN]
     assert any(line.startswith(f"**Stress: {shown}** (") for line in front), "\n".join(front)
     assert f"- verdict: **{shown}**" in summary, summary
+
+
+def test_a_checkout_never_installed_records_the_version_its_pyproject_states():
+    """Run from a checkout without site-packages (so no installed extkv can
+    answer), the facts a run records name pyproject.toml's version."""
+    import subprocess
+    import sys
+
+    checkout = Path(__file__).resolve().parents[1]
+    said = subprocess.run(
+        [sys.executable, "-I", "-S", "-c",
+         f"import sys; sys.path.insert(0, {str(checkout)!r}); "
+         "from extkv.testing.facts import extkv_version; print(extkv_version())"],
+        capture_output=True, text=True, timeout=120,
+    )
+    stated = re.search(r'(?m)^version\s*=\s*"([^"]+)"', (checkout / "pyproject.toml").read_text()).group(1)
+    assert said.stdout.strip() == f"{stated} (a checkout, not installed)", said.stdout + said.stderr

@@ -15,6 +15,7 @@ that only starts a run or renders a report can read them too.
 from __future__ import annotations
 
 import functools
+import re
 import socket
 import subprocess
 import sys
@@ -106,10 +107,26 @@ def version_of(distribution: str) -> str:
 
 
 def extkv_version() -> str:
-    """The installed distribution's version; `unknown` for a checkout on the
-    path that was never installed."""
+    """The installed distribution's version; for a checkout on the path that
+    was never installed, the version its pyproject.toml states, said so
+    (`0.1.0 (a checkout, not installed)`), or `unknown (not installed)`."""
     found = version_of("extkv")
-    return "unknown (not installed)" if found == NOT_INSTALLED else found
+    if found != NOT_INSTALLED:
+        return found
+    stated = _checkout_version(Path(__file__).resolve().parents[2] / "pyproject.toml")
+    return f"{stated} (a checkout, not installed)" if stated else "unknown (not installed)"
+
+
+def _checkout_version(pyproject: Path) -> str | None:
+    """The `version` of pyproject.toml's [project] table (read as text:
+    tomllib is Python 3.11's, and extkv runs on 3.10)."""
+    try:
+        text = pyproject.read_text()
+    except OSError:
+        return None
+    project = re.search(r'(?ms)^\[project\]$(.*?)(?=^\[)', text + "\n[")
+    found = re.search(r'(?m)^version\s*=\s*"([^"]+)"', project.group(1)) if project else None
+    return found.group(1) if found else None
 
 
 @functools.lru_cache(maxsize=None)
