@@ -32,8 +32,12 @@ never waits on it unboundedly:
 - the path is opened with O_NOFOLLOW|O_NONBLOCK and must be a regular file
   (fstat): a FIFO, device, directory or symbolic link is refused at once,
   and no open can block;
-- the lock is tried without blocking every `MACHINE_LOCK_POLL_S` for at
-  most `MACHINE_LOCK_WAIT_S`. Between tries, a signal that the commit's
+- the lock is tried without blocking for at most `MACHINE_LOCK_WAIT_S`,
+  the pauses between tries doubling from `MACHINE_LOCK_FIRST_POLL_S` to
+  `MACHINE_LOCK_POLL_S`: another process's commit of a few granules holds
+  the lock for about a millisecond, and a fixed 20 ms pause would make
+  every commit that meets one wait that long (processes that commit side
+  by side meet often). Between tries, a signal that the commit's
   deferral holds back (extkv.deferred_signals) ends the wait: the commit
   raises DriverError(EINTR) before it creates anything, and the handler
   then runs, so Ctrl-C lands as KeyboardInterrupt with nothing changed;
@@ -73,9 +77,12 @@ COMMITS_LOCK_PATH = os.path.join(tempfile.gettempdir(), "extkv-host-commits.lock
 #: kernel zeroes each) takes a few seconds; a holder past this is stuck,
 #: stopped or hostile, and the commit goes on without it.
 MACHINE_LOCK_WAIT_S = 30.0
-#: Pause between two tries of the lock: the delay a Ctrl-C meets, and a
-#: small cost next to a commit that had to wait at all.
+#: Longest pause between two tries of the lock: the most a Ctrl-C waits,
+#: and a small cost next to a commit that has waited this long already.
 MACHINE_LOCK_POLL_S = 0.02
+#: First pause: about what another process's commit of a few granules
+#: holds the lock for; each pause after doubles, up to MACHINE_LOCK_POLL_S.
+MACHINE_LOCK_FIRST_POLL_S = 0.0005
 
 _process_commits = threading.RLock()
 #: The descriptor of the commit in flight that a forked child must close,
@@ -159,6 +166,7 @@ def _wait_for_lock(descriptor: int) -> None:
     and the commit goes on. DriverError(EINTR) where a deferred signal is
     waiting for the commit to end."""
     deadline = time.monotonic() + MACHINE_LOCK_WAIT_S
+    pause = MACHINE_LOCK_FIRST_POLL_S
     while True:
         try:
             fcntl.flock(descriptor, fcntl.LOCK_EX | fcntl.LOCK_NB)
@@ -174,7 +182,8 @@ def _wait_for_lock(descriptor: int) -> None:
         if time.monotonic() >= deadline:
             _go_on_without(f"it stayed locked for {MACHINE_LOCK_WAIT_S} s, {_holder(descriptor)}")
             return
-        time.sleep(MACHINE_LOCK_POLL_S)
+        time.sleep(pause)
+        pause = min(2 * pause, MACHINE_LOCK_POLL_S)
 
 
 def _go_on_without(why: str) -> None:
