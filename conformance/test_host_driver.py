@@ -35,7 +35,8 @@ import extkv
 from extkv.errors import DriverError, OutOfMemoryError
 from extkv.testing.checks import check_readback_matches_bookkeeping, maps_permissions
 from extkv.usage import host_chunk_bytes, open_chunk_fds
-from extkv.vmm import HostDriver, live_chunks, live_reservations
+from extkv.vmm import HostDriver, host_maps, live_chunks, live_reservations
+from extkv.vmm.base import READ_ONLY, READ_WRITE
 from extkv.vmm.host import F_SEAL_FUTURE_WRITE
 from extkv.vmm.host_memory import (
     HOST_KEEP_FREE_DESCRIPTORS,
@@ -242,6 +243,47 @@ def test_set_access_grants_what_is_asked_and_no_more_than_the_descriptor_allows(
         driver.view(base + g, g).fill_(7)
         assert int(driver.view(base + g, g).sum()) == 7 * g
     assert live_counts() == counts
+
+
+def file_of(fd: int) -> tuple[int, int, int]:
+    status = os.fstat(fd)
+    return os.major(status.st_dev), os.minor(status.st_dev), status.st_ino
+
+
+@pytest.mark.invariant(1, 8)
+@pytest.mark.parametrize("by_ioctl", [True, False], ids=["PROCMAP_QUERY", "maps text"])
+def test_read_back_names_each_granules_file_and_access_by_either_way_of_asking(driver, monkeypatch, by_ioctl):
+    """Read back by PROCMAP_QUERY and by /proc/self/maps' text (what a kernel
+    before 6.11 leaves), over a reservation of a read-only import, a
+    read-write chunk beside it and an unmapped granule, asked in no order
+    and twice over: each address names the memfd fstat names, with the
+    access the kernel's maps show, and an unmapped one nothing."""
+    monkeypatch.setattr(host_maps, "QUERY_MAPS_BY_IOCTL", by_ioctl)
+    g = driver.granularity
+    with contextlib.ExitStack() as undo:
+        own = driver.create(g)
+        undo.callback(driver.release, own)
+        neighbour = driver.create(g)
+        undo.callback(driver.release, neighbour)
+        exported = driver.export_fd(own)
+        undo.callback(os.close, exported)
+        imported = driver.import_fd(exported, g)
+        undo.callback(driver.release, imported)
+        base = driver.reserve(3 * g)
+        undo.callback(driver.free_reservation, base, 3 * g)
+        for address, chunk, writable in ((base, imported, False), (base + g, neighbour, True)):
+            driver.map(address, chunk)
+            undo.callback(driver.unmap, address, g)
+            driver.set_access(address, g, writable=writable)
+        assert maps_permissions(base) == "r--s" and maps_permissions(base + g) == "rw-s"
+        expected = {
+            base + g - 1: (file_of(imported.handle), READ_ONLY), base: (file_of(imported.handle), READ_ONLY),
+            base + 2 * g - 1: (file_of(neighbour.handle), READ_WRITE), base + g: (file_of(neighbour.handle), READ_WRITE),
+            base + 2 * g: (None, None), base + 3 * g - 1: (None, None),
+        }
+        addresses = [*expected, *expected]
+        assert driver.chunks_at(addresses) == [expected[a][0] for a in addresses]
+        assert driver.accesses_at(addresses) == [expected[a][1] for a in addresses]
 
 
 @pytest.mark.invariant(6, 8)

@@ -25,7 +25,7 @@ ROOT = Path(extkv.__file__).resolve().parent.parent
 #: Every extkv module, by layer, lowest first.
 LAYERS: list[set[str]] = [
     {"extkv.errors", "extkv.validate", "extkv.deferred_signals", "extkv.files", "extkv.vmm.dlpack",
-     "extkv.vmm.torch_memory", "extkv.vmm.witness"},
+     "extkv.vmm.torch_memory", "extkv.vmm.witness", "extkv.vmm.host_maps"},
     {"extkv.cli_arguments"},
     {"extkv.vmm.base"},
     {"extkv.vmm.host_memory", "extkv.vmm.host_commits"},

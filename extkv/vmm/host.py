@@ -52,9 +52,10 @@ virtual memory, so every invariant that needs no GPU is proven for real.
   A close that reports an error has still freed the descriptor number, so
   it is never retried (a warning says so, shown rather than raised where
   filters make warnings errors).
-- read-back: `/proc/self/maps` names the file (device, inode) and offset that
-  back each address, and the access each mapping grants (its `rw` columns);
-  an address whose mapping is no file is in a reservation, not mapped.
+- read-back: the kernel's record of this process's mappings names the file
+  (device, inode) that backs each address, and the access each mapping
+  grants (its `rw` columns); an address whose mapping is no file is in a
+  reservation, not mapped (extkv.vmm.host_maps asks it).
 - export: a new *read-only* open file description of the chunk
   (`open("/proc/self/fd/N", O_RDONLY)`), after sealing it against writing
   (see sealing). Through it a peer can map the pages for reading only:
@@ -75,14 +76,13 @@ virtual memory, so every invariant that needs no GPU is proven for real.
 
 from __future__ import annotations
 
-import bisect
 import contextlib
 import ctypes
 import errno
 import fcntl
 import os
 import threading
-from typing import Hashable, Iterable, Iterator, NamedTuple
+from typing import Hashable, Iterable, Iterator
 
 import torch
 
@@ -90,6 +90,7 @@ from ..errors import warn_without_raising
 from .base import NO_ACCESS, READ_ONLY, READ_WRITE, Chunk, Driver, format_granularity
 from .dlpack import uint8_view
 from .host_commits import one_commit_at_a_time
+from .host_maps import regions_at
 from .host_memory import check_descriptors, check_room, driver_error as _fail, kib_field, read_text
 from .transaction import map_new_chunks_step_by_step
 from .witness import MEMFD_NAME, MemfdPages, open_chunk_fds
@@ -447,18 +448,15 @@ class HostDriver(Driver):
         return self.chunks_at([address])[0]
 
     def chunks_at(self, addresses: Iterable[int]) -> list[Hashable | None]:
-        """`chunk_at` for many addresses with one read of /proc/self/maps."""
-        addresses = list(addresses)
-        return [None if region is None else region.file for region in _regions_at(_file_regions(addresses), addresses)]
+        """`chunk_at` for many addresses with one read-back."""
+        return [None if region is None else region.file for region in regions_at(list(addresses))]
 
     def _access_at(self, address: int) -> str | None:
         return self.accesses_at([address])[0]
 
     def accesses_at(self, addresses: Iterable[int]) -> list[str | None]:
-        """`access_at` for many addresses with one read of /proc/self/maps."""
-        addresses = list(addresses)
-        regions = _regions_at(_file_regions(addresses), addresses)
-        return [None if region is None else _access_of(region.permissions) for region in regions]
+        """`access_at` for many addresses with one read-back."""
+        return [None if region is None else _access_of(region.permissions) for region in regions_at(list(addresses))]
 
     def view(self, address: int, size: int) -> torch.Tensor:
         return uint8_view(address, size, self.device)
@@ -485,53 +483,6 @@ class HostDriver(Driver):
         }
 
 
-class _Region(NamedTuple):
-    start: int
-    end: int
-    file: tuple[int, int, int]   # (device major, minor, inode)
-    permissions: str             # such as "rw-s"
-
-
-def _file_regions(addresses: list[int]) -> list[_Region]:
-    """The VMAs of this process that map a file and lie between the least
-    and the greatest of `addresses`, in address order (the order
-    /proc/self/maps lists them in). Only a line's span is parsed until it is
-    known to matter: the cache state machines read this back at every step,
-    and parsing every line in full was about two thirds of their time on the
-    host (some 450 lines a read, most of them libraries)."""
-    if not addresses:
-        return []
-    low, high = min(addresses), max(addresses)
-    with open("/proc/self/maps", "rb") as maps:
-        lines = maps.read().splitlines()
-    regions = []
-    for line in lines:
-        span, _, rest = line.partition(b" ")
-        start_text, _, end_text = span.partition(b"-")
-        start = int(start_text, 16)
-        if start > high:
-            break
-        end = int(end_text, 16)
-        if end <= low:
-            continue
-        permissions, _, device, inode = rest.split(None, 4)[:4]
-        if inode == b"0":
-            continue
-        major, _, minor = device.partition(b":")
-        regions.append(_Region(start, end, (int(major, 16), int(minor, 16), int(inode)), permissions.decode()))
-    return regions
-
-
-def _regions_at(regions: list[_Region], addresses: list[int]) -> list[_Region | None]:
-    """The region holding each address, or None, by bisection over the starts."""
-    starts = [region.start for region in regions]
-    found = []
-    for address in addresses:
-        index = bisect.bisect_right(starts, address) - 1
-        found.append(regions[index] if index >= 0 and address < regions[index].end else None)
-    return found
-
-
 def _access_of(permissions: str) -> str:
     # x86-64 and aarch64 have no write-only pages: PROT_WRITE reads too.
     if permissions[1] == "w":
@@ -542,7 +493,7 @@ def _access_of(permissions: str) -> str:
 def _maps_file_of(address: int, fd: int) -> bool:
     """Whether the mapping at `address` is of the file behind `fd`, read back
     (a stale record must never move another file's mapping aside)."""
-    regions = _regions_at(_file_regions([address]), [address])
+    regions = regions_at([address])
     try:
         status = os.fstat(fd)
     except OSError:
