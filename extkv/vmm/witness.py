@@ -35,6 +35,7 @@ import torch
 #: Name of every host chunk's memfd, as /proc/self/fd and /proc/self/maps show it.
 MEMFD_NAME = "extkv-chunk"
 _MEMFD_LINK = f"/memfd:{MEMFD_NAME}"
+_MEMFD_LINK_BYTES = _MEMFD_LINK.encode()
 
 
 def open_chunk_fds() -> list[int]:
@@ -61,25 +62,41 @@ def host_chunk_bytes() -> int:
             continue
         held[(status.st_dev, status.st_ino)] = status.st_blocks * 512
     mapped_extent: dict[tuple[int, int], int] = {}
-    with open("/proc/self/maps") as maps:
-        for line in maps:
-            if _MEMFD_LINK not in line:  # most lines are libraries: skip them before splitting
-                continue
-            fields = line.split(maxsplit=5)
-            if len(fields) < 6 or not fields[5].startswith(_MEMFD_LINK):
-                continue
-            major, minor = (int(part, 16) for part in fields[3].split(":"))
-            key = (os.makedev(major, minor), int(fields[4]))
-            if key in held:
-                continue
-            try:
-                held[key] = os.stat(f"/proc/self/map_files/{fields[0]}").st_blocks * 512
-            except OSError:
-                # map_files is closed to this process (older kernels, no
-                # CAP_SYS_ADMIN): the mapped extent is what it holds at least.
-                start, end = (int(part, 16) for part in fields[0].split("-"))
-                mapped_extent[key] = mapped_extent.get(key, 0) + end - start
+    for line in _memfd_mapping_lines():
+        fields = line.split(maxsplit=5)
+        if len(fields) < 6 or not fields[5].startswith(_MEMFD_LINK_BYTES):
+            continue
+        major, minor = (int(part, 16) for part in fields[3].split(b":"))
+        key = (os.makedev(major, minor), int(fields[4]))
+        if key in held:
+            continue
+        span = fields[0].decode()
+        try:
+            held[key] = os.stat(f"/proc/self/map_files/{span}").st_blocks * 512
+        except OSError:
+            # map_files is closed to this process (older kernels, no
+            # CAP_SYS_ADMIN): the mapped extent is what it holds at least.
+            start, end = (int(part, 16) for part in span.split("-"))
+            mapped_extent[key] = mapped_extent.get(key, 0) + end - start
     return sum(held.values()) + sum(mapped_extent.values())
+
+
+def _memfd_mapping_lines() -> list[bytes]:
+    """The lines of /proc/self/maps that name an extkv memfd. The text is
+    searched, not split: of some 400 lines (a process that imported torch)
+    none or a few are chunks, and splitting and decoding every line cost
+    about a fifth of a read."""
+    with open("/proc/self/maps", "rb") as maps:
+        text = maps.read()
+    lines = []
+    found = text.find(_MEMFD_LINK_BYTES)
+    while found != -1:
+        start = text.rfind(b"\n", 0, found) + 1
+        end = text.find(b"\n", found)
+        end = len(text) if end == -1 else end
+        lines.append(text[start:end])
+        found = text.find(_MEMFD_LINK_BYTES, end)
+    return lines
 
 
 class MemfdPages:
