@@ -430,7 +430,22 @@ def test_host_memory_running_out_for_a_copy_changes_nothing(build, poisoned, mon
 
 
 # -- threads ----------------------------------------------------------------------
+@pytest.fixture
+def fine_thread_switches():
+    """Python threads take turns every 0.1 ms instead of every 5 ms. An
+    operation makes dozens of system calls, and after each its thread waits
+    for the GIL held by a thread that never blocks (a reader polling the
+    states): at 5 ms a wait, one pause of a tag takes about 0.1 s and holds
+    the machine's commit lock for most of it against every other process's
+    commit. Operations and reads interleave no less often than at 5 ms."""
+    interval = sys.getswitchinterval()
+    sys.setswitchinterval(1e-4)
+    yield
+    sys.setswitchinterval(interval)
+
+
 @pytest.mark.invariant(7)
+@pytest.mark.usefixtures("fine_thread_switches")
 def test_threads_pausing_and_resuming_their_own_tags_keep_every_tag_whole(build, poisoned, usage):
     """Four threads pause and resume a tag each, twenty times, while a fifth
     reads the states: each operation runs whole, one after another, so every
