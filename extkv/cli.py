@@ -8,13 +8,13 @@
 - `extkv check [pytest args]`: the conformance suite on every GPU found (one
   pytest-xdist worker per GPU, then the multi-GPU tests in a step of their
   own), or on the host driver when there is none; writes a report.
-- `extkv bench [--quick]`: the benchmarks (`reports/`), each figure a ratio
+- `extkv bench [--quick]`: the benchmarks (`bench/`), each figure a ratio
   to a baseline measured in the same run; writes a report.
 - `extkv stress --minutes M [--seed S]`: the nightly stress run (`stress/`);
   writes a report.
 - `extkv reference [--stress-minutes M]`: check, bench and stress into this
   machine kind's reference directory, reports/reference/<kind>
-  (extkv.reporting.reference_run).
+  (extkv.reference_run).
 - `extkv report DIR`: render a run directory's report again from its raw
   results (JSON, JUnit XML).
 - `extkv pool OUT_DIR RUN_DIR RUN_DIR ...`: one bench report over the rounds
@@ -48,13 +48,13 @@ from .cli_arguments import Parser
 #: torch), so --help of any subcommand costs none.
 _PYTEST_COMMANDS = {
     "check": (
-        "extkv.reporting.check_run",
+        "extkv.check.run",
         "run the conformance suite on the GPUs found, else on the host, and write a report",
         "extkv check -x -k sizing",
     ),
     "bench": ("extkv.benchmarking.run", "run the benchmarks and write a report", "extkv bench --quick -k commit"),
     "stress": (
-        "extkv.reporting.stress_run",
+        "extkv.stress.run",
         "run the nightly stress suite for a bounded time and write a report",
         "extkv stress --minutes 1 -k walk",
     ),
@@ -172,7 +172,7 @@ def _info(args, _pytest_args) -> int:
 
 
 def _report(args, _pytest_args) -> int:
-    from .reporting import render_report
+    from .report import render_report
 
     try:
         summary = render_report(Path(args.run_dir))
@@ -185,7 +185,7 @@ def _report(args, _pytest_args) -> int:
 
 def _pool(args, _pytest_args) -> int:
     from .benchmarking.pool import pool
-    from .reporting import render_report
+    from .report import render_report
 
     try:
         pool(args.run_dirs, Path(args.out_dir))
@@ -271,7 +271,7 @@ def _run_pytest_command(args, pytest_args) -> int:
 
 
 def _run_reference(args, pytest_args) -> int:
-    from .reporting import reference_run
+    from . import reference_run
 
     return reference_run.run(args, pytest_args)
 

@@ -10,7 +10,7 @@ expected, exit status 2 (`Parser.error`), with nothing created: the checks
 look (stat, access) and never make a directory. What depends on two options
 at once (a --report-dir that holds files, without --overwrite) is checked
 right after parsing through the same `report_dir_problem`, which
-extkv.reporting.rundir asks again when it makes the directory, since the
+extkv.runs.rundir asks again when it makes the directory, since the
 file system may have changed in between.
 
 Only the standard library is imported here, so `extkv --help` and every

@@ -25,13 +25,13 @@ from pathlib import Path
 
 import pytest
 
-from extkv.reporting.check_run import closing_lines, plan, workers
-from extkv.reporting.machine import machine_section
-from extkv.reporting.summary import load_check
+from extkv.check.report import load_check
+from extkv.check.run import closing_lines, plan, workers
+from extkv.check.verdict import run_verdict
+from extkv.runs.machine import machine_section
+from extkv.runs.rundir import RunDirectoryInUse, prepare_run_directory, run_directory
 from extkv.testing import exclusive as exclusive_locks
 from extkv.testing.facts import machine_facts
-from extkv.reporting.rundir import RunDirectoryInUse, prepare_run_directory, run_directory
-from extkv.reporting.verdict import run_verdict
 from extkv.testing.invariants import DEVICE_KINDS, INVARIANTS
 
 pytest_plugins = ["pytester"]
@@ -52,7 +52,7 @@ def record(device: str, invariants: list[int], outcome: str = "passed", planted:
 
 
 def merged(tests: dict[str, dict], *, devices=("host", H200), selection=None, exit_status=0) -> dict:
-    """Merged results as extkv.reporting.summary.load_check returns them, of one step."""
+    """Merged results as extkv.check.report.load_check returns them, of one step."""
     step = {"selection": selection or {"args": ["conformance"]}, "collection_errors": [], "exit_status": exit_status}
     kinds = {"host": "host", H200: "cuda"}
     return {"steps": {"check-host": step}, "tests": tests, "machine": FACTS,

@@ -292,7 +292,7 @@ def test_reference_runs_check_bench_and_stress_into_one_directory(tmp_path, caps
     """`extkv reference` is three runs a user could type, into one directory
     each replacing only its own files; a stress bound of no time is refused
     before anything runs."""
-    from extkv.reporting import reference_run
+    from extkv import reference_run
 
     planned = reference_run.steps(tmp_path, 2.5, ["-x"])
     assert [name for name, _ in planned] == ["check", "bench", "stress"]

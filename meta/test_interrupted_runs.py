@@ -1,6 +1,6 @@
 """Ctrl-C or SIGTERM to a run of `extkv check`, `extkv stress`, `extkv
 bench` or `extkv reference`, sent to the run's own pid only, as a terminal
-or a job scheduler sends it (extkv.reporting.steps).
+or a job scheduler sends it (extkv.runs.steps).
 
 Each run is a real one, in a session of its own, given one extra test that
 blocks on a FIFO: the run's pytest has started and stands in that test, the
@@ -32,7 +32,7 @@ import pytest
 
 from extkv.benchmarking.cases import PROFILES, catalogue
 from extkv.benchmarking.contenders import CONTENDERS
-from extkv.reporting.rundir import suite_directory
+from extkv.runs.rundir import suite_directory
 
 #: Every test here checks extkv's own tooling: its runs and their reports.
 pytestmark = pytest.mark.harness

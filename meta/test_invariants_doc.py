@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from extkv.reporting.rundir import checkout_root
+from extkv.runs.rundir import checkout_root
 from extkv.testing.invariants import DEVICE_KINDS, INVARIANTS
 
 pytestmark = pytest.mark.harness

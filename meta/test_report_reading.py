@@ -22,11 +22,11 @@ import pytest
 from extkv.benchmarking.engine import CASES_FILE
 from extkv.benchmarking.playback import BENCH_JSON
 from extkv.benchmarking.report import RUN_FILE
-from extkv.reporting import render_report
-from extkv.reporting.machine import read_machine_facts
-from extkv.reporting.rundir import checkout_root
-from extkv.reporting.summary import load_check
-from extkv.reporting.verdict import front_lines
+from extkv.check.report import load_check
+from extkv.check.verdict import front_lines
+from extkv.report import render_report
+from extkv.runs.machine import read_machine_facts
+from extkv.runs.rundir import checkout_root
 
 #: Every test here checks extkv's own tooling: benchmarks, reports, the command line.
 pytestmark = pytest.mark.harness
@@ -110,8 +110,8 @@ def write_bench_run(run_dir: Path, profile: str, pytest_arguments: list[str]) ->
 @pytest.mark.parametrize("profile, arguments, said", [
     ("quick", [], "Not a verdict: profile quick: the quick profile"),
     ("gpu", ["-k", "grow8"], "Not a verdict: narrowed by -k grow8"),
-    ("gpu", ["--deselect=reports/bench_kv.py::test_bench", "-x"], "Not a verdict: narrowed by --deselect "
-     "reports/bench_kv.py::test_bench, -x"),
+    ("gpu", ["--deselect=bench/bench_kv.py::test_bench", "-x"], "Not a verdict: narrowed by --deselect "
+     "bench/bench_kv.py::test_bench, -x"),
 ], ids=["smoke", "keyword", "deselected"])
 def test_a_smoke_or_narrowed_bench_run_shows_readings_and_judges_nothing(tmp_path, profile, arguments, said):
     summary = render_report(write_bench_run(tmp_path / "run", profile, arguments)).read_text()
@@ -132,7 +132,7 @@ def test_the_same_run_whole_is_judged(tmp_path):
 
 
 def narrowed_check(keyword: str | None) -> dict:
-    """Merged check results (extkv.reporting.summary.load_check's shape) of
+    """Merged check results (extkv.check.report.load_check's shape) of
     one host step, one test passed and one failed, `-k keyword` where given."""
     record = {"device": "host", "invariants": [1], "planted_defect": None, "duration_s": 0.1, "message": None,
               "skip_reason": None}

@@ -1,4 +1,4 @@
-"""Reports (extkv.reporting) rendered from real runs: pytest runs in a
+"""Reports (extkv.report) rendered from real runs: pytest runs in a
 process of its own with the harness writing its results into a run directory, and
 the summary's per-invariant, per-device counts are checked against pytest's
 own JUnit XML of the same run. One run takes a few conformance tests; a
@@ -22,13 +22,13 @@ from pathlib import Path
 import pytest
 
 import extkv
-from extkv.reporting import render_report
+from extkv.check.report import ALL_TESTS_ROW, HOST_LABEL as SUMMARY_HOST_LABEL, load_check
+from extkv.report import render_report
+from extkv.runs.commands import INSTALLED_OPTIONS
+from extkv.runs.plots import matplotlib_missing
+from extkv.runs.results import CHECK_FORMAT
+from extkv.runs.rundir import SUITE_PACKAGES, checkout_root, gpu_slug, run_directory
 from extkv.testing.children import python_c
-from extkv.reporting.check_run import INSTALLED_OPTIONS
-from extkv.reporting.plots import matplotlib_missing
-from extkv.reporting.rundir import SUITE_PACKAGES, checkout_root, gpu_slug, run_directory
-from extkv.reporting.summary import ALL_TESTS_ROW, CHECK_FORMAT, load_check
-from extkv.reporting.summary import HOST_LABEL as SUMMARY_HOST_LABEL
 from extkv.testing.harness import INVARIANTS
 from extkv.testing.record import DEVICE_PROPERTY, HOST_LABEL, INVARIANTS_PROPERTY, RECORD_FORMAT
 
@@ -215,7 +215,7 @@ def test_render_names_a_garbled_timeline(rendered, tmp_path):
 def test_without_matplotlib_the_report_says_plots_were_skipped(rendered, tmp_path):
     for path in rendered.glob("*.json"):
         (tmp_path / path.name).write_text(path.read_text())
-    blocked = "import sys; sys.modules['matplotlib'] = None; from pathlib import Path; from extkv.reporting import render_report; "
+    blocked = "import sys; sys.modules['matplotlib'] = None; from pathlib import Path; from extkv.report import render_report; "
     result = python_c(blocked + f"render_report(Path({str(tmp_path)!r}))", tmp_path / "render", timeout=120)
     assert result.returncode == 0, result.stderr[-2000:]
     summary = (tmp_path / "summary.md").read_text()
@@ -225,7 +225,7 @@ def test_without_matplotlib_the_report_says_plots_were_skipped(rendered, tmp_pat
 
 def test_reporting_imports_without_the_test_extra(tmp_path):
     """`extkv info`, `extkv peer` and `extkv report` must not need pytest or hypothesis."""
-    blocked = "import sys; sys.modules.update(pytest=None, hypothesis=None, xdist=None); import extkv.cli, extkv.reporting"
+    blocked = "import sys; sys.modules.update(pytest=None, hypothesis=None, xdist=None); import extkv.cli, extkv.report"
     result = python_c(blocked, tmp_path / "imports", timeout=120)
     assert result.returncode == 0, result.stderr[-2000:]
 
@@ -248,7 +248,7 @@ def test_run_directory_names_the_machine(names, slug, tmp_path):
 
 def test_the_distribution_names_every_package_and_the_ini_options():
     """pyproject lists extkv's packages by hand, and every suite rundir finds
-    (conformance, reports, stress) as the package it looks for, mapped to its
+    (conformance, bench, stress) as the package it looks for, mapped to its
     directory; check_run repeats its pytest options for installed runs."""
     root = checkout_root()
     if root is None:
@@ -318,7 +318,7 @@ def test_every_plot_replaces_a_symlink_planted_at_its_name(rendered, tmp_path):
     points to, outside the directory, is left as it was."""
     if matplotlib_missing() is not None:
         pytest.skip(matplotlib_missing())
-    from extkv.reporting.stress import plot_memory
+    from extkv.stress.report import plot_memory
 
     for path in [*rendered.glob("check*.json"), rendered / "timeline-host.json"]:
         (tmp_path / path.name).write_text(path.read_text())
@@ -351,7 +351,7 @@ def test_every_plot_is_saved_through_the_run_directory_writer():
         for number, line in enumerate(path.read_text().splitlines(), 1)
         if ".savefig(" in line
     ]
-    assert not found, f"savefig outside extkv.reporting.rundir.save_figure: {found}"
+    assert not found, f"savefig outside extkv.runs.rundir.save_figure: {found}"
 
 
 def test_a_results_file_json_cannot_hold_is_refused_by_name(tmp_path):
@@ -439,7 +439,7 @@ def test_a_stress_run_passes_only_where_every_test_ran_and_passed(tmp_path, outc
     a signal stopped or that ended on an error of its own, and a run a
     signal ended pass nothing; a stopped test is `interrupted`, no failure,
     also where the harness holds it as an error without a message."""
-    from extkv.reporting.stress import load_stress, stress_section, stress_verdict
+    from extkv.stress.report import load_stress, stress_section, stress_verdict
 
     stress_run_directory(tmp_path, outcomes, run, stopped)
     passed, line = stress_verdict(load_stress(tmp_path))

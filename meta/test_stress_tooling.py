@@ -14,7 +14,7 @@ import time
 import pytest
 
 from extkv import OutOfMemoryError
-from extkv.reporting.stress import stress_section
+from extkv.stress.report import stress_section
 from extkv.testing.stress import HOST_STRESS_GRANULE, Floor, PressureProcess, StressTally, run_walk_processes, share_of_bound
 from extkv.testing.stress.walk import out_of_memory_waiter
 

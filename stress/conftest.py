@@ -54,7 +54,7 @@ from extkv.testing import harness
 from extkv.testing.harness import DEVICE_PROPERTY
 from extkv.testing.stress import MemoryTimeline, StressTally, share_of_bound
 
-#: Format tag of the files written here (extkv.reporting.stress reads them).
+#: Format tag of the files written here (extkv.stress.report reads them).
 RESULT_FORMAT = "extkv-stress/1"
 #: Seconds of the bound kept back for the last teardowns and the session's end.
 SESSION_RESERVE_S = 5.0

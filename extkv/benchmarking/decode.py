@@ -26,7 +26,7 @@ the median of the others. Memory: the bytes each cache holds for K/V after
 the last step (extkv: mapped bytes; StaticCache: its tensors; DynamicCache:
 its tensors, what torch.cat left), beside the bytes the tokens need.
 
-The result is one JSON object (`run`), written by reports/bench_decode.py
+The result is one JSON object (`run`), written by bench/bench_decode.py
 as RESULT_FILE in the run directory and rendered by `decode_section` in the
 bench's report.
 """

@@ -3,7 +3,7 @@
 Theory of operation
 -------------------
 `Engine` measures the cases of a profile's catalogue, each the first time
-one of its contenders is asked for (reports/bench_kv.py asks in catalogue
+one of its contenders is asked for (bench/bench_kv.py asks in catalogue
 order), with the rounds and seconds the profile gives it (more for the
 headline readings), and keeps the results. A run has a budget of seconds: a
 case that would start after it is reported as not run, with that reason,

@@ -2,7 +2,7 @@
 
 Theory of operation
 -------------------
-Each (case, contender) is one pytest test (reports/bench_kv.py) whose
+Each (case, contender) is one pytest test (bench/bench_kv.py) whose
 `benchmark.pedantic` plays the measured rounds back through
 `playback_clock`, which `extkv bench` passes as `--benchmark-timer`
 (`PLAYBACK_TIMER`); so `bench.json` holds one benchmark per (case,

@@ -3,7 +3,7 @@
 Theory of operation
 -------------------
 Two PNGs, saved into the run directory through
-extkv.reporting.rundir.save_figure: time against bytes (one segment) and
+extkv.runs.rundir.save_figure: time against bytes (one segment) and
 against segments (a fixed total), per operation, extkv against its floors,
 log-log, wall time and host CPU time in separate panels, each point the
 least round of a case. matplotlib is optional (`[report]`): without it
@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from ..reporting.rundir import save_figure
+from ..runs.rundir import save_figure
 from .geometry import size_label
 from .results import BenchRun
 

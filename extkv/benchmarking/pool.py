@@ -43,8 +43,8 @@ import statistics
 from pathlib import Path
 from typing import Sequence
 
-from ..reporting.machine import MACHINE_FILE, read_machine_facts
-from ..reporting.rundir import read_json_object, results_as_written, write_text
+from ..runs.machine import MACHINE_FILE, read_machine_facts
+from ..runs.rundir import read_json_object, results_as_written, write_text
 from .engine import CASES_FILE
 from .playback import BENCH_JSON
 from .report import RUN_FILE, partial_reason

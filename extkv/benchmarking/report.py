@@ -9,12 +9,12 @@ answered, every contender in the words its run recorded), the headline
 readings at a glance, every target row with its verdict
 (extkv.benchmarking.targets), what ran before the rounds of a missed commit
 target, the scaling plots (extkv.benchmarking.plots) and every case with
-every contender. extkv.reporting.render_report puts it beside the check and
+every contender. extkv.report.render_report puts it beside the check and
 stress sections.
 
 A run that did not end on its own is partial: `bench-run.json` (RUN_FILE,
 written by `extkv bench`) names the signal that ended it, or pytest's exit
-status where pytest did not finish (extkv.reporting.verdict's rule). Its
+status where pytest did not finish (extkv.runs.results' FINISHED_STATUSES). Its
 section is headed as partial, says so before any figure, and renders what
 was measured; the cases it did not reach read `not run`, their targets `not
 measured`. A run without that file (pooled runs, runs of older versions) is
@@ -37,8 +37,8 @@ from __future__ import annotations
 import statistics
 from pathlib import Path
 
+from ..runs.results import FINISHED_STATUSES, narrowing
 from . import decode, growth_loop
-from ..reporting.verdict import FINISHED_STATUSES, narrowing
 from .geometry import size_label
 from .plots import plot
 from .results import BenchRun, CaseResult, Entry, carryover, load, ratio, read_json_object

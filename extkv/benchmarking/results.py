@@ -26,7 +26,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
 
-from ..reporting.rundir import read_json_object
+from ..runs.rundir import read_json_object
 from .engine import CASES_FILE
 from .playback import BENCH_JSON
 

@@ -5,7 +5,7 @@ Theory of operation
 Two phases, each announced by a progress line and timed:
 
 1. Measuring, in a pytest subprocess over the benchmark modules of
-   `reports/` (`bench_*.py`, kept out of the default collection, whose
+   `bench/` (`bench_*.py`, kept out of the default collection, whose
    testpaths are conformance): on cuda:0 with the `gpu` profile where a CUDA
    GPU is usable (one is enough), else on the host driver with the `host`
    profile, whose sizes fit a small machine; `--quick` runs the `quick`
@@ -20,11 +20,11 @@ Two phases, each announced by a progress line and timed:
    unless the summary holds the bench section: CI's proof that a report
    renders, not a claim about speed.
 
-The run directory is a new `reports/runs/<date>-<host>-<gpus>/` (extkv.reporting.rundir)
+The run directory is a new `reports/runs/<date>-<host>-<gpus>/` (extkv.runs.rundir)
 unless `--report-dir` names one. `--rounds N` caps the rounds of every case.
 Other arguments go to pytest (`extkv bench -k commit`). Device settings
 (clocks) are never changed: the report says they were not pinned. Ctrl-C
-or SIGTERM ends pytest and everything it started (extkv.reporting.steps),
+or SIGTERM ends pytest and everything it started (extkv.runs.steps),
 renders the report of what was measured, headed as partial, and ends in
 one line and exit status 130 or 143. `bench-run.json` records pytest's
 command and exit status, and the signal that ended the run, if one did:
@@ -79,11 +79,11 @@ import time
 from pathlib import Path
 
 from .. import vmm
-from ..reporting import render_report
-from ..reporting.check_run import installed_suite_options, interrupted_report
-from ..reporting.machine import machine_facts, write_machine_facts
-from ..reporting.steps import RunInterrupted, end_all, interruptible, start as start_step
-from ..reporting.rundir import (
+from ..check.run import interrupted_report
+from ..report import render_report
+from ..runs.commands import installed_suite_options
+from ..runs.machine import machine_facts, write_machine_facts
+from ..runs.rundir import (
     RunDirectoryInUse,
     checkout_root,
     prepare_run_directory,
@@ -91,6 +91,7 @@ from ..reporting.rundir import (
     slug,
     suite_directory,
 )
+from ..runs.steps import RunInterrupted, end_all, interruptible, start as start_step
 from .playback import BENCH_JSON, PLAYBACK_TIMER
 from .report import RUN_FILE
 
@@ -164,7 +165,7 @@ def run(args: argparse.Namespace, pytest_args: list[str]) -> int:
     print(f"extkv bench: profile {profile} on {where}; results in {run_dir}", flush=True)
 
     storage = benchmark_storage(args.benchmark_storage, profile)
-    command = pytest_command(suite_directory("reports"), run_dir, profile, device, args.rounds, storage) + pytest_args
+    command = pytest_command(suite_directory("bench"), run_dir, profile, device, args.rounds, storage) + pytest_args
     started = _phase(1, "measuring (a line per case)", command)
     process = None
     with interruptible():

@@ -17,7 +17,7 @@ status is the first non-zero one. Extra arguments go to all three pytest
 runs (narrowing them makes the check say `partial run`). Ctrl-C or SIGTERM
 passes the same signal on to the step running, which ends its own pytest,
 writes its report and says in the one INTERRUPTED line that the signal
-ended it (extkv.reporting.steps); the reference stops there, saying it
+ended it (extkv.runs.steps); the reference stops there, saying it
 made no reference, with exit status 130 or 143. A signal between steps is
 the reference's own INTERRUPTED line.
 """
@@ -29,11 +29,11 @@ import sys
 import time
 from pathlib import Path
 
-from .check_run import interrupted_report
-from .machine import machine_facts
-from .rundir import checkout_root, gpu_slug
-from .steps import GRACE_S, RunInterrupted, end_all, interruptible, start as start_step
-from . import render_report
+from .check.run import interrupted_report
+from .report import render_report
+from .runs.machine import machine_facts
+from .runs.rundir import checkout_root, gpu_slug
+from .runs.steps import GRACE_S, RunInterrupted, end_all, interruptible, start as start_step
 
 
 def reference_directory(facts: dict) -> Path:

@@ -8,10 +8,10 @@ XML and JSON. `render_report(run_dir)` turns whatever raw results the
 directory holds into `summary.md` and PNG plots, so a report can be rendered
 again later (`extkv report DIR`) from the same files.
 
-The summary opens with its front page (extkv.reporting.front): each run's
+The summary opens with its front page (extkv.report.front): each run's
 verdict on one screen. Its sections follow, in order: the machine (from the check results,
-or `machine.json` of a run without them), the check (extkv.reporting.summary,
-with a memory-timeline plot per device drawn by extkv.reporting.plots), then
+or `machine.json` of a run without them), the check (extkv.check.report,
+with a memory-timeline plot per device drawn by extkv.check.plots), then
 the bench section (extkv.benchmarking.report) and the stress section, each
 of which returns None when the directory holds none of its results.
 """
@@ -20,13 +20,14 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from ..check.plots import plot_timeline
+from ..check.report import check_section, load_check
+from ..runs.machine import machine_section, read_machine_facts
+from ..runs.plots import matplotlib_missing
+from ..runs.rundir import results_as_written, write_text
+from ..stress.report import stress_section
 from ..testing.timeline import TIMELINE_GLOB, Timeline
 from .front import front_page
-from .machine import machine_section, read_machine_facts
-from .plots import matplotlib_missing, plot_timeline
-from .rundir import results_as_written, write_text
-from .stress import stress_section
-from .summary import check_section, load_check
 
 SUMMARY_FILE = "summary.md"
 

@@ -17,7 +17,7 @@ ended (`interrupted` in check-run.json), whose last line says so. `extkv check` 
 CERTIFIED run; the report's front page shows the same lines, the run's
 first (`front_lines`).
 
-Everything here reads the merged results (extkv.reporting.summary.load_check)
+Everything here reads the merged results (extkv.check.report.load_check)
 and `check-run.json` (what `extkv check` ran: the steps and their targets,
 the wall time); nothing is measured here.
 """
@@ -27,40 +27,15 @@ from __future__ import annotations
 from collections import Counter
 from dataclasses import dataclass, field
 
+from ..runs.results import FINISHED_STATUSES, INTERRUPTED_STATUS
 from ..testing.invariants import DEVICE_KINDS, number_ranges
 
-#: pytest exit statuses a step may end with and still have run every test
-#: it selected: all passed, some failed (the records say which), none selected.
-FINISHED_STATUSES = (0, 1, 5)
-#: pytest's exit status where a signal (KeyboardInterrupt) stopped it.
-INTERRUPTED_STATUS = 2
 #: Options that narrow what a pytest run selects or stop it early, as the
 #: harness records them (`selection` in each results file).
 NARROWING = {
     "keyword": "-k", "markexpr": "-m", "deselect": "--deselect", "ignore": "--ignore",
     "ignore_glob": "--ignore-glob", "lf": "--lf", "stepwise": "--sw", "maxfail": "-x/--maxfail",
 }
-
-
-#: Options of pytest that narrow what a run selects or stop it early: those that take a value, and those that do not.
-NARROWING_WITH_VALUE = ("-k", "-m", "--deselect", "--ignore", "--ignore-glob", "--maxfail")
-NARROWING_FLAGS = ("--lf", "--last-failed", "--sw", "--stepwise", "-x", "--exitfirst")
-
-
-def narrowing(command: list[str]) -> list[str]:
-    """The options of a recorded pytest command (`python -m pytest ...`) that
-    narrow what it ran: `-k commit`, `-x`."""
-    arguments = command[command.index("pytest") + 1:] if "pytest" in command else command
-    found = []
-    for index, argument in enumerate(arguments):
-        option, equals, value = argument.partition("=")
-        if option in NARROWING_FLAGS:
-            found.append(option)
-        elif option in NARROWING_WITH_VALUE:
-            found.append(f"{option} {value if equals else ''.join(arguments[index + 1:index + 2])}")
-        elif argument[:2] in ("-k", "-m") and len(argument) > 2 and argument[2] != "-":
-            found.append(f"{argument[:2]} {argument[2:]}")  # -kcommit
-    return list(dict.fromkeys(found))
 
 
 @dataclass

@@ -6,7 +6,7 @@ Theory of operation
 results file `check*.json` in the run directory (the harness writes them):
 the planted defects, the tests that share a device (the host driver's and
 each GPU's at once), those that need a device alone, and on a machine of
-several GPUs the multi-GPU tests. `check-run.json` (extkv.reporting.check_run)
+several GPUs the multi-GPU tests. `check-run.json` (extkv.check.run)
 names the steps in order, the paths each was given and the wall time.
 `load_check` merges the steps' tests, keyed by nodeid; a nodeid that ran in
 two steps (every GPU's step runs every GPU test) is kept once per step, the
@@ -15,7 +15,7 @@ neither passed nor failed; a run a signal ended (`interrupted` in
 check-run.json) has a report even where no step left results.
 
 `check_section` renders the detail below the verdict lines, which head the
-report (extkv.reporting.front, extkv.reporting.verdict): which invariants
+report (extkv.report.front, extkv.check.verdict): which invariants
 each device kind can prove, per invariant the tests run and passed on each
 device, the failures, the skips grouped by reason, test time per file, the
 multi-GPU step and the memory timeline of each device, with its plot.
@@ -27,16 +27,13 @@ import shlex
 from collections import Counter
 from pathlib import Path
 
+from ..runs.portable import portable_command
+from ..runs.results import load_step_results
+from ..runs.rundir import read_json
 from ..testing.invariants import DEVICE_KINDS, INVARIANTS
 from ..testing.timeline import Timeline
-from .portable import portable_command
-from .rundir import read_json
-from .verdict import INTERRUPTED_STATUS, planted_counts
+from .verdict import planted_counts
 
-#: The harness's results format (extkv.testing.record.RECORD_FORMAT; the
-#: harness needs pytest, which rendering a report does not, so it is not
-#: imported here).
-CHECK_FORMAT = "extkv-check/2"
 #: The harness's device label of the host driver (extkv.testing.record.HOST_LABEL).
 HOST_LABEL = "host"
 #: What `extkv check` writes about the run as a whole.
@@ -47,18 +44,6 @@ STEP_GLOB = "check*.json"
 MULTI_GPU_STEP = "check-multi-gpu"
 #: The row of the per-device table that counts every test, with or without invariants.
 ALL_TESTS_ROW = "all tests"
-
-
-def load_results(path: Path) -> dict:
-    """One step's results file; ValueError naming the file when it is not one."""
-    document = read_json(path)
-    if not isinstance(document, dict) or document.get("format") != CHECK_FORMAT:
-        found = document.get("format") if isinstance(document, dict) else type(document).__name__
-        raise ValueError(f"{path}: not an extkv check results file (format {found!r}, expected {CHECK_FORMAT!r})")
-    for key in ("machine", "invariants", "totals", "tests", "exit_status", "devices", "selection"):
-        if key not in document:
-            raise ValueError(f"{path}: results file without {key!r}")
-    return document
 
 
 def load_run(run_dir: Path) -> dict | None:
@@ -115,23 +100,6 @@ def load_check(run_dir: Path) -> dict | None:
         },
         "run": run,
     }
-
-
-def load_step_results(path: Path) -> dict:
-    """One step's results file (`load_results`), read as a run a signal may
-    have stopped: where it did (pytest's exit status INTERRUPTED_STATUS), the
-    test it stopped in, which the harness records as an error without a
-    message since no report of it came, is `interrupted` rather than an error
-    of the code under test."""
-    document = load_results(path)
-    if document["exit_status"] != INTERRUPTED_STATUS:
-        return document
-    tests = {
-        nodeid: {**record, "outcome": "interrupted"} if record["outcome"] == "error" and record["message"] is None
-        else record
-        for nodeid, record in document["tests"].items()
-    }
-    return {**document, "tests": tests, "totals": Counter(record["outcome"] for record in tests.values())}
 
 
 def device_columns(tests: dict[str, dict]) -> list[str]:
@@ -272,7 +240,7 @@ def check_section(check: dict, timelines: list[tuple[Timeline, str | None]], plo
     """Markdown for the merged `check` (load_check) and each device's timeline
     with its image name (None: not drawn; `plots_skipped` says why)."""
     tests = check["tests"]
-    # The verdict lines head the report (extkv.reporting.front); the detail follows here.
+    # The verdict lines head the report (extkv.report.front); the detail follows here.
     lines = ["## Check", ""]
     caught, planted = planted_counts(check)
     if planted:

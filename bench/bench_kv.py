@@ -1,7 +1,7 @@
 """Benchmarks of extkv's KV cache against raw driver sequences and peers.
 
 One test per (case, contender) of the profile's catalogue
-(extkv.benchmarking.cases.catalogue, parametrized by reports/conftest.py),
+(extkv.benchmarking.cases.catalogue, parametrized by bench/conftest.py),
 in priority order. The session's
 engine measures a case's contenders together, interleaved, the first time
 one of them is asked for; each test hands its contender's rounds to

@@ -24,16 +24,16 @@ Two phases, each announced by a progress line and timed:
    OVERRUN_S, it is killed, and the run fails.
 2. The report: `run.json` (bound, seed, command, exit status) joins the raw
    results, and `render_report(<run>)` writes `summary.md`, whose stress
-   section (extkv.reporting.stress) gives the verdict, counts operations,
+   section (extkv.stress.report) gives the verdict, counts operations,
    faults, (operation, step) pairs, leaks and content mismatches, and plots
    the memory timeline. The closing lines give the verdict, and the exit
    status is 0 only where the run passed.
 
 The run directory is a new `reports/runs/<date>-<host>-<gpus>/`
-(extkv.reporting.rundir) unless `--report-dir` names one, which must be
+(extkv.runs.rundir) unless `--report-dir` names one, which must be
 empty unless `--overwrite` lets this run replace the stress results there. Arguments `extkv stress` does not know go to
 pytest (`extkv stress --minutes 1 -k walk`). Ctrl-C or SIGTERM ends pytest
-and everything it started (extkv.reporting.steps), renders the report of
+and everything it started (extkv.runs.steps), renders the report of
 what ran, marked INTERRUPTED, and ends in one line and exit status 130 or
 143.
 """
@@ -49,12 +49,13 @@ import sys
 import time
 from pathlib import Path
 
-from . import render_report
-from .check_run import installed_suite_options, interrupted_report
-from .machine import machine_facts, write_machine_facts
-from .rundir import RunDirectoryInUse, checkout_root, prepare_run_directory, suite_directory
-from .steps import RunInterrupted, end_all, interruptible, start as start_step
-from .stress import HARNESS_STEP, RUN_FILE, STRESS_DIR, STRESS_FORMAT, load_stress, stress_totals, stress_verdict
+from ..check.run import interrupted_report
+from ..report import render_report
+from ..runs.commands import installed_suite_options
+from ..runs.machine import machine_facts, write_machine_facts
+from ..runs.rundir import RunDirectoryInUse, checkout_root, prepare_run_directory, suite_directory
+from ..runs.steps import RunInterrupted, end_all, interruptible, start as start_step
+from .report import HARNESS_STEP, RUN_FILE, STRESS_DIR, STRESS_FORMAT, load_stress, stress_totals, stress_verdict
 
 #: Files of an earlier stress run that --overwrite removes from --report-dir.
 STRESS_FILES = (STRESS_DIR, "summary.md", "*.png")

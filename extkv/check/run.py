@@ -28,17 +28,17 @@ progress file the harness keeps.
    skipped and why.
 2. With two GPUs or more, the multi-GPU tests (NCCL rank agreement) in one
    process that sees every GPU (`check-multi-gpu`).
-3. The report (`render_report`) and the verdict (extkv.reporting.verdict).
+3. The report (`render_report`) and the verdict (extkv.check.verdict).
 
 Every step runs under xdist, at least one worker, so a test that kills its
 process (a SIGSEGV in the code under test) is a failed test with its name,
 and its worker is replaced, rather than a lost run. The run directory is a
-new one under `reports/runs/` (extkv.reporting.rundir) unless `--report-dir`
+new one under `reports/runs/` (extkv.runs.rundir) unless `--report-dir`
 names one. Arguments `extkv check` does not know go to pytest in every step
 (`extkv check -k sizing`); a run they narrow certifies nothing. The exit
 status is 0 only for a CERTIFIED run. Ctrl-C or SIGTERM, to this process
 alone or to its whole group, ends every step and what they started
-(extkv.reporting.steps), renders the report of what ran, marked
+(extkv.runs.steps), renders the report of what ran, marked
 INTERRUPTED, and ends in one line and exit status 130 or 143. `check-run.json` records the plan,
 the paths each step was given, the phases' and the run's wall time.
 
@@ -61,16 +61,14 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from . import render_report
-from .machine import machine_facts
-from .rundir import RunDirectoryInUse, checkout_root, prepare_run_directory, suite_directory
-from .steps import RunInterrupted, end_all, interruptible, start as start_step
-from .summary import RUN_FILE, load_check, slowest_tests
+from ..report import render_report
+from ..runs.commands import installed_suite_options
+from ..runs.machine import machine_facts
+from ..runs.rundir import RunDirectoryInUse, checkout_root, prepare_run_directory, suite_directory
+from ..runs.steps import RunInterrupted, end_all, interruptible, start as start_step
+from .report import RUN_FILE, load_check, slowest_tests
 from .verdict import run_verdict
 
-#: What the checkout's [tool.pytest.ini_options] gives, on the command line
-#: for an installed package (the harness arrives through -p there).
-INSTALLED_OPTIONS = ["-ra", "--strict-markers", "-o", "timeout=600"]
 #: Seconds between progress lines.
 PROGRESS_EVERY_S = 15.0
 #: xdist workers of one GPU's step at most: beyond this its tests' own
@@ -78,14 +76,6 @@ PROGRESS_EVERY_S = 15.0
 MOST_GPU_WORKERS = 8
 #: Files of an earlier check that --overwrite removes from --report-dir.
 CHECK_FILES = ("check*.json", "check*.xml", "check*.log", "check*.progress", "locks", "timeline-*", "summary.md")
-
-
-def installed_suite_options(suite: Path) -> list[str]:
-    """What pytest needs to run `suite` from an installed package, where no
-    checkout gives it a conftest and ini options; nothing in a checkout."""
-    if checkout_root() is not None:
-        return []
-    return ["-c", os.devnull, "--rootdir", str(suite), "-p", "no:cacheprovider", "-p", "extkv.testing.harness", *INSTALLED_OPTIONS]
 
 
 @dataclass

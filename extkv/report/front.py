@@ -7,10 +7,10 @@ every benchmark case, how the rounds were run) is for checking that
 decision. So the report opens with `front_page`: what ran (the extkv build,
 its commit, the devices), then under `## Verdict` each run the directory
 holds, its verdict first: the check's certificate line and each device's
-verdict (extkv.reporting.verdict), the benchmarks' targets met and missed
+verdict (extkv.check.verdict), the benchmarks' targets met and missed
 with the table of extkv against each contender
 (extkv.benchmarking.headline), the stress run's verdict
-(extkv.reporting.stress). A run that judges nothing (a smoke or narrowed
+(extkv.stress.report). A run that judges nothing (a smoke or narrowed
 run) says so there, and shows its readings only. The sections follow it:
 the machine, then each run's detail, each ending in how it was measured.
 """
@@ -19,9 +19,9 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from .machine import build_words
-from .stress import stress_front
-from .verdict import front_lines
+from ..check.verdict import front_lines
+from ..runs.machine import build_words
+from ..stress.report import stress_front
 
 
 def _devices(facts: dict) -> str:
@@ -33,7 +33,7 @@ def _devices(facts: dict) -> str:
 def front_page(run_dir: Path, facts: dict | None, check: dict | None) -> str:
     """The front page of the report of `run_dir`: `facts`, the machine's
     (None where no run recorded them), `check`, the merged check results
-    (extkv.reporting.summary.load_check) or None."""
+    (extkv.check.report.load_check) or None."""
     # Imported here: extkv.benchmarking reads its files through this
     # package, so importing it while this package loads would be circular.
     from ..benchmarking.headline import bench_front

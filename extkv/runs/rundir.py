@@ -18,7 +18,7 @@ it parses and `prepare_run_directory` again as it makes the directory.
 
 The suites ship in the distribution as packages of their own (pyproject maps
 `extkv_conformance` to `conformance/` and `extkv_benchmarks` to the
-`reports/` benchmark modules); from a checkout they are its directories.
+`bench/` benchmark suite); from a checkout they are its directories.
 `suite_directory` answers either way.
 
 A run directory may come from anyone, and its entries are nobody's promise:
@@ -45,7 +45,7 @@ from ..cli_arguments import report_dir_problem
 from ..files import read_regular_file
 
 #: Suite directory in a checkout -> the package it is installed as.
-SUITE_PACKAGES = {"conformance": "extkv_conformance", "reports": "extkv_benchmarks", "stress": "extkv_stress"}
+SUITE_PACKAGES = {"conformance": "extkv_conformance", "bench": "extkv_benchmarks", "stress": "extkv_stress"}
 #: Words dropped from a GPU's name in a run directory's name.
 _VENDOR_WORDS = ("nvidia",)
 
@@ -144,7 +144,7 @@ def gpu_slug(facts: dict) -> str:
 
 def checkout_root() -> Path | None:
     """The source checkout extkv is imported from, or None for an installed package."""
-    root = Path(__file__).resolve().parents[2]  # extkv/reporting/rundir.py -> the directory above extkv/
+    root = Path(__file__).resolve().parents[2]  # extkv/runs/rundir.py -> the directory above extkv/
     if (root / "pyproject.toml").is_file() and (root / "conformance").is_dir():
         return root
     return None
@@ -203,7 +203,7 @@ def prepare_run_directory(chosen: Path | None, facts: dict, overwrite: bool, own
 
 
 def suite_directory(suite: str) -> Path:
-    """Where suite `suite` (`conformance`, `reports`) lives: the checkout's
+    """Where suite `suite` (`conformance`, `bench`) lives: the checkout's
     directory, else the installed package's."""
     if suite not in SUITE_PACKAGES:
         raise ValueError(f"suite {suite!r} is not one of {sorted(SUITE_PACKAGES)}")

@@ -10,7 +10,7 @@ The memory timeline plot shows, for one device, the physical memory read
 outside extkv over time (the background samples and the readings at every
 operation's start and end) and the cache's own `physical_bytes` at those
 marks; each operation is a shaded span labelled with its name. Every plot
-is saved through extkv.reporting.rundir.save_figure, never through an entry
+is saved through extkv.runs.rundir.save_figure, never through an entry
 planted at its name in the run directory.
 """
 
@@ -18,20 +18,11 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from ..runs.rundir import save_figure
 from ..testing.timeline import Timeline
-from .rundir import save_figure
 
 #: Units the byte axis may use: the largest whose value stays >= 1 at the peak.
 _UNITS = [(1 << 30, "GiB"), (1 << 20, "MiB"), (1 << 10, "KiB"), (1, "bytes")]
-
-
-def matplotlib_missing() -> str | None:
-    """None when plots can be drawn, else why not."""
-    try:
-        import matplotlib  # noqa: F401
-    except ImportError as error:
-        return f"matplotlib is not installed ({error}); install extkv[report] to draw plots"
-    return None
 
 
 def _pyplot():

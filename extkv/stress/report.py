@@ -20,7 +20,7 @@ result of their own; `stress_totals` adds them up per device;
 `stress_section` renders the markdown and draws one memory plot per worker
 and device; `stress_front` is its verdict line on the report's front page.
 
-`stress_verdict` mirrors the check's rule (extkv.reporting.verdict): the run
+`stress_verdict` mirrors the check's rule (extkv.check.verdict): the run
 passed only where pytest ended with status 0, a test passed, and none
 failed, leaked, mismatched or was interrupted; a run a signal ended, or
 whose pytest a signal stopped (exit status 2), passed nothing, and its
@@ -37,12 +37,11 @@ from __future__ import annotations
 from collections import Counter
 from pathlib import Path, PurePosixPath
 
+from ..runs.plots import matplotlib_missing
+from ..runs.portable import option_value, portable_command_line, recorded_checkout
+from ..runs.results import INTERRUPTED_STATUS, load_step_results, narrowing
+from ..runs.rundir import read_json, save_figure
 from ..vmm import FAULTABLE_STEPS
-from .plots import matplotlib_missing
-from .portable import option_value, portable_command_line, recorded_checkout
-from .rundir import read_json, save_figure
-from .summary import load_step_results
-from .verdict import INTERRUPTED_STATUS, narrowing
 
 #: The stress suite's results format (stress/conftest.py's RESULT_FORMAT;
 #: the suite is not importable from here).
@@ -220,7 +219,7 @@ def stress_verdict(stress: dict) -> tuple[bool, str]:
 
 def _command_line(run: dict) -> str:
     """The command the run was started with, its paths shown relative to the
-    checkout or the run (extkv.reporting.portable)."""
+    checkout or the run (extkv.runs.portable)."""
     pytest = run.get("pytest") or []
     results = option_value(pytest, "--stress-results")
     run_dir = PurePosixPath(results).parent if results else None
