@@ -267,7 +267,10 @@ def _add_reference(command: argparse.ArgumentParser) -> None:
 
 
 def _run_pytest_command(args, pytest_args) -> int:
-    return importlib.import_module(_PYTEST_COMMANDS[args.command][0]).run(args, pytest_args)
+    from .report import render_report
+
+    # The report's renderer stands above every kind of run: each gets it here.
+    return importlib.import_module(_PYTEST_COMMANDS[args.command][0]).run(args, pytest_args, render=render_report)
 
 
 def _run_reference(args, pytest_args) -> int:

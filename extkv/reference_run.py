@@ -29,8 +29,8 @@ import sys
 import time
 from pathlib import Path
 
-from .check.run import interrupted_report
 from .report import render_report
+from .runs.commands import interrupted_report
 from .runs.machine import machine_facts
 from .runs.rundir import checkout_root, gpu_slug
 from .runs.steps import GRACE_S, RunInterrupted, end_all, interruptible, start as start_step
@@ -73,10 +73,10 @@ def run(args: argparse.Namespace, pytest_args: list[str]) -> int:
             end_all([process] if process else [], grace_s=2 * GRACE_S, number=interrupt.number)
             if running:  # the step said in its INTERRUPTED line what ended it
                 print(f"extkv reference: no reference made: its {name} step ended on {interrupt.signal_name}; "
-                      f"{interrupted_report(report_dir)}", flush=True)
+                      f"{interrupted_report(report_dir, render_report)}", flush=True)
             else:
                 print(f"extkv reference: INTERRUPTED by {interrupt.signal_name}: no reference made; "
-                      f"{interrupted_report(report_dir)}", flush=True)
+                      f"{interrupted_report(report_dir, render_report)}", flush=True)
             return interrupt.exit_status
         except BaseException:
             end_all([process] if process else [])  # a run that fails takes its steps with it

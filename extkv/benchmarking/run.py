@@ -77,11 +77,10 @@ import json
 import sys
 import time
 from pathlib import Path
+from typing import Callable
 
 from .. import vmm
-from ..check.run import interrupted_report
-from ..report import render_report
-from ..runs.commands import installed_suite_options
+from ..runs.commands import installed_suite_options, interrupted_report
 from ..runs.machine import machine_facts, write_machine_facts
 from ..runs.rundir import (
     RunDirectoryInUse,
@@ -150,7 +149,8 @@ def _record_run(run_dir: Path, command: list[str], status: int | None, interrupt
     (run_dir / RUN_FILE).write_text(json.dumps(record, indent=1) + "\n")
 
 
-def run(args: argparse.Namespace, pytest_args: list[str]) -> int:
+def run(args: argparse.Namespace, pytest_args: list[str], *, render: Callable[[Path], Path]) -> int:
+    """`extkv bench`; `render` writes the report (extkv.report.render_report)."""
     facts = machine_facts()
     gpu = vmm.cuda_usable()
     device = "cuda:0" if gpu else "cpu"
@@ -176,7 +176,7 @@ def run(args: argparse.Namespace, pytest_args: list[str]) -> int:
             end_all([process] if process else [])
             _record_run(run_dir, command, process.returncode if process else None, interrupt.signal_name)
             print(f"extkv bench: INTERRUPTED by {interrupt.signal_name}: the run did not measure every case; "
-                  f"{interrupted_report(run_dir)}", flush=True)
+                  f"{interrupted_report(run_dir, render)}", flush=True)
             return interrupt.exit_status
         except BaseException:
             end_all([process] if process else [])  # a run that fails takes its pytest with it
@@ -188,7 +188,7 @@ def run(args: argparse.Namespace, pytest_args: list[str]) -> int:
 
     started = _phase(2, "report")
     try:
-        summary = render_report(run_dir)
+        summary = render(run_dir)
     except (OSError, ValueError) as error:
         print(f"extkv bench: the report could not be rendered: {error}", flush=True)
         return 1

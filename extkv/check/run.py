@@ -28,7 +28,8 @@ progress file the harness keeps.
    skipped and why.
 2. With two GPUs or more, the multi-GPU tests (NCCL rank agreement) in one
    process that sees every GPU (`check-multi-gpu`).
-3. The report (`render_report`) and the verdict (extkv.check.verdict).
+3. The report (`render`: extkv.report.render_report) and the verdict
+   (extkv.check.verdict).
 
 Every step runs under xdist, at least one worker, so a test that kills its
 process (a SIGSEGV in the code under test) is a failed test with its name,
@@ -60,9 +61,9 @@ import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Callable
 
-from ..report import render_report
-from ..runs.commands import installed_suite_options
+from ..runs.commands import installed_suite_options, interrupted_report
 from ..runs.machine import machine_facts
 from ..runs.rundir import RunDirectoryInUse, checkout_root, prepare_run_directory, suite_directory
 from ..runs.steps import RunInterrupted, end_all, interruptible, start as start_step
@@ -181,7 +182,8 @@ def run_phase(number: int, total: int, phase: Phase, suite: Path, run_dir: Path,
     return {"name": phase.name, "steps": [step.name for step in phase.steps], "statuses": statuses, "wall_s": round(wall, 1)}
 
 
-def run(args: argparse.Namespace, pytest_args: list[str]) -> int:
+def run(args: argparse.Namespace, pytest_args: list[str], *, render: Callable[[Path], Path]) -> int:
+    """`extkv check`; `render` writes the report (extkv.report.render_report)."""
     started = time.monotonic()
     facts = machine_facts()
     try:
@@ -215,34 +217,24 @@ def run(args: argparse.Namespace, pytest_args: list[str]) -> int:
             record["wall_s"] = round(time.monotonic() - started, 1)
             (run_dir / RUN_FILE).write_text(json.dumps(record, indent=1) + "\n")
             print(f"extkv check [{total}/{total}] report", flush=True)
-            return _report(run_dir, record)
+            return _report(run_dir, record, render)
         except RunInterrupted as interrupt:
             end_all(started_steps)
             record["interrupted"] = interrupt.signal_name
             record["wall_s"] = round(time.monotonic() - started, 1)
             (run_dir / RUN_FILE).write_text(json.dumps(record, indent=1) + "\n")
             print(f"extkv check: INTERRUPTED by {interrupt.signal_name}: nothing certified; "
-                  f"{interrupted_report(run_dir)}", flush=True)
+                  f"{interrupted_report(run_dir, render)}", flush=True)
             return interrupt.exit_status
         except BaseException:
             end_all(started_steps)  # a run that fails takes its steps with it
             raise
 
 
-def interrupted_report(run_dir: Path) -> str:
-    """For the one line an interrupted run (check, stress, bench) ends with:
-    `report <summary.md>` once rendered from what results there are, else
-    why there is none."""
-    try:
-        return f"report {render_report(run_dir)}"
-    except (OSError, ValueError) as error:
-        return f"no report ({error})"
-
-
-def _report(run_dir: Path, record: dict) -> int:
+def _report(run_dir: Path, record: dict, render: Callable[[Path], Path]) -> int:
     """Render the report, print its closing lines; the run's exit status."""
     try:
-        summary = render_report(run_dir)
+        summary = render(run_dir)
         check = load_check(run_dir)  # not None: the run's record is there
     except (OSError, ValueError) as error:
         print(f"extkv check: the report could not be rendered: {error}", flush=True)

@@ -8,12 +8,19 @@ checkout, the checkout's conftest and pyproject.toml give pytest the harness
 and its ini options; from an installed package nothing does, so
 `installed_suite_options` puts them on the command line (INSTALLED_OPTIONS:
 the ini options, repeated).
+
+A run ends by rendering its directory's `summary.md` from every kind's
+sections (extkv.report.render_report). The renderer stands above every
+kind of run, so no run module imports it: the command line passes it to
+each run's `run(..., render=...)`, and an interrupted run hands it on to
+`interrupted_report` for its last line.
 """
 
 from __future__ import annotations
 
 import os
 from pathlib import Path
+from typing import Callable
 
 from .rundir import checkout_root
 
@@ -28,3 +35,13 @@ def installed_suite_options(suite: Path) -> list[str]:
     if checkout_root() is not None:
         return []
     return ["-c", os.devnull, "--rootdir", str(suite), "-p", "no:cacheprovider", "-p", "extkv.testing.harness", *INSTALLED_OPTIONS]
+
+
+def interrupted_report(run_dir: Path, render: Callable[[Path], Path]) -> str:
+    """For the one line an interrupted run (check, stress, bench) ends with:
+    `report <summary.md>` once `render` has written it from what results
+    there are, else why there is none."""
+    try:
+        return f"report {render(run_dir)}"
+    except (OSError, ValueError) as error:
+        return f"no report ({error})"

@@ -48,10 +48,9 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import Callable
 
-from ..check.run import interrupted_report
-from ..report import render_report
-from ..runs.commands import installed_suite_options
+from ..runs.commands import installed_suite_options, interrupted_report
 from ..runs.machine import machine_facts, write_machine_facts
 from ..runs.rundir import RunDirectoryInUse, checkout_root, prepare_run_directory, suite_directory
 from ..runs.steps import RunInterrupted, end_all, interruptible, start as start_step
@@ -133,7 +132,8 @@ def _watch(process: subprocess.Popen, results: Path, deadline: float) -> int:
             return 1
 
 
-def run(args: argparse.Namespace, pytest_args: list[str]) -> int:
+def run(args: argparse.Namespace, pytest_args: list[str], *, render: Callable[[Path], Path]) -> int:
+    """`extkv stress`; `render` writes the report (extkv.report.render_report)."""
     suite = suite_directory("stress")
     started = time.time()
     deadline = started + 60 * args.minutes - REPORT_RESERVE_S
@@ -176,28 +176,28 @@ def run(args: argparse.Namespace, pytest_args: list[str]) -> int:
             status = _watch(process, results, deadline)
             print(f"extkv stress [1/2] {'done' if status == 0 else f'FAILED (exit status {status})'} "
                   f"in {time.time() - started:.0f} s", flush=True)
-            return _report(run_dir, results, {**document, "finished": time.time(), "exit_status": status})
+            return _report(run_dir, results, {**document, "finished": time.time(), "exit_status": status}, render)
         except RunInterrupted as interrupt:
             end_all([process] if process else [])
             document.update(finished=time.time(), exit_status=process.returncode if process else None,
                             interrupted=interrupt.signal_name)
             (results / RUN_FILE).write_text(json.dumps(document, indent=1) + "\n")
             print(f"extkv stress: INTERRUPTED by {interrupt.signal_name}: the run ended before its bound; "
-                  f"{interrupted_report(run_dir)}", flush=True)
+                  f"{interrupted_report(run_dir, render)}", flush=True)
             return interrupt.exit_status
         except BaseException:
             end_all([process] if process else [])  # a run that fails takes its pytest with it
             raise
 
 
-def _report(run_dir: Path, results: Path, document: dict) -> int:
+def _report(run_dir: Path, results: Path, document: dict, render: Callable[[Path], Path]) -> int:
     """Phase 2: run.json, the report and the closing lines; the run's exit status."""
     phase = time.time()
     print("extkv stress [2/2] report", flush=True)
     status = document["exit_status"]
     (results / RUN_FILE).write_text(json.dumps(document, indent=1) + "\n")
     try:
-        summary = render_report(run_dir)
+        summary = render(run_dir)
     except (OSError, ValueError) as error:
         print(f"extkv stress: the report could not be rendered: {error}", flush=True)
         return 1
