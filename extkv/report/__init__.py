@@ -12,14 +12,20 @@ The summary opens with its front page (extkv.report.front): each run's
 verdict on one screen. Its sections follow, in order: the machine (from the check results,
 or `machine.json` of a run without them), the check (extkv.check.report,
 with a memory-timeline plot per device drawn by extkv.check.plots), then
-the bench section (extkv.benchmarking.report) and the stress section, each
-of which returns None when the directory holds none of its results.
+the bench section (extkv.benchmarking.report) and the stress section
+(extkv.testing.stress.report), each of which returns None when the
+directory holds none of its results.
+
+This package stands above every kind of run: it imports each kind's
+section, and no kind imports it; the run commands get `render_report`
+from the command line (extkv.runs.commands).
 """
 
 from __future__ import annotations
 
 from pathlib import Path
 
+from ..benchmarking.report import bench_section
 from ..check.plots import plot_timeline
 from ..check.report import check_section, load_check
 from ..runs.machine import machine_section, read_machine_facts
@@ -51,11 +57,6 @@ def render_report(run_dir: Path) -> Path:
                 for timeline, path in timelines
             ]
             sections.append(check_section(check, drawn, plots_skipped))
-    # Imported here: the bench section (extkv.benchmarking.report) reads its
-    # files through this package's rundir, so importing it while this
-    # package loads would load the two packages in a circle.
-    from ..benchmarking.report import bench_section
-
     with results_as_written(run_dir, "bench results"):
         bench = bench_section(run_dir)
     with results_as_written(run_dir, "stress results"):

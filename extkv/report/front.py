@@ -19,6 +19,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from ..benchmarking.headline import bench_front
 from ..check.verdict import front_lines
 from ..runs.machine import build_words
 from ..stress.report import stress_front
@@ -34,10 +35,6 @@ def front_page(run_dir: Path, facts: dict | None, check: dict | None) -> str:
     """The front page of the report of `run_dir`: `facts`, the machine's
     (None where no run recorded them), `check`, the merged check results
     (extkv.check.report.load_check) or None."""
-    # Imported here: extkv.benchmarking reads its files through this
-    # package, so importing it while this package loads would be circular.
-    from ..benchmarking.headline import bench_front
-
     run_dir = Path(run_dir)
     lines = [f"# extkv report: {run_dir.name}", ""]
     if facts is not None:
