@@ -1,10 +1,12 @@
-"""PNG plots of a report, drawn with matplotlib (the optional `report` extra).
+"""The check's memory timeline plots, drawn with matplotlib (the optional
+`report` extra).
 
 Theory of operation
 -------------------
-matplotlib is imported inside the functions that draw, with the Agg backend
-(no display), so extkv imports and reports render without it: `matplotlib_missing()`
-says why plots are skipped, and the report prints that instead of images.
+matplotlib is imported inside the function that draws, with the Agg backend
+(no display), so extkv imports and reports render without it
+(extkv.runs.plots.matplotlib_missing says why plots are skipped, and the
+report prints that instead of images).
 
 The memory timeline plot shows, for one device, the physical memory read
 outside extkv over time (the background samples and the readings at every
