@@ -3,7 +3,11 @@
 extkv is layered: each module imports only modules of lower layers, so the
 graph has no cycle and nothing reaches back up (a driver never learns of KV
 caches, the cache never of connectors). `LAYERS` is the map, lowest first; a
-new module goes into the lowest layer above everything it imports. Beside
+new module goes into the lowest layer above everything it imports.
+`PACKAGES` does the same for packages, which modules in order can still
+join in a circle (a package importing another's low module while that one
+imports its high one): every import between packages goes down a floor,
+also one deferred into a function. Beside
 it: the suites import only extkv (and extkv.testing), never each other; no
 private name crosses a module boundary; and only extkv.vmm knows which kind
 of device it runs on, so the cache and the lifecycle never branch on it.
@@ -95,6 +99,29 @@ LAYERS: list[set[str]] = [
 LAYER_OF = {module: index for index, layer in enumerate(LAYERS) for module in layer}
 SUITES = ("conformance", "stress", "bench")
 
+#: extkv's packages and the modules directly in extkv/, by floor, lowest
+#: first. Top-level modules on one floor may import each other (LAYERS
+#: orders them); packages on one floor import nothing of each other: the
+#: run kinds' wings stand side by side on extkv.runs, and extkv.report puts
+#: their sections together from above.
+PACKAGES: list[set[str]] = [
+    {"extkv.errors", "extkv.validate", "extkv.deferred_signals", "extkv.files", "extkv.cli_arguments"},
+    {"extkv.vmm"},
+    {"extkv.tensor", "extkv.layout_types", "extkv.sizing", "extkv.usage", "extkv.wire", "extkv.layout", "extkv.peer",
+     "extkv.ahead", "extkv.cache", "extkv.sleep"},
+    {"extkv.integrations"},
+    {"extkv.ranks", "extkv.connector", "extkv.runner", "extkv.reference_model"},
+    {"extkv.testing"},
+    {"extkv.testing.stress"},
+    {"extkv.runs"},
+    {"extkv.check", "extkv.benchmarking", "extkv.stress"},
+    {"extkv.report"},
+    {"extkv.reference_run"},
+    {"extkv.cli"},
+    {"extkv", "extkv.__main__"},
+]
+FLOOR_OF = {package: index for index, floor in enumerate(PACKAGES) for package in floor}
+
 
 def module_name(path: Path) -> str:
     parts = list(path.relative_to(ROOT).with_suffix("").parts)
@@ -127,6 +154,23 @@ def imports_of(path: Path) -> list[tuple[str, str | None, int]]:
     return [(target, name, line) for target, name, line in found if target.split(".")[0] in ("extkv", *SUITES)]
 
 
+def package_of(module: str) -> str:
+    """What PACKAGES places `module` by: its innermost package, or itself
+    where it lies directly in extkv/ (a name taken from a module counts as
+    the module)."""
+    parts = module.split(".")
+    while len(parts) > 1 and not (ROOT.joinpath(*parts).is_dir() or ROOT.joinpath(*parts).with_suffix(".py").is_file()):
+        parts.pop()
+    if len(parts) > 2 and not ROOT.joinpath(*parts).is_dir():
+        parts.pop()
+    return ".".join(parts)
+
+
+def stands_alone(package: str) -> bool:
+    """A module directly in extkv/ (or extkv's own __init__), not a package of modules."""
+    return package == "extkv" or not ROOT.joinpath(*package.split(".")).is_dir()
+
+
 def library_files() -> list[Path]:
     return sorted((ROOT / "extkv").rglob("*.py"))
 
@@ -155,6 +199,32 @@ def test_every_import_goes_down_a_layer():
                     f"{module} (layer {LAYER_OF.get(module)}) imports {target} (layer {LAYER_OF[target]}) at line {line}"
                 )
     assert not upward, "imports that do not go down a layer (a cycle or a reach upwards):\n" + "\n".join(upward)
+
+
+def test_every_package_has_a_floor():
+    unplaced = sorted({package_of(module_name(path)) for path in library_files()} - set(FLOOR_OF))
+    assert not unplaced, f"packages or top-level modules missing from PACKAGES (put each above what it imports): {unplaced}"
+
+
+def test_every_import_between_packages_goes_down_a_floor():
+    """Imports inside functions count (imports_of walks the whole module):
+    an import deferred to dodge a circle at load time is still a circle."""
+    upward = []
+    for path in library_files():
+        module = module_name(path)
+        here = package_of(module)
+        for target, _, line in imports_of(path):
+            there = package_of(target)
+            if target.split(".")[0] != "extkv" or there == here or not {here, there} <= set(FLOOR_OF):
+                continue  # a suite, or unplaced: the tests above name those
+            if FLOOR_OF[there] < FLOOR_OF[here]:
+                continue
+            if FLOOR_OF[there] == FLOOR_OF[here] and stands_alone(here) and stands_alone(there):
+                continue
+            upward.append(f"{module}:{line} ({here}, floor {FLOOR_OF[here]}) imports {target} "
+                          f"({there}, floor {FLOOR_OF[there]})")
+    assert not upward, "imports between packages that do not go down a floor (a circle or a reach upwards):\n" + \
+        "\n".join(dict.fromkeys(upward))
 
 
 def test_suites_import_only_extkv():
