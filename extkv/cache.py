@@ -493,9 +493,18 @@ class ExtensibleKVCache:
         memory, or holding an error for the next commit. True then, or when
         commit-ahead is off; False if `timeout` seconds passed first. For an
         engine that wants the window grown before it times a step, and for
-        tests that check what the worker did."""
+        tests that check what the worker did. Once settled, work the caller
+        queues later on its current stream runs after the worker's zeroing
+        (which ran on a stream of its own), so a read of the window sees it."""
         ahead = self._ahead
-        return True if ahead is None else ahead.settle(timeout)
+        if ahead is None:
+            return True
+        if not ahead.settle(timeout):
+            return False
+        with self._count_lock:
+            fence = ahead.fence
+        self.buffer.driver.wait_for(fence)
+        return True
 
     def _sizes_for(self, num_blocks: int) -> list[int]:
         return list(map(num_blocks.__mul__, self.segment_strides))
