@@ -14,7 +14,13 @@ from __future__ import annotations
 
 import pytest
 
-from extkv.vmm.host_memory import CgroupMemoryReading, file_cache_decides, host_memory_headroom, room_for
+from extkv.vmm.host_memory import (
+    NO_LIMIT_BYTES,
+    CgroupMemoryReading,
+    file_cache_decides,
+    host_memory_headroom,
+    room_for,
+)
 
 pytestmark = pytest.mark.invariant(5)
 
@@ -70,3 +76,17 @@ def test_only_the_file_lists_count_and_never_on_top_of_mem_available():
     tight = "MemTotal: 67108864 kB\nMemAvailable: 512000 kB\n"
     headroom = host_memory_headroom(tight, [reading])
     assert headroom.available == 512000 * 1024 and headroom.limited_by.startswith("MemAvailable"), headroom
+
+
+@pytest.mark.parametrize("meminfo", [MEMINFO, "MemTotal: 1099511627776 kB\nMemAvailable: 1099511627776 kB\n"],
+                         ids=["32 GiB available", "1 PiB available"])
+def test_a_level_at_no_limit_is_never_the_tightest_so_its_usage_need_not_be_read(meminfo):
+    """cgroup v1 writes "no limit" as 2**63 - 4096 bytes. From NO_LIMIT_BYTES
+    up, whatever usage from 0 to 2**61 bytes and whatever cache the level
+    reads, it leaves the headroom what MemAvailable alone gives, so the
+    check skips its usage and memory.stat."""
+    alone = host_memory_headroom(meminfo)
+    for limit in (NO_LIMIT_BYTES, (1 << 63) - 4096):
+        for usage in (0, GiB, 1 << 61):
+            reading = CgroupMemoryReading("/sys/fs/cgroup/memory/made-up", f"{limit}\n", f"{usage}\n", STAT)
+            assert host_memory_headroom(meminfo, [reading]) == alone, (limit, usage)

@@ -11,7 +11,7 @@ minus usage plus reclaimable file cache of this process's memory cgroup and
 its ancestors, v2 or v1), less a margin kept free for other processes; a
 request that cannot fit is an `OutOfMemoryError` naming both numbers. Each
 check reads /proc/meminfo and each cgroup level's limit (and usage where it
-has one, memory.stat only where its file cache decides the outcome:
+sets one, memory.stat only where its file cache decides the outcome:
 `file_cache_decides`); limits are read each time as they may change (pod
 resize). Commits of this process's threads and of every process on the
 machine are checked and made one after another, so two cannot pass on one
@@ -189,15 +189,23 @@ def file_cache_decides(limit: int, usage: int, size: int) -> bool:
     return room_for(max(limit - usage, 0)) < size
 
 
+#: A cgroup limit at least this large limits nothing: cgroup v1 writes "no
+#: limit" as PAGE_COUNTER_MAX pages (2**63 - 4096 bytes with 4 KiB pages),
+#: and limit - usage stays above 2**61 bytes, more than any MemAvailable,
+#: so such a level is never the tightest and its usage is not read.
+NO_LIMIT_BYTES = 1 << 62
+
+
 def read_host_memory_headroom(size: int) -> MemoryHeadroom:
-    """`host_memory_headroom` over this machine's readings. A cgroup's
+    """`host_memory_headroom` over this machine's readings, leaving out the
+    levels without a limit ("max", or NO_LIMIT_BYTES and above). A cgroup's
     memory.stat is read only where its file cache decides whether `size`
     fits (`file_cache_decides`)."""
     readings = []
     for files in cgroup_memory_files():
         try:
             limit = read_text(os.path.join(files.directory, files.limit))
-            if limit.strip() == "max":
+            if limit.strip() == "max" or int(limit) >= NO_LIMIT_BYTES:
                 continue
             usage = read_text(os.path.join(files.directory, files.usage))
             stat = ""
