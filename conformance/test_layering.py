@@ -28,7 +28,7 @@ ROOT = Path(extkv.__file__).resolve().parent.parent
 
 #: Every extkv module, by layer, lowest first.
 LAYERS: list[set[str]] = [
-    {"extkv.errors", "extkv.validate", "extkv.deferred_signals", "extkv.files", "extkv.vmm.dlpack",
+    {"extkv.errors", "extkv.faultable", "extkv.validate", "extkv.deferred_signals", "extkv.files", "extkv.vmm.dlpack",
      "extkv.vmm.torch_memory", "extkv.vmm.witness", "extkv.vmm.host_maps"},
     {"extkv.cli_arguments"},
     {"extkv.vmm.base"},
@@ -105,7 +105,7 @@ SUITES = ("conformance", "stress", "bench")
 #: run kinds' wings stand side by side on extkv.runs, and extkv.report puts
 #: their sections together from above.
 PACKAGES: list[set[str]] = [
-    {"extkv.errors", "extkv.validate", "extkv.deferred_signals", "extkv.files", "extkv.cli_arguments"},
+    {"extkv.errors", "extkv.faultable", "extkv.validate", "extkv.deferred_signals", "extkv.files", "extkv.cli_arguments"},
     {"extkv.vmm"},
     {"extkv.tensor", "extkv.layout_types", "extkv.sizing", "extkv.usage", "extkv.wire", "extkv.layout", "extkv.peer",
      "extkv.ahead", "extkv.cache", "extkv.sleep"},

@@ -37,11 +37,11 @@ from __future__ import annotations
 from collections import Counter
 from pathlib import Path, PurePosixPath
 
+from ..faultable import FAULTABLE_STEPS
 from ..runs.plots import matplotlib_missing
 from ..runs.portable import option_value, portable_command_line, recorded_checkout
 from ..runs.results import INTERRUPTED_STATUS, load_step_results, narrowing
 from ..runs.rundir import read_json, save_figure
-from ..vmm import FAULTABLE_STEPS
 
 #: The stress suite's results format (stress/conftest.py's RESULT_FORMAT;
 #: the suite is not importable from here).

@@ -12,13 +12,9 @@ from __future__ import annotations
 from typing import Mapping
 
 from ..errors import DriverError, OutOfMemoryError
+from ..faultable import FAULTABLE_STEPS
 from .base import Chunk, Driver
 from .wrapping import WrappingDriver
-
-#: Steps a fault can be planned for, in the order a resize performs them, then
-#: the two that share chunks between processes (a KV connector's export and
-#: its peer's import).
-FAULTABLE_STEPS = ("reserve", "create", "map", "set_access", "unmap", "release", "export", "import")
 
 
 class FaultInjectingDriver(WrappingDriver):
