@@ -26,6 +26,10 @@ report directory may come from anyone: `load` reads a regular file only,
 never through a symlink, at most MOST_TIMELINE_BYTES of it, and checks
 every field, so a file that is not what `write` wrote is one ValueError
 naming the file and the field.
+
+Only driving the cache needs torch: `timeline_capacity` and `run_timeline`
+import the cache, its layout and the drivers when they run, so that reading
+a timeline back (`extkv report`) imports no torch.
 """
 
 from __future__ import annotations
@@ -38,21 +42,20 @@ import threading
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-import torch
-
-from .. import vmm
-from ..cache import ExtensibleKVCache
 from ..files import read_regular_file
-from ..layout import FullAttentionSpec, KVCacheGroupSpec, KVCacheLayout, build_kv_cache_config
-from ..usage import UsageProbe
+
+if TYPE_CHECKING:
+    import torch
+
+    from ..layout import FullAttentionSpec, KVCacheLayout
+    from ..usage import UsageProbe
 
 #: Format tag of the JSON files.
 TIMELINE_FORMAT = "extkv-timeline/1"
 #: Glob of the files in a report directory.
 TIMELINE_GLOB = "timeline-*.json"
-SPEC = FullAttentionSpec(block_size=16, num_kv_heads=8, head_size=128, dtype=torch.bfloat16)  # 64 KiB pages
-LAYOUT = KVCacheLayout.LBHNC
 #: Per driver kind: (layers, the most bytes the cache may span).
 GEOMETRY = {"cuda": (32, 4 << 30), "host": (2, 64 << 20)}
 #: Never span more than this share of the device's free memory.
@@ -235,14 +238,26 @@ class _Sampler(threading.Thread):
             self.read_once.set()
 
 
+def cache_shape() -> tuple[FullAttentionSpec, KVCacheLayout]:
+    """(spec, layout) of the timeline's cache: 64 KiB pages, layer-outermost."""
+    import torch
+
+    from ..layout import FullAttentionSpec, KVCacheLayout
+
+    return FullAttentionSpec(block_size=16, num_kv_heads=8, head_size=128, dtype=torch.bfloat16), KVCacheLayout.LBHNC
+
+
 def timeline_capacity(device: torch.device | str) -> tuple[int, int]:
     """(layers, blocks) of the cache for `device`: GEOMETRY's span, or a
     FREE_SHARE of free memory if less, in whole BLOCK_QUANTUMs."""
+    from .. import vmm
+
+    spec, _ = cache_shape()
     driver = vmm.driver_for(device)
     layers, most = GEOMETRY[driver.kind]
     free, _ = driver.memory_info()
     span = min(most, int(free * FREE_SHARE))
-    blocks = span // (layers * SPEC.page_size_bytes) // BLOCK_QUANTUM * BLOCK_QUANTUM
+    blocks = span // (layers * spec.page_size_bytes) // BLOCK_QUANTUM * BLOCK_QUANTUM
     if blocks < BLOCK_QUANTUM:
         raise ValueError(f"{device} has {free} bytes free: too little for a timeline of {layers} layers")
     return layers, blocks
@@ -250,22 +265,26 @@ def timeline_capacity(device: torch.device | str) -> tuple[int, int]:
 
 def run_timeline(device: torch.device | str, probe: UsageProbe, label: str) -> Timeline:
     """Drive a cache through LIFECYCLE on `device`, reading `probe` throughout."""
+    from ..cache import ExtensibleKVCache
+    from ..layout import KVCacheGroupSpec, build_kv_cache_config
+
+    spec, layout = cache_shape()
     layers, capacity = timeline_capacity(device)
-    groups = [KVCacheGroupSpec(layer_names=[f"layers.{i}" for i in range(layers)], kv_cache_spec=SPEC)]
-    config = build_kv_cache_config(groups, capacity, LAYOUT)
+    groups = [KVCacheGroupSpec(layer_names=[f"layers.{i}" for i in range(layers)], kv_cache_spec=spec)]
+    config = build_kv_cache_config(groups, capacity, layout)
     timeline = Timeline(
         device=label,
         source=probe.source,
         geometry={
             "layers": layers,
             "capacity_blocks": capacity,
-            "bytes_per_block": layers * SPEC.page_size_bytes,
-            "layout": LAYOUT.name,
-            "spec": f"{SPEC.block_size}-token blocks, {SPEC.num_kv_heads} KV heads of {SPEC.head_size}, {SPEC.dtype}",
+            "bytes_per_block": layers * spec.page_size_bytes,
+            "layout": layout.name,
+            "spec": f"{spec.block_size}-token blocks, {spec.num_kv_heads} KV heads of {spec.head_size}, {spec.dtype}",
         },
     )
     baseline = probe.read_outside_torch()
-    cache = ExtensibleKVCache(config, device, LAYOUT)
+    cache = ExtensibleKVCache(config, device, layout)
     origin = time.perf_counter()
     sampler = _Sampler(probe, baseline, origin, timeline.samples)
     sampler.start()
