@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from extkv.benchmarking import decode
+from extkv.benchmarking.result_files import DECODE_FILE
 
 
 def test_decode_steps(bench_run):
@@ -17,5 +18,5 @@ def test_decode_steps(bench_run):
     profile, device, run_dir = bench_run
     result = decode.run(device, decode.setting_for(profile, device), progress=lambda line: print(f"bench {line}", flush=True))
     run_dir.mkdir(parents=True, exist_ok=True)
-    (run_dir / decode.RESULT_FILE).write_text(json.dumps(result, indent=1) + "\n")
+    (run_dir / DECODE_FILE).write_text(json.dumps(result, indent=1) + "\n")
     assert set(result["pairs"]) == {f"{kind}-{mode}" for kind, mode in decode.pairs(torch.device(device))}

@@ -8,12 +8,13 @@ from __future__ import annotations
 import json
 
 from extkv.benchmarking import growth_loop
+from extkv.benchmarking.result_files import GROWTH_FILE
 
 
 def test_growth_loop(bench_run):
     profile, device, run_dir = bench_run
     result = growth_loop.run(device, profile, progress=lambda line: print(f"bench {line}", flush=True))
     run_dir.mkdir(parents=True, exist_ok=True)
-    (run_dir / growth_loop.RESULT_FILE).write_text(json.dumps(result, indent=1) + "\n")
+    (run_dir / GROWTH_FILE).write_text(json.dumps(result, indent=1) + "\n")
     assert set(result["modes"]) == set(growth_loop.MODES)
     assert all(mode["p50_s"] > 0 for mode in result["modes"].values())

@@ -61,7 +61,9 @@ LAYERS: list[set[str]] = [
     # can add modules without touching each other's line.
     {"extkv.testing.harness_hooks"},
     {"extkv.testing.harness", "extkv.testing.timeline"},
-    {"extkv.benchmarking", "extkv.benchmarking.geometry", "extkv.benchmarking.primitives", "extkv.benchmarking.rounds"},
+    {"extkv.benchmarking", "extkv.benchmarking.geometry", "extkv.benchmarking.primitives", "extkv.benchmarking.rounds",
+     "extkv.benchmarking.sizes", "extkv.benchmarking.result_files", "extkv.benchmarking.decode_report",
+     "extkv.benchmarking.growth_report"},
     {"extkv.benchmarking.decode"},
     {"extkv.benchmarking.store"},
     {"extkv.benchmarking.raw"},

@@ -37,12 +37,13 @@ from extkv.cache import ExtensibleKVCache
 from extkv.benchmarking import clocks, decode, engine as bench_engine, growth_loop, measure
 from extkv.benchmarking.cases import HEADLINE_READINGS, OPERATIONS, PROFILES, Case, catalogue
 from extkv.benchmarking.contenders import CONTENDERS, AllocCopyStore, Contender, CopyStore, PlainStore, UpfrontStore
-from extkv.benchmarking.engine import CASES_FILE, Engine
+from extkv.benchmarking.engine import Engine
 from extkv.benchmarking.geometry import GEOMETRIES
 from extkv.benchmarking.measure import interleave
-from extkv.benchmarking.playback import BENCH_JSON, PLAYBACK_TIMER
+from extkv.benchmarking.playback import PLAYBACK_TIMER
 from extkv.benchmarking.primitives import primitives_for
 from extkv.benchmarking.raw import GranuleStore, RawStore
+from extkv.benchmarking.result_files import BENCH_JSON, CASES_FILE
 from extkv.benchmarking.results import BenchRun, CaseResult, Entry, carryover, ratio
 from extkv.benchmarking.rounds import in_rounds, round_order
 from extkv.benchmarking.store import Unsupported

@@ -19,9 +19,8 @@ from pathlib import Path
 
 import pytest
 
-from extkv.benchmarking.engine import CASES_FILE
-from extkv.benchmarking.playback import BENCH_JSON
 from extkv.benchmarking.report import RUN_FILE
+from extkv.benchmarking.result_files import BENCH_JSON, CASES_FILE
 from extkv.check.report import load_check
 from extkv.check.verdict import front_lines
 from extkv.report import render_report

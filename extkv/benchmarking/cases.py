@@ -22,7 +22,8 @@ from dataclasses import dataclass
 from typing import Callable, Sequence
 
 from .contenders import CONTENDERS, FLOORS, HEADLINE_CONTENDERS, Contender
-from .geometry import GEOMETRIES, GiB, MiB, size_label
+from .geometry import GEOMETRIES
+from .sizes import GiB, MiB, size_label
 from .store import Store
 
 

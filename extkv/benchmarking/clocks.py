@@ -37,7 +37,7 @@ from typing import Callable, Iterator
 import torch
 
 from ..vmm.wrapping import WrappingDriver
-from .geometry import GiB, KiB, MiB
+from .sizes import GiB, KiB, MiB
 from .primitives import Primitives, primitives_for
 from .raw import RawStore
 

@@ -27,8 +27,8 @@ the last step (extkv: mapped bytes; StaticCache: its tensors; DynamicCache:
 its tensors, what torch.cat left), beside the bytes the tokens need.
 
 The result is one JSON object (`run`), written by bench/bench_decode.py
-as RESULT_FILE in the run directory and rendered by `decode_section` in the
-bench's report.
+as result_files.DECODE_FILE in the run directory and rendered by
+`decode_section` (extkv.benchmarking.decode_report) in the bench's report.
 """
 
 from __future__ import annotations
@@ -70,10 +70,6 @@ GPU_SETTING = Setting(GPU_MODEL, torch.bfloat16, batch_size=4, max_cache_len=409
 HOST_SETTING = Setting(HOST_MODEL, torch.float32, batch_size=2, max_cache_len=256, prompt=16, steps=48, rounds=2)
 #: The smoke run of `extkv bench --quick`, on any device.
 QUICK_SETTING = Setting(HOST_MODEL, torch.float32, batch_size=2, max_cache_len=64, prompt=8, steps=12, rounds=1)
-
-#: The file a run directory keeps the result in.
-RESULT_FILE = "bench_decode.json"
-
 
 def setting_for(profile: str, device: torch.device | str) -> Setting:
     """The setting of a bench profile on `device`."""
@@ -215,34 +211,3 @@ def run(device: torch.device | str, setting: Setting, progress=print) -> dict:
             "device_name": torch.cuda.get_device_name(device) if device.type == "cuda" else "host CPU",
             "torch": torch.__version__, "setting": {**setting.__dict__, "dtype": str(setting.dtype)},
             "pairs": summary}
-
-
-def decode_section(result: dict) -> list[str]:
-    """Markdown lines for a `run` result."""
-    s, pairs_ = result["setting"], result["pairs"]
-    m = s["model"]
-    lines = [
-        "### Decode under transformers",
-        "",
-        f"Greedy decode of a random-initialised Llama ({m['num_hidden_layers']} layers, width {m['hidden_size']}, "
-        f"{m['num_attention_heads']} query heads over {m['num_key_value_heads']} KV heads of {m['head_dim']}, "
-        f"{s['dtype'].removeprefix('torch.')}) on {result['device']} {result['device_name']}, torch {result['torch']}: "
-        f"{s['batch_size']} sequences, {s['prompt']} prompt tokens then {s['steps']} steps, in a cache of "
-        f"{s['max_cache_len']} tokens; {s['rounds']} rounds, the pairs in Williams-design order. Step: wall time to the device's "
-        "synchronize; least median and least p99 over rounds; ratio against StaticCache in the same mode.",
-        "",
-        "| cache | mode | median step | p99 step | vs StaticCache (median) | growth steps | growth step median "
-        "| other steps median | K/V bytes at the end | bytes the tokens need |",
-        "|---|---|---|---|---|---|---|---|---|---|",
-    ]
-    for name, p in pairs_.items():
-        kind, mode = name.split("-")
-        static = pairs_.get(f"static-{mode}")
-        ratio = f"{p['median_s'] / static['median_s']:.3f}x" if static else "-"
-        grow = "-" if p["growth_median_s"] is None else f"{p['growth_median_s'] * 1e3:.3f} ms"
-        other = "-" if p["other_median_s"] is None else f"{p['other_median_s'] * 1e3:.3f} ms"
-        lines.append(f"| {kind} | {mode} | {p['median_s'] * 1e3:.3f} ms | {p['p99_s'] * 1e3:.3f} ms | {ratio} | "
-                     f"{p['growth_steps']} | {grow} | {other} | {p['kv_bytes'] / 2**20:.1f} MiB | "
-                     f"{p['needed_bytes'] / 2**20:.1f} MiB |")
-    lines.append("")
-    return lines

@@ -48,7 +48,7 @@ from .. import vmm
 from .cases import HEADLINE_READINGS, OPERATIONS, PROFILES, Case, Profile, catalogue
 from .clocks import largest_cpu_cache_bytes
 from .contenders import CONTENDERS, PROCESS_ENVIRONMENT
-from .geometry import GEOMETRIES, MiB
+from .geometry import GEOMETRIES
 from .measure import (
     FLATNESS_CONTENDERS,
     Measurement,
@@ -60,10 +60,8 @@ from .measure import (
     warm_up,
 )
 from .primitives import clock_note, primitives_for
-
-#: File the engine writes into the run directory.
-CASES_FILE = "bench_cases.json"
-
+from .result_files import CASES_FILE
+from .sizes import MiB
 
 class Engine:
     """Measures the cases of one run, each once, on first request."""

@@ -1,4 +1,4 @@
-"""The KV geometries the benchmarks commit, and how sizes are written.
+"""The KV geometries the benchmarks commit.
 
 Theory of operation
 -------------------
@@ -30,14 +30,6 @@ from ..layout import (
     pad_kv_cache_segments,
 )
 from ..testing.configs import GRANULE
-
-KiB, MiB, GiB = 1 << 10, 1 << 20, 1 << 30
-
-
-def size_label(num_bytes: int) -> str:
-    """"32GiB", "256MiB", "31.4GiB": bytes in three significant digits."""
-    unit, name = (GiB, "GiB") if num_bytes >= GiB else (MiB, "MiB") if num_bytes >= MiB else (KiB, "KiB")
-    return f"{num_bytes / unit:.3g}{name}"
 
 
 @dataclass(frozen=True)

@@ -56,8 +56,6 @@ MODES = ("no growth", "inline", "ahead", "per granule")
 #: Matmuls of the GPU step: 16 of 4096 x 4096 bf16 took 3.3 ms on the H200.
 GPU_STEP_MATMULS = 16
 GPU_STEP_SIZE = 4096
-#: The file a run directory keeps the result in.
-RESULT_FILE = "bench_growth.json"
 
 
 @dataclass(frozen=True)
@@ -199,38 +197,6 @@ def run(device: torch.device | str, profile: str, progress=print) -> dict:
     return {"format": "extkv-bench-growth/1", "device": str(device), "torch": torch.__version__,
             "setting": setting.__dict__, "grown_bytes": grown_bytes,
             "memset_s": memset_floor(device, grown_bytes), "modes": summary}
-
-
-def growth_section(result: dict) -> list[str]:
-    """Markdown lines for a `run` result."""
-    s, modes = result["setting"], result["modes"]
-    floor = modes["no growth"]
-    lines = [
-        "### A decode loop growing from an eighth to full",
-        "",
-        f"{s['steps']} steps on {result['device']} (torch {result['torch']}), the cache ({s['geometry']}, "
-        f"{s['capacity_bytes'] / 2**30:g} GiB) grown by {result['grown_bytes'] / 2**30:.3g} GiB in "
-        f"{s['growth_commits']} commits; {s['rounds']} rounds on recycled memory, modes in Williams-design order, "
-        "least p50 and p99 over them; one round of each mode in a new process, on fresh memory. "
-        f"Zeroing the grown bytes on a plain allocation takes {result['memset_s'] * 1e3:.2f} ms.",
-        "",
-        "| mode | p50 step | p99 step | p99 vs no growth | growth added in total | vs the memset of the grown bytes "
-        "| fresh memory: p50 / p99 |",
-        "|---|---|---|---|---|---|---|",
-    ]
-    for mode, m in modes.items():
-        added = f"{m['added_s'] * 1e3:.2f} ms"
-        versus = "-" if mode == "no growth" else f"{m['added_s'] / result['memset_s']:.2f}x"
-        lines.append(f"| {mode} | {m['p50_s'] * 1e3:.3f} ms | {m['p99_s'] * 1e3:.3f} ms | "
-                     f"{m['p99_s'] / floor['p99_s']:.3f}x | {added} | {versus} | "
-                     f"{m['fresh_p50_s'] * 1e3:.3f} ms / {m['fresh_p99_s'] * 1e3:.3f} ms |")
-    lines += [
-        "",
-        "*growth added in total*: the steps' time past the no-growth loop's p50, summed over a round (the least "
-        "round). The no-growth row is what step-to-step variation alone adds, the floor under every other row.",
-        "",
-    ]
-    return lines
 
 
 #: Seconds a fresh round's process may take.

@@ -21,9 +21,9 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from .geometry import size_label
 from .report import judged_rows, partial_reason, target_counts
 from .results import BenchRun, load, ratio
+from .sizes import size_label
 from .targets import TARGETS, TargetRow
 
 #: Geometries of the headline columns, in order.

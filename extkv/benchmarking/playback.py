@@ -25,9 +25,6 @@ from .cases import Case
 from .contenders import CONTENDERS
 from .measure import Measurement
 
-#: File pytest-benchmark writes (`--benchmark-json`).
-BENCH_JSON = "bench.json"
-
 
 class PlaybackClock:
     """pytest-benchmark's timer under `extkv bench`: it reads back the

@@ -15,8 +15,8 @@ from __future__ import annotations
 from pathlib import Path
 
 from ..runs.rundir import save_figure
-from .geometry import size_label
 from .results import BenchRun
+from .sizes import size_label
 
 #: Operations drawn against bytes and against segments, and the contenders drawn.
 PLOTTED_BY_BYTES = ("commit", "grow8", "release")

@@ -45,8 +45,7 @@ from typing import Sequence
 
 from ..runs.machine import MACHINE_FILE, read_machine_facts
 from ..runs.rundir import read_json_object, results_as_written, write_text
-from .engine import CASES_FILE
-from .playback import BENCH_JSON
+from .result_files import BENCH_JSON, CASES_FILE
 from .report import RUN_FILE, partial_reason
 
 #: Facts that must be equal in every run pooled.

@@ -38,10 +38,12 @@ import statistics
 from pathlib import Path
 
 from ..runs.results import FINISHED_STATUSES, narrowing
-from . import decode, growth_loop
-from .geometry import size_label
+from .decode_report import decode_section
+from .growth_report import growth_section
 from .plots import plot
+from .result_files import DECODE_FILE, GROWTH_FILE
 from .results import BenchRun, CaseResult, Entry, carryover, load, ratio, read_json_object
+from .sizes import size_label
 from .targets import ScalingRow, TargetRow, evaluate, evaluate_scaling, fewest_calls_reason, readings_only
 
 #: What `extkv bench` records of the run as a whole: its pytest command and
@@ -406,8 +408,8 @@ def _partial_lines(run: BenchRun, partial: str | None) -> list[str]:
 def _decode_lines(run_dir: Path) -> list[str]:
     """The sections of the decode and growth-loop benches, where the run has their results."""
     lines = []
-    for module, render in ((decode, decode.decode_section), (growth_loop, growth_loop.growth_section)):
-        path = run_dir / module.RESULT_FILE
+    for name, render in ((DECODE_FILE, decode_section), (GROWTH_FILE, growth_section)):
+        path = run_dir / name
         if path.exists():
             lines += render(read_json_object(path))
     return lines

@@ -27,8 +27,7 @@ from pathlib import Path
 from typing import Callable
 
 from ..runs.rundir import read_json_object
-from .engine import CASES_FILE
-from .playback import BENCH_JSON
+from .result_files import BENCH_JSON, CASES_FILE
 
 
 @dataclass

@@ -91,7 +91,8 @@ from ..runs.rundir import (
     suite_directory,
 )
 from ..runs.steps import RunInterrupted, end_all, interruptible, start as start_step
-from .playback import BENCH_JSON, PLAYBACK_TIMER
+from .playback import PLAYBACK_TIMER
+from .result_files import BENCH_JSON
 from .report import RUN_FILE
 
 #: Files of an earlier bench that --overwrite removes from --report-dir.
