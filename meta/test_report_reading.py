@@ -166,13 +166,18 @@ def test_a_narrowed_stress_run_judges_nothing(tmp_path, run, shown):
     assert f"- verdict: **{shown}**" in summary, summary
 
 
-def test_a_checkout_never_installed_records_the_version_its_pyproject_states():
-    """Run from a checkout without site-packages (so no installed extkv can
-    answer), the facts a run records name pyproject.toml's version."""
+def test_a_checkout_never_installed_records_the_version_its_pyproject_states(tmp_path):
+    """Run from a copy of the checkout's package and pyproject.toml, without
+    site-packages (so no installed extkv, and no egg-info an editable
+    install leaves in the checkout, can answer), the facts a run records
+    name pyproject.toml's version."""
     import subprocess
     import sys
 
-    checkout = Path(__file__).resolve().parents[1]
+    source = Path(__file__).resolve().parents[1]
+    checkout = tmp_path / "checkout"
+    shutil.copytree(source / "extkv", checkout / "extkv", ignore=shutil.ignore_patterns("__pycache__"))
+    shutil.copy(source / "pyproject.toml", checkout / "pyproject.toml")
     said = subprocess.run(
         [sys.executable, "-I", "-S", "-c",
          f"import sys; sys.path.insert(0, {str(checkout)!r}); "
