@@ -34,6 +34,7 @@ import torch
 import extkv
 from extkv.errors import DriverError, OutOfMemoryError
 from extkv.testing.checks import check_readback_matches_bookkeeping, maps_permissions
+from extkv.testing.children import python_c
 from extkv.usage import host_chunk_bytes, open_chunk_fds
 from extkv.vmm import HostDriver, host_maps, live_chunks, live_reservations
 from extkv.vmm.base import READ_ONLY, READ_WRITE
@@ -426,8 +427,11 @@ driver.release(driver.create(driver.granularity))
 """
 
 
-def run_in_a_limited_cgroup(code: str, limit: int, *arguments: str) -> tuple[subprocess.CompletedProcess, str]:
-    """`code` in a process of its own, which it moves into a child memory
+def run_in_a_limited_cgroup(
+    code: str, limit: int, outputs: Path, *arguments: str
+) -> tuple[subprocess.CompletedProcess, str]:
+    """`code` in a process of its own (a child of the fork server, through
+    `outputs`: extkv.testing.children), which it moves into a child memory
     cgroup limited to `limit` bytes (its first argument) before its first
     create; (the finished run, the cgroup). Skips where no cgroup can be made."""
     leaf = cgroup_memory_files()
@@ -444,26 +448,21 @@ def run_in_a_limited_cgroup(code: str, limit: int, *arguments: str) -> tuple[sub
                 file.write(str(limit))
         except OSError as error:
             pytest.skip(f"cannot limit a child memory cgroup: {error}")
-        run = subprocess.run(
-            [sys.executable, "-c", code, directory, *arguments],
-            env={**os.environ, "PYTHONPATH": str(REPO_ROOT)},
-            capture_output=True,
-            text=True,
-            timeout=120,
-        )
+        argv = ["-c", directory, *arguments]
+        run = python_c(f"import sys\nsys.argv = {argv!r}\n{code}", outputs, timeout=120)
     finally:
         os.rmdir(directory)
     return run, directory
 
 
 @pytest.mark.invariant(5)
-def test_a_create_beyond_this_cgroups_limit_is_refused():
+def test_a_create_beyond_this_cgroups_limit_is_refused(tmp_path):
     """In a child cgroup limited far below free memory, a create over the
     limit is refused, naming the cgroup; one within it succeeds. Runs in a
     process of its own, moved into the cgroup before its first create."""
     limit = 64 << 20
     request = 2 * limit
-    run, directory = run_in_a_limited_cgroup(CGROUP_PEER, limit, str(request))
+    run, directory = run_in_a_limited_cgroup(CGROUP_PEER, limit, tmp_path / "peer", str(request))
     assert run.returncode == 0, run.stderr
     assert f"refused before allocating: {request} bytes requested" in run.stdout, run.stdout
     assert f"(cgroup {directory}: limit {limit} - usage " in run.stdout, run.stdout
@@ -494,13 +493,13 @@ tensor.free()
 
 
 @pytest.mark.invariant(5)
-def test_a_commit_of_many_runs_that_fit_alone_is_refused_whole_before_any_create():
+def test_a_commit_of_many_runs_that_fit_alone_is_refused_whole_before_any_create(tmp_path):
     """48 runs of one 2 MiB granule each fit a 64 MiB cgroup alone and not
     together. Checked run by run, the commit took chunk after chunk until
     the kernel's OOM killer ended the process; the driver checks the whole
     commit first, so nothing is created, and a commit that fits still does."""
     limit = 64 << 20
-    run, directory = run_in_a_limited_cgroup(MANY_RUNS_PEER, limit, "48")
+    run, directory = run_in_a_limited_cgroup(MANY_RUNS_PEER, limit, tmp_path / "peer", "48")
     assert run.returncode == 0, (run.returncode, run.stdout[-2000:], run.stderr[-2000:])
     assert "refused: map_new_chunks (the commit's runs together) failed" in run.stdout, run.stdout
     assert f"refused before allocating: {48 * (2 << 20)} bytes requested" in run.stdout, run.stdout
