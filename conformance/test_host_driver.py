@@ -277,9 +277,9 @@ def test_read_back_names_each_granules_file_and_access_by_either_way_of_asking(d
             undo.callback(driver.unmap, address, g)
             driver.set_access(address, g, writable=writable)
         assert maps_permissions(base) == "r--s" and maps_permissions(base + g) == "rw-s"
+        read_only, read_write = (file_of(imported.handle), READ_ONLY), (file_of(neighbour.handle), READ_WRITE)
         expected = {
-            base + g - 1: (file_of(imported.handle), READ_ONLY), base: (file_of(imported.handle), READ_ONLY),
-            base + 2 * g - 1: (file_of(neighbour.handle), READ_WRITE), base + g: (file_of(neighbour.handle), READ_WRITE),
+            base + g - 1: read_only, base: read_only, base + 2 * g - 1: read_write, base + g: read_write,
             base + 2 * g: (None, None), base + 3 * g - 1: (None, None),
         }
         addresses = [*expected, *expected]
