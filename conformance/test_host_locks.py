@@ -46,6 +46,7 @@ import extkv
 from extkv.connector import SegmentExportConnector
 from extkv.peer import import_segments
 from extkv.testing.checks import check_readback_matches_bookkeeping
+from extkv.testing.children import python_c
 from extkv.testing.configs import config_for
 from extkv.vmm import HostDriver, host, host_commits
 from extkv.vmm.wrapping import WrappingDriver
@@ -264,9 +265,6 @@ def test_a_retried_free_never_unmaps_what_it_no_longer_owns(driver, interleaver)
             ctypes.CDLL(None).munmap(ctypes.c_void_p(other), ctypes.c_size_t(size))
 
 
-REPO_ROOT = Path(extkv.__file__).resolve().parent.parent
-
-
 @pytest.fixture
 def lock_path(tmp_path, monkeypatch) -> str:
     """The machine's commit lock, moved to a file of this test's own."""
@@ -316,10 +314,11 @@ with extkv.ExtensibleTensor(driver.granularity, device=driver) as tensor:
 """
 
 
-def commits_elsewhere(lock_path: str) -> subprocess.CompletedProcess:
-    """Another process's commit that must get the lock at its first try."""
-    return subprocess.run([sys.executable, "-c", COMMITS_ELSEWHERE, lock_path], capture_output=True, text=True,
-                          timeout=HANG_S, env={**os.environ, "PYTHONPATH": str(REPO_ROOT)})
+def commits_elsewhere(lock_path: str, outputs: Path) -> subprocess.CompletedProcess:
+    """Another process's commit that must get the lock at its first try: a
+    child of the fork server (extkv.testing.children), which shares no
+    descriptor with this process."""
+    return python_c(f"import sys\nsys.argv = {['-c', lock_path]!r}\n{COMMITS_ELSEWHERE}", outputs, timeout=HANG_S)
 
 
 def commit_one_granule(driver: HostDriver) -> list[int]:
@@ -352,7 +351,7 @@ def read_line(descriptor: int) -> str:
     return os.read(descriptor, 4096).decode().strip() if ready else "(nothing: the child hung)"
 
 
-def test_a_child_forked_during_a_commit_holds_none_of_its_locks(driver, lock_path, monkeypatch):
+def test_a_child_forked_during_a_commit_holds_none_of_its_locks(driver, lock_path, monkeypatch, tmp_path):
     """The child's copy of the in-flight commit's lock descriptor is closed
     at the fork and its process lock is new: once the parent's commit ends,
     the parent's next commit and another process's get the machine lock at
@@ -388,7 +387,7 @@ def test_a_child_forked_during_a_commit_holds_none_of_its_locks(driver, lock_pat
         with warnings.catch_warnings():
             warnings.simplefilter("error", RuntimeWarning)
             assert commit_one_granule(driver) == [g]
-        elsewhere = commits_elsewhere(lock_path)
+        elsewhere = commits_elsewhere(lock_path, tmp_path / "elsewhere")
         assert elsewhere.returncode == 0, elsewhere.stderr[-2000:]
     finally:
         paused.resume.set()
