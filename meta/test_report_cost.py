@@ -19,10 +19,13 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parent.parent
 REFERENCE_RUN = ROOT / "reports" / "reference" / "host"
 
 
+@pytest.mark.harness
 def test_report_of_a_reference_run_imports_no_torch(tmp_path):
     run_dir = tmp_path / "host"
     shutil.copytree(REFERENCE_RUN, run_dir)
