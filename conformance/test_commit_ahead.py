@@ -27,6 +27,7 @@ from extkv.reference_model import ReferenceModelRunner
 from extkv.testing.checks import check_all_equal, check_readback_matches_bookkeeping, check_usage_matches
 from extkv.testing.configs import config_for
 from extkv.vmm import FaultInjectingDriver, PoisoningDriver, driver_for
+from extkv.vmm.late import LateZeroingDriver
 from extkv.vmm.wrapping import WrappingDriver
 
 LAYOUT = KVCacheLayout.LBHNC
@@ -682,6 +683,33 @@ class _FailingReading(WrappingDriver):
             self.failures -= 1
             raise OSError(errno.EMFILE, "Too many open files (injected)")
         return self.inner.memory_info()
+
+
+@pytest.mark.invariant(4, 7)
+def test_a_settled_window_reads_zero_however_late_the_device_zeroes(build, poisoned):
+    """Settling orders the caller's next work after the worker's zeroing,
+    which ran on a stream of its own: each zeroing is held back on the
+    device, so a read not ordered after it sees the poison."""
+    late = LateZeroingDriver(poisoned)
+    cache = cache_over(build, late)
+    cache.commit_ahead(100, step_blocks=50)
+    assert cache.settle_commit_ahead(PATIENCE_S) and cache.grown_blocks == 110, f"grown {cache.grown_blocks} of 110"
+    expect_zero_blocks(cache, 10, 110)
+    assert late.held > 0 or late.kind != "cuda", "no zeroing was held back: the test proved nothing"
+    cache.free()
+
+
+@pytest.mark.invariant(4, 7)
+def test_a_commit_inside_the_window_reads_zero_however_late_the_device_zeroes(build, poisoned):
+    """A commit counted inside the window, the worker's zeroing still queued
+    on its own stream: the caller's next work waits for it."""
+    late = LateZeroingDriver(poisoned)
+    cache = cache_over(build, late)
+    cache.commit_ahead(100, step_blocks=50)
+    until(lambda: cache.grown_blocks == 110, f"grown {cache.grown_blocks} of 110")
+    cache.commit(110)
+    expect_zero_blocks(cache, 10, 110)
+    cache.free()
 
 
 @pytest.mark.invariant(5, 6)
