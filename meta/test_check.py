@@ -393,3 +393,29 @@ def test_a_run_orders_the_planted_defects_first_and_the_exclusive_tests_last(pyt
     collected = [line.split("::")[1] for line in result.outlines if "::" in line]
     assert collected == ["test_planted_late", "test_plain", "test_alone"], result.outlines
 
+
+
+PARALLEL = '''
+import os
+import pytest
+
+@pytest.mark.exclusive
+def test_alone(request):
+    directory = request.config.getoption("--extkv-lock-dir")
+    print("LOCK DIR", directory)
+    assert os.environ.get("EXTKV_ALONE_ON_DEVICE") == "1" and os.path.isdir(directory)
+
+@pytest.mark.parametrize("n", range(3))
+def test_shared(request, n):
+    assert os.path.isdir(request.config.getoption("--extkv-lock-dir"))
+'''
+
+
+def test_a_parallel_run_without_a_lock_directory_keeps_its_exclusive_tests_alone(pytester):
+    """`pytest -n N` with no --extkv-lock-dir: the run makes one, its workers
+    take their locks there, and it is gone when the run ends."""
+    pytester.makepyfile(test_parallel=PARALLEL)
+    result = pytester.runpytest_subprocess("-p", "extkv.testing.harness", "--extkv", "-p", "no:cacheprovider", "-n", "2", "-rA")
+    result.assert_outcomes(passed=4)
+    directory = next(line.split("LOCK DIR ")[1] for line in result.outlines if "LOCK DIR " in line)
+    assert not Path(directory).exists(), f"the run's lock directory {directory} outlived it"

@@ -21,8 +21,9 @@ A host-driver test that is exclusive waits for every test of the machine,
 since the host's free memory is what every process uses; one on a GPU waits
 for that GPU's tests only. Locks are always taken machine first, so no two
 tests wait for each other. The harness orders exclusive tests last, so they
-wait for the tail of the run instead of holding a worker early. Without a
-lock directory nothing is locked (a plain `pytest -n N` run for speed).
+wait for the tail of the run instead of holding a worker early. A parallel
+run given no lock directory (`pytest -n N`) makes one for its duration
+(extkv.testing.harness_hooks); a serial run needs none and locks nothing.
 While a test holds its device alone, ALONE_VARIABLE says so.
 
 Alone among the suite's tests is not alone on the machine: the locks keep

@@ -20,7 +20,9 @@ initialized CUDA yet when `start` pins.
   selects the tests of the device a run asks for (`--extkv-device`: how
   `extkv check` runs every device at once) and orders them: planted
   defects first, tests marked `exclusive` last, which `--extkv-lock-dir`
-  keeps alone on their device (extkv.testing.exclusive).
+  keeps alone on their device (extkv.testing.exclusive). A parallel run
+  given no lock directory (`pytest -n 8`) gets one of its own for its
+  duration, so its workers never share a device with an exclusive test.
 - After every test: no reservation, chunk or memfd left behind, and physical
   usage measured outside extkv back where it started.
 - Hypothesis profiles: `extkv-ci` (derandomized, the default), `extkv-dev`,
@@ -55,7 +57,9 @@ from __future__ import annotations
 
 import functools
 import os
+import shutil
 import sys
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -113,12 +117,42 @@ def start(config) -> None:
     # longer than the work takes (10 ms instead of 0.1 ms per op was measured
     # on 2 loaded cores). EXTKV_TORCH_THREADS overrides.
     torch.set_num_threads(int(os.environ.get("EXTKV_TORCH_THREADS", "1")))
+    _give_a_parallel_run_locks(config)
     _load_hypothesis_profile_if_used()
     gpus = machine_facts()["gpus"]
     kinds = {HOST_LABEL: "host"} | {gpu["label"]: "cuda" for gpu in gpus}
     chosen = config.getoption("--extkv-device")
     default = gpus[0]["label"] if chosen == "gpu" and gpus else HOST_LABEL
     config.pluginmanager.register(RunRecord(config, default, kinds, worker_gpus(config)), "extkv-run-record")
+
+
+def _give_a_parallel_run_locks(config) -> None:
+    """An xdist controller without `--extkv-lock-dir` makes a lock directory
+    for this run, which goes when the run ends, and hands it to its workers
+    (`pytest_configure_node`): without one, a test that fills a GPU runs
+    beside others on it, and they meet out-of-memory (seen on the H200 under
+    `pytest -n 8`: a commit-ahead worker stopped at 6 of 10 blocks)."""
+    if config.option.extkv_lock_dir is not None:
+        return
+    worker = getattr(config, "workerinput", None)
+    if worker is not None:
+        config.option.extkv_lock_dir = worker.get(_RUN_LOCK_DIR)
+    elif getattr(config.option, "numprocesses", None):
+        directory = tempfile.mkdtemp(prefix="extkv-locks-")
+        config.option.extkv_lock_dir = config.stash[_RUN_LOCKS] = directory
+        config.add_cleanup(functools.partial(shutil.rmtree, directory, ignore_errors=True))
+
+
+_RUN_LOCKS = pytest.StashKey[str]()
+_RUN_LOCK_DIR = "extkv_lock_dir"
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_configure_node(node):
+    """xdist: a worker receives the lock directory its controller made."""
+    directory = node.config.stash.get(_RUN_LOCKS, None)
+    if directory is not None:
+        node.workerinput[_RUN_LOCK_DIR] = directory
 
 
 def _load_hypothesis_profile_if_used() -> None:
