@@ -22,6 +22,7 @@ from ..tensor import ExtensibleTensor, MappedChunk
 from ..usage import UsageProbe
 from ..vmm import driver_for
 from ..vmm.base import READ_ONLY, Driver
+from ..vmm.late import load_spin_kernel
 
 
 def granule_addresses(tensor: ExtensibleTensor) -> list[int]:
@@ -233,6 +234,7 @@ def warm_up_kernels(device) -> None:
     (x @ x).softmax(-1).float().sum().item()
     for warm_up in _WORKLOAD_WARM_UPS:
         warm_up(device)
+    load_spin_kernel(driver_for(device))
     driver_for(device).synchronize()
 
 

@@ -54,3 +54,12 @@ class LateZeroingDriver(WrappingDriver):
         spin.record(stream)
         self._spins[stream.cuda_stream] = spin
         self.held += 1
+
+
+def load_spin_kernel(driver) -> None:
+    """Run the spin once where it runs at all (CUDA), so that CUDA's lazy
+    module loading grows the context before a test's leak baseline is taken,
+    not during the test."""
+    if driver.kind == "cuda":
+        with torch.cuda.device(driver.device):
+            torch.cuda._sleep(1)
