@@ -43,6 +43,7 @@ from ...cache import ExtensibleKVCache
 from ...errors import OutOfMemoryError
 from ...layout import KVCacheLayout, kv_cache_segments
 from ...vmm import Driver, HostDriver, PoisoningDriver, driver_for
+from ...vmm.poison import DEFAULT_POISON
 from ...vmm import torch_memory
 from ...vmm.host_memory import read_host_memory_headroom
 from ...vmm.wrapping import WrappingDriver
@@ -120,7 +121,25 @@ def check_block_values(kv_cache: ExtensibleKVCache, first: int, end: int, value:
         rows = kv_cache.buffer.segment_view(segment)[first * stride : end * stride]
         wrong = sum(int((rows[at : at + COMPARE_SLICE] != value).count_nonzero()) for at in range(0, rows.numel(), COMPARE_SLICE))
         if wrong:
-            raise ContentMismatch(f"{what}: segment {segment}: {wrong} of {rows.numel()} bytes are not {value}")
+            raise ContentMismatch(f"{what}: segment {segment}: {wrong} of {rows.numel()} bytes are not {value}; "
+                                  f"{_what_they_read(rows, wrong)}; {_state_of(kv_cache)}")
+
+
+def _what_they_read(rows: torch.Tensor, wrong: int) -> str:
+    """What the `wrong` bytes of `rows` hold (the expected value is neither
+    0 nor the poison), as counts of the values that tell a cause apart: zero
+    (zeroed again), the poison (an unzeroed fresh chunk), any other."""
+    zero = sum(int((rows[at : at + COMPARE_SLICE] == 0).count_nonzero()) for at in range(0, rows.numel(), COMPARE_SLICE))
+    poison = sum(
+        int((rows[at : at + COMPARE_SLICE] == DEFAULT_POISON).count_nonzero()) for at in range(0, rows.numel(), COMPARE_SLICE)
+    )
+    return f"they read 0 in {zero}, {DEFAULT_POISON:#04x} (poison) in {poison}, other values in {wrong - zero - poison}"
+
+
+def _state_of(kv_cache: ExtensibleKVCache) -> str:
+    buffer = kv_cache.buffer
+    return (f"committed {kv_cache.num_committed_blocks} blocks, grown {kv_cache.grown_blocks}, "
+            f"segment sizes {buffer.segment_sizes}, {buffer.num_physical_chunks} chunks mapped, asleep {kv_cache.is_asleep}")
 
 
 #: Blocks a real-out-of-memory episode keeps committed and patterned throughout,
