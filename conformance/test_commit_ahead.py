@@ -692,6 +692,7 @@ def test_a_settled_window_reads_zero_however_late_the_device_zeroes(build, poiso
     device, so a read not ordered after it sees the poison."""
     late = LateZeroingDriver(poisoned)
     cache = cache_over(build, late)
+    late.synchronize()  # only the worker's zeroing runs late, not the first commit's
     cache.commit_ahead(100, step_blocks=50)
     assert cache.settle_commit_ahead(PATIENCE_S) and cache.grown_blocks == 110, f"grown {cache.grown_blocks} of 110"
     expect_zero_blocks(cache, 10, 110)
@@ -705,6 +706,7 @@ def test_a_commit_inside_the_window_reads_zero_however_late_the_device_zeroes(bu
     on its own stream: the caller's next work waits for it."""
     late = LateZeroingDriver(poisoned)
     cache = cache_over(build, late)
+    late.synchronize()  # only the worker's zeroing runs late, not the first commit's
     cache.commit_ahead(100, step_blocks=50)
     until(lambda: cache.grown_blocks == 110, f"grown {cache.grown_blocks} of 110")
     cache.commit(110)
