@@ -322,6 +322,7 @@ def test_segment_export_connector_is_a_kv_connector():
 
 @pytest.mark.invariant(5, 8)
 @pytest.mark.parametrize("name, kind, layout, blocks, segments, chunks, inside", CASES, ids=[c[0] for c in CASES])
+@pytest.mark.long
 def test_peer_reads_every_segment(device, build, connector, peers, usage, name, kind, layout, blocks, segments, chunks, inside):
     baseline = usage.read_outside_torch()
     kv_cache = build.cache_for(kind, layout)
@@ -346,6 +347,7 @@ def test_peer_reads_every_segment(device, build, connector, peers, usage, name, 
 
 
 @pytest.mark.invariant(8)
+@pytest.mark.long
 def test_peer_reads_live_memory_and_one_wrong_byte_shows(device, build, connector):
     kv_cache = build.cache_for("full", KVCacheLayout.LBHNC)
     kv_cache.commit(37, defragment=True)  # segments start inside their chunks
@@ -844,6 +846,7 @@ def test_driver_export_and_import_check_their_arguments(device):
 
 
 @pytest.mark.invariant(6)
+@pytest.mark.long
 def test_peer_refuses_a_bad_header_and_says_why():
     # The command itself, in a fresh interpreter: its exit status on a failure.
     reply, returncode, stderr = run_peer_with(lambda sock: send_message(sock, {"protocol": "extkv-segments/1"}), None)
@@ -1555,6 +1558,7 @@ def test_listen_privately_binds_where_only_this_uid_can_reach():
 
 
 @pytest.mark.invariant(8)
+@pytest.mark.long
 def test_runner_with_a_registering_connector_defragments_and_exports(device, peers):
     """A runner whose connector registers memory extends with a defragmenting
     commit, so registration succeeds; the peer reads what the model wrote,

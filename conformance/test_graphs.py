@@ -207,6 +207,7 @@ def cudagraph_skips() -> int:
 
 
 @pytest.mark.parametrize("change", CHANGES)
+@pytest.mark.long
 def test_a_compiled_step_captured_before_a_change_replays_after_it(build, change, graph_captures):
     """torch.compile(mode="reduce-overhead") records the step's graph in its
     first calls; after the change no call recompiles, records or runs

@@ -518,6 +518,7 @@ with HostDriver().admit(1):
 
 
 @pytest.mark.invariant(7)
+@pytest.mark.long
 def test_two_processes_commit_one_after_the_other():
     """While another process is between its commit's check and its last
     create, this process's commit waits: two commits cannot both pass on one

@@ -351,6 +351,7 @@ def read_line(descriptor: int) -> str:
     return os.read(descriptor, 4096).decode().strip() if ready else "(nothing: the child hung)"
 
 
+@pytest.mark.long
 def test_a_child_forked_during_a_commit_holds_none_of_its_locks(driver, lock_path, monkeypatch, tmp_path):
     """The child's copy of the in-flight commit's lock descriptor is closed
     at the fork and its process lock is new: once the parent's commit ends,

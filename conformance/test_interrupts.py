@@ -276,6 +276,7 @@ def test_an_interrupt_on_the_way_into_closing_a_failed_imports_descriptors_leave
 
 
 @pytest.mark.invariant(5, 6)
+@pytest.mark.long
 def test_interrupts_at_random_moments_leave_every_object_consistent(device):
     code, tally = run_in_child(device, inside_target=INSIDE_TARGET, seed=SEED)
     assert code == 0 and tally is not None, f"the interrupted child exited with {code} and sent {tally}"

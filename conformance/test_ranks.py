@@ -240,6 +240,7 @@ def check_committable_blocks(reports: list[dict]) -> None:
 
 @pytest.mark.invariant(6)
 @pytest.mark.timeout(300)
+@pytest.mark.long
 def test_gloo_min_over_ranks_of_explicit_values(tmp_path):
     check_explicit_values(run_ranks(tmp_path, "gloo", "explicit_values"), "gloo")
 

@@ -144,6 +144,7 @@ print("unchanged" if after == before else f"{before} became {after}")
 
 
 @pytest.mark.invariant(6)
+@pytest.mark.long
 def test_a_native_handler_survives_the_first_operation_of_a_process():
     """A process's first operation learns which handler is CPython's: where
     it learns it on a signal a native library took over (SIGINT set to

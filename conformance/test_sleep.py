@@ -493,6 +493,7 @@ def test_threads_pausing_and_resuming_their_own_tags_keep_every_tag_whole(build,
 
 
 @pytest.mark.invariant(7)
+@pytest.mark.long
 def test_threads_fighting_over_one_tag_see_whole_operations_in_turn(build, poisoned, usage):
     """Four threads pause and resume every tag at once. One at a time, each
     call finds the state the previous one left: it moves the tag or raises

@@ -64,6 +64,7 @@ def no_failures(tally: StressTally) -> None:
 
 @pytest.mark.invariant(1, 3, 4, 5)
 @pytest.mark.parametrize("kind, layout", CACHE_MACHINE_CASES, ids=CASE_IDS)
+@pytest.mark.long
 def test_endurance_walk(device, kind, layout):
     tally = StressTally()
     steps = run_walk(device, kind, layout, SEED, tally, steps=WALK_STEPS, full_check_every=FULL_CHECK_EVERY)
@@ -96,6 +97,7 @@ def test_walk_past_a_spent_deadline(device):
 
 @pytest.mark.invariant(1, 3, 4, 5)
 @pytest.mark.parametrize("kind, layout", CACHE_MACHINE_CASES, ids=CASE_IDS)
+@pytest.mark.long
 def test_endurance_state_machine(device, kind, layout):
     tally = StressTally()
     machine = endurance_machine(
@@ -118,6 +120,7 @@ def commit_lock_of_its_own(monkeypatch, tmp_path):
 
 @pytest.mark.invariant(5)
 @pytest.mark.usefixtures("commit_lock_of_its_own")
+@pytest.mark.long
 def test_every_driver_step_of_every_operation(device):
     real = HostDriver(HOST_STRESS_GRANULE) if device.type == "cpu" else driver_for(device)
     tally = StressTally()
@@ -185,6 +188,7 @@ def test_decode_beside_commit_ahead(device):
 
 
 @pytest.mark.invariant(5, 8)
+@pytest.mark.long
 def test_crash_of_an_exporter(device):
     tally = StressTally()
     where = crash_once(device, SEED, tally)
@@ -194,6 +198,7 @@ def test_crash_of_an_exporter(device):
 
 
 @pytest.mark.invariant(5)
+@pytest.mark.long
 def test_several_processes_on_one_device(device):
     """Two walk processes beside each other; each checks itself, and on a
     GPU NVML lists neither once they are gone. Only their own memory is

@@ -590,6 +590,7 @@ def test_map_new_chunks_refuses_a_size_off_the_granularity_before_creating_anyth
 
 
 @pytest.mark.invariant(5)
+@pytest.mark.long
 def test_create_free_cycles_return_everything_to_baseline(device, granule, usage):
     baseline = usage.read_outside_torch()
     reservations, chunks, fds = _nonzero(live_reservations), _nonzero(live_chunks), len(open_chunk_fds())
@@ -605,6 +606,7 @@ def test_create_free_cycles_return_everything_to_baseline(device, granule, usage
 
 
 @pytest.mark.invariant(6)
+@pytest.mark.long
 def test_views_survive_interpreter_teardown(device):
     """Views alive at exit are destroyed after Python's modules are gone; their
     deleter must not need the interpreter."""
@@ -838,6 +840,7 @@ def _print_full_view(device: str, granule: int, printed) -> None:
 
 
 @pytest.mark.invariant(6)
+@pytest.mark.long
 def test_full_view_repr_reads_nothing(device, granule):
     """The full view spans unmapped pages; printing it must not touch them
     (it killed the process with SIGSEGV on the host)."""

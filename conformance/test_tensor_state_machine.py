@@ -42,16 +42,19 @@ def poisoned_driver(device: torch.device) -> PoisoningDriver:
 
 @pytest.mark.invariant(1, 4, 5)
 @pytest.mark.parametrize("segments", TENSOR_MACHINE_SEGMENTS)
+@pytest.mark.long
 def test_tensor_state_machine(device, usage, segments):
     run_state_machine_as_test(tensor_machine(poisoned_driver(device), usage, fresh_byte=POISON, segments=segments))
 
 
 @pytest.mark.invariant(1, 3, 4, 5)
 @pytest.mark.parametrize("kind, layout", CACHE_MACHINE_CASES, ids=[f"{k}-{l.name}" for k, l in CACHE_MACHINE_CASES])
+@pytest.mark.long
 def test_kv_cache_state_machine(device, usage, kind, layout):
     run_state_machine_as_test(cache_machine(poisoned_driver(device), usage, kind, layout))
 
 
 @pytest.mark.invariant(1, 4, 5, 7)
+@pytest.mark.long
 def test_kv_cache_state_machine_beside_the_commit_ahead_worker(device, usage):
     run_state_machine_as_test(commit_ahead_machine(poisoned_driver(device), usage))

@@ -453,6 +453,7 @@ def test_after_a_wake_the_cache_refuses_until_reset_then_a_re_prefill_matches_dy
 
 
 @pytest.mark.invariant(1, 5)
+@pytest.mark.long
 def test_physical_memory_follows_tokens_not_max_cache_len(device, caches, usage):
     """A decode loop of our own: the prompt in chunks, then greedy steps, into
     two caches whose max_cache_len differ fourfold and a DynamicCache. Usage
@@ -510,6 +511,7 @@ def decode_loop(forward, cache, ids, steps: int) -> torch.Tensor:
 
 
 @pytest.mark.invariant(1)
+@pytest.mark.long
 def test_compiled_forward_reads_and_writes_committed_blocks_only(device, caches):
     """The model compiled (dynamo and AOTAutograd, without code generation)
     in a decode loop of our own, over a cache whose reservation is almost all
@@ -693,6 +695,7 @@ def test_decode_graph_captured_before_growth_replays_after_growth_and_wake(cache
 
 @pytest.mark.invariant(2)
 @pytest.mark.cuda_graphs
+@pytest.mark.long
 def test_compiled_generate_replays_its_graphs_across_growth(caches):
     """generate's own torch.compile (mode reduce-overhead: CUDA graphs) over
     an ExtensibleCache that commits a new granule during decode: tokens are

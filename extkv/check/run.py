@@ -116,10 +116,13 @@ def plan(suite: Path, facts: dict, host_workers: int, gpu_workers: int) -> list[
     # (the README's example, a report's inner run) would otherwise take GPU
     # memory under a GPU's exclusive tests, which hold that GPU's lock only.
     hidden = {"CUDA_VISIBLE_DEVICES": ""} if gpus else {}
-    steps = [Step("check-host", "host", whole,
-                  [f"--extkv-device={host_device}", "-n", str(host_workers), "--dist=load", locks], hidden)]
+    # Two tests at a time per worker, in the harness's order (the long ones
+    # first): xdist's default hands each worker a quarter of its share at
+    # once, so one worker took every long test and the run waited for it.
+    spread = ["--dist=load", "--maxschedchunk=2", locks]
+    steps = [Step("check-host", "host", whole, [f"--extkv-device={host_device}", "-n", str(host_workers), *spread], hidden)]
     steps += [Step(f"check-gpu{gpu['id']}", gpu["label"], whole,
-                   ["--extkv-device=gpu", "-n", str(gpu_workers), "--dist=load", locks], {"CUDA_VISIBLE_DEVICES": gpu["id"]})
+                   ["--extkv-device=gpu", "-n", str(gpu_workers), *spread], {"CUDA_VISIBLE_DEVICES": gpu["id"]})
               for gpu in gpus]
     phases = [Phase("every device at once", steps)]
     if len(gpus) >= 2:

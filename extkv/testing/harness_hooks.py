@@ -19,7 +19,8 @@ initialized CUDA yet when `start` pins.
   with reasons in one hook, `pytest_collection_modifyitems`; the same hook
   selects the tests of the device a run asks for (`--extkv-device`: how
   `extkv check` runs every device at once) and orders them: planted
-  defects first, tests marked `exclusive` last, which `--extkv-lock-dir`
+  defects first, then tests marked `long`, tests marked `exclusive` last,
+  which `--extkv-lock-dir`
   keeps alone on their device (extkv.testing.exclusive). A parallel run
   given no lock directory (`pytest -n 8`) gets one of its own for its
   duration, so its workers never share a device with an exclusive test.
@@ -90,6 +91,8 @@ MARKERS = {
     "cuda_graphs": "captures and replays CUDA graphs",
     "multi_gpu(n)": "needs n GPUs visible to this process",
     "stress": "long randomized run; only with --extkv-stress",
+    "long": "takes seconds (a subprocess, a compile, a walk): starts before the other shared tests, so that a "
+    "parallel run does not wait for it at its end",
     "exclusive": "needs its device alone (fills it, or reads what the whole device has free): "
     "runs last, and with --extkv-lock-dir alone (extkv.testing.exclusive)",
     "planted_defect(name)": "plants a defect in a broken implementation; the check under test must flag it",
@@ -270,10 +273,21 @@ def _where(item, label: str) -> str:
     return "host" if label == HOST_LABEL else "gpu"
 
 
+#: The order a run takes its tests in, by part. The planted defects first:
+#: the checks are shown to catch them before the rest of the run leans on
+#: those checks. Then the long tests, so that a parallel run whose workers
+#: take a test or two at a time (`extkv check`) does not end waiting for
+#: one; the exclusive tests last: they wait for the others on their device
+#: (extkv.testing.exclusive).
+PART_ORDER = ("planted", "long", "shared", "exclusive")
+
+
 def _part(item) -> str:
     if item.get_closest_marker("planted_defect"):
         return "planted"
-    return "exclusive" if item.get_closest_marker("exclusive") else "shared"
+    if item.get_closest_marker("exclusive"):
+        return "exclusive"
+    return "long" if item.get_closest_marker("long") else "shared"
 
 
 def pytest_collection_modifyitems(config, items):
@@ -310,10 +324,7 @@ def pytest_collection_modifyitems(config, items):
         wanted = _wanted_gpus(item)
         if wanted and gpus < wanted:
             item.add_marker(pytest.mark.skip(reason=f"needs {wanted} GPUs visible to this process, found {gpus}"))
-    # The planted defects first: the checks are shown to catch them before
-    # the rest of the run leans on those checks. The exclusive tests last:
-    # they wait for the others on their device (extkv.testing.exclusive).
-    kept.sort(key=lambda item: {"planted": 0, "shared": 1, "exclusive": 2}[_part(item)])
+    kept.sort(key=lambda item: PART_ORDER.index(_part(item)))
     items[:] = kept
     if dropped:
         config.hook.pytest_deselected(items=dropped)
