@@ -3,25 +3,33 @@
 Theory of operation
 -------------------
 The workloads that need a second process (the pressure process, the crash
-child, walk processes) start `python -m extkv.testing.stress COMMAND ...`
-(extkv.testing.stress.__main__) from the checkout's root, with the extkv
-package importable and one torch thread (`child_env`). A `ChildProcess`
-writes commands to its stdin and reads its stdout unbuffered, so that
-`drain()` sees every line it wrote before it stopped; every wait is bounded
-(CHILD_TIMEOUT_S), and a child that says nothing in time is killed, its
-stderr in the error.
+child, walk processes) run `python -m extkv.testing.stress COMMAND ...`'s
+`main` (extkv.testing.stress.__main__) in a child of the fork server
+(extkv.testing.children), which imported torch once: a fresh interpreter
+spent about 2 s of CPU importing it, for each of the four such children of
+a host check on 2 cores. The child runs from the checkout's root with the
+extkv package importable and one torch thread (`child_env`); one end of a
+socket pair is its stdin and stdout, and its stderr goes to a file read
+back when it fails. A `ChildProcess` writes commands to the socket and reads
+it unbuffered, so that `drain()` sees every line the child wrote before it
+stopped; every wait is bounded (CHILD_TIMEOUT_S), and a child that says
+nothing in time is killed, its stderr in the error.
 """
 
 from __future__ import annotations
 
 import collections
+import contextlib
 import os
+import runpy
 import select
-import subprocess
+import socket
 import sys
+import tempfile
 import time
 from pathlib import Path
 
+from ..children import fork_server
 from .base import CHILD_TIMEOUT_S
 
 
@@ -39,37 +47,78 @@ def child_env() -> dict[str, str]:
     return env
 
 
+def _child_main(arguments: list[str], channel: socket.socket, stderr_path: str, environment: dict[str, str],
+                directory: str) -> None:
+    """The child's side: `channel` becomes its stdin and stdout."""
+    os.chdir(directory)
+    os.environ.clear()
+    os.environ.update(environment)
+    os.dup2(channel.fileno(), 0)
+    os.dup2(channel.fileno(), 1)
+    channel.close()
+    os.dup2(os.open(stderr_path, os.O_WRONLY | os.O_TRUNC), 2)
+    sys.stdin = open(0, "r", closefd=False)
+    sys.stdout = open(1, "w", buffering=1, closefd=False)
+    sys.stderr = open(2, "w", buffering=1, closefd=False)
+    sys.argv = ["python -m extkv.testing.stress", *arguments]
+    runpy.run_module("extkv.testing.stress", run_name="__main__", alter_sys=True)  # exits with its status
+
+
 class ChildProcess:
-    """A child running `python -m extkv.testing.stress ARGUMENTS`, spoken to
-    by lines. Its stdout is read unbuffered, so that `drain()` sees every
-    line it wrote before it stopped; every wait is bounded."""
+    """A child running `python -m extkv.testing.stress ARGUMENTS`'s `main`,
+    spoken to by lines. Its output is read unbuffered, so that `drain()`
+    sees every line it wrote before it stopped; every wait is bounded."""
 
     def __init__(self, arguments: list[str]):
-        self.process = subprocess.Popen(
-            [sys.executable, "-m", "extkv.testing.stress", *arguments],
-            stdin=subprocess.PIPE,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE,
-            env=child_env(),
-            cwd=repo_root(),
-        )
+        self.arguments = list(arguments)
+        descriptor, self._stderr_path = tempfile.mkstemp(prefix="extkv-child-", suffix=".stderr")
+        os.close(descriptor)
+        self._channel, theirs = socket.socketpair()
+        try:
+            self._process = fork_server().Process(
+                target=_child_main,
+                args=(self.arguments, theirs, self._stderr_path, child_env(), str(repo_root())),
+                name=f"extkv-stress-{self.arguments[0]}",
+            )
+            self._process.start()
+        except BaseException:
+            self._channel.close()
+            os.unlink(self._stderr_path)
+            raise
+        finally:
+            theirs.close()
         self._pending = bytearray()
         self._closed = False
         self._lines: collections.deque[str] = collections.deque()
 
     @property
+    def command(self) -> str:
+        """The command that runs the same child on its own, to reproduce it."""
+        return " ".join(["python -m extkv.testing.stress", *self.arguments])
+
+    @property
     def pid(self) -> int:
-        return self.process.pid
+        return self._process.pid
+
+    @property
+    def returncode(self) -> int | None:
+        """The exit status (negative: the signal that ended it); None while it runs."""
+        return self._process.exitcode
+
+    def wait(self, timeout_s: float = CHILD_TIMEOUT_S) -> int:
+        self._process.join(timeout_s)
+        if self._process.exitcode is None:
+            raise TimeoutError(f"child {' '.join(self.arguments)} still runs after {timeout_s} s")
+        return self._process.exitcode
 
     def send(self, line: str) -> None:
-        self.process.stdin.write(line.encode() + b"\n")
-        self.process.stdin.flush()
+        self._channel.sendall(line.encode() + b"\n")
 
     def _read(self, timeout_s: float) -> bool:
         """Read what the child wrote within `timeout_s`; False at a timeout or end."""
-        ready, _, _ = select.select([self.process.stdout], [], [], timeout_s)
-        data = os.read(self.process.stdout.fileno(), 1 << 16) if ready else b""
-        # Readable yet empty: the child closed its stdout (it exited), not merely slow.
+        ready, _, _ = select.select([self._channel], [], [], timeout_s)
+        data = self._channel.recv(1 << 16) if ready else b""
+        # Readable yet empty: the child's end closed (it exited), not merely slow.
         self._closed = bool(ready) and not data
         self._pending += data
         *complete, rest = self._pending.split(b"\n")
@@ -77,18 +126,20 @@ class ChildProcess:
         self._pending = bytearray(rest)
         return bool(data)
 
+    def stderr(self) -> str:
+        """What the child wrote to its stderr so far."""
+        return Path(self._stderr_path).read_text(errors="replace")
+
     def line(self, timeout_s: float = CHILD_TIMEOUT_S) -> str:
-        """The child's next line of stdout."""
+        """The child's next line of output."""
         deadline = time.monotonic() + timeout_s
         while not self._lines:
             if not self._read(max(deadline - time.monotonic(), 0)):
                 ended = self._closed
                 self.kill()
-                stderr = self.process.stderr.read().decode(errors="replace")
                 said = "exited before saying anything" if ended else f"said nothing within {timeout_s} s"
                 raise AssertionError(
-                    f"child {' '.join(map(str, self.process.args[3:]))} {said} "
-                    f"(exit {self.process.returncode}): {stderr[-3000:]}"
+                    f"child {' '.join(self.arguments)} {said} (exit {self.returncode}): {self.stderr()[-3000:]}"
                 )
         return self._lines.popleft()
 
@@ -105,21 +156,23 @@ class ChildProcess:
         return self.line(timeout_s)
 
     def kill(self) -> None:
-        if self.process.poll() is None:
-            self.process.kill()
-        self.process.wait(CHILD_TIMEOUT_S)
+        if self._process.exitcode is None:
+            self._process.kill()
+        self._process.join(CHILD_TIMEOUT_S)
 
     def close(self) -> None:
         """Ask the child to quit, then kill it; reaps it either way."""
-        if self.process.poll() is None:
+        if self._process.exitcode is None:
             try:
                 self.send("quit")
-                self.process.wait(10)
-            except (OSError, subprocess.TimeoutExpired):
+                self._process.join(10)
+            except OSError:
                 pass
         self.kill()
-        for stream in (self.process.stdin, self.process.stdout, self.process.stderr):
-            stream.close()
+        self._process.close()
+        self._channel.close()
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(self._stderr_path)
 
     def __enter__(self) -> "ChildProcess":
         return self

@@ -120,7 +120,7 @@ def crash_once(device: torch.device | str, seed: int, tally: StressTally) -> str
             held = host_memfds_of(child.pid) if device.type == "cpu" else {}
             child_used = nvml_process_used(device, child.pid) if device.type == "cuda" else None
             os.kill(child.pid, signal.SIGKILL)
-            child.process.wait(CHILD_TIMEOUT_S)
+            child.wait(CHILD_TIMEOUT_S)
             tally.events[f"crash child SIGKILLed {where}"] += 1
             if imported.digests() != exported:
                 raise ContentMismatch("the peer's bytes changed when the exporter was killed")

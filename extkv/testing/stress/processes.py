@@ -63,18 +63,18 @@ def run_walk_processes(
         for index, child in enumerate(children):
             try:
                 result = child.line((seconds or 0) + CHILD_TIMEOUT_S)
-                child.process.wait(CHILD_TIMEOUT_S)
+                child.wait(CHILD_TIMEOUT_S)
                 child_tally = StressTally.from_json(json.loads(result))
             except Exception as error:
                 # A child that died, or printed no tally: its failure joins
                 # the tally, and the children after it are still read.
-                tally.fail(error, " ".join(map(str, child.process.args[1:])))
+                tally.fail(error, child.command)
                 failures.append(f"walk process {index}: {error}")
                 continue
             tally.add(child_tally)
             tally.events["walk processes sharing the device"] += 1
-            if child.process.returncode != 0:
-                failures.append(f"walk process {index} (exit {child.process.returncode}): {child_tally.failures}")
+            if child.returncode != 0:
+                failures.append(f"walk process {index} (exit {child.returncode}): {child_tally.failures}")
     finally:
         for child in children:
             child.close()
