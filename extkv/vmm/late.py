@@ -18,6 +18,8 @@ wrapper changes nothing there.
 
 from __future__ import annotations
 
+import threading
+
 import torch
 
 from .wrapping import WrappingDriver
@@ -26,6 +28,8 @@ from .wrapping import WrappingDriver
 #: boost clock, longer at lower clocks; far longer than the worker's step and
 #: a test's read take to be queued.
 SPIN_CYCLES = 200_000_000
+#: Bytes the warm-up zeroes behind its spin: one 2 MiB granule.
+WARM_UP_BYTES = 2 << 20
 
 
 class LateZeroingDriver(WrappingDriver):
@@ -57,9 +61,29 @@ class LateZeroingDriver(WrappingDriver):
 
 
 def load_spin_kernel(driver) -> None:
-    """Run the spin once where it runs at all (CUDA), so that CUDA's lazy
-    module loading grows the context before a test's leak baseline is taken,
-    not during the test."""
-    if driver.kind == "cuda":
-        with torch.cuda.device(driver.device):
+    """Run the spin once, where it runs at all (CUDA), as a late test meets
+    it: in a thread of its own, on the driver's side stream, before a
+    zeroing there that the caller's stream waits for. Whatever CUDA loads or
+    grows lazily for that path (the spin's module, the side streams, a
+    memset there) then does so before a test's leak baseline is taken, not
+    during the first test that takes it."""
+    if driver.kind != "cuda":
+        return
+    with torch.cuda.device(driver.device):
+        scratch = torch.ones(WARM_UP_BYTES, dtype=torch.uint8, device=driver.device)
+    fences = []
+
+    def spin_and_zero() -> None:
+        with torch.cuda.device(driver.device), driver.side_stream():
             torch.cuda._sleep(1)
+            driver.zero(scratch.data_ptr(), WARM_UP_BYTES)
+            fences.append(driver.fence())
+
+    thread = threading.Thread(target=spin_and_zero, name="extkv-spin-warm-up")
+    thread.start()
+    thread.join()
+    with torch.cuda.device(driver.device):
+        driver.wait_for(fences[0])
+        if scratch.count_nonzero().item():
+            raise RuntimeError("the spin's warm-up zeroing left bytes that are not 0")
+    driver.synchronize()
