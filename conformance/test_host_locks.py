@@ -48,6 +48,7 @@ from extkv.peer import import_segments
 from extkv.testing.checks import check_readback_matches_bookkeeping
 from extkv.testing.children import python_c
 from extkv.testing.configs import config_for
+from extkv.testing.ctrl_c import python_handles_ctrl_c
 from extkv.vmm import HostDriver, host, host_commits
 from extkv.vmm.wrapping import WrappingDriver
 
@@ -514,7 +515,7 @@ def test_ctrl_c_while_waiting_for_the_lock_lands_and_changes_nothing(driver, loc
         sender = threading.Thread(target=interrupt, name="interrupt")
         sender.start()
         try:
-            with pytest.raises(KeyboardInterrupt) as interrupted:
+            with python_handles_ctrl_c(), pytest.raises(KeyboardInterrupt) as interrupted:
                 tensor.resize_segments_([g])
         finally:
             sender.join(HANG_S)

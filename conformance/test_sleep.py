@@ -38,6 +38,7 @@ from extkv.testing.checks import (
     snapshot,
 )
 from extkv.testing.configs import CAPACITY, config_for
+from extkv.testing.ctrl_c import python_handles_ctrl_c
 from extkv.vmm import PoisoningDriver, driver_for
 
 POISON = 0xA5
@@ -634,18 +635,16 @@ def test_ctrl_c_ends_a_sleep_waiting_for_a_cache_lock_and_changes_nothing(build,
             if not interrupted.wait(SAFETY_S):
                 gave_up.append("the lock, still waited for")
 
-    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
     thread = threading.Thread(target=holder, daemon=True)
     try:
         thread.start()
         assert holding.wait(SAFETY_S), "the holder never took the cache's lock"
-        with pytest.raises(KeyboardInterrupt):
+        with python_handles_ctrl_c(), pytest.raises(KeyboardInterrupt):
             with noticing_a_take_of(kv.buffer.lock, sleep_wants_the_lock):
                 engine.sleep(level=1)
     finally:
         interrupted.set()
         thread.join(SAFETY_S)
-        signal.signal(signal.SIGINT, previous)
     assert sleep_wants_the_lock.is_set(), "the sleep never asked for the cache's lock: the test proves nothing"
     assert not gave_up, f"Ctrl-C did not end the sleep's wait: after {SAFETY_S} s the holder let go of {gave_up[0]}"
     assert engine.states == {"kv_cache": "awake", "weights": "awake"} and engine.offloaded_bytes == 0

@@ -13,6 +13,7 @@ from pathlib import Path
 
 import pytest
 
+from extkv.testing.ctrl_c import PYTHON_HANDLES_CTRL_C
 from tools import busy_check
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -102,7 +103,10 @@ def start_script() -> tuple[subprocess.Popen, int, int]:
     the test never writes); returns it, the neighbours' group and the
     check's pid, once both are running (read from its output)."""
     blocking = [sys.executable, "-c", "import os, sys; print('extkv check: pid', os.getpid(), flush=True); sys.stdin.read()"]
-    code = f"import sys; from tools.busy_check import main; sys.exit(main({['--runs', '1', *SMALL]!r}, check={blocking!r}))"
+    # As a terminal starts it: Ctrl-C reaches Python's handler, whatever this test process inherited.
+    code = PYTHON_HANDLES_CTRL_C + (
+        f"import sys; from tools.busy_check import main; sys.exit(main({['--runs', '1', *SMALL]!r}, check={blocking!r}))"
+    )
     script = subprocess.Popen(
         [sys.executable, "-c", code], cwd=ROOT, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
         env={**os.environ, "PYTHONPATH": str(ROOT)},
