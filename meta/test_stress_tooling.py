@@ -9,14 +9,25 @@ from __future__ import annotations
 
 import errno
 import json
+import random
 import time
 
 import pytest
 
-from extkv import OutOfMemoryError
+from extkv import ExtensibleKVCache, KVCacheLayout, OutOfMemoryError
 from extkv.stress.report import stress_section
 from extkv.testing.stress import HOST_STRESS_GRANULE, Floor, PressureProcess, StressTally, run_walk_processes, share_of_bound
+from extkv.testing.stress.under_pressure import (
+    PRESSURE_KEPT_BLOCKS,
+    PRESSURE_PATTERN,
+    PRESSURE_SMALL_COMMIT_BYTES,
+    PressureEpisode,
+    check_block_values,
+    write_block_values,
+)
 from extkv.testing.stress.walk import out_of_memory_waiter
+from extkv.testing.configs import config_for
+from extkv.vmm import HostDriver
 
 #: Every test here checks extkv's own tooling: the stress runs and their report.
 pytestmark = pytest.mark.harness
@@ -107,3 +118,27 @@ def test_the_report_names_each_bound_too_short(tmp_path):
         "| `test_commits_meet_real_out_of_memory[host]` | host | real out-of-memory episodes | 1 whole pressure episode "
         "| 6.0 s | 0 s | 8 s |"
     ) in section, section
+
+
+def test_the_recovery_after_an_inconclusive_pressure_episode_leaves_the_kept_blocks_patterned():
+    """An episode that other processes' memory decided ends in `recover`,
+    and the next episode's first check reads the kept blocks for the
+    pattern: recovery ends as a whole episode does, with them patterned,
+    though its last shrink remapped them zeroed."""
+    layout = KVCacheLayout.BLHNC
+    probe = ExtensibleKVCache(config_for("full", layout, 1), HostDriver(HOST_STRESS_GRANULE), layout)
+    stride = probe.bytes_per_block
+    probe.free()
+    capacity = PRESSURE_KEPT_BLOCKS + 2 * -(-PRESSURE_SMALL_COMMIT_BYTES // stride)
+    driver = HostDriver(HOST_STRESS_GRANULE)
+    kv_cache = ExtensibleKVCache(config_for("full", layout, capacity), driver, layout)
+    try:
+        with PressureProcess("cpu") as pressure:
+            episode = PressureEpisode(kv_cache, driver, pressure, StressTally(), random.Random(SEED), driver.memory_info()[1])
+            kv_cache.commit(PRESSURE_KEPT_BLOCKS)
+            write_block_values(kv_cache, 0, PRESSURE_KEPT_BLOCKS, PRESSURE_PATTERN)
+            episode.recover()
+            check_block_values(kv_cache, 0, PRESSURE_KEPT_BLOCKS, PRESSURE_PATTERN, "kept blocks after a recovery")
+            assert kv_cache.num_committed_blocks == PRESSURE_KEPT_BLOCKS, kv_cache.num_committed_blocks
+    finally:
+        kv_cache.free()

@@ -356,6 +356,8 @@ class PressureEpisode:
         check_block_values(kv_cache, 0, PRESSURE_KEPT_BLOCKS, PRESSURE_PATTERN, "kept blocks after an inconclusive episode")
         check_block_values(kv_cache, PRESSURE_KEPT_BLOCKS, small, 0, "blocks committed after an inconclusive episode")
         kv_cache.commit(PRESSURE_KEPT_BLOCKS, shrink=True)
+        # A shrink remaps the prefix it keeps, zeroed: the next episode expects the pattern.
+        write_block_values(kv_cache, 0, PRESSURE_KEPT_BLOCKS, PRESSURE_PATTERN)
         check_readback_matches_bookkeeping(kv_cache.buffer)
         self.tally.checks["after an inconclusive episode: read-back, kept blocks, a small commit"] += 1
 
