@@ -6,9 +6,10 @@ from their stored results, in a copy: their first screen holds each run's
 verdict and the table of extkv against each contender, their text names the
 extkv build and its commit and no directory of any machine, and the
 committed summary.md is exactly what rendering makes of the stored results.
-A smoke bench run and a narrowed one, written file by file as `extkv bench`
-leaves them, show their readings and no met or missed; a narrowed check
-judges no device."""
+A smoke bench run and one narrowed (by an option or a test path), written
+file by file as `extkv bench` leaves them, show their readings and no met
+or missed; a narrowed check judges no device, a narrowed stress run passes
+nothing."""
 
 from __future__ import annotations
 
@@ -20,11 +21,12 @@ from pathlib import Path
 import pytest
 
 from extkv.benchmarking.report import RUN_FILE
-from extkv.benchmarking.result_files import BENCH_JSON, CASES_FILE
+from extkv.benchmarking.result_files import BENCH_JSON, CASES_FILE, HARNESS_STEP
 from extkv.check.report import load_check
 from extkv.check.verdict import front_lines
 from extkv.report import render_report
 from extkv.runs.machine import read_machine_facts
+from extkv.runs.results import CHECK_FORMAT
 from extkv.runs.rundir import checkout_root
 
 #: Every test here checks extkv's own tooling: benchmarks, reports, the command line.
@@ -81,10 +83,12 @@ def test_a_committed_reference_is_what_rendering_makes_of_its_stored_results(ref
         f"{committed}/summary.md differs from its results rendered again: run `extkv report {committed}`")
 
 
-def write_bench_run(run_dir: Path, profile: str, pytest_arguments: list[str]) -> Path:
+def write_bench_run(run_dir: Path, profile: str, pytest_arguments: list[str], selected: list[str] | None = None) -> Path:
     """A run directory of one 1 GiB 8-step growth in which extkv took twice
     the raw sequence's time (a target missed by 90%), as the engine,
-    pytest-benchmark and `extkv bench` (bench-run.json) write it."""
+    pytest-benchmark and `extkv bench` (bench-run.json) write it; where
+    `selected` is given, with the harness's record of the run, in which
+    pytest took those positional arguments."""
     walls = {"extkv": [0.002, 0.003], "raw": [0.001, 0.001]}
     case = {"case": "grow8-blhnc1-1GiB-recycled", "op": "grow8", "op_what": "growth", "pivot": "memset",
             "contenders": list(walls), "geometry": "blhnc1", "geometry_what": "g", "segments": 1, "blocks": 8,
@@ -103,17 +107,32 @@ def write_bench_run(run_dir: Path, profile: str, pytest_arguments: list[str]) ->
     (run_dir / BENCH_JSON).write_text(json.dumps({"benchmarks": benchmarks}))
     command = ["python", "-m", "pytest", "reports", "-q", "-s", "-o", "python_files=bench_*.py", *pytest_arguments]
     (run_dir / RUN_FILE).write_text(json.dumps({"pytest": command, "exit_status": 0}))
+    if selected is not None:
+        record = {"format": CHECK_FORMAT, "step": HARNESS_STEP, "machine": {"gpus": []}, "invariants": {},
+                  "totals": {}, "exit_status": 0, "devices": {}, "selection": {"args": selected},
+                  "collection_errors": [], "worker_gpus": {}, "tests": {}}
+        (run_dir / f"{HARNESS_STEP}.json").write_text(json.dumps(record))
     return run_dir
 
 
-@pytest.mark.parametrize("profile, arguments, said", [
-    ("quick", [], "Not a verdict: profile quick: the quick profile"),
-    ("gpu", ["-k", "grow8"], "Not a verdict: narrowed by -k grow8"),
-    ("gpu", ["--deselect=bench/bench_kv.py::test_bench", "-x"], "Not a verdict: narrowed by --deselect "
+#: Options of pytest whose value is an argument of its own, which a reading
+#: of the command could take for a test path: `/dev/null` is one.
+VALUED_OPTIONS = ["-p", "no:cacheprovider", "-W", "error", "-c", "/dev/null", "--rootdir", "bench", "-n", "2"]
+
+
+@pytest.mark.parametrize("profile, arguments, selected, said", [
+    ("quick", [], None, "Not a verdict: profile quick: the quick profile"),
+    ("gpu", ["-k", "grow8"], None, "Not a verdict: narrowed by -k grow8"),
+    ("gpu", ["--deselect=bench/bench_kv.py::test_bench", "-x"], None, "Not a verdict: narrowed by --deselect "
      "bench/bench_kv.py::test_bench, -x"),
-], ids=["smoke", "keyword", "deselected"])
-def test_a_smoke_or_narrowed_bench_run_shows_readings_and_judges_nothing(tmp_path, profile, arguments, said):
-    summary = render_report(write_bench_run(tmp_path / "run", profile, arguments)).read_text()
+    ("gpu", [*VALUED_OPTIONS, "bench/bench_kv.py"], ["reports", "bench/bench_kv.py"],
+     "Not a verdict: narrowed by path bench/bench_kv.py"),
+    ("gpu", ["bench/bench_kv.py::test_bench", "-k", "grow8"], ["reports", "bench/bench_kv.py::test_bench"],
+     "Not a verdict: narrowed by -k grow8, path bench/bench_kv.py::test_bench"),
+], ids=["smoke", "keyword", "deselected", "path", "test-and-keyword"])
+def test_a_smoke_or_narrowed_bench_run_shows_readings_and_judges_nothing(tmp_path, profile, arguments, selected, said):
+    run_dir = write_bench_run(tmp_path / "run", profile, arguments, selected)
+    summary = render_report(run_dir).read_text()
     front = "\n".join(summary.splitlines()[:FIRST_SCREEN])
     assert "**Benchmarks: not a verdict: " in front and "| raw driver sequence | 8-step growth | <= 1.05x | 2.00x |" in (
         front), front
@@ -123,9 +142,15 @@ def test_a_smoke_or_narrowed_bench_run_shows_readings_and_judges_nothing(tmp_pat
     assert not judged, f"{len(judged)} lines judge: " + "\n".join(judged[:5])
 
 
-def test_the_same_run_whole_is_judged(tmp_path):
-    """The yardstick of the test above: unnarrowed, the same results miss the target."""
-    summary = render_report(write_bench_run(tmp_path / "run", "gpu", [])).read_text()
+@pytest.mark.parametrize("arguments, selected", [
+    ([], None),
+    (VALUED_OPTIONS, ["reports"]),
+], ids=["no-harness-record", "options-with-values"])
+def test_the_same_run_whole_is_judged(tmp_path, arguments, selected):
+    """The yardstick of the test above: unnarrowed, the same results miss
+    the target, whatever values its options take (the suite itself, `-o
+    python_files=bench_*.py`, `-c /dev/null` are no test paths)."""
+    summary = render_report(write_bench_run(tmp_path / "run", "gpu", arguments, selected)).read_text()
     assert "**Benchmarks: targets 0 met, 1 missed, 0 not measured**" in summary, summary[:2000]
     assert "missed by 90%: 2.00x" in summary
 
@@ -151,16 +176,23 @@ def test_a_narrowed_check_judges_no_device():
     assert whole[2].startswith("- host driver (Linux 6.18, memfd): NOT CERTIFIED: 1 failed"), whole
 
 
-@pytest.mark.parametrize("run, shown", [
-    ({"exit_status": 1, "pytest": ["python", "-m", "pytest", "stress", "-k", "walk"]},
+#: A stress run's command as `extkv stress` records it, up to the arguments it hands pytest.
+STRESS_COMMAND = ["python", "-m", "pytest", "stress", "-q", "-p", "no:cacheprovider", "--extkv-stress", "-n", "2",
+                  "--dist", "each"]
+
+
+@pytest.mark.parametrize("run, selected, shown", [
+    ({"exit_status": 1, "pytest": [*STRESS_COMMAND, "-k", "walk"]}, ["stress"],
      "partial run: not a verdict (narrowed by -k walk); 1 passed, 1 failed, 0 skipped"),
-    ({"exit_status": 1, "pytest": ["python", "-m", "pytest", "stress"]},
+    ({"exit_status": 1, "pytest": [*STRESS_COMMAND, "stress/test_walk.py"]}, ["stress", "stress/test_walk.py"],
+     "partial run: not a verdict (narrowed by path stress/test_walk.py); 1 passed, 1 failed, 0 skipped"),
+    ({"exit_status": 1, "pytest": STRESS_COMMAND}, ["stress"],
      "NOT PASSED: 1 failed, pytest ended with exit status 1; 1 passed, 1 failed, 0 skipped"),
-], ids=["narrowed", "whole"])
-def test_a_narrowed_stress_run_judges_nothing(tmp_path, run, shown):
+], ids=["narrowed", "path", "whole"])
+def test_a_narrowed_stress_run_judges_nothing(tmp_path, run, selected, shown):
     from meta.test_reporting import stress_run_directory
 
-    summary = render_report(stress_run_directory(tmp_path, ["passed", "error"], run, [])).read_text()
+    summary = render_report(stress_run_directory(tmp_path, ["passed", "error"], run, [], selected)).read_text()
     front = summary.splitlines()[:FIRST_SCREEN]
     assert any(line.startswith(f"**Stress: {shown}** (") for line in front), "\n".join(front)
     assert f"- verdict: **{shown}**" in summary, summary

@@ -390,11 +390,13 @@ def test_pool_writes_its_files_anew_in_a_directory_that_holds_symlinks(tmp_path)
 
 
 # -- the stress section's verdict -----------------------------------------------------------------
-def stress_run_directory(run_dir: Path, outcomes: list[str], run: dict | None, stopped: list[str] = ()) -> Path:
+def stress_run_directory(run_dir: Path, outcomes: list[str], run: dict | None, stopped: list[str] = (),
+                         selected: list[str] = ("stress",)) -> Path:
     """A stress run's results as `extkv stress` leaves them: a result per
     test of `outcomes` (from the stress suite's conftest), `run` as
     run.json, and the harness's record of the same pytest run, in which
-    the tests `stopped` are those a signal stopped (no report of them came)."""
+    the tests `stopped` are those a signal stopped (no report of them came)
+    and pytest took the positional arguments `selected`."""
     from extkv.testing.stress import StressTally
 
     tests = run_dir / "stress" / "tests"
@@ -414,7 +416,7 @@ def stress_run_directory(run_dir: Path, outcomes: list[str], run: dict | None, s
                                  "duration_s": 1.0, "message": None, "skip_reason": None}
     status = (run or {}).get("exit_status", 0)
     harness = {"format": CHECK_FORMAT, "step": "stress", "machine": {"gpus": []}, "invariants": {}, "totals": {},
-               "exit_status": status, "devices": {}, "selection": {"args": ["stress"]}, "collection_errors": [],
+               "exit_status": status, "devices": {}, "selection": {"args": list(selected)}, "collection_errors": [],
                "worker_gpus": {}, "tests": harness_tests}
     (run_dir / "stress" / "stress.json").write_text(json.dumps(harness))
     if run is not None:

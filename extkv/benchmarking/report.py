@@ -22,10 +22,12 @@ read as complete.
 
 A run that measures nothing worth quoting judges nothing (`not_a_verdict`):
 a smoke run (`extkv bench --quick`, profile `quick`: tiny sizes, two
-rounds) and a run narrowed by pytest's selection (`-k`, `-m`, `-x`, ...,
-as bench-run.json records its command). Its section says so before any
-figure and shows each ratio alone (extkv.benchmarking.targets.readings_only):
-no target met or missed, no count of them.
+rounds) and a run narrowed by pytest's selection: `-k`, `-m`, `-x`, ...
+as bench-run.json records its command, and test paths as the harness's
+record of the run (HARNESS_STEP) says pytest took them
+(extkv.runs.results.narrowing). Its section says so before any figure and
+shows each ratio alone (extkv.benchmarking.targets.readings_only): no
+target met or missed, no count of them.
 
 The section opens with the readings a reader decides on, and ends with how
 they were measured; `bench_front` is the short table of the report's front
@@ -37,11 +39,11 @@ from __future__ import annotations
 import statistics
 from pathlib import Path
 
-from ..runs.results import FINISHED_STATUSES, narrowing
+from ..runs.results import FINISHED_STATUSES, load_results, narrowing
 from .decode_report import decode_section
 from .growth_report import growth_section
 from .plots import plot
-from .result_files import DECODE_FILE, GROWTH_FILE
+from .result_files import DECODE_FILE, GROWTH_FILE, HARNESS_STEP
 from .results import BenchRun, CaseResult, Entry, carryover, load, ratio, read_json_object
 from .sizes import size_label
 from .targets import ScalingRow, TargetRow, evaluate, evaluate_scaling, fewest_calls_reason, readings_only
@@ -78,8 +80,9 @@ def not_a_verdict(run_dir: Path, facts: dict) -> str | None:
     reasons = []
     if facts.get("profile") in SMOKE_PROFILES:
         reasons.append(f"profile {facts['profile']}: {facts.get('profile_what', 'a smoke run')}")
-    path = Path(run_dir) / RUN_FILE
-    narrowed = narrowing(read_json_object(path).get("pytest") or []) if path.exists() else []
+    path, record = Path(run_dir) / RUN_FILE, Path(run_dir) / f"{HARNESS_STEP}.json"
+    selected = load_results(record)["selection"]["args"] if record.exists() else None
+    narrowed = narrowing(read_json_object(path).get("pytest") or [], selected) if path.exists() else []
     if narrowed:
         reasons.append("narrowed by " + ", ".join(narrowed))
     return "; ".join(reasons) or None

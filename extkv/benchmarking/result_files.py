@@ -18,3 +18,7 @@ BENCH_JSON = "bench.json"
 DECODE_FILE = "bench_decode.json"
 #: The growth-loop bench's result (extkv.benchmarking.growth_loop).
 GROWTH_FILE = "bench_growth.json"
+#: The harness's record of the benchmarks' pytest run, `<step>.json`
+#: (`--extkv-report-step`; extkv.testing.record): among its facts the test
+#: paths pytest took, which narrow a run as `-k` does.
+HARNESS_STEP = "bench_tests"

@@ -13,7 +13,8 @@ Two phases, each announced by a progress line and timed:
    (extkv.benchmarking.engine) prints a line per case; pytest-benchmark
    writes `<run>/bench.json` with extkv's playback clock as its timer, and
    saves the run in its storage (below); the engine writes
-   `<run>/bench_cases.json`.
+   `<run>/bench_cases.json`; the harness writes its record of the pytest
+   run, what selected its tests included, to `<run>/bench_tests.json`.
 2. The report: `render_report(<run>)` writes `summary.md` with the bench
    section (extkv.benchmarking.report) and its plots; the machine's facts come
    from `machine.json`, written before phase 1. With `--quick` the run fails
@@ -92,7 +93,7 @@ from ..runs.rundir import (
 )
 from ..runs.steps import RunInterrupted, end_all, interruptible, start as start_step
 from .playback import PLAYBACK_TIMER
-from .result_files import BENCH_JSON
+from .result_files import BENCH_JSON, HARNESS_STEP
 from .report import RUN_FILE
 
 #: Files of an earlier bench that --overwrite removes from --report-dir.
@@ -131,6 +132,10 @@ def pytest_command(suite: Path, run_dir: Path, profile: str, device: str, rounds
         f"--extkv-bench-profile={profile}",
         f"--extkv-bench-device={device}",
         f"--extkv-bench-dir={run_dir}",
+        # The harness's record: what pytest selected, as its own parse of
+        # this command read it (a report names the test paths given).
+        f"--extkv-report-dir={run_dir}",
+        f"--extkv-report-step={HARNESS_STEP}",
     ]
     if rounds is not None:
         command.append(f"--extkv-bench-rounds={rounds}")

@@ -11,7 +11,12 @@ verdict, the bench section and the stress section each say what it means
 for them. `load_step_results` reads one results file, the test a signal
 stopped counted as `interrupted`, never as an error of the code under test.
 `narrowing` names the options of a recorded pytest command that narrowed
-what it ran (`-k walk`, `-x`): a narrowed run of any kind judges nothing.
+what it ran (`-k walk`, `-x`), and the test paths pytest was given beside
+the suite: a narrowed run of any kind judges nothing. Which arguments are
+test paths only pytest's own parse of the command knows (`-p NAME`, `-c
+FILE`, `-n 2` take a value of their own; plugins add more), so the paths
+come from the harness's record of the same run (its selection["args"]),
+never from reading the command.
 """
 
 from __future__ import annotations
@@ -31,9 +36,12 @@ NARROWING_WITH_VALUE = ("-k", "-m", "--deselect", "--ignore", "--ignore-glob", "
 NARROWING_FLAGS = ("--lf", "--last-failed", "--sw", "--stepwise", "-x", "--exitfirst")
 
 
-def narrowing(command: list[str]) -> list[str]:
-    """The options of a recorded pytest command (`python -m pytest ...`) that
-    narrow what it ran: `-k commit`, `-x`."""
+def narrowing(command: list[str], selected: list[str] | None = None) -> list[str]:
+    """The options of a recorded pytest command (`python -m pytest ...`)
+    that narrow what it ran (`-k commit`, `-x`), then every test path pytest
+    took besides the suite, where the harness recorded the run's selection
+    (`selected`: that record's selection["args"], the suite first, as every
+    run kind's command names it): `path bench/bench_kv.py::test_bench`."""
     arguments = command[command.index("pytest") + 1:] if "pytest" in command else command
     found = []
     for index, argument in enumerate(arguments):
@@ -44,6 +52,8 @@ def narrowing(command: list[str]) -> list[str]:
             found.append(f"{option} {value if equals else ''.join(arguments[index + 1:index + 2])}")
         elif argument[:2] in ("-k", "-m") and len(argument) > 2 and argument[2] != "-":
             found.append(f"{argument[:2]} {argument[2:]}")  # -kcommit
+    suite, *paths = selected or [None]
+    found += [f"path {path}" for path in paths if path != suite]
     return list(dict.fromkeys(found))
 
 

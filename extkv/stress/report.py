@@ -25,8 +25,8 @@ passed only where pytest ended with status 0, a test passed, and none
 failed, leaked, mismatched or was interrupted; a run a signal ended, or
 whose pytest a signal stopped (exit status 2), passed nothing, and its
 stopped tests are `interrupted`, never failures. A report shows a run
-narrowed by pytest's selection as judging nothing (`shown_verdict`), as a
-narrowed check certifies nothing.
+narrowed by pytest's selection (options, test paths) as judging nothing
+(`shown_verdict`), as a narrowed check certifies nothing.
 
 Everything here is plain JSON reading, so a report renders again without the
 test extra (pytest, hypothesis) installed.
@@ -64,21 +64,25 @@ def _read(path: Path) -> dict:
 
 def load_stress(run_dir: Path) -> dict | None:
     """{"run": run.json or {}, "tests": [records], "interrupted": [the
-    harness's records of tests a signal stopped], "timelines": [documents]}
-    from `run_dir/stress/`; None when it holds neither a test's result nor
-    run.json."""
+    harness's records of tests a signal stopped], "selected": [the
+    positional arguments pytest took, the suite first, as the harness
+    recorded them] or None where it recorded none, "timelines":
+    [documents]} from `run_dir/stress/`; None when it holds neither a
+    test's result nor run.json."""
     directory = Path(run_dir) / STRESS_DIR
     tests = sorted((directory / "tests").glob("*.json")) if directory.is_dir() else []
     run_file = directory / RUN_FILE
     if not tests and not run_file.is_file():
         return None
     harness_file = directory / f"{HARNESS_STEP}.json"
-    harness_tests = load_step_results(harness_file)["tests"] if harness_file.is_file() else {}
+    harness = load_step_results(harness_file) if harness_file.is_file() else None
+    harness_tests = harness["tests"] if harness else {}
     return {
         "run": read_json(run_file) if run_file.is_file() else {},
         "tests": [_read(path) for path in tests],
         "interrupted": [{**record, "nodeid": nodeid} for nodeid, record in harness_tests.items()
                         if record["outcome"] == "interrupted"],
+        "selected": harness["selection"]["args"] if harness else None,
         "timelines": [_read(path) for path in sorted(directory.glob("timeline-*.json"))],
     }
 
@@ -228,10 +232,11 @@ def _command_line(run: dict) -> str:
 
 def shown_verdict(stress: dict) -> str:
     """`stress_verdict`'s line as a report shows it: a run narrowed by
-    pytest's selection (`-k`, `-x`, ... in its command) and not interrupted
-    passes nothing and judges nothing, its counts alone."""
+    pytest's selection (`-k`, `-x`, ... in its command, test paths in the
+    harness's record) and not interrupted passes nothing and judges
+    nothing, its counts alone."""
     words = stress_verdict(stress)[1]
-    narrowed = narrowing(stress["run"].get("pytest") or [])
+    narrowed = narrowing(stress["run"].get("pytest") or [], stress["selected"])
     if not narrowed or stress["run"].get("interrupted"):
         return words
     overall = stress_totals(stress)["overall"]
