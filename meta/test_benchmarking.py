@@ -566,6 +566,16 @@ def test_headline_readings_take_the_profiles_headline_rounds_unless_rounds_are_g
     assert {given.rounds_for(case) for case in [headline[0], growth[0], other, *small]} == {(3, profile.case_seconds)}
 
 
+def test_the_run_records_whether_its_rounds_were_capped(tmp_path):
+    """`--rounds N` drops the profile's rounds for every case alike, so the
+    run's facts say so, for the report to judge nothing (extkv.benchmarking.report.not_a_verdict)."""
+    for rounds, given in ((None, False), (3, True)):
+        engine = Engine(PROFILES["quick"], "cpu", tmp_path / str(rounds), rounds=rounds, warm=False,
+                        log=lambda line: None)
+        facts = json.loads(engine.finish().read_text())
+        assert (facts["rounds"], facts["rounds_given"]) == (rounds or PROFILES["quick"].rounds, given), facts
+
+
 def test_costly_peers_stop_at_their_round_cap():
     names = ("extkv", "per_granule", "allocate_copy")
     results = interleave(tiny_case("grow8", names), names, torch.device("cpu"), rounds=3, case_seconds=60.0, costly_rounds=1)

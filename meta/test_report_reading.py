@@ -6,10 +6,10 @@ from their stored results, in a copy: their first screen holds each run's
 verdict and the table of extkv against each contender, their text names the
 extkv build and its commit and no directory of any machine, and the
 committed summary.md is exactly what rendering makes of the stored results.
-A smoke bench run and one narrowed (by an option or a test path), written
-file by file as `extkv bench` leaves them, show their readings and no met
-or missed; a narrowed check judges no device, a narrowed stress run passes
-nothing."""
+A smoke bench run, one whose rounds were capped and one narrowed (by an
+option or a test path), written file by file as `extkv bench` leaves them,
+show their readings and no met or missed; a narrowed check judges no
+device, a narrowed stress run passes nothing."""
 
 from __future__ import annotations
 
@@ -83,12 +83,14 @@ def test_a_committed_reference_is_what_rendering_makes_of_its_stored_results(ref
         f"{committed}/summary.md differs from its results rendered again: run `extkv report {committed}`")
 
 
-def write_bench_run(run_dir: Path, profile: str, pytest_arguments: list[str], selected: list[str] | None = None) -> Path:
+def write_bench_run(run_dir: Path, profile: str, pytest_arguments: list[str], selected: list[str] | None = None,
+                    rounds_given: bool = False) -> Path:
     """A run directory of one 1 GiB 8-step growth in which extkv took twice
     the raw sequence's time (a target missed by 90%), as the engine,
     pytest-benchmark and `extkv bench` (bench-run.json) write it; where
     `selected` is given, with the harness's record of the run, in which
-    pytest took those positional arguments."""
+    pytest took those positional arguments; `rounds_given`: as `--rounds 2`
+    leaves it."""
     walls = {"extkv": [0.002, 0.003], "raw": [0.001, 0.001]}
     case = {"case": "grow8-blhnc1-1GiB-recycled", "op": "grow8", "op_what": "growth", "pivot": "memset",
             "contenders": list(walls), "geometry": "blhnc1", "geometry_what": "g", "segments": 1, "blocks": 8,
@@ -97,7 +99,7 @@ def write_bench_run(run_dir: Path, profile: str, pytest_arguments: list[str], se
             "results": {name: {"status": "measured", "reason": ""} for name in walls}}
     facts = {"profile": profile, "profile_what": f"the {profile} profile", "device": "cpu",
              "device_description": {}, "host": "h", "torch": "t", "granularity": 2 << 20, "rounds": 2,
-             "case_seconds": 2.0, "costly_rounds": 2, "elapsed_seconds": 1.0, "budget_seconds": 60.0,
+             "rounds_given": rounds_given, "case_seconds": 2.0, "costly_rounds": 2, "elapsed_seconds": 1.0, "budget_seconds": 60.0,
              "clocks": ["c"], "cpu_time": "thread_time", "cases": [case]}
     run_dir.mkdir(parents=True)
     (run_dir / CASES_FILE).write_text(json.dumps(facts))
@@ -120,18 +122,21 @@ def write_bench_run(run_dir: Path, profile: str, pytest_arguments: list[str], se
 VALUED_OPTIONS = ["-p", "no:cacheprovider", "-W", "error", "-c", "/dev/null", "--rootdir", "bench", "-n", "2"]
 
 
-@pytest.mark.parametrize("profile, arguments, selected, said", [
-    ("quick", [], None, "Not a verdict: profile quick: the quick profile"),
-    ("gpu", ["-k", "grow8"], None, "Not a verdict: narrowed by -k grow8"),
-    ("gpu", ["--deselect=bench/bench_kv.py::test_bench", "-x"], None, "Not a verdict: narrowed by --deselect "
+@pytest.mark.parametrize("profile, arguments, selected, rounds_given, said", [
+    ("quick", [], None, False, "Not a verdict: profile quick: the quick profile"),
+    ("gpu", ["-k", "grow8"], None, False, "Not a verdict: narrowed by -k grow8"),
+    ("gpu", ["--deselect=bench/bench_kv.py::test_bench", "-x"], None, False, "Not a verdict: narrowed by --deselect "
      "bench/bench_kv.py::test_bench, -x"),
-    ("gpu", [*VALUED_OPTIONS, "bench/bench_kv.py"], ["reports", "bench/bench_kv.py"],
+    ("gpu", [*VALUED_OPTIONS, "bench/bench_kv.py"], ["reports", "bench/bench_kv.py"], False,
      "Not a verdict: narrowed by path bench/bench_kv.py"),
-    ("gpu", ["bench/bench_kv.py::test_bench", "-k", "grow8"], ["reports", "bench/bench_kv.py::test_bench"],
+    ("gpu", ["bench/bench_kv.py::test_bench", "-k", "grow8"], ["reports", "bench/bench_kv.py::test_bench"], False,
      "Not a verdict: narrowed by -k grow8, path bench/bench_kv.py::test_bench"),
-], ids=["smoke", "keyword", "deselected", "path", "test-and-keyword"])
-def test_a_smoke_or_narrowed_bench_run_shows_readings_and_judges_nothing(tmp_path, profile, arguments, selected, said):
-    run_dir = write_bench_run(tmp_path / "run", profile, arguments, selected)
+    ("gpu", [], ["reports"], True, "Not a verdict: rounds capped at 2"),
+    ("quick", [], ["reports"], True, "Not a verdict: profile quick: the quick profile; rounds capped at 2"),
+], ids=["smoke", "keyword", "deselected", "path", "test-and-keyword", "rounds-capped", "smoke-rounds-capped"])
+def test_a_smoke_or_narrowed_bench_run_shows_readings_and_judges_nothing(
+        tmp_path, profile, arguments, selected, rounds_given, said):
+    run_dir = write_bench_run(tmp_path / "run", profile, arguments, selected, rounds_given)
     summary = render_report(run_dir).read_text()
     front = "\n".join(summary.splitlines()[:FIRST_SCREEN])
     assert "**Benchmarks: not a verdict: " in front and "| raw driver sequence | 8-step growth | <= 1.05x | 2.00x |" in (

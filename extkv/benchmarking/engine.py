@@ -306,6 +306,7 @@ class Engine:
             "torch": torch.__version__,
             "clocks": self.clocks,
             "rounds": self.rounds,
+            "rounds_given": self.rounds_given,
             "case_seconds": self.profile.case_seconds,
             "headline_rounds": 0 if self.rounds_given else self.profile.headline_rounds,
             "headline_case_seconds": self.profile.headline_case_seconds,

@@ -22,9 +22,10 @@ read as complete.
 
 A run that measures nothing worth quoting judges nothing (`not_a_verdict`):
 a smoke run (`extkv bench --quick`, profile `quick`: tiny sizes, two
-rounds) and a run narrowed by pytest's selection: `-k`, `-m`, `-x`, ...
-as bench-run.json records its command, and test paths as the harness's
-record of the run (HARNESS_STEP) says pytest took them
+rounds), a run whose rounds `--rounds N` capped (the engine's facts say
+`rounds_given`), and a run narrowed by pytest's selection: `-k`, `-m`,
+`-x`, ... as bench-run.json records its command, and test paths as the
+harness's record of the run (HARNESS_STEP) says pytest took them
 (extkv.runs.results.narrowing). Its section says so before any figure and
 shows each ratio alone (extkv.benchmarking.targets.readings_only): no
 target met or missed, no count of them.
@@ -75,11 +76,13 @@ def partial_reason(run_dir: Path) -> str | None:
 SMOKE_PROFILES = ("quick",)
 def not_a_verdict(run_dir: Path, facts: dict) -> str | None:
     """Why the run's figures are readings and no verdict (`profile quick:
-    smoke run: ...`, `narrowed by -k commit`); None for a run that judges
-    its targets."""
+    smoke run: ...`, `rounds capped at 3`, `narrowed by -k commit`); None
+    for a run that judges its targets."""
     reasons = []
     if facts.get("profile") in SMOKE_PROFILES:
         reasons.append(f"profile {facts['profile']}: {facts.get('profile_what', 'a smoke run')}")
+    if facts.get("rounds_given"):
+        reasons.append(f"rounds capped at {facts['rounds']}")
     path, record = Path(run_dir) / RUN_FILE, Path(run_dir) / f"{HARNESS_STEP}.json"
     selected = load_results(record)["selection"]["args"] if record.exists() else None
     narrowed = narrowing(read_json_object(path).get("pytest") or [], selected) if path.exists() else []

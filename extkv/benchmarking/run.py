@@ -22,7 +22,8 @@ Two phases, each announced by a progress line and timed:
    renders, not a claim about speed.
 
 The run directory is a new `reports/runs/<date>-<host>-<gpus>/` (extkv.runs.rundir)
-unless `--report-dir` names one. `--rounds N` caps the rounds of every case.
+unless `--report-dir` names one. `--rounds N` caps the rounds of every case
+(the report then judges nothing: the profile's rounds were not run).
 Other arguments go to pytest (`extkv bench -k commit`). Device settings
 (clocks) are never changed: the report says they were not pinned. Ctrl-C
 or SIGTERM ends pytest and everything it started (extkv.runs.steps),
