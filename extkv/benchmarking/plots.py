@@ -7,14 +7,21 @@ extkv.runs.rundir.save_figure: time against bytes (one segment) and
 against segments (a fixed total), per operation, extkv against its floors,
 log-log, wall time and host CPU time in separate panels, each point the
 least round of a case. matplotlib is optional (`[report]`): without it
-`plot` says the plots were skipped and why.
+`plot` says the plots were skipped and why. A figure is drawn only where
+its points or the code that draws them (this module and the size labels of
+extkv.benchmarking.sizes) changed since its PNG was drawn
+(extkv.runs.plots.draw_unless_current).
 """
 
 from __future__ import annotations
 
+import sys
+from functools import partial
 from pathlib import Path
 
+from ..runs.plots import draw_unless_current
 from ..runs.rundir import save_figure
+from . import sizes
 from .results import BenchRun
 from .sizes import size_label
 
@@ -46,42 +53,56 @@ def _series_points(run: BenchRun, op: str, by: str) -> tuple[dict[str, list[tupl
 
 
 def plot(run: BenchRun, run_dir: Path) -> tuple[list[Path], str]:
-    """Write the scaling PNGs; (paths, why none) where matplotlib is missing."""
-    try:
-        import matplotlib
-    except ImportError as error:
-        return [], f"plots skipped: matplotlib is not installed ({error}); install extkv[report]"
-    matplotlib.use("Agg")
-    from matplotlib import pyplot, ticker
-
-    written = []
-    styles = {"extkv": "o-", "raw": "s--", "memset": "^:", "copy": "v:"}
+    """Make the scaling PNGs the plots of `run`, drawing each only where its
+    points or its code changed (extkv.runs.plots.draw_unless_current):
+    (the PNGs that are its plots now, why a plot is not there, or "")."""
+    written, why_not = [], ""
     for by, ops in (("bytes", PLOTTED_BY_BYTES), ("segments", PLOTTED_BY_SEGMENTS)):
         panels = [(op, *_series_points(run, op, by)) for op in ops]
         panels = [panel for panel in panels if any(len(series) > 1 for series in panel[1].values())]
         if not panels:
             continue
-        figure, axes = pyplot.subplots(len(panels), 2, figsize=(11, 3.2 * len(panels)), squeeze=False)
-        for row, (op, points, label) in enumerate(panels):
-            for column, (index, what) in enumerate(((1, "wall time"), (2, "host CPU time"))):
-                axis = axes[row][column]
-                for name, series in points.items():
-                    axis.plot([p[0] for p in series], [p[index] for p in series], styles.get(name, "o-"), label=name)
-                axis.set_xscale("log", base=2)
-                axis.set_yscale("log")
-                xs = sorted({p[0] for series in points.values() for p in series})
-                # Slanted: 16, 32 and 64 GiB sit close on a log axis, and level labels run together.
-                axis.set_xticks(xs, [size_label(x) if by == "bytes" else str(x) for x in xs], rotation=30, ha="right")
-                axis.xaxis.set_minor_locator(ticker.NullLocator())
-                axis.set_xlabel(label)
-                axis.set_ylabel("seconds (min over rounds)")
-                axis.set_title(f"{op}: {what}")
-                axis.grid(True, which="both", alpha=0.3)
-                axis.legend(fontsize=8)
-        figure.suptitle(f"extkv bench, {run.facts['profile']} profile, {run.facts['device']}: cost against {by}")
-        figure.tight_layout(rect=(0, 0, 1, 0.98))
+        title = f"extkv bench, {run.facts['profile']} profile, {run.facts['device']}: cost against {by}"
         path = Path(run_dir) / f"bench_scaling_{by}.png"
-        save_figure(figure, path, dpi=90)
-        pyplot.close(figure)
-        written.append(path)
-    return written, "" if written else "plots skipped: no series with two or more sizes was measured"
+        missing = draw_unless_current(
+            path, {"by": by, "panels": panels, "title": title}, (sys.modules[__name__], sizes),
+            partial(_draw, panels, by, title),
+        )
+        if missing is None:
+            written.append(path)
+        else:
+            why_not = f"plots skipped: {missing}"
+    if not written and not why_not:
+        why_not = "plots skipped: no series with two or more sizes was measured"
+    return written, why_not
+
+
+def _draw(panels: list, by: str, title: str, path: Path) -> None:
+    """Draw one scaling figure, a row of wall and CPU time per panel, into the PNG `path`."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    from matplotlib import pyplot, ticker
+
+    styles = {"extkv": "o-", "raw": "s--", "memset": "^:", "copy": "v:"}
+    figure, axes = pyplot.subplots(len(panels), 2, figsize=(11, 3.2 * len(panels)), squeeze=False)
+    for row, (op, points, label) in enumerate(panels):
+        for column, (index, what) in enumerate(((1, "wall time"), (2, "host CPU time"))):
+            axis = axes[row][column]
+            for name, series in points.items():
+                axis.plot([p[0] for p in series], [p[index] for p in series], styles.get(name, "o-"), label=name)
+            axis.set_xscale("log", base=2)
+            axis.set_yscale("log")
+            xs = sorted({p[0] for series in points.values() for p in series})
+            # Slanted: 16, 32 and 64 GiB sit close on a log axis, and level labels run together.
+            axis.set_xticks(xs, [size_label(x) if by == "bytes" else str(x) for x in xs], rotation=30, ha="right")
+            axis.xaxis.set_minor_locator(ticker.NullLocator())
+            axis.set_xlabel(label)
+            axis.set_ylabel("seconds (min over rounds)")
+            axis.set_title(f"{op}: {what}")
+            axis.grid(True, which="both", alpha=0.3)
+            axis.legend(fontsize=8)
+    figure.suptitle(title)
+    figure.tight_layout(rect=(0, 0, 1, 0.98))
+    save_figure(figure, path, dpi=90)
+    pyplot.close(figure)

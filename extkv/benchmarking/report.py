@@ -387,7 +387,7 @@ def bench_section(run_dir: Path) -> str | None:
              *_carryover_lines(rows, run.facts["granularity"])]
     paths, why_not = plot(run, run_dir)
     lines += [f"### Scaling{tag}", ""]
-    lines += [f"![{path.stem}]({path.name})" for path in paths] or [why_not]
+    lines += [f"![{path.stem}]({path.name})" for path in paths] + ([why_not] if why_not else [])
     lines += ["", f"### Every case{tag}", *_every_case_table(run, rows), "", *decode_lines]
     lines += ["", "### How it was measured", "", *_facts_lines(run)]
     return "\n".join(lines)

@@ -13,13 +13,19 @@ outside extkv over time (the background samples and the readings at every
 operation's start and end) and the cache's own `physical_bytes` at those
 marks; each operation is a shaded span labelled with its name. Every plot
 is saved through extkv.runs.rundir.save_figure, never through an entry
-planted at its name in the run directory.
+planted at its name in the run directory. A report asks for it through
+`timeline_plot`, which draws it only where the timeline or this module
+changed since the PNG there was drawn (extkv.runs.plots.draw_unless_current).
 """
 
 from __future__ import annotations
 
+import sys
+from dataclasses import asdict
+from functools import partial
 from pathlib import Path
 
+from ..runs.plots import draw_unless_current
 from ..runs.rundir import save_figure
 from ..testing.timeline import Timeline
 
@@ -83,3 +89,9 @@ def plot_timeline(timeline: Timeline, path: Path) -> Path:
     save_figure(figure, path)
     pyplot.close(figure)
     return path
+
+
+def timeline_plot(timeline: Timeline, path: Path) -> str | None:
+    """Make the PNG `path` the plot of `timeline`, drawing it only where it
+    changed; None where it is, else why it could not be drawn."""
+    return draw_unless_current(path, asdict(timeline), (sys.modules[__name__],), partial(plot_timeline, timeline))

@@ -14,7 +14,10 @@ or `machine.json` of a run without them), the check (extkv.check.report,
 with a memory-timeline plot per device drawn by extkv.check.plots), then
 the bench section (extkv.benchmarking.report) and the stress section
 (extkv.testing.stress.report), each of which returns None when the
-directory holds none of its results.
+directory holds none of its results. Each plot is drawn only where its
+results or its drawing code changed since the PNG in the directory was
+drawn (extkv.runs.plots), so rendering a report again draws nothing and
+imports no matplotlib unless something changed.
 
 This package stands above every kind of run: it imports each kind's
 section, and no kind imports it; the run commands get `render_report`
@@ -26,10 +29,9 @@ from __future__ import annotations
 from pathlib import Path
 
 from ..benchmarking.report import bench_section
-from ..check.plots import plot_timeline
+from ..check.plots import timeline_plot
 from ..check.report import check_section, load_check
 from ..runs.machine import machine_section, read_machine_facts
-from ..runs.plots import matplotlib_missing
 from ..runs.rundir import results_as_written, write_text
 from ..stress.report import stress_section
 from ..testing.timeline import TIMELINE_GLOB, Timeline
@@ -50,12 +52,12 @@ def render_report(run_dir: Path) -> Path:
         if facts is not None:
             sections.append(machine_section(facts, check["worker_gpus"] if check is not None else None))
         if check is not None:
-            timelines = [(Timeline.load(path), path) for path in sorted(run_dir.glob(TIMELINE_GLOB))]
-            plots_skipped = matplotlib_missing() if timelines else None
-            drawn = [
-                (timeline, None if plots_skipped else plot_timeline(timeline, path.with_suffix(".png")).name)
-                for timeline, path in timelines
-            ]
+            # Every timeline is read before any is drawn: a garbled one fails the report with nothing drawn.
+            paths = sorted(run_dir.glob(TIMELINE_GLOB))
+            timelines = [(Timeline.load(path), path.with_suffix(".png")) for path in paths]
+            why_not = [timeline_plot(timeline, image) for timeline, image in timelines]
+            drawn = [(timeline, None if why else image.name) for (timeline, image), why in zip(timelines, why_not)]
+            plots_skipped = next((why for why in why_not if why is not None), None)
             sections.append(check_section(check, drawn, plots_skipped))
     with results_as_written(run_dir, "bench results"):
         bench = bench_section(run_dir)

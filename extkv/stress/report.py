@@ -18,7 +18,9 @@ names each, so a short bound reads as the least, not as a full run.
 pytest run (`stress.json`) the tests a signal stopped, which leave no
 result of their own; `stress_totals` adds them up per device;
 `stress_section` renders the markdown and draws one memory plot per worker
-and device; `stress_front` is its verdict line on the report's front page.
+and device, only where the timeline or this module changed since its PNG
+was drawn (extkv.runs.plots.draw_unless_current); `stress_front` is its
+verdict line on the report's front page.
 
 `stress_verdict` mirrors the check's rule (extkv.check.verdict): the run
 passed only where pytest ended with status 0, a test passed, and none
@@ -34,11 +36,13 @@ test extra (pytest, hypothesis) installed.
 
 from __future__ import annotations
 
+import sys
 from collections import Counter
+from functools import partial
 from pathlib import Path, PurePosixPath
 
 from ..faultable import FAULTABLE_STEPS
-from ..runs.plots import matplotlib_missing
+from ..runs.plots import draw_unless_current
 from ..runs.portable import option_value, portable_command_line, recorded_checkout
 from ..runs.results import INTERRUPTED_STATUS, load_step_results, narrowing
 from ..runs.rundir import read_json, save_figure
@@ -386,19 +390,24 @@ def _memory_lines(stress: dict, run_dir: Path) -> list[str]:
         "| device | samples | peak, this process's extkv memory | final | peak, device used | final, device used |",
         "|---|---|---|---|---|---|",
     ]
-    plots = []
-    skipped = matplotlib_missing()
+    plots, skipped = [], None
     for timeline in stress["timelines"]:
         for device, samples in _timeline_series(timeline).items():
             lines.append(
                 f"| {_where(timeline, device)} | {len(samples)} | {_bytes(max(p for _, p, _ in samples))} | "
                 f"{_bytes(samples[-1][1])} | {_bytes(max(u for _, _, u in samples))} | {_bytes(samples[-1][2])} |"
             )
-            if skipped is None:
-                name = f"stress-memory-{timeline['worker']}-{device.replace(':', '')}.png"
-                plot_memory(timeline, device, run_dir / name)
+            name = f"stress-memory-{timeline['worker']}-{device.replace(':', '')}.png"
+            # The plot is drawn from the whole timeline by this module's code (plot_memory and its helpers).
+            missing = draw_unless_current(
+                run_dir / name, {"timeline": timeline, "device": device}, (sys.modules[__name__],),
+                partial(plot_memory, timeline, device),
+            )
+            if missing is None:
                 plots.append(f"![memory on {_where(timeline, device)}]({name})")
-    lines += [""] + (plots if skipped is None else [f"Plots skipped: {skipped}."])
+            else:
+                skipped = missing
+    lines += [""] + plots + ([f"Plots skipped: {skipped}."] if skipped is not None else [])
     return lines
 
 
