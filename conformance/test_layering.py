@@ -82,7 +82,7 @@ LAYERS: list[set[str]] = [
     {"extkv.testing.stress"},
     {"extkv.runs.rundir", "extkv.runs", "extkv.runs.steps"},
     {"extkv.runs.results", "extkv.runs.commands", "extkv.runs.plots"},
-    {"extkv.runs.machine", "extkv.check", "extkv.stress", "extkv.check.plots", "extkv.check.verdict", "extkv.runs.portable"},
+    {"extkv.runs.machine", "extkv.check", "extkv.stress", "extkv.check.plots", "extkv.stress.plots", "extkv.check.verdict", "extkv.runs.portable"},
     {"extkv.check.report"},
     {"extkv.benchmarking.results"},
     {"extkv.benchmarking.targets", "extkv.benchmarking.plots"},

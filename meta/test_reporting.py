@@ -318,7 +318,7 @@ def test_every_plot_replaces_a_symlink_planted_at_its_name(rendered, tmp_path):
     points to, outside the directory, is left as it was."""
     if matplotlib_missing() is not None:
         pytest.skip(matplotlib_missing())
-    from extkv.stress.report import plot_memory
+    from extkv.stress.plots import plot_memory
 
     for path in [*rendered.glob("check*.json"), rendered / "timeline-host.json"]:
         (tmp_path / path.name).write_text(path.read_text())

@@ -36,16 +36,14 @@ test extra (pytest, hypothesis) installed.
 
 from __future__ import annotations
 
-import sys
 from collections import Counter
-from functools import partial
 from pathlib import Path, PurePosixPath
 
 from ..faultable import FAULTABLE_STEPS
-from ..runs.plots import draw_unless_current
+from .plots import memory_plot, timeline_series, where
 from ..runs.portable import option_value, portable_command_line, recorded_checkout
 from ..runs.results import INTERRUPTED_STATUS, load_step_results, narrowing
-from ..runs.rundir import read_json, save_figure
+from ..runs.rundir import read_json
 
 #: The stress suite's results format (stress/conftest.py's RESULT_FORMAT;
 #: the suite is not importable from here).
@@ -134,57 +132,6 @@ def _bytes(count: int) -> str:
 def _duration(seconds: float) -> str:
     minutes, seconds = divmod(round(seconds), 60)
     return f"{minutes} min {seconds:02d} s"
-
-
-def _timeline_series(timeline: dict) -> dict[str, list[tuple[float, int, int]]]:
-    series: dict[str, list[tuple[float, int, int]]] = {}
-    for seconds, device, process_bytes, device_used in timeline["samples"]:
-        series.setdefault(device, []).append((seconds, process_bytes, device_used))
-    return series
-
-
-def _where(timeline: dict, device: str) -> str:
-    pinned = timeline.get("pinned_gpu")
-    name = timeline.get("devices", {}).get(device, {}).get("device", device)
-    return f"{name} (GPU {pinned}, worker {timeline['worker']})" if pinned and device != "cpu" else f"{name} (worker {timeline['worker']})"
-
-
-def _scale(peak: int) -> tuple[int, str]:
-    return next((scale, unit) for scale, unit in _UNITS if max(peak, 1) >= scale)
-
-
-def plot_memory(timeline: dict, device: str, path: Path) -> Path:
-    """This process's extkv memory (usage probe, left axis) and the device's
-    used memory (right axis) over the run, for one worker and device, into
-    the PNG `path`. Two axes: a stressed cache is megabytes beside a device
-    of gigabytes."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    from matplotlib import pyplot
-
-    samples = _timeline_series(timeline)[device]
-    times = [seconds for seconds, _, _ in samples]
-    figure, axes = pyplot.subplots(figsize=(12, 4.5), dpi=100)
-    used_axes = axes.twinx()
-    source = timeline.get("sources", {}).get(device, "usage probe")
-    for target, values, color, label in (
-        (axes, [p for _, p, _ in samples], "tab:blue", f"this process's extkv memory ({source}), left"),
-        (used_axes, [u for _, _, u in samples], "tab:gray", "device's used memory (all processes, pressure included), right"),
-    ):
-        scale, unit = _scale(max(values))
-        target.plot(times, [value / scale for value in values], drawstyle="steps-post", color=color, linewidth=1.0, label=label)
-        target.set_ylim(0, max(max(values), 1) / scale * 1.15)
-        target.set_ylabel(unit, color=color)
-    axes.set_xlabel("seconds since the stress run started in this process")
-    axes.set_title(f"extkv stress: memory on {_where(timeline, device)}", fontsize=10)
-    handles = axes.get_legend_handles_labels()[0] + used_axes.get_legend_handles_labels()[0]
-    axes.legend(handles, [h.get_label() for h in handles], loc="upper left", fontsize=8)
-    axes.grid(alpha=0.3)
-    figure.tight_layout()
-    save_figure(figure, path)
-    pyplot.close(figure)
-    return path
 
 
 def _counts(outcomes: Counter, interrupted: int) -> str:
@@ -392,19 +339,15 @@ def _memory_lines(stress: dict, run_dir: Path) -> list[str]:
     ]
     plots, skipped = [], None
     for timeline in stress["timelines"]:
-        for device, samples in _timeline_series(timeline).items():
+        for device, samples in timeline_series(timeline).items():
             lines.append(
-                f"| {_where(timeline, device)} | {len(samples)} | {_bytes(max(p for _, p, _ in samples))} | "
+                f"| {where(timeline, device)} | {len(samples)} | {_bytes(max(p for _, p, _ in samples))} | "
                 f"{_bytes(samples[-1][1])} | {_bytes(max(u for _, _, u in samples))} | {_bytes(samples[-1][2])} |"
             )
             name = f"stress-memory-{timeline['worker']}-{device.replace(':', '')}.png"
-            # The plot is drawn from the whole timeline by this module's code (plot_memory and its helpers).
-            missing = draw_unless_current(
-                run_dir / name, {"timeline": timeline, "device": device}, (sys.modules[__name__],),
-                partial(plot_memory, timeline, device),
-            )
+            missing = memory_plot(timeline, device, run_dir / name)
             if missing is None:
-                plots.append(f"![memory on {_where(timeline, device)}]({name})")
+                plots.append(f"![memory on {where(timeline, device)}]({name})")
             else:
                 skipped = missing
     lines += [""] + plots + ([f"Plots skipped: {skipped}."] if skipped is not None else [])
