@@ -273,6 +273,12 @@ class Driver(abc.ABC):
         the GPU's `uuid` (None where the device has none)."""
         return {"type": self.device.type, "index": self.device.index, "uuid": None}
 
+    # -- what an RDMA stack registers --------------------------------------------
+    #: Whether chunks are created GPUDirect RDMA capable, so that a NIC can
+    #: register them: True where the GPU supports it with VMM, False where
+    #: it does not, None where the memory is no GPU's (the host's).
+    gpudirect_rdma: bool | None = None
+
     # -- everything else -----------------------------------------------------
     @abc.abstractmethod
     def synchronize(self) -> None:

@@ -31,6 +31,13 @@ extra reference it took. `access_at` first asks the same (nothing mapped
 reads None), then `cuMemGetAccess` for this device at that address, whose
 flags name the access granted: so an importer's read-only mapping is read
 back from the driver, not taken on trust.
+
+What an RDMA stack (UCX, NIXL, Mooncake) needs to register a segment: its
+chunks created GPUDirect RDMA capable (`allocFlags.gpuDirectRDMACapable`),
+asked for wherever the device attribute
+CU_DEVICE_ATTRIBUTE_GPU_DIRECT_RDMA_WITH_CUDA_VMM_SUPPORTED is 1 (read once
+per device by `device_offers`, before any context exists), and one chunk
+behind the range it registers, which a defragment gives.
 """
 
 from __future__ import annotations
@@ -81,8 +88,35 @@ def _posix_fd_handle_type():
     return _bindings().CUmemAllocationHandleType.CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR
 
 
+#: What a GPU may offer besides memory that extkv uses, by extkv's name: the
+#: device attribute that says whether it does. `gpudirect_rdma`: chunks may
+#: be created GPUDirect RDMA capable (`allocFlags.gpuDirectRDMACapable`).
+DEVICE_FEATURES = {
+    "gpudirect_rdma": "CU_DEVICE_ATTRIBUTE_GPU_DIRECT_RDMA_WITH_CUDA_VMM_SUPPORTED",
+}
+
+
+@functools.lru_cache(maxsize=None)
+def device_offers(index: int, feature: str) -> bool:
+    """Whether CUDA device `index` offers `feature` (a key of
+    DEVICE_FEATURES), as its device attribute says: read once per device
+    and feature, without creating a context (cuDeviceGetAttribute needs
+    cuInit and the device only), so report headers may ask too."""
+    if feature not in DEVICE_FEATURES:
+        raise ValueError(f"device feature {feature!r} is not one of {sorted(DEVICE_FEATURES)}")
+    cu = _bindings()
+    attribute = DEVICE_FEATURES[feature]
+    check_result("cuInit", cu.cuInit(0))
+    device = check_result("cuDeviceGet", cu.cuDeviceGet(index))
+    value = check_result(
+        f"cuDeviceGetAttribute({attribute})", cu.cuDeviceGetAttribute(getattr(cu.CUdevice_attribute, attribute), device)
+    )
+    return bool(value)
+
+
 def allocation_prop(index: int):
-    """Pinned device memory on device `index`, exportable as a POSIX fd: the
+    """Pinned device memory on device `index`, exportable as a POSIX fd and,
+    where the device supports it with VMM, GPUDirect RDMA capable: the
     properties of every chunk this driver creates (a raw sequence measured
     against it creates its chunks with the same)."""
     cu = _bindings()
@@ -91,6 +125,14 @@ def allocation_prop(index: int):
     prop.location.type = cu.CUmemLocationType.CU_MEM_LOCATION_TYPE_DEVICE
     prop.location.id = index
     prop.requestedHandleTypes = _posix_fd_handle_type()
+    if device_offers(index, "gpudirect_rdma"):
+        # What a NIC's registration of the memory needs: without it an RDMA
+        # stack's registration of a VMM mapping fails (UCX: "ibv_reg_mr()
+        # failed: Bad address"). Measured on an H200 (driver 580.159.04,
+        # cuda-bindings 13): the device attribute reads 1, and a chunk made
+        # with the flag reads back CU_POINTER_ATTRIBUTE_IS_GPU_DIRECT_RDMA_CAPABLE
+        # = 1, one made without it 0.
+        prop.allocFlags.gpuDirectRDMACapable = 1
     return prop
 
 
@@ -208,6 +250,7 @@ class CudaDriver(Driver):
         check_result("cuInit", cu.cuInit(0))
         self._cu_device = check_result("cuDeviceGet", cu.cuDeviceGet(index))
         self._context = check_result("cuDevicePrimaryCtxRetain", cu.cuDevicePrimaryCtxRetain(self._cu_device))
+        self.gpudirect_rdma = device_offers(index, "gpudirect_rdma")
         self._prop = allocation_prop(index)
         access = cu.CUmemAccessDesc()
         access.location.type = cu.CUmemLocationType.CU_MEM_LOCATION_TYPE_DEVICE
@@ -474,7 +517,8 @@ class CudaDriver(Driver):
 
 
 def query_granularity(index: int) -> int:
-    """Minimum VMM granularity of CUDA device `index`, without creating a
-    context (report headers use it in processes that run no GPU work)."""
+    """Minimum VMM granularity of CUDA device `index` for this driver's
+    chunks, without creating a context (report headers use it in processes
+    that run no GPU work)."""
     check_result("cuInit", _bindings().cuInit(0))
     return allocation_granularity(allocation_prop(index))

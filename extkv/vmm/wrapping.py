@@ -33,6 +33,7 @@ class WrappingDriver(Driver):
         self.max_reservation_bytes = inner.max_reservation_bytes
         self.supports_graphs = inner.supports_graphs
         self.collective_device = inner.collective_device
+        self.gpudirect_rdma = inner.gpudirect_rdma
 
     def _reserve(self, size: int) -> int:
         return self.inner._reserve(size)
