@@ -167,7 +167,9 @@ def _info(args, _pytest_args) -> int:
         print(line)
     gpus = torch.cuda.device_count() if vmm.cuda_usable() else 0
     for facts in [vmm.driver_for("cpu").describe()] + [vmm.driver_for(f"cuda:{i}").describe() for i in range(gpus)]:
-        print(f"{facts['device']}: {facts['driver']}, granularity {facts['granularity']}")
+        # GPUDirect RDMA is a GPU's: the host driver's line says nothing of it.
+        rdma = f", GPUDirect RDMA {facts['gpudirect_rdma']}" if "gpudirect_rdma" in facts else ""
+        print(f"{facts['device']}: {facts['driver']}, granularity {facts['granularity']}{rdma}")
     return 0
 
 

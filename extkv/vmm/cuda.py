@@ -513,6 +513,7 @@ class CudaDriver(Driver):
             "device": f"{self.device} {torch.cuda.get_device_name(self.device)}",
             "driver": f"CUDA driver API {version // 1000}.{version % 1000 // 10}",
             "granularity": format_granularity(self.granularity),
+            "gpudirect_rdma": "on (device supports it with VMM)" if self.gpudirect_rdma else "not supported by this device",
         }
 
 
