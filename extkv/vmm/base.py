@@ -34,6 +34,14 @@ Chunks cross process boundaries as POSIX file descriptors: `export_fd` gives
 a new descriptor the caller owns, `import_fd` turns a descriptor another
 process exported into a chunk of this driver. An imported chunk is an ordinary
 chunk from then on: it counts as live and goes back with `release()`.
+
+What an RDMA stack needs to register GPU memory is read back the same way:
+`gpudirect_rdma` says whether the driver creates its chunks GPUDirect RDMA
+capable (None where the memory is no GPU's), `rdma_capable_at(address)`
+whether the chunk mapped there is, `allocation_range_at(address)` the one
+chunk's mapping that holds the address (what a registration of it finds),
+and `export_dma_buf(address, size)` a dma-buf over a mapped range, which a
+NIC registers.
 """
 
 from __future__ import annotations
@@ -278,6 +286,36 @@ class Driver(abc.ABC):
     #: register them: True where the GPU supports it with VMM, False where
     #: it does not, None where the memory is no GPU's (the host's).
     gpudirect_rdma: bool | None = None
+
+    def rdma_capable_at(self, address: int) -> bool | None:
+        """Whether the chunk mapped at `address` is GPUDirect RDMA capable,
+        read back from the driver; None where nothing is mapped, or where
+        the memory is no GPU's and the question does not apply."""
+        raise NotImplementedError(f"{type(self).__name__} does not read back whether its chunks are RDMA capable")
+
+    def allocation_range_at(self, address: int) -> tuple[int, int] | None:
+        """`(start, size)` of the mapping of the one chunk that holds
+        `address`, read back from the driver: the allocation an RDMA stack
+        finds behind the address when it registers it. None where nothing
+        is mapped."""
+        raise NotImplementedError(f"{type(self).__name__} does not read back the allocation behind an address")
+
+    def export_dma_buf(self, address: int, size: int) -> int:
+        """A new dma-buf file descriptor over the mapped `[address,
+        address+size)`, both multiples of the granularity: what a NIC
+        registers (`ibv_reg_dmabuf_mr`). The caller owns it and must close
+        it; its size (`lseek(fd, 0, SEEK_END)`) is `size`."""
+        address = validate.integer("export_dma_buf: address", address, what="an address")
+        self._check_granular("export_dma_buf", size)
+        if address % self.granularity:
+            raise ValueError(
+                f"export_dma_buf: address {address:#x} is not a multiple of the granularity {self.granularity}"
+            )
+        return self._export_dma_buf(address, size)
+
+    def _export_dma_buf(self, address: int, size: int) -> int:
+        # Not abstract: a driver whose memory no NIC registers says so when asked.
+        raise NotImplementedError(f"{type(self).__name__} exports no dma-buf")
 
     # -- everything else -----------------------------------------------------
     @abc.abstractmethod

@@ -37,7 +37,13 @@ chunks created GPUDirect RDMA capable (`allocFlags.gpuDirectRDMACapable`),
 asked for wherever the device attribute
 CU_DEVICE_ATTRIBUTE_GPU_DIRECT_RDMA_WITH_CUDA_VMM_SUPPORTED is 1 (read once
 per device by `device_offers`, before any context exists), and one chunk
-behind the range it registers, which a defragment gives.
+behind the range it registers, which a defragment gives. Both are read
+back, never taken from bookkeeping: `rdma_capable_at` is
+`cuPointerGetAttribute(IS_GPU_DIRECT_RDMA_CAPABLE)`, `allocation_range_at`
+`cuMemGetAddressRange`, the mapping of the one chunk that holds the address
+(the stacks size a registration by it), and `export_dma_buf` is
+`cuMemGetHandleForAddressRange(DMA_BUF_FD)`, the dma-buf a NIC registers.
+Each first asks whether anything is mapped, as `access_at` does.
 """
 
 from __future__ import annotations
@@ -466,13 +472,55 @@ class CudaDriver(Driver):
             # cuMemGetAccess is documented for mapped addresses only: ask
             # first whether anything is mapped, so that an unmapped address
             # reads None, as in chunk_at, rather than as an error.
-            status, handle = cu.cuMemRetainAllocationHandle(address)
-            if status != cu.CUresult.CUDA_SUCCESS:
+            if self.chunk_at(address) is None:
                 return None
-            check_result("cuMemRelease (retained handle)", cu.cuMemRelease(handle), address=address)
             flags = int(check_result("cuMemGetAccess", cu.cuMemGetAccess(self._location, address), address=address))
         # Flags outside the three a mapping can have fail every comparison.
         return self._access_names.get(flags, f"unknown access flags {flags:#x}")
+
+    def rdma_capable_at(self, address: int) -> bool | None:
+        cu = self._cu
+        with self._active():
+            # As in _access_at: an unmapped address reads None, not an error.
+            if self.chunk_at(address) is None:
+                return None
+            capable = self._call(
+                "cuPointerGetAttribute(IS_GPU_DIRECT_RDMA_CAPABLE)",
+                cu.cuPointerGetAttribute,
+                cu.CUpointer_attribute.CU_POINTER_ATTRIBUTE_IS_GPU_DIRECT_RDMA_CAPABLE,
+                address,
+                address=address,
+            )
+        return bool(capable)
+
+    def allocation_range_at(self, address: int) -> tuple[int, int] | None:
+        with self._active():
+            if self.chunk_at(address) is None:
+                return None
+            # For a VMM mapping cuMemGetAddressRange names the one chunk's
+            # mapping that holds the address (the driver API's pointer
+            # attributes point to it "to retrieve the size of the mapped
+            # region"), while CU_POINTER_ATTRIBUTE_RANGE_START_ADDR and
+            # RANGE_SIZE name the whole reservation; UCX sizes the
+            # registration of a VMM pointer by the former.
+            base, size = self._call("cuMemGetAddressRange", self._cu.cuMemGetAddressRange, address, address=address)
+        return int(base), int(size)
+
+    def _export_dma_buf(self, address: int, size: int) -> int:
+        # A device whose CU_DEVICE_ATTRIBUTE_DMA_BUF_SUPPORTED is 0 answers
+        # CUDA_ERROR_NOT_SUPPORTED, raised as a DriverError naming the call.
+        cu = self._cu
+        fd = self._call(
+            "cuMemGetHandleForAddressRange(DMA_BUF_FD)",
+            cu.cuMemGetHandleForAddressRange,
+            address,
+            size,
+            cu.CUmemRangeHandleType.CU_MEM_RANGE_HANDLE_TYPE_DMA_BUF_FD,
+            0,
+            size=size,
+            address=address,
+        )
+        return int(fd)
 
     def view(self, address: int, size: int) -> torch.Tensor:
         return uint8_view(address, size, self.device)

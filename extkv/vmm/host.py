@@ -56,6 +56,9 @@ virtual memory, so every invariant that needs no GPU is proven for real.
   (device, inode) that backs each address, and the access each mapping
   grants (its `rw` columns); an address whose mapping is no file is in a
   reservation, not mapped (extkv.vmm.host_maps asks it).
+- GPUDirect RDMA: host memory is no GPU's, so `gpudirect_rdma` and
+  `rdma_capable_at` read None (does not apply) and no dma-buf is exported;
+  a peer maps the memfd itself.
 - export: a new *read-only* open file description of the chunk
   (`open("/proc/self/fd/N", O_RDONLY)`), after sealing it against writing
   (see sealing). Through it a peer can map the pages for reading only:
@@ -465,6 +468,16 @@ class HostDriver(Driver):
     def accesses_at(self, addresses: Iterable[int]) -> list[str | None]:
         """`access_at` for many addresses with one read-back."""
         return [None if region is None else _access_of(region.permissions) for region in regions_at(list(addresses))]
+
+    def rdma_capable_at(self, address: int) -> bool | None:
+        """None: host memory is no GPU's, so GPUDirect RDMA does not apply."""
+        return None
+
+    def _export_dma_buf(self, address: int, size: int) -> int:
+        raise NotImplementedError(
+            "the host driver's chunks are memfds in host memory, not GPU memory: it exports no dma-buf "
+            "(a peer imports the memfd itself: export_fd)"
+        )
 
     def view(self, address: int, size: int) -> torch.Tensor:
         return uint8_view(address, size, self.device)

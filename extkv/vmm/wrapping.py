@@ -104,6 +104,15 @@ class WrappingDriver(Driver):
     def chunks_at(self, addresses: Iterable[int]) -> list[Hashable | None]:
         return self.inner.chunks_at(addresses)
 
+    def rdma_capable_at(self, address: int) -> bool | None:
+        return self.inner.rdma_capable_at(address)
+
+    def allocation_range_at(self, address: int) -> tuple[int, int] | None:
+        return self.inner.allocation_range_at(address)
+
+    def _export_dma_buf(self, address: int, size: int) -> int:
+        return self.inner._export_dma_buf(address, size)
+
     def view(self, address: int, size: int) -> torch.Tensor:
         return self.inner.view(address, size)
 
