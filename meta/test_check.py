@@ -395,6 +395,65 @@ def test_a_run_orders_the_planted_defects_first_and_the_exclusive_tests_last(pyt
 
 
 
+GPU_FEATURES = '''
+import pytest
+
+@pytest.mark.gpudirect_rdma
+def test_rdma():
+    pass
+
+@pytest.mark.dma_buf
+def test_dma_buf():
+    pass
+
+@pytest.mark.gpu
+def test_any_gpu():
+    pass
+
+@pytest.mark.gpudirect_rdma
+def test_rdma_on(device):
+    pass
+'''
+RDMA_ATTRIBUTE = "CU_DEVICE_ATTRIBUTE_GPU_DIRECT_RDMA_WITH_CUDA_VMM_SUPPORTED"
+
+
+@pytest.mark.parametrize(
+    ("gpus", "skipped"),
+    [
+        ([], {"test_rdma": "GPUDirect RDMA with VMM needs a CUDA GPU: ", "test_dma_buf": "dma-buf export needs a CUDA GPU: ",
+              "test_any_gpu": "needs a CUDA GPU: "}),
+        ([{"gpudirect_rdma": False, "dma_buf": True}],
+         {"test_rdma": f"GPUDirect RDMA with VMM: not supported here (GPU 0 (NVIDIA T4): {RDMA_ATTRIBUTE} = 0)"}),
+        ([{"gpudirect_rdma": True, "dma_buf": True}], {}),
+    ],
+    ids=["no GPU", "a GPU without GPUDirect RDMA with VMM", "a GPU with both"],
+)
+def test_a_gpu_feature_marker_skips_where_the_gpu_lacks_it_and_says_why(pytester, monkeypatch, gpus, skipped):
+    """The markers of GPU features (gpudirect_rdma, dma_buf) read each GPU's
+    machine facts, made up here; a test on the host driver never has them."""
+    from extkv.testing import harness_hooks
+
+    made_up = [{"index": i, "id": str(i), "name": "NVIDIA T4", "label": f"GPU {i} (NVIDIA T4)", "driver": "580.1",
+                "cuda_driver_api": "13.0", "granularity": "2 MiB", **offers} for i, offers in enumerate(gpus)]
+    monkeypatch.setattr(harness_hooks, "machine_facts", lambda: {**machine_facts(), "gpus": made_up})
+    monkeypatch.setattr(harness_hooks, "cuda_device_count", lambda: len(made_up))
+    pytester.makepyfile(test_features=GPU_FEATURES)
+    # The cuda:0 case of test_rdma_on would read usage from a GPU this machine may not have.
+    result = pytester.runpytest_inprocess(
+        "-p", "extkv.testing.harness", "--extkv", "-p", "no:cacheprovider", "-rs", "-k", "not cuda"
+    )
+    said = {
+        report.nodeid.split("::")[1]: report.longrepr[2].removeprefix("Skipped: ")
+        for report in result.reprec.getreports("pytest_runtest_logreport") if report.skipped
+    }
+    host = "GPUDirect RDMA with VMM: not supported here (the host driver: its memory is no GPU's)"
+    expected = {**skipped, "test_rdma_on[host]": "GPUDirect RDMA with VMM needs a CUDA GPU: " if not gpus else host}
+    assert said.keys() == expected.keys(), f"skipped {sorted(said)}, expected {sorted(expected)}: {result.outlines}"
+    for test, reason in expected.items():
+        assert said[test].startswith(reason), f"{test} skipped saying {said[test]!r}, not {reason!r}"
+    result.assert_outcomes(passed=4 - len(expected), skipped=len(expected))
+
+
 PARALLEL = '''
 import os
 import pytest

@@ -5,9 +5,11 @@ Theory of operation
 -------------------
 The harness's report header prints these facts and every results file
 records them, so a report names the devices, drivers, versions and VMM
-granularity the tests really ran on, and the extkv build (version and, from
-a checkout, its git commit) that ran them. Gathering them creates no CUDA
-context: NVML for the driver versions, `cuInit` for the granularity, torch
+granularity the tests really ran on, what each GPU offers that a test may
+need (GPUDirect RDMA with VMM, dma-buf export: extkv.vmm.cuda.DEVICE_FEATURES),
+and the extkv build (version and, from a checkout, its git commit) that ran
+them. Gathering them creates no CUDA context: NVML for the driver versions,
+`cuInit` and device attributes for the granularity and the features, torch
 only for device names and counts. Nothing here imports pytest, so a process
 that only starts a run or renders a report can read them too.
 """
@@ -50,7 +52,7 @@ def cuda_device_count() -> int:
 def machine_facts() -> dict:
     """Host name, versions, the host driver and each GPU this process sees:
     name, physical id and label, NVIDIA driver, CUDA driver API, VMM
-    granularity."""
+    granularity, and True/False for each of extkv.vmm.cuda.DEVICE_FEATURES."""
     import torch
 
     from .. import vmm
@@ -74,7 +76,7 @@ def machine_facts() -> dict:
         facts["no_gpu_reason"] = no_cuda_reason()
         return facts
     from ..vmm.base import format_granularity
-    from ..vmm.cuda import query_granularity
+    from ..vmm.cuda import DEVICE_FEATURES, device_offers, query_granularity
 
     driver, cuda_api = _nvidia_driver_versions()
     gpu_ids = visible_gpu_ids()
@@ -90,6 +92,7 @@ def machine_facts() -> dict:
                 "driver": driver,
                 "cuda_driver_api": cuda_api,
                 "granularity": format_granularity(query_granularity(index)),
+                **{feature: device_offers(index, feature) for feature in DEVICE_FEATURES},
             }
         )
     return facts

@@ -15,7 +15,9 @@ initialized CUDA yet when `start` pins.
 - The `device` fixture: the host driver and every CUDA device this process
   sees (ids `host`, `cuda:0`, ...). Where there is no GPU a `cuda:0` case is
   still collected, so the report shows it skipped and why.
-- Capability markers (gpu, cuda_graphs, multi_gpu(n), stress) become skips
+- Capability markers (gpu, cuda_graphs, multi_gpu(n), stress, and the GPU
+  features gpudirect_rdma and dma_buf, which a GPU may lack: the machine
+  facts say which it offers, read from its device attributes) become skips
   with reasons in one hook, `pytest_collection_modifyitems`; the same hook
   selects the tests of the device a run asks for (`--extkv-device`: how
   `extkv check` runs every device at once) and orders them: planted
@@ -71,6 +73,7 @@ from ..cache import ExtensibleKVCache
 from ..layout import KVCacheConfig, KVCacheLayout
 from ..tensor import ExtensibleTensor
 from ..usage import UsageProbe, open_chunk_fds
+from ..vmm.cuda import DEVICE_FEATURES
 from .checks import warm_up_kernels
 from .configs import CAPACITY, CASE_IDS, CASES, config_for
 from .facts import cuda_device_count, machine_facts, no_cuda_reason
@@ -90,6 +93,9 @@ MARKERS = {
     "gpu": "needs a CUDA GPU driven through cuda-python",
     "cuda_graphs": "captures and replays CUDA graphs",
     "multi_gpu(n)": "needs n GPUs visible to this process",
+    "gpudirect_rdma": "needs a GPU that creates VMM chunks GPUDirect RDMA capable "
+    "(CU_DEVICE_ATTRIBUTE_GPU_DIRECT_RDMA_WITH_CUDA_VMM_SUPPORTED)",
+    "dma_buf": "needs a GPU that exports mapped ranges as dma-bufs (CU_DEVICE_ATTRIBUTE_DMA_BUF_SUPPORTED)",
     "stress": "long randomized run; only with --extkv-stress",
     "long": "takes seconds (a subprocess, a compile, a walk): starts before the other shared tests, so that a "
     "parallel run does not wait for it at its end",
@@ -100,6 +106,10 @@ MARKERS = {
     "harness": "checks extkv's own checking, reporting or command-line tooling (verdicts, reports, the harness, "
     "docs/guarantees.md, the README commands), not an invariant of the cache; counted under no invariant",
 }
+#: Features a GPU may lack, by the marker of a test that needs one (the
+#: marker is named as the feature in extkv.vmm.cuda.DEVICE_FEATURES and in
+#: each GPU's machine facts): what a skip calls it.
+GPU_FEATURE_MARKERS = {"gpudirect_rdma": "GPUDirect RDMA with VMM", "dma_buf": "dma-buf export"}
 #: The invariants by number, in a few words each.
 INVARIANTS = {number: invariant.words for number, invariant in INVARIANT_TABLE.items()}
 
@@ -237,6 +247,35 @@ def _invariants_of(item) -> list[int]:
     return sorted(numbers)
 
 
+def _needs_cuda(item) -> bool:
+    return any(item.get_closest_marker(name) for name in ("gpu", "cuda_graphs", *GPU_FEATURE_MARKERS))
+
+
+def _what_needs(item) -> str:
+    """The subject of a skip's `... a CUDA GPU`: what needs one."""
+    if item.get_closest_marker("cuda_graphs"):
+        return "CUDA graphs need"
+    feature = next((words for feature, words in GPU_FEATURE_MARKERS.items() if item.get_closest_marker(feature)), None)
+    return f"{feature} needs" if feature else "needs"
+
+
+def _lacking_feature(item, label: str, gpus: list[dict]) -> str | None:
+    """Why the device `item` runs on (`label`) lacks a GPU feature the item's
+    markers ask for; None where it has every one. `gpus`: the GPUs of
+    `machine_facts()`."""
+    offered = next((gpu for gpu in gpus if gpu["label"] == label), None)
+    for feature, words in GPU_FEATURE_MARKERS.items():
+        if not item.get_closest_marker(feature):
+            continue
+        if label == HOST_LABEL:
+            return f"{words}: not supported here (the host driver: its memory is no GPU's)"
+        if offered is None:
+            return f"{words}: not supported here ({label}: no one GPU this process sees)"
+        if not offered[feature]:
+            return f"{words}: not supported here ({label}: {DEVICE_FEATURES[feature]} = 0)"
+    return None
+
+
 def _wanted_gpus(item) -> int:
     multi = item.get_closest_marker("multi_gpu")
     if multi is None:
@@ -246,9 +285,9 @@ def _wanted_gpus(item) -> int:
 
 def _device_label(item, gpus: list[dict]) -> str:
     """Where `item` runs: a test with a `device` parameter on that device;
-    multi_gpu(n) on the first n GPUs; gpu / cuda_graphs on cuda:0 (in an
-    xdist worker, the pinned GPU); everything else on the host. `gpus`: the
-    GPUs of `machine_facts()`."""
+    multi_gpu(n) on the first n GPUs; gpu / cuda_graphs / a GPU feature on
+    cuda:0 (in an xdist worker, the pinned GPU); everything else on the
+    host. `gpus`: the GPUs of `machine_facts()`."""
     wanted = _wanted_gpus(item)
     if wanted:
         if len(gpus) < wanted:
@@ -258,8 +297,7 @@ def _device_label(item, gpus: list[dict]) -> str:
     params = getattr(item, "callspec", None)
     device = params.params.get("device") if params is not None else None
     if device is None:
-        needs_cuda = item.get_closest_marker("gpu") or item.get_closest_marker("cuda_graphs")
-        device = "cuda:0" if needs_cuda else HOST_LABEL
+        device = "cuda:0" if _needs_cuda(item) else HOST_LABEL
     if device == HOST_LABEL:
         return HOST_LABEL
     index = torch.device(device).index or 0
@@ -317,10 +355,10 @@ def pytest_collection_modifyitems(config, items):
             item.user_properties.append((PLANTED_PROPERTY, planted.args[0] if planted.args else item.name))
         if item.get_closest_marker("stress") and not config.getoption("--extkv-stress"):
             item.add_marker(pytest.mark.skip(reason="stress test: run with --extkv-stress"))
-        needs_cuda = item.get_closest_marker("gpu") or item.get_closest_marker("cuda_graphs")
-        if needs_cuda and gpus == 0:
-            what = "CUDA graphs need" if item.get_closest_marker("cuda_graphs") else "needs"
-            item.add_marker(pytest.mark.skip(reason=f"{what} a CUDA GPU: {no_cuda_reason()}"))
+        if _needs_cuda(item) and gpus == 0:
+            item.add_marker(pytest.mark.skip(reason=f"{_what_needs(item)} a CUDA GPU: {no_cuda_reason()}"))
+        elif lacking := _lacking_feature(item, label, gpu_facts):
+            item.add_marker(pytest.mark.skip(reason=lacking))
         wanted = _wanted_gpus(item)
         if wanted and gpus < wanted:
             item.add_marker(pytest.mark.skip(reason=f"needs {wanted} GPUs visible to this process, found {gpus}"))

@@ -96,9 +96,11 @@ def _posix_fd_handle_type():
 
 #: What a GPU may offer besides memory that extkv uses, by extkv's name: the
 #: device attribute that says whether it does. `gpudirect_rdma`: chunks may
-#: be created GPUDirect RDMA capable (`allocFlags.gpuDirectRDMACapable`).
+#: be created GPUDirect RDMA capable (`allocFlags.gpuDirectRDMACapable`);
+#: `dma_buf`: a mapped range exports as a dma-buf (`export_dma_buf`).
 DEVICE_FEATURES = {
     "gpudirect_rdma": "CU_DEVICE_ATTRIBUTE_GPU_DIRECT_RDMA_WITH_CUDA_VMM_SUPPORTED",
+    "dma_buf": "CU_DEVICE_ATTRIBUTE_DMA_BUF_SUPPORTED",
 }
 
 
