@@ -22,7 +22,7 @@ the operations it runs in, and its test.
 | upfront | `UpfrontStore` | one up-front allocation of everything, zeroed at once (cannot grow) |
 | allocate_copy | `AllocCopyStore` | growth by allocate + copy + zero, freeing the old buffer (moves addresses, 2x peak) |
 | expandable | `ExpandableStore` | torch's `expandable_segments:True` allocator: each commit allocates its new bytes as a tensor; release is del + empty_cache; needs a process started with that setting |
-| tms | `TmsStore` | torch_memory_saver: one allocation in its region; release is `pause`, recommit is `resume` + zero (resume does not zero) |
+| tms | `TmsStore` | torch_memory_saver: one allocation in its region; release is a device synchronize then `pause` (its pause does not synchronize), recommit is `resume` + zero (resume does not zero) |
 
 Every store zeroes with the device's own memset (`zero` of the raw calls:
 cuMemsetD8Async, memset on the host), the call extkv and the raw sequence
@@ -255,9 +255,15 @@ def _memory_saver():
 
 class TmsStore(_OneBufferStore):
     """torch_memory_saver: pause unmaps and releases, resume maps again
-    (without zeroing: the store zeroes after resume, as extkv's recommit does)."""
+    (without zeroing: the store zeroes after resume, as extkv's recommit does).
+    Its 0.0.10 `pause()` unmaps without synchronizing the device (its
+    `free()` synchronizes): work still queued on the buffer, the store's own
+    zeroing included, then faults ("illegal memory access"). So the store
+    synchronizes before it pauses, as extkv's release does before it unmaps,
+    and the synchronization is timed with the release."""
 
-    what = "torch_memory_saver 0.0.10: allocation in its region; release = pause, recommit = resume + zero"
+    what = ("torch_memory_saver 0.0.10: allocation in its region; release = synchronize + pause (its pause does "
+            "not synchronize), recommit = resume + zero")
     process = "tms"
 
     @classmethod
@@ -273,6 +279,7 @@ class TmsStore(_OneBufferStore):
             self.buffer = torch.empty(self._total(self.capacity_blocks), dtype=torch.uint8, device=self.device)
 
     def release(self) -> None:
+        torch.cuda.synchronize(self.device)
         self.saver.pause()
         self.paused = True
         self._released_blocks, self.blocks = self.blocks, 0
