@@ -30,6 +30,8 @@ ROOT = Path(extkv.__file__).resolve().parent.parent
 LAYERS: list[set[str]] = [
     {"extkv.errors", "extkv.faultable", "extkv.validate", "extkv.deferred_signals", "extkv.files", "extkv.vmm.dlpack",
      "extkv.vmm.torch_memory", "extkv.vmm.witness", "extkv.vmm.host_maps"},
+    {"extkv.budget.ledger"},
+    {"extkv.budget"},
     {"extkv.cli_arguments"},
     {"extkv.vmm.base"},
     {"extkv.vmm.host_memory", "extkv.vmm.host_commits"},
@@ -109,6 +111,7 @@ SUITES = ("conformance", "stress", "bench")
 PACKAGES: list[set[str]] = [
     {"extkv.errors", "extkv.faultable", "extkv.validate", "extkv.deferred_signals", "extkv.files", "extkv.cli_arguments"},
     {"extkv.vmm"},
+    {"extkv.budget"},
     {"extkv.tensor", "extkv.layout_types", "extkv.sizing", "extkv.usage", "extkv.wire", "extkv.layout", "extkv.peer",
      "extkv.ahead", "extkv.cache", "extkv.sleep"},
     {"extkv.integrations"},

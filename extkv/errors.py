@@ -66,6 +66,13 @@ class DeadlineExceededError(ExtkvError, TimeoutError):
     got; a `TimeoutError`, so callers that catch the builtin still work."""
 
 
+class BudgetProtocolError(ExtkvError, ValueError):
+    """A call to the shared KV budget that is not legal where it was made:
+    an unknown engine or ticket, bytes out of range, a second hello. Raised
+    before anything changes; the message names the value and what was
+    expected. A `ValueError`, as every refused argument is."""
+
+
 def warn_without_raising(message: str, category: type[Warning] = RuntimeWarning, *, stacklevel: int = 1) -> None:
     """Warn of something already done, never raise it: the caller is past a
     step it cannot undo (a descriptor closed, a lock gone without), and

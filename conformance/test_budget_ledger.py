@@ -1,0 +1,668 @@
+"""The shared KV budget's ledger (extkv.budget.ledger) on made-up numbers:
+pure, no device, no clock. Each rule with its numbers, the module's worked
+example number by number, illegal calls that raise and change nothing
+(against a deep copy of the whole ledger), and a Hypothesis state machine
+beside a plain model whose invariant is the budget's accounting: grants
+and dead bytes within the budget at every step, no engine above its cap,
+nothing held below zero, unique tickets, refused calls changing nothing."""
+
+from __future__ import annotations
+
+import copy
+import math
+from dataclasses import dataclass, field
+
+import pytest
+from hypothesis import strategies as st
+from hypothesis.stateful import (
+    RuleBasedStateMachine,
+    initialize,
+    invariant,
+    precondition,
+    rule,
+    run_state_machine_as_test,
+)
+
+from extkv.budget import ledger as ledger_module
+from extkv.budget.ledger import (
+    RECLAIM_DEADLINE_S,
+    TICKET_TTL_S,
+    Decision,
+    Ledger,
+    ReclaimIgnored,
+    ReserveDenied,
+    ShareClaim,
+    TicketExpired,
+    Verdict,
+    fair_shares,
+)
+from extkv.errors import BudgetProtocolError
+
+pytestmark = pytest.mark.invariant(5)
+
+GiB = 1 << 30
+
+
+def snapshot(ledger: Ledger) -> dict:
+    """Everything the ledger holds, deep-copied: equal before and after a
+    call that changed nothing."""
+    return copy.deepcopy(vars(ledger))
+
+
+def engine(ledger: Ledger, name: str):
+    return next(status for status in ledger.status() if status.engine == name)
+
+
+def joined(budget: int, *engines: tuple[str, dict]) -> Ledger:
+    ledger = Ledger(budget)
+    for pid, (name, terms) in enumerate(engines, start=1):
+        ledger.join(name, pid=pid, uid=1000, **{"floor": 0, "cap": None, "weight": 1.0, "now": 0.0, **terms})
+    return ledger
+
+
+def test_constants():
+    assert TICKET_TTL_S == 60.0
+    assert RECLAIM_DEADLINE_S == 5.0
+    assert ledger_module.__doc__ is not None and "Worked example" in ledger_module.__doc__
+    assert issubclass(BudgetProtocolError, ValueError)
+
+
+# --------------------------------------------------------------------------
+# fair_shares: water filled by weight, clipped to [floor, cap] and to demand
+
+def claim(weight=1.0, floor=0, cap=1000, demand=1000) -> ShareClaim:
+    return ShareClaim(weight, floor, cap, demand)
+
+
+SHARE_CASES = [
+    # (capacity, claims, shares)
+    # weights 1:3, nothing binds: level 25 -> 25, 75
+    (100, {"a": claim(1), "b": claim(3)}, {"a": 25, "b": 75}),
+    # a wants only 10: b takes the rest
+    (100, {"a": claim(demand=10), "b": claim()}, {"a": 10, "b": 90}),
+    # a's weighted 25 is lifted to its floor 40; b fills to 100
+    (100, {"a": claim(1, floor=40), "b": claim(3)}, {"a": 40, "b": 60}),
+    # a's weighted 75 is held to its cap 50; b fills to 100
+    (100, {"a": claim(3, cap=50), "b": claim(1)}, {"a": 50, "b": 50}),
+    # both demands fit: each gets its demand, 30 + 40 < 100
+    (100, {"a": claim(demand=30), "b": claim(demand=40)}, {"a": 30, "b": 40}),
+    # floors alone exceed the capacity: each keeps its floor
+    (100, {"a": claim(floor=60), "b": claim(floor=60)}, {"a": 60, "b": 60}),
+    # a floor above the demand counts only the demand: a 10, b 90
+    (100, {"a": claim(floor=50, demand=10), "b": claim()}, {"a": 10, "b": 90}),
+    # thirds round down: 33 each, 1 byte left
+    (100, {"a": claim(), "b": claim(), "c": claim()}, {"a": 33, "b": 33, "c": 33}),
+    # the module's example: level 24 -> A 2*24 = 48, B lifted to 30, C its demand 24
+    (102, {"A": claim(2, floor=10, cap=102, demand=60), "B": claim(1, floor=30, cap=40, demand=35),
+           "C": claim(1, floor=0, cap=102, demand=24)}, {"A": 48, "B": 30, "C": 24}),
+    (100, {}, {}),
+]
+
+
+@pytest.mark.parametrize("capacity, claims, shares", SHARE_CASES)
+def test_fair_shares(capacity, claims, shares):
+    assert fair_shares(capacity, claims) == shares
+
+
+@pytest.mark.invariant(5, 6)
+@pytest.mark.parametrize("terms, words", [
+    (dict(weight=0), "weight must be a finite real number > 0, got 0"),
+    (dict(weight=math.inf), "weight must be a finite real number > 0, got inf"),
+    (dict(floor=-1), r"floor must be an int >= 0 \(bytes\), got -1"),
+    (dict(demand=1.5), r"demand must be an int >= 0 \(bytes\), got 1.5"),
+])
+def test_a_share_claim_is_checked(terms, words):
+    with pytest.raises(BudgetProtocolError, match=words):
+        ShareClaim(**{"weight": 1.0, "floor": 0, "cap": 10, "demand": 10, **terms})
+
+
+# --------------------------------------------------------------------------
+# The worked example of the module's docstring, number by number
+
+def worked_example() -> Ledger:
+    return joined(102 * GiB, ("A", dict(weight=2, floor=10 * GiB, held=60 * GiB)),
+                  ("B", dict(weight=1, floor=30 * GiB, cap=40 * GiB, held=35 * GiB)), ("C", dict(weight=1)))
+
+
+def test_the_worked_example():
+    ledger = worked_example()
+    assert ledger.granted == 95 * GiB  # 95 + 24 = 119 > 102: 17 must come back
+    demands = {"A": claim(2, 10 * GiB, 102 * GiB, 60 * GiB), "B": claim(1, 30 * GiB, 40 * GiB, 35 * GiB),
+               "C": claim(1, 0, 102 * GiB, 24 * GiB)}
+    assert fair_shares(102 * GiB, demands) == {"A": 48 * GiB, "B": 30 * GiB, "C": 24 * GiB}
+
+    wait = ledger.reserve("C", 24 * GiB, now=1.0)
+    assert wait.verdict == Verdict.WAIT and wait.deadline == 1.0 + RECLAIM_DEADLINE_S
+    assert [(r.engine, r.nbytes, r.deadline) for r in wait.reclaims] == [("A", 12 * GiB, 6.0), ("B", 5 * GiB, 6.0)]
+
+    ledger.released("A", 12 * GiB, now=1.5)  # granted 83; B's pending 5 covers 83 + 24 - 102
+    assert ledger.granted == 83 * GiB
+    still = ledger.reserve("C", 24 * GiB, now=1.5)
+    assert (still.verdict, still.reclaims, still.wait) == (Verdict.WAIT, (), wait.wait)
+
+    ledger.released("B", 5 * GiB, now=2.0)  # granted 78; 78 + 24 = 102 fits
+    granted = ledger.reserve("C", 24 * GiB, now=2.0)
+    assert granted.verdict == Verdict.GRANTED
+    assert [(s.engine, s.held, s.grant) for s in ledger.status()] == [
+        ("A", 48 * GiB, 48 * GiB), ("B", 30 * GiB, 30 * GiB), ("C", 0, 24 * GiB)]
+    assert ledger.granted == 102 * GiB and ledger.expire(100.0) == [TicketExpired("C", granted.ticket, 24 * GiB)]
+
+
+def test_the_worked_example_when_b_ignores_its_reclaim():
+    ledger = worked_example()
+    wait = ledger.reserve("C", 24 * GiB, now=1.0)
+    ledger.released("A", 12 * GiB, now=1.5)
+    assert ledger.expire(5.99) == []
+    (ignored, denied) = ledger.expire(6.0)
+    assert ignored == ReclaimIgnored("B", wait.reclaims[1].id, 5 * GiB)
+    assert denied == ReserveDenied("C", 24 * GiB, wait.wait, "no room for 25769803776 bytes by the reclaim deadline: "
+                                   "no answer from B", ("B",))
+    assert engine(ledger, "B").reclaims_ignored == 1 and engine(ledger, "B").reclaim_pending_bytes == 0
+
+
+def test_the_worked_example_when_b_cannot():
+    ledger = worked_example()
+    ledger.reserve("C", 24 * GiB, now=1.0)
+    ledger.released("A", 12 * GiB, now=1.5)
+    ledger.cannot("B", now=1.6)
+    denied = ledger.reserve("C", 24 * GiB, now=1.6)  # 83 + 24 - 102 = 5 must come back; A holds its share 48
+    assert denied.verdict == Verdict.DENIED
+    assert denied.reason == (f"engine 'C' asked {24 * GiB} bytes: budget {102 * GiB}, granted {83 * GiB}, dead 0; "
+                             f"{5 * GiB} must come back and engines above their fair shares and floors can give back 0 "
+                             "(not asking again: A, B)")
+    assert ledger.expire(100.0) == []  # the wait ended with the denial
+
+
+# --------------------------------------------------------------------------
+# Admission
+
+def test_granted_while_the_budget_and_the_cap_hold():
+    ledger = joined(100, ("a", dict(cap=70)), ("b", {}))
+    assert ledger.reserve("a", 70, 0.0).verdict == Verdict.GRANTED
+    capped = ledger.reserve("a", 1, 0.0)  # 70 + 1 > cap 70, whatever the budget
+    assert (capped.verdict, capped.reason) == (Verdict.DENIED, "engine 'a' asked 1 bytes beside its grant of 70: "
+                                                               "more than its cap of 70")
+    assert ledger.reserve("b", 30, 0.0).verdict == Verdict.GRANTED  # 70 + 30 = 100
+    full = ledger.reserve("b", 1, 0.0)  # a's 70 are an open ticket, in flight: nothing to reclaim
+    assert full.verdict == Verdict.DENIED and "budget 100, granted 100, dead 0; 1 must come back" in full.reason
+
+
+def test_a_cap_above_the_budget_is_the_budget():
+    ledger = joined(100, ("a", dict(cap=10**12)))
+    assert engine(ledger, "a").cap == 100
+
+
+def test_dead_bytes_count_until_seen_gone():
+    ledger = joined(100, ("a", dict(held=60)), ("b", {}))
+    ledger.leave("a", 1.0)
+    assert (engine(ledger, "a").lease, engine(ledger, "a").dead, ledger.granted, ledger.dead) == ("dead", 60, 0, 60)
+    denied = ledger.reserve("b", 41, 1.0)  # 60 dead + 41 > 100, and no live engine to reclaim from
+    assert denied.verdict == Verdict.DENIED and "dead 60" in denied.reason
+    assert ledger.reserve("b", 40, 1.0).verdict == Verdict.GRANTED
+    ledger.seen_gone("a", 20, 2.0)  # the reading shows 20 left
+    assert engine(ledger, "a").dead == 20
+    assert ledger.reserve("b", 41, 2.0).verdict == Verdict.DENIED  # 40 + 20 + 41 > 100
+    assert ledger.reserve("b", 40, 2.0).verdict == Verdict.GRANTED
+    ledger.seen_gone("a", 30, 3.0)  # a reading above the dead bytes does not raise them
+    assert engine(ledger, "a").dead == 20
+    ledger.seen_gone("a", 0, 4.0)
+    assert [s.engine for s in ledger.status()] == ["b"] and ledger.dead == 0
+    assert ledger.reserve("b", 20, 4.0).verdict == Verdict.GRANTED
+
+
+def test_a_lease_that_held_nothing_is_forgotten_at_once():
+    ledger = joined(100, ("a", {}))
+    ledger.leave("a", 1.0)
+    assert ledger.status() == []
+    ledger.join("a", pid=7, uid=1000, floor=0, cap=None, weight=1.0, now=2.0)  # the name is free again
+
+
+def test_a_leaving_engine_takes_its_tickets_into_dead_bytes():
+    ledger = joined(100, ("a", dict(held=10)))
+    ledger.reserve("a", 30, 0.0)
+    ledger.leave("a", 1.0)
+    assert engine(ledger, "a").dead == 40
+
+
+# --------------------------------------------------------------------------
+# Tickets
+
+def test_confirm_keeps_what_was_created_and_gives_back_the_rest():
+    ledger = joined(100, ("a", {}))
+    first, second = ledger.reserve("a", 40, 0.0).ticket, ledger.reserve("a", 30, 0.0).ticket
+    assert first != second
+    assert (engine(ledger, "a").grant, engine(ledger, "a").open_tickets) == (70, 2)
+    ledger.confirm("a", first, 25, 1.0)
+    assert (engine(ledger, "a").held, engine(ledger, "a").grant) == (25, 55)
+    ledger.cancel("a", second, 1.0)
+    assert (engine(ledger, "a").held, engine(ledger, "a").grant, engine(ledger, "a").open_tickets) == (25, 25, 0)
+
+
+def test_an_expired_ticket_counts_as_held_until_settled():
+    ledger = joined(100, ("a", {}))
+    ticket = ledger.reserve("a", 40, 10.0).ticket
+    assert ledger.expire(10.0 + TICKET_TTL_S - 0.01) == []
+    assert ledger.expire(10.0 + TICKET_TTL_S) == [TicketExpired("a", ticket, 40)]
+    status = engine(ledger, "a")
+    assert (status.held, status.grant, status.open_tickets, status.expired_tickets) == (40, 40, 0, 1)
+    assert ledger.expire(1000.0) == []  # expired once
+    ledger.confirm("a", ticket, 10, 1000.0)  # late: the 30 not created come back
+    assert (engine(ledger, "a").held, engine(ledger, "a").expired_tickets) == (10, 0)
+
+
+def test_returning_more_than_held_is_clamped_and_noted():
+    ledger = joined(100, ("a", dict(held=10)))
+    ledger.returned("a", 15, 1.0)
+    assert (engine(ledger, "a").held, engine(ledger, "a").overclaimed_bytes) == (0, 5)
+
+
+# --------------------------------------------------------------------------
+# Reclaims
+
+def test_reclaims_ask_only_what_is_above_the_share():
+    ledger = joined(100, ("a", dict(held=70)), ("b", {}))
+    wait = ledger.reserve("b", 50, 0.0)  # shares of demands 70, 50: 50 each; 70 + 50 - 100 = 20 from a
+    assert [(r.engine, r.nbytes) for r in wait.reclaims] == [("a", 20)]
+    assert engine(ledger, "a").reclaim_pending_bytes == 20
+
+
+def test_an_engine_at_its_floor_is_never_asked():
+    ledger = joined(100, ("a", dict(held=50, floor=50, weight=0.01)), ("b", dict(held=10)))
+    denied = ledger.reserve("b", 60, 0.0)  # a's weighted share is tiny, but 50 is its floor
+    assert denied.verdict == Verdict.DENIED and "can give back 0" in denied.reason
+
+
+def test_a_reclaim_stops_at_the_share_or_at_the_floor_above_it():
+    ledger = joined(100, ("a", dict(held=60, floor=45)), ("b", {}))
+    wait = ledger.reserve("b", 50, 0.0)  # shares of demands 60, 50: 50 each, above a's floor: a gives 10
+    assert [(r.engine, r.nbytes) for r in wait.reclaims] == [("a", 10)]
+    ledger = joined(100, ("a", dict(held=60, floor=55)), ("b", {}))
+    denied = ledger.reserve("b", 50, 0.0)  # a's floor lifts its share to 55 (b's: 45): a can give 5, 10 are needed
+    assert denied.verdict == Verdict.DENIED and "10 must come back" in denied.reason and "give back 5" in denied.reason
+
+
+def test_open_tickets_do_not_let_a_reclaim_take_held_bytes_below_the_floor():
+    ledger = joined(100, ("a", dict(held=50, floor=50)), ("b", {}))
+    ledger.reserve("a", 40, 0.0)  # a's grant 90, of it 50 held: its floor
+    denied = ledger.reserve("b", 30, 0.0)  # shares of demands 90, 30: 70, 30; a's 20 above it are in flight
+    assert denied.verdict == Verdict.DENIED and "20 must come back" in denied.reason and "give back 0" in denied.reason
+
+
+def test_an_asker_above_its_share_takes_nothing_from_others():
+    ledger = joined(100, ("a", dict(held=60)), ("b", dict(held=40)))
+    denied = ledger.reserve("a", 20, 0.0)  # shares of demands 80, 40: 60, 40; b holds its share
+    assert denied.verdict == Verdict.DENIED and "can give back 0" in denied.reason
+
+
+def test_open_tickets_are_not_reclaimed():
+    ledger = joined(100, ("a", dict(held=10)), ("b", {}))
+    ledger.reserve("a", 60, 0.0)  # a's grant 70, of it 10 held
+    denied = ledger.reserve("b", 50, 0.0)  # 20 above a's share, but only its 10 held can come back
+    assert denied.verdict == Verdict.DENIED and "give back 10" in denied.reason
+
+
+def test_a_leaving_engine_ends_its_waits_and_the_reclaims_asked_of_it():
+    ledger = joined(100, ("a", dict(held=70)), ("b", {}))
+    ledger.reserve("b", 50, 0.0)
+    ledger.leave("a", 1.0)
+    assert engine(ledger, "a").reclaim_pending_bytes == 0
+    (denied,) = ledger.expire(RECLAIM_DEADLINE_S)
+    assert denied.reason.endswith("the reclaims did not free enough") and denied.ignored == ()
+    ledger = joined(100, ("a", dict(held=70)), ("b", {}))
+    ledger.reserve("b", 50, 0.0)
+    ledger.leave("b", 1.0)
+    assert [event.engine for event in ledger.expire(RECLAIM_DEADLINE_S)] == ["a"]  # only a's reclaim, no wait
+
+
+def test_a_late_answer_is_no_error():
+    ledger = joined(100, ("a", dict(held=70)), ("b", {}))
+    ledger.reserve("b", 50, 0.0)
+    ledger.expire(RECLAIM_DEADLINE_S)
+    ledger.released("a", 20, 6.0)
+    ledger.cannot("a", 6.0)
+    assert engine(ledger, "a").held == 50
+
+
+# --------------------------------------------------------------------------
+# Illegal calls raise, naming the value and what was expected, and change nothing
+
+def busy_ledger() -> Ledger:
+    """Two live engines with open, expired and closed tickets, a wait, a
+    pending reclaim and a dead lease: every kind of state a call can change."""
+    ledger = joined(1000, ("a", dict(held=600, floor=100)), ("b", dict(held=50)), ("d", dict(held=30)))
+    ledger.reserve("a", 10, 0.0)  # ticket 1, expires
+    ledger.expire(TICKET_TTL_S)
+    ledger.reserve("a", 20, TICKET_TTL_S)  # ticket 2, closed below
+    ledger.confirm("a", 2, 20, TICKET_TTL_S)
+    ledger.reserve("b", 5, TICKET_TTL_S)  # ticket 3, open
+    ledger.leave("d", TICKET_TTL_S)
+    assert ledger.reserve("b", 400, TICKET_TTL_S).verdict == Verdict.WAIT
+    return ledger
+
+
+def joining(name: str, **terms):
+    """A join of `name` with `terms` over good defaults."""
+    return lambda ledger: ledger.join(name, **{"pid": 9, "uid": 1, "floor": 0, "cap": None, "weight": 1.0, "now": 61.0,
+                                               **terms})
+
+
+ILLEGAL_CALLS = [
+    # (call, the error's words)
+    (lambda l: l.reserve("x", 10, 61.0), "reserve: engine 'x' is absent, expected live"),
+    (lambda l: l.reserve("", 10, 61.0), "engine must be a non-empty str, got ''"),
+    (lambda l: l.returned(7, 10, 61.0), "engine must be a non-empty str, got 7"),
+    (joining("a"), "join: engine 'a' is live, expected absent"),
+    (joining("d"), "join: engine 'd' is dead, expected absent"),
+    (lambda l: l.reserve("d", 10, 61.0), "reserve: engine 'd' is dead, expected live"),
+    (lambda l: l.leave("d", 61.0), "leave: engine 'd' is dead, expected live"),
+    (lambda l: l.seen_gone("a", 0, 61.0), "seen_gone: engine 'a' is live, expected dead"),
+    (lambda l: l.confirm("a", 99, 1, 61.0), r"confirm: ticket must be one of engine 'a'.s tickets \[1\], got 99 "
+                                            r"\(never issued\)"),
+    (lambda l: l.confirm("a", 2, 1, 61.0), r"ticket must be one of engine 'a'.s tickets \[1\], got 2 \(closed, or no ticket\)"),
+    (lambda l: l.cancel("a", 3, 61.0), r"cancel: ticket must be one of engine 'a'.s tickets \[1\], got 3 \(engine 'b'.s\)"),
+    (lambda l: l.confirm("b", 3, 6, 61.0), "created must be <= the ticket's 5 bytes, got 6"),
+    (lambda l: l.confirm("b", 3, -1, 61.0), r"created must be an int >= 0 \(bytes\), got -1"),
+    (lambda l: l.confirm("b", True, 1, 61.0), r"ticket must be an int >= 1 \(a ticket id\), got True"),
+    (lambda l: l.reserve("a", 0, 61.0), r"nbytes must be an int >= 1 \(bytes\), got 0"),
+    (lambda l: l.reserve("a", 2.5, 61.0), r"nbytes must be an int >= 1 \(bytes\), got 2.5"),
+    (lambda l: l.returned("a", -1, 61.0), r"nbytes must be an int >= 0 \(bytes\), got -1"),
+    (lambda l: l.released("a", -1, 61.0), r"nbytes must be an int >= 0 \(bytes\), got -1"),
+    (lambda l: l.reserve("a", 10, math.nan), "now must be a finite real number, got nan"),
+    (lambda l: l.returned("a", 10, "61"), "now must be a finite real number, got '61'"),
+    (lambda l: l.expire(math.inf), "now must be a finite real number, got inf"),
+    (lambda l: l.seen_gone("d", 1.5, 61.0), r"outside_bytes must be an int \(bytes\), got 1.5"),
+    (joining("e", pid=0), r"pid must be an int >= 1 \(a process id\), got 0"),
+    (joining("e", uid=-1), r"uid must be an int >= 0 \(a user id\), got -1"),
+    (joining("e", weight=0.0), "weight must be a finite real number > 0, got 0.0"),
+    (joining("e", weight=True), "weight must be a finite real number > 0, got True"),
+    (joining("e", cap=0), r"cap must be an int >= 1 \(bytes\), got 0"),
+    (joining("e", floor=20, cap=10), "floor must be <= the cap of 10 bytes, got 20"),
+    (joining("e", floor=901), r"floor must be <= 900 bytes, what the budget of 1000 leaves beside the other floors \(100\), got 901"),
+    (joining("e", held=286), "held must be <= 285 bytes, what the cap and the budget leave, got 286"),
+]
+
+
+@pytest.mark.invariant(5, 6)
+@pytest.mark.parametrize("call, words", ILLEGAL_CALLS, ids=[words[:50] for _, words in ILLEGAL_CALLS])
+def test_an_illegal_call_raises_and_changes_nothing(call, words):
+    ledger = busy_ledger()
+    before = snapshot(ledger)
+    with pytest.raises(BudgetProtocolError, match=words):
+        call(ledger)
+    assert snapshot(ledger) == before
+
+
+@pytest.mark.invariant(5, 6)
+def test_a_fresh_denial_changes_nothing():
+    ledger = busy_ledger()
+    before = snapshot(ledger)
+    assert ledger.reserve("b", 951, 61.0).verdict == Verdict.DENIED  # above b's cap (the budget)
+    assert ledger.reserve("a", 300, 61.0).verdict == Verdict.DENIED  # others hold at most their shares
+    assert snapshot(ledger) == before
+
+
+@pytest.mark.invariant(5, 6)
+@pytest.mark.parametrize("budget", [0, -1, True, 1.0, None])
+def test_a_budget_must_be_a_positive_int(budget):
+    with pytest.raises(BudgetProtocolError, match=rf"budget must be an int >= 1 \(bytes\), got {budget!r}"):
+        Ledger(budget)
+
+
+# --------------------------------------------------------------------------
+# The state machine, beside a plain model
+
+BUDGET = 1000
+NAMES = ("a", "b", "c")
+#: Bytes an engine holds as it joins: often a large share of the budget, so
+#: that it fills soon; and bytes a reserve asks, a few shares of it.
+HELD_BYTES = st.integers(0, 450) | st.sampled_from([150, 300, 450])
+ASKED_BYTES = st.integers(1, 200) | st.sampled_from([50, 100, 200])
+
+
+@dataclass
+class ModelEngine:
+    """What the ledger should hold for one engine, by the rules alone."""
+
+    floor: int
+    cap: int
+    live: bool = True
+    held: int = 0
+    dead: int = 0
+    open: dict[int, tuple[int, float]] = field(default_factory=dict)  # ticket -> (bytes, issued at)
+    expired: dict[int, int] = field(default_factory=dict)  # ticket -> bytes
+
+    @property
+    def grant(self) -> int:
+        return self.held + sum(nbytes for nbytes, _ in self.open.values())
+
+
+class LedgerMachine(RuleBasedStateMachine):
+    """Legal calls on engines drawn from the model; `illegal` makes the
+    refused ones. Answers to reclaims run the waiting reserves again, as
+    the daemon does."""
+
+    def __init__(self):
+        super().__init__()
+        self.ledger = Ledger(BUDGET)
+        self.model: dict[str, ModelEngine] = {}
+        self.now = 0.0
+        self.issued: set[int] = set()
+        self.waiting: set[tuple[str, int]] = set()  # reserves told to wait, not yet answered
+
+    def names(self, live: bool) -> list[str]:
+        return [name for name, e in self.model.items() if e.live == live]
+
+    def total(self) -> int:
+        return sum(e.grant for e in self.model.values() if e.live) + sum(e.dead for e in self.model.values())
+
+    def refused(self, call, words: str) -> None:
+        before = snapshot(self.ledger)
+        with pytest.raises(BudgetProtocolError, match=words):
+            call()
+        assert snapshot(self.ledger) == before
+
+    def forget_if_gone(self, name: str) -> None:
+        if not self.model[name].live and not self.model[name].dead:
+            del self.model[name]
+
+    def reserve_and_check(self, name: str, nbytes: int) -> Decision:
+        before, mine = snapshot(self.ledger), self.model[name]
+        decision = self.ledger.reserve(name, nbytes, self.now)
+        fits = mine.grant + nbytes <= mine.cap and self.total() + nbytes <= BUDGET
+        assert (decision.verdict == Verdict.GRANTED) == fits, (decision, self.total())
+        if decision.verdict == Verdict.GRANTED:
+            assert decision.ticket not in self.issued
+            self.issued.add(decision.ticket)
+            mine.open[decision.ticket] = (nbytes, self.now)
+            self.waiting.discard((name, nbytes))
+        elif decision.verdict == Verdict.DENIED:
+            if (name, nbytes) not in self.waiting:
+                assert snapshot(self.ledger) == before  # a denial that ended no wait changes nothing
+            self.waiting.discard((name, nbytes))
+        else:
+            self.waiting.add((name, nbytes))
+            for reclaim in decision.reclaims:
+                target = self.model[reclaim.engine]
+                assert reclaim.engine != name and target.live
+                assert 0 < reclaim.nbytes <= target.held and target.held - reclaim.nbytes >= target.floor
+            pending = sum(s.reclaim_pending_bytes for s in self.ledger.status() if s.engine != name)
+            assert pending >= self.total() + nbytes - BUDGET  # a wait is for reclaims that would make room
+        return decision
+
+    @initialize(data=st.data())
+    def engines_join(self, data):
+        """Every run starts with the engines joined, holding what they draw,
+        so that reserves soon meet a full budget."""
+        for name in NAMES:
+            self.join_as_drawn(name, data)
+
+    @precondition(lambda self: len(self.model) < len(NAMES))
+    @rule(data=st.data())
+    def join(self, data):
+        self.join_as_drawn(data.draw(st.sampled_from([name for name in NAMES if name not in self.model])), data)
+
+    def join_as_drawn(self, name: str, data) -> None:
+        floor, held = data.draw(st.integers(0, 250)), data.draw(HELD_BYTES)
+        cap = data.draw(st.none() | st.integers(300, 1200))
+        weight = data.draw(st.sampled_from([1.0, 2.0]) | st.floats(0.1, 10))
+        call = lambda: self.ledger.join(name, pid=1, uid=1, floor=floor, cap=cap, weight=weight, now=self.now, held=held)
+        cap = BUDGET if cap is None else min(cap, BUDGET)
+        floors = sum(e.floor for e in self.model.values() if e.live)
+        if floor > cap or floors + floor > BUDGET or held > min(cap, BUDGET - self.total()):
+            return self.refused(call, "must be <=")
+        call()
+        self.model[name] = ModelEngine(floor, cap, held=held)
+
+    @precondition(lambda self: self.names(live=True))
+    @rule(data=st.data())
+    def reserve(self, data):
+        """Reserve, and as often as not create it all and confirm at once, as an engine does."""
+        name, nbytes = data.draw(st.sampled_from(self.names(live=True))), data.draw(ASKED_BYTES)
+        self.reserve_and_confirm(data, name, nbytes)
+
+    @precondition(lambda self: self.names(live=True))
+    @rule(data=st.data())
+    def idle_engine_bursts(self, data):
+        """The engine holding least for its weight asks a little past what
+        is free: the reserve that makes others give back."""
+        statuses = [s for s in self.ledger.status() if s.lease == "live"]
+        name = min(statuses, key=lambda s: (s.grant / s.weight, s.engine)).engine
+        self.reserve_and_confirm(data, name, BUDGET - self.total() + data.draw(st.integers(1, 100)))
+
+    def reserve_and_confirm(self, data, name: str, nbytes: int) -> None:
+        decision = self.reserve_and_check(name, nbytes)
+        if decision.verdict == Verdict.GRANTED and data.draw(st.booleans()):
+            self.settle(name, decision.ticket, nbytes, nbytes)
+
+    def tickets(self) -> list[tuple[str, int, int]]:
+        """(engine, ticket, bytes) of every open or expired ticket."""
+        return [(name, ticket, nbytes) for name, e in self.model.items() if e.live
+                for ticket, nbytes in [*((t, n) for t, (n, _) in e.open.items()), *e.expired.items()]]
+
+    @precondition(lambda self: self.tickets())
+    @rule(data=st.data())
+    def settle_ticket(self, data):
+        name, ticket, nbytes = data.draw(st.sampled_from(self.tickets()))
+        self.settle(name, ticket, nbytes, data.draw(st.none() | st.integers(0, nbytes)))
+
+    def settle(self, name: str, ticket: int, nbytes: int, created: int | None) -> None:
+        """Confirm `created` bytes of the ticket, or cancel it (None)."""
+        mine = self.model[name]
+        if created is None:
+            self.ledger.cancel(name, ticket, self.now)
+            created = 0
+        else:
+            self.ledger.confirm(name, ticket, created, self.now)
+        if ticket in mine.open:
+            del mine.open[ticket]
+            mine.held += created
+        else:
+            del mine.expired[ticket]
+            mine.held -= min(nbytes - created, mine.held)
+
+    @precondition(lambda self: self.names(live=True))
+    @rule(data=st.data())
+    def give_back(self, data):
+        """Give back unasked, or answer a reclaim with bytes of its own
+        choosing (more than held too), and run the waits again."""
+        name = data.draw(st.sampled_from(self.names(live=True)))
+        answer = data.draw(st.sampled_from(["returned", "released", "cannot"]))
+        nbytes = data.draw(st.integers(0, 300))
+        if answer == "cannot":
+            self.ledger.cannot(name, self.now)
+        else:
+            getattr(self.ledger, answer)(name, nbytes, self.now)
+            self.model[name].held -= min(nbytes, self.model[name].held)
+        for name, nbytes in sorted(self.waiting):
+            self.reserve_and_check(name, nbytes)
+
+    @precondition(lambda self: any(s.reclaim_pending_bytes for s in self.ledger.status()))
+    @rule(data=st.data())
+    def answer_reclaim(self, data):
+        """Answer a pending reclaim as asked, or `cannot`, and run the waits again."""
+        name, asked = data.draw(st.sampled_from([(s.engine, s.reclaim_pending_bytes) for s in self.ledger.status()
+                                                 if s.reclaim_pending_bytes]))
+        honest = data.draw(st.booleans())
+        if honest:  # it may hold less by now, having given back meanwhile
+            self.ledger.released(name, asked, self.now)
+            self.model[name].held -= min(asked, self.model[name].held)
+        else:
+            self.ledger.cannot(name, self.now)
+        for name, nbytes in sorted(self.waiting):
+            self.reserve_and_check(name, nbytes)
+
+    @precondition(lambda self: len(self.names(live=True)) > 1)  # a run with no engine left tests little
+    @rule(data=st.data())
+    def leave(self, data):
+        name = data.draw(st.sampled_from(self.names(live=True)))
+        self.ledger.leave(name, self.now)
+        mine = self.model[name]
+        mine.live, mine.dead, mine.held = False, mine.grant, 0
+        mine.open.clear()
+        mine.expired.clear()
+        self.waiting = {(engine, nbytes) for engine, nbytes in self.waiting if engine != name}
+        self.forget_if_gone(name)
+
+    @precondition(lambda self: self.names(live=False))
+    @rule(data=st.data())
+    def seen_gone(self, data):
+        name, outside = data.draw(st.sampled_from(self.names(live=False))), data.draw(st.integers(-10, 300))
+        self.ledger.seen_gone(name, outside, self.now)
+        self.model[name].dead = min(self.model[name].dead, max(outside, 0))
+        self.forget_if_gone(name)
+
+    @rule(data=st.data())
+    def time_passes(self, data):
+        self.now += data.draw(st.sampled_from([0.5, RECLAIM_DEADLINE_S, TICKET_TTL_S]))
+        events = self.ledger.expire(self.now)
+        expected = []
+        for name, mine in self.model.items():
+            for ticket, (nbytes, issued_at) in list(mine.open.items()):
+                if issued_at + TICKET_TTL_S <= self.now:
+                    del mine.open[ticket]
+                    mine.expired[ticket] = nbytes
+                    mine.held += nbytes
+                    expected.append(TicketExpired(name, ticket, nbytes))
+        assert [e for e in events if isinstance(e, TicketExpired)] == expected
+        for denied in (e for e in events if isinstance(e, ReserveDenied)):
+            self.waiting.remove((denied.engine, denied.nbytes))
+
+    @precondition(lambda self: self.model)
+    @rule(data=st.data())
+    def illegal(self, data):
+        ledger, now = self.ledger, self.now
+        calls = [(lambda: ledger.reserve("nobody", 1, now), "reserve: engine 'nobody' is absent, expected live"),
+                 (lambda: ledger.confirm("nobody", 1, 0, now), "confirm: engine 'nobody' is absent, expected live"),
+                 (lambda: ledger.expire(math.nan), "now must be a finite real number")]
+        # Each call binds its values as defaults: a closure would see the loop's last ones.
+        for name in self.names(live=False):
+            calls += [(lambda name=name: ledger.reserve(name, 1, now), "reserve: engine .* is dead, expected live"),
+                      (lambda name=name: ledger.leave(name, now), "leave: engine .* is dead, expected live")]
+        for name in self.names(live=True):
+            mine = self.model[name]
+            calls += [(lambda name=name: ledger.returned(name, -1, now), "nbytes must be an int >= 0"),
+                      (lambda name=name: ledger.reserve(name, 0, now), "nbytes must be an int >= 1"),
+                      (lambda name=name: ledger.confirm(name, 10**9, 0, now), "never issued"),
+                      (lambda name=name: ledger.seen_gone(name, 0, now), "is live, expected dead"),
+                      (lambda name=name: ledger.join(name, pid=1, uid=1, floor=0, cap=None, weight=1.0, now=now),
+                       "join: engine .* is live, expected absent")]
+            calls += [(lambda name=name, ticket=ticket, nbytes=nbytes: ledger.confirm(name, ticket, nbytes + 1, now),
+                       "created must be <=") for ticket, (nbytes, _) in mine.open.items()]
+            closed = self.issued - set(mine.open) - set(mine.expired)
+            calls += [(lambda name=name, ticket=ticket: ledger.cancel(name, ticket, now), "ticket must be one of")
+                      for ticket in closed]
+        self.refused(*data.draw(st.sampled_from(calls)))
+
+    @invariant()
+    def the_budget_holds(self):
+        assert self.ledger.granted + self.ledger.dead <= BUDGET
+        statuses = self.ledger.status()
+        for status in statuses:
+            assert status.grant <= status.cap and status.held >= 0 and status.dead >= 0
+        seen = {s.engine: (s.lease == "live", s.held, s.dead, s.open_ticket_bytes, s.expired_tickets) for s in statuses}
+        assert seen == {name: (e.live, e.held, e.dead, e.grant - e.held, len(e.expired)) for name, e in self.model.items()}
+        assert self.ledger.granted + self.ledger.dead == self.total()
+
+
+def test_ledger_state_machine():
+    run_state_machine_as_test(LedgerMachine)
