@@ -66,13 +66,6 @@ class DeadlineExceededError(ExtkvError, TimeoutError):
     got; a `TimeoutError`, so callers that catch the builtin still work."""
 
 
-class BudgetProtocolError(ExtkvError, ValueError):
-    """A call to the shared KV budget that is not legal where it was made:
-    an unknown engine or ticket, bytes out of range, a second hello. Raised
-    before anything changes; the message names the value and what was
-    expected. A `ValueError`, as every refused argument is."""
-
-
 def warn_without_raising(message: str, category: type[Warning] = RuntimeWarning, *, stacklevel: int = 1) -> None:
     """Warn of something already done, never raise it: the caller is past a
     step it cannot undo (a descriptor closed, a lock gone without), and
@@ -84,3 +77,27 @@ def warn_without_raising(message: str, category: type[Warning] = RuntimeWarning,
     except Warning as warning:
         caller = sys._getframe(stacklevel)
         warnings.showwarning(warning, category, caller.f_code.co_filename, caller.f_lineno)
+
+
+class BudgetProtocolError(ExtkvError, ValueError):
+    """A message or a call of the shared KV budget (extkv.budget) that its
+    protocol does not allow: a malformed field, an unknown engine or ticket,
+    a transition its state forbids. The message names the field or the
+    engine, the value and what was expected; nothing was changed."""
+
+
+class BudgetUnavailableError(ExtkvError, ConnectionError):
+    """The budget daemon cannot be reached (never started, gone, or it
+    refused this process): growth fails closed, while memory already held
+    stays usable. The message names the socket and the cause."""
+
+
+class BudgetDeniedError(OutOfMemoryError):
+    """The budget daemon denied a reservation: granting it would take the
+    engines on the device past the budget, or this engine past its cap. An
+    OutOfMemoryError, so a caller that meets a driver's out-of-memory meets
+    this the same way; the message names the bytes asked and the reason."""
+
+    def __init__(self, nbytes: int, reason: str):
+        self.reason = reason
+        super().__init__("budget reserve", 0, "BUDGET_DENIED", size=nbytes, detail=reason)
