@@ -71,7 +71,6 @@ from __future__ import annotations
 import enum
 import os
 import socket
-import struct
 import tempfile
 from dataclasses import dataclass
 from typing import Iterable, Protocol, Sequence, runtime_checkable
@@ -83,7 +82,16 @@ from .errors import DeadlineExceededError, ExtkvError, StateError
 from .layout import KVCacheConfig
 from .tensor import ExtensibleTensor, MappedChunk
 from .vmm import Driver
-from .wire import Deadline, ExportHeader, SegmentPlacement, close_all, close_each, send_fds, send_message
+from .wire import (
+    Deadline,
+    ExportHeader,
+    SegmentPlacement,
+    close_all,
+    close_each,
+    peer_credentials,
+    send_fds,
+    send_message,
+)
 
 #: Seconds one export may take to send, header and descriptors. A peer that
 #: reads takes them at once: only one that stopped reading meets this.
@@ -368,13 +376,6 @@ def _ids(name: str, values: Iterable[int]) -> list[int]:
     except TypeError:
         raise ValueError(f"{name} must be an iterable of ints >= 0, got {values!r}") from None
     return [validate.integer(f"{name}[{i}]", value) for i, value in enumerate(items)]
-
-
-def peer_credentials(sock: socket.socket) -> tuple[int, int, int]:
-    """(pid, uid, gid) of the process at the other end of a connected AF_UNIX
-    socket, as the kernel recorded them when it connected (SO_PEERCRED)."""
-    ucred = struct.Struct("3i")
-    return ucred.unpack(sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, ucred.size))
 
 
 class PrivateListener:

@@ -43,7 +43,19 @@ peer that hung up is an EPIPE error, never a SIGPIPE that kills a process
 which does not ignore it.
 
 The exporter (extkv.connector) and the peer (extkv.peer) both build on this
-module; neither imports the other.
+module; neither imports the other. So does the shared KV budget
+(extkv.budget), whose daemon reads many connections from one selectors
+loop and cannot wait on any one of them: it frames its replies with
+`encode_message` and takes what arrives into a `MessageBuffer`, which
+applies the same bounds and checks as `receive_message`, piece by piece.
+
+Both servers read who connected from the kernel (`peer_credentials`,
+SO_PEERCRED), and listen in a directory only their uid can reach
+(extkv.files.private_directory), or any local user could connect first or
+put a file of their own at the socket's path.
+
+This module imports no torch (the driver is a type here only), so the
+budget daemon starts without it.
 """
 
 from __future__ import annotations
@@ -55,12 +67,14 @@ import socket
 import struct
 import time
 from dataclasses import dataclass
-from typing import NamedTuple, Sequence
+from typing import TYPE_CHECKING, NamedTuple, Sequence
 
 from . import validate
 from .deferred_signals import deferred_signals, run_deferred
 from .errors import DeadlineExceededError
-from .vmm import Driver
+
+if TYPE_CHECKING:
+    from .vmm import Driver
 
 #: Names the wire format; a peer refuses any other.
 PROTOCOL = "extkv-segments/2"
@@ -217,8 +231,7 @@ def send_message(
 ) -> None:
     """Send one length-prefixed JSON message; `deadline` and `what` are as
     `receive_message` takes them."""
-    payload = json.dumps(message).encode()
-    data = memoryview(_LENGTH.pack(len(payload)) + payload)
+    data = memoryview(encode_message(message))
     sent = 0
     while sent < len(data):
         progress = f"sent {sent} of the {len(data)} bytes of {what}"
@@ -245,16 +258,68 @@ def receive_message(
     (length,) = _LENGTH.unpack(_receive_exactly(sock, _LENGTH.size, deadline, f"the length of {what}"))
     if length > max_bytes:
         raise ValueError(f"message of {length} bytes announced, more than the {max_bytes} allowed (max_bytes)")
-    payload = _receive_exactly(sock, length, deadline, what)
+    return decode_message(_receive_exactly(sock, length, deadline, what))
+
+
+def encode_message(message: dict) -> bytes:
+    """`message` as it goes on the wire: its length, then its JSON."""
+    payload = json.dumps(message).encode()
+    return _LENGTH.pack(len(payload)) + payload
+
+
+def decode_message(payload: bytes) -> dict:
+    """The object a message's JSON `payload` holds; ValueError naming what
+    is wrong with it otherwise."""
     try:
         message = json.loads(payload)
     except ValueError as error:
         raise ValueError(f"message is not JSON: {error}") from None
     except RecursionError:
-        raise ValueError(f"message of {length} bytes nests JSON arrays or objects too deeply to parse") from None
+        raise ValueError(f"message of {len(payload)} bytes nests JSON arrays or objects too deeply to parse") from None
     if not isinstance(message, dict):
         raise ValueError(f"message must be a JSON object, got {type(message).__name__}")
     return message
+
+
+class MessageBuffer:
+    """Messages of one connection as they arrive in pieces, for a reader
+    that cannot wait for the rest (a non-blocking socket in a selectors
+    loop): `feed` what arrived, then take the whole messages one by one
+    from `next_message()`. A length prefix that announces more than `max_bytes` is a
+    ValueError as soon as it is whole, so what the buffer holds is at most
+    one message, its prefix and the last piece fed."""
+
+    def __init__(self, max_bytes: int = MAX_MESSAGE_BYTES):
+        self.max_bytes = validate.integer("max_bytes", max_bytes)
+        self._data = bytearray()
+
+    def feed(self, data: bytes) -> None:
+        self._data += data
+        if len(self._data) >= _LENGTH.size:
+            (length,) = _LENGTH.unpack_from(self._data)
+            if length > self.max_bytes:
+                raise ValueError(f"message of {length} bytes announced, more than the {self.max_bytes} allowed (max_bytes)")
+
+    def next_message(self) -> dict | None:
+        """The first whole message fed so far, taken out of the buffer, or
+        None until one is whole; ValueError where it is malformed or
+        announces too much."""
+        if len(self._data) < _LENGTH.size:
+            return None
+        (length,) = _LENGTH.unpack_from(self._data)
+        if length > self.max_bytes:
+            raise ValueError(f"message of {length} bytes announced, more than the {self.max_bytes} allowed (max_bytes)")
+        end = _LENGTH.size + length
+        if len(self._data) < end:
+            return None
+        payload = bytes(self._data[_LENGTH.size : end])
+        del self._data[:end]
+        return decode_message(payload)
+
+    @property
+    def pending_bytes(self) -> int:
+        """Bytes fed that are not yet part of a whole message."""
+        return len(self._data)
 
 
 def _receive_exactly(sock: socket.socket, count: int, deadline: Deadline | None, what: str) -> bytes:
@@ -338,3 +403,11 @@ def close_each(fds: list[int]) -> None:
     """Close every descriptor of `fds` and empty it (see `close_all`)."""
     while fds:
         os.close(fds.pop())
+
+
+# -- Unix socket conventions ----------------------------------------------------
+def peer_credentials(sock: socket.socket) -> tuple[int, int, int]:
+    """(pid, uid, gid) of the process at the other end of a connected AF_UNIX
+    socket, as the kernel recorded them when it connected (SO_PEERCRED)."""
+    ucred = struct.Struct("3i")
+    return ucred.unpack(sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, ucred.size))
