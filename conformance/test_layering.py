@@ -29,10 +29,8 @@ ROOT = Path(extkv.__file__).resolve().parent.parent
 #: Every extkv module, by layer, lowest first.
 LAYERS: list[set[str]] = [
     {"extkv.errors", "extkv.faultable", "extkv.validate", "extkv.deferred_signals", "extkv.files", "extkv.vmm.dlpack",
-     "extkv.vmm.torch_memory", "extkv.vmm.witness", "extkv.vmm.host_maps"},
-    {"extkv.budget.ledger"},
-    {"extkv.budget"},
-    {"extkv.cli_arguments"},
+     "extkv.vmm.torch_memory", "extkv.vmm.host_maps", "extkv.memfds"},
+    {"extkv.cli_arguments", "extkv.vmm.witness"},
     {"extkv.vmm.base"},
     {"extkv.vmm.host_memory", "extkv.vmm.host_commits"},
     {"extkv.vmm.transaction"},
@@ -41,6 +39,7 @@ LAYERS: list[set[str]] = [
     {"extkv.vmm"},
     {"extkv.vmm.primitives", "extkv.vmm.pressure"},
     {"extkv.tensor", "extkv.layout_types", "extkv.sizing", "extkv.usage", "extkv.wire"},
+    {"extkv.budget", "extkv.budget.ledger"},
     {"extkv.layout", "extkv.peer"},
     {"extkv.ahead"},
     {"extkv.cache"},
@@ -109,11 +108,13 @@ SUITES = ("conformance", "stress", "bench")
 #: run kinds' wings stand side by side on extkv.runs, and extkv.report puts
 #: their sections together from above.
 PACKAGES: list[set[str]] = [
-    {"extkv.errors", "extkv.faultable", "extkv.validate", "extkv.deferred_signals", "extkv.files", "extkv.cli_arguments"},
+    {"extkv.errors", "extkv.faultable", "extkv.validate", "extkv.deferred_signals", "extkv.files", "extkv.cli_arguments",
+     "extkv.memfds"},
     {"extkv.vmm"},
+    {"extkv.tensor", "extkv.layout_types", "extkv.sizing", "extkv.usage", "extkv.wire"},
+    # The shared KV budget: above the wire format it speaks, below the cache that asks it.
     {"extkv.budget"},
-    {"extkv.tensor", "extkv.layout_types", "extkv.sizing", "extkv.usage", "extkv.wire", "extkv.layout", "extkv.peer",
-     "extkv.ahead", "extkv.cache", "extkv.sleep"},
+    {"extkv.layout", "extkv.peer", "extkv.ahead", "extkv.cache", "extkv.sleep"},
     {"extkv.integrations"},
     {"extkv.ranks", "extkv.connector", "extkv.runner", "extkv.reference_model"},
     {"extkv.testing"},
