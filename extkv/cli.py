@@ -19,6 +19,14 @@
   results (JSON, JUnit XML).
 - `extkv pool OUT_DIR RUN_DIR RUN_DIR ...`: one bench report over the rounds
   of several runs of one code on one machine (extkv.benchmarking.pool).
+- `extkv budget serve --device host|cuda:N --budget 96GiB|80%`: the daemon
+  of one device's shared KV budget (extkv.budget.daemon), in the
+  foreground until SIGTERM or Ctrl-C; `extkv budget status`: per engine
+  of each daemon (or the one of --device), its pid, grant, held bytes, the
+  outside reading, floor, cap, weight and reclaims pending, after a line
+  for the budget. A value of the wrong form is a usage error (exit status
+  2); a daemon that cannot start or cannot be reached is one line naming
+  why (exit status 1).
 - `extkv peer --peer SOCKET_PATH [--timeout S]`: the receiving side of a
   `SegmentExportConnector`, as a process of its own (extkv.peer): import the
   exported segments, reply with the sha256 of each segment's committed bytes,
@@ -36,6 +44,7 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import os
 import sys
 from pathlib import Path
 
@@ -215,6 +224,86 @@ def _peer(args, _pytest_args) -> int:
     return 0
 
 
+def _budget_serve(args, _pytest_args) -> int:
+    import signal
+
+    from .budget.daemon import BudgetDaemon
+    from .budget.device import open_device
+    from .errors import ExtkvError
+
+    try:
+        device = open_device(args.device)
+        budget = args.budget.bytes_of(device.total_bytes)
+        daemon = BudgetDaemon(device, budget, run_dir=args.run_dir, allowed_uids=args.allow_uid,
+                              log=lambda line: print(f"extkv budget: {line}", file=sys.stderr, flush=True))
+        daemon.start()
+    except (OSError, ValueError, ExtkvError) as error:
+        print(f"extkv budget serve: {error}", file=sys.stderr)
+        return 1
+    print(f"extkv budget: serving {device.name}, budget {budget} bytes, on {daemon.socket_path}", flush=True)
+    stopping = {number: signal.signal(number, lambda *_: daemon.stop()) for number in (signal.SIGTERM, signal.SIGINT)}
+    try:
+        daemon.serve_forever()
+    finally:
+        daemon.close()
+        for number, handler in stopping.items():
+            signal.signal(number, handler)
+    return 0
+
+
+def _budget_status(args, _pytest_args) -> int:
+    import glob
+
+    from .budget.client import read_status, status_lines
+    from .budget.device import open_device
+    from .budget.protocol import default_run_dir, socket_path
+    from .errors import ExtkvError
+
+    run_dir = args.run_dir or default_run_dir()
+    try:
+        if args.device is not None:
+            sockets = [socket_path(run_dir, open_device(args.device).key)]
+        else:
+            sockets = sorted(glob.glob(os.path.join(glob.escape(run_dir), "*.sock")))
+            if not sockets:
+                print(f"extkv budget status: no budget daemon's socket in {run_dir}", file=sys.stderr)
+                return 1
+        reports = [(path, read_status(path, args.timeout)) for path in sockets]
+    except (OSError, ValueError, ExtkvError) as error:
+        print(f"extkv budget status: {error}", file=sys.stderr)
+        return 1
+    for path, report in reports:
+        lines = status_lines(report)
+        print(f"{lines[0]} socket={path}")
+        print("\n".join(lines[1:]) if len(lines) > 1 else "(no engine)")
+    return 0
+
+
+def _add_budget(command: argparse.ArgumentParser) -> dict[str, argparse.ArgumentParser]:
+    run_dir = ("the daemons' directory, a directory of this uid's own that no one else can reach (default "
+               "$EXTKV_RUN_DIR, else $XDG_RUNTIME_DIR/extkv, else extkv-UID in the temporary directory)")
+    actions = command.add_subparsers(dest="budget_command", required=True)
+    serve_text = "serve one device's shared KV budget to the engines that connect, until SIGTERM or Ctrl-C"
+    serve = actions.add_parser("serve", help=serve_text, description=serve_text[0].upper() + serve_text[1:] + ".")
+    serve.add_argument("--device", type=arguments.budget_device, required=True,
+                       help="host, cuda:N or a GPU's UUID (read through NVML; no CUDA context is created)")
+    serve.add_argument("--budget", type=arguments.budget_size, required=True,
+                       help="bytes for all engines' KV caches together: 96GiB, or 80%% of the device's memory")
+    serve.add_argument("--run-dir", metavar="DIR", type=arguments.private_run_directory, default=None, help=run_dir)
+    serve.add_argument("--allow-uid", metavar="UID", type=arguments.user_id, action="append", default=None,
+                       help="a uid whose engines may connect; repeat for several (default: this process's uid only)")
+    serve.set_defaults(run=_budget_serve)
+    status_text = "print each engine of the budget daemons: pid, grant, held and outside bytes, floor, cap, weight"
+    status = actions.add_parser("status", help=status_text, description=status_text[0].upper() + status_text[1:] + ".")
+    status.add_argument("--device", type=arguments.budget_device, default=None,
+                        help="the daemon of this device only (default: every daemon in the run directory)")
+    status.add_argument("--run-dir", metavar="DIR", type=arguments.private_run_directory, default=None, help=run_dir)
+    status.add_argument("--timeout", type=arguments.seconds, default=10.0,
+                        help="seconds to wait for each daemon (default %(default)s)")
+    status.set_defaults(run=_budget_status)
+    return {"budget serve": serve, "budget status": status}
+
+
 def _add_report_dir(command: argparse.ArgumentParser, help: str, overwrite: bool = True) -> None:
     command.add_argument("--report-dir", metavar="DIR", type=arguments.report_directory, default=None, help=help)
     if overwrite:
@@ -331,6 +420,8 @@ def main(argv: list[str] | None = None) -> int:
         "run_dirs", metavar="RUN_DIR", nargs="+", type=arguments.run_directory, help="bench run directories, two or more"
     )
     pooled.set_defaults(run=_pool)
+    budget = add("budget", "serve or show the shared KV budget of the engines on one device")
+    parsers.update(_add_budget(budget))
     peer = add(
         "peer", "import the segments a SegmentExportConnector exports, reply with their sha256 digests, clean up"
     )

@@ -13,8 +13,9 @@ right after parsing through the same `report_dir_problem`, which
 extkv.runs.rundir asks again when it makes the directory, since the
 file system may have changed in between.
 
-Only the standard library is imported here, so `extkv --help` and every
-subcommand's --help cost no torch.
+Only the standard library (and extkv.files, which imports nothing else) is
+imported here, so `extkv --help` and every subcommand's --help cost no
+torch.
 """
 
 from __future__ import annotations
@@ -22,8 +23,12 @@ from __future__ import annotations
 import argparse
 import math
 import os
+import re
 import stat
 from pathlib import Path
+from typing import NamedTuple
+
+from .files import PRIVATE_DIRECTORY_EXPECTED, private_directory_problem
 
 #: What a file that is not what was expected is, in words, by its stat.S_IS* test.
 FILE_KINDS = [
@@ -223,3 +228,62 @@ def refuse_held_report_dir(parser: argparse.ArgumentParser, args: argparse.Names
     problem = report_dir_problem(args.report_dir, may_hold_files=args.overwrite)
     if problem is not None:
         parser.error(f"argument --report-dir: {str(args.report_dir)!r} {problem}")
+
+
+# -- extkv budget -----------------------------------------------------------------
+#: Binary units a budget may be given in, by their multiple of a byte.
+BYTE_UNITS = {"B": 1, "KiB": 1 << 10, "MiB": 1 << 20, "GiB": 1 << 30, "TiB": 1 << 40}
+_BUDGET_EXPECTED = ("expected bytes (a whole number, or a number with KiB, MiB, GiB or TiB: 96GiB) "
+                    "or a share of the device's memory above 0 and at most 100% (80%)")
+
+
+class BudgetSize(NamedTuple):
+    """`--budget`: `nbytes`, or `percent` of the device's total memory."""
+
+    nbytes: int | None
+    percent: float | None
+
+    def bytes_of(self, total_bytes: int) -> int:
+        """The budget on a device of `total_bytes`."""
+        return self.nbytes if self.nbytes is not None else int(total_bytes * self.percent / 100)
+
+
+def budget_size(text: str) -> BudgetSize:
+    """`budget serve --budget`: 96GiB, 1073741824, or 80% of the device."""
+    found = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*(%|B|KiB|MiB|GiB|TiB)?\s*", text)
+    if found is not None:
+        number, unit = found.groups()
+        if unit == "%":
+            if 0 < float(number) <= 100:
+                return BudgetSize(None, float(number))
+        elif unit is not None or "." not in number:  # no fraction of a byte
+            scale = BYTE_UNITS[unit or "B"]
+            nbytes = int(float(number) * scale) if "." in number else int(number) * scale
+            if nbytes > 0:
+                return BudgetSize(nbytes, None)
+    raise argparse.ArgumentTypeError(f"{text!r}: {_BUDGET_EXPECTED}")
+
+
+def budget_device(text: str) -> str:
+    """`budget --device`: host, cuda, cuda:N, or a GPU's UUID."""
+    if text == "host" or text.startswith("GPU-") or re.fullmatch(r"cuda(:\d+)?", text):
+        return text
+    raise argparse.ArgumentTypeError(f"{text!r}: expected host, cuda:N or a GPU's UUID (GPU-...)")
+
+
+def user_id(text: str) -> int:
+    """`budget serve --allow-uid`: a user id, a whole number >= 0."""
+    if not text.isdigit():
+        raise argparse.ArgumentTypeError(f"{text!r}: expected a user id (a whole number >= 0)")
+    return int(text)
+
+
+def private_run_directory(text: str) -> str:
+    """`budget --run-dir`: a directory of this uid's own that no group or
+    other user can reach (0700), or one that can be made."""
+    problem = private_directory_problem(text)
+    if problem == "does not exist":
+        problem = report_dir_problem(text, may_hold_files=True)  # can it be made?
+    if problem is not None:
+        raise argparse.ArgumentTypeError(f"{text!r} {problem}; {PRIVATE_DIRECTORY_EXPECTED}")
+    return text

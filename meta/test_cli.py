@@ -13,7 +13,9 @@ creating CUDA drivers here would leave contexts behind in this process.
 Bad input to `report`, `pool` and `peer` (a run directory it cannot read, a
 run given twice, a socket path that is no socket, a timeout that is no
 duration, a socket where no exporter answers) is one line naming what was
-wrong and a non-zero exit status, never a traceback.
+wrong and a non-zero exit status, never a traceback. `extkv budget serve`
+runs as a process of its own until SIGTERM, and `extkv budget status`
+reads it.
 
 From a checkout, the packaging a user installs: pyproject.toml declares the
 license as an SPDX expression with its file, numpy (torch warns at every
@@ -26,7 +28,9 @@ from __future__ import annotations
 import json
 import os
 import re
+import select
 import shutil
+import signal
 import socket
 import subprocess
 import sys
@@ -45,7 +49,7 @@ pytestmark = pytest.mark.harness
 ROOT = Path(extkv.__file__).resolve().parent.parent
 #: Subcommands that hand what they do not know to pytest.
 PYTEST_COMMANDS = ("check", "bench", "stress")
-SUBCOMMANDS = ("info", *PYTEST_COMMANDS, "report", "pool", "peer")
+SUBCOMMANDS = ("info", *PYTEST_COMMANDS, "report", "pool", "budget", "peer")
 
 
 def run_main(capsys, *argv: str) -> str:
@@ -274,6 +278,43 @@ def test_peer_with_a_bad_socket_path_or_timeout_says_why_without_a_traceback(tmp
         assert cli.main(["peer", "--peer", path, "--timeout", "0.2"]) == 1
         err = capsys.readouterr().err
         assert err.startswith(f"extkv peer: {path}: DeadlineExceededError: ") and err.count("\n") == 1, err
+
+
+def test_budget_serve_runs_until_sigterm_and_status_reads_it():
+    """`extkv budget serve` as an operator starts it: a process of its own
+    that says where it serves once it listens, answers `extkv budget
+    status`, makes a second daemon for its device exit 1 with one line,
+    and on SIGTERM stops, exit status 0, its socket removed."""
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
+    extkv_budget = [sys.executable, "-m", "extkv", "budget"]
+    with open("/proc/meminfo") as meminfo:
+        total = next(int(line.split()[1]) * 1024 for line in meminfo if line.startswith("MemTotal:"))
+    # A short directory: an AF_UNIX address holds at most 107 bytes.
+    with tempfile.TemporaryDirectory(prefix="extkv-") as short:
+        run = os.path.join(short, "run")
+        serve = [*extkv_budget, "serve", "--device", "host", "--budget", "80%", "--run-dir", run]
+        daemon = subprocess.Popen(serve, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        try:
+            assert select.select([daemon.stdout], [], [], 120)[0], "the daemon said nothing within 120 s"
+            line = daemon.stdout.readline()
+            path = os.path.join(run, "host.sock")
+            assert line == f"extkv budget: serving host, budget {int(total * 0.8)} bytes, on {path}\n", line
+            status = subprocess.run([*extkv_budget, "status", "--run-dir", run], env=env, capture_output=True,
+                                    text=True, timeout=120, check=False)
+            assert status.returncode == 0, status.stderr
+            assert status.stdout == (f"budget={int(total * 0.8)} granted=0 dead=0 free={int(total * 0.8)} engines=0 "
+                                     f"device=host socket={path}\n(no engine)\n"), status.stdout
+            second = subprocess.run(serve, env=env, capture_output=True, text=True, timeout=120, check=False)
+            assert second.returncode == 1 and second.stderr.count("\n") == 1, second.stderr
+            assert second.stderr.startswith("extkv budget serve: another budget daemon holds "), second.stderr
+        finally:
+            daemon.send_signal(signal.SIGTERM)
+            daemon.wait(120)
+        assert daemon.returncode == 0, daemon.stderr.read()
+        assert not os.path.exists(path), "the daemon left its socket behind"
+        gone = subprocess.run([*extkv_budget, "status", "--run-dir", run], env=env, capture_output=True, text=True,
+                              timeout=120, check=False)
+        assert (gone.returncode, gone.stderr) == (1, f"extkv budget status: no budget daemon's socket in {run}\n")
 
 
 def test_pool_into_a_directory_whose_own_files_cannot_be_read_says_which(tmp_path, capsys):

@@ -2,8 +2,9 @@
 
 Theory of operation
 -------------------
-Every subcommand that takes a worker count, a time bound or a directory is
-given each kind of bad value (extkv.cli_arguments) in this process through
+Every subcommand that takes a worker count, a time bound, a directory, or
+(`extkv budget`) a device, a budget, a uid or a run directory is given each
+kind of bad value (extkv.cli_arguments) in this process through
 `extkv.cli.main`, as the console script calls it: each must be exit status
 2 with one line on stderr that names the value and what was expected, no
 traceback, and nothing created under the test's directory. The values are
@@ -34,6 +35,8 @@ pytestmark = pytest.mark.harness
 ROOT = Path(extkv.__file__).resolve().parent.parent
 #: The cores this process may run on: the most workers a step may have.
 CORES = len(os.sched_getaffinity(0))
+#: Subcommands whose own subcommands parse their arguments (`extkv budget serve`).
+NESTED_COMMANDS = ("budget",)
 #: Subcommands that take --report-dir, and what else each needs to parse.
 REPORT_DIR_COMMANDS = {"check": [], "bench": [], "stress": ["--minutes", "1"], "reference": []}
 
@@ -61,8 +64,9 @@ def refused(capsys, argv: list[str], value: str, expected: str, where: Path) -> 
     with pytest.raises(SystemExit) as exited:
         cli.main(argv)
     err = capsys.readouterr().err
+    command = " ".join(argv[:2] if argv[0] in NESTED_COMMANDS else argv[:1])
     assert exited.value.code == 2, (argv, exited.value.code, err)
-    assert err.count("\n") == 1 and err.startswith(f"extkv {argv[0]}: error: "), (argv, err)
+    assert err.count("\n") == 1 and err.startswith(f"extkv {command}: error: "), (argv, err)
     assert repr(value) in err and expected in err and "Traceback" not in err, (argv, err)
     assert tree(where) == before, f"extkv {' '.join(argv)} created {tree(where) - before}"
 
@@ -143,10 +147,66 @@ def test_report_refuses_a_run_dir_it_cannot_write_its_summary_into(tmp_path, cap
     refused(capsys, ["report", str(unwritable)], str(unwritable), "this process cannot write its summary.md into", tmp_path)
 
 
+BUDGET_EXPECTED = "expected bytes (a whole number, or a number with KiB, MiB, GiB or TiB: 96GiB) or a share"
+
+
+@pytest.mark.parametrize("value", ["0", "-1", "1.5", "0%", "101%", "nan%", "96GB", "lots", "1e9"])
+def test_budget_serve_refuses_a_budget_that_is_no_size(tmp_path, capsys, value):
+    argv = ["budget", "serve", "--device", "host", "--budget", value, "--run-dir", str(tmp_path / "run")]
+    refused(capsys, argv, value, BUDGET_EXPECTED, tmp_path)
+
+
+@pytest.mark.parametrize("command", ["serve", "status"])
+@pytest.mark.parametrize("value", ["gpu", "cuda:x", "cuda:-1", "cpu:0", ""])
+def test_budget_refuses_a_device_it_cannot_serve(tmp_path, capsys, command, value):
+    argv = ["budget", command, "--device", value, "--run-dir", str(tmp_path / "run")]
+    argv += ["--budget", "1GiB"] if command == "serve" else []
+    refused(capsys, argv, value, "expected host, cuda:N or a GPU's UUID (GPU-...)", tmp_path)
+
+
+@pytest.mark.parametrize("value", ["-1", "root", "1.5", ""])
+def test_budget_serve_refuses_an_allowed_uid_that_is_no_uid(tmp_path, capsys, value):
+    argv = ["budget", "serve", "--device", "host", "--budget", "1GiB", "--run-dir", str(tmp_path / "run"),
+            "--allow-uid", value]
+    refused(capsys, argv, value, "expected a user id (a whole number >= 0)", tmp_path)
+
+
+def run_dir_cases(tmp_path: Path) -> dict[str, tuple[Path, str]]:
+    """Run directories the budget refuses: (path, what the refusal says)."""
+    open_to_group = tmp_path / "open"
+    open_to_group.mkdir(mode=0o750)
+    open_to_group.chmod(0o750)
+    private = tmp_path / "private"
+    private.mkdir(mode=0o700)
+    link = tmp_path / "link"
+    link.symlink_to(private)
+    regular = tmp_path / "regular"
+    regular.write_text("")
+    return {
+        "open to its group": (open_to_group, "has mode 0750, which lets group or others in"),
+        "a symlink": (link, "is a symlink, not a directory of its own"),
+        "a file": (regular, "is not a directory"),
+        "under a file": (regular / "run", f"cannot be made: {regular} is a regular file, not a directory"),
+    }
+
+
+@pytest.mark.parametrize("command", ["serve", "status"])
+@pytest.mark.parametrize("kind", ["open to its group", "a symlink", "a file", "under a file"])
+def test_budget_refuses_a_run_dir_others_could_reach(tmp_path, capsys, command, kind):
+    path, expected = run_dir_cases(tmp_path)[kind]
+    argv = ["budget", command, "--run-dir", str(path)] + (["--device", "host", "--budget", "1GiB"] if command == "serve" else [])
+    refused(capsys, argv, str(path), expected, tmp_path)
+
+
+@pytest.mark.parametrize("value", ["0", "-1", "nan", "inf", "soon"])
+def test_budget_status_refuses_a_timeout_that_is_no_duration(tmp_path, capsys, value):
+    refused(capsys, ["budget", "status", f"--timeout={value}"], value, "expected a finite number of seconds > 0", tmp_path)
+
+
 #: What a user types first; none of it needs torch.
 LIGHT_COMMANDS = [["--help"], ["--version"]] + [
-    [name, "--help"] for name in ("info", "check", "bench", "stress", "reference", "report", "pool", "peer")
-]
+    [name, "--help"] for name in ("info", "check", "bench", "stress", "reference", "report", "pool", "peer", "budget")
+] + [["budget", "serve", "--help"], ["budget", "status", "--help"]]
 
 
 def test_help_and_version_import_no_torch():
