@@ -65,6 +65,8 @@ import torch
 
 from . import validate
 from .ahead import DEFAULT_STEP_BYTES, CommitAhead
+from .budget.client import BudgetClient
+from .budget.driver import budgeted
 from .deferred_signals import deferred_signals
 from .errors import StateError
 from .layout import (
@@ -192,7 +194,12 @@ def _block_count(num_blocks) -> int:
 
 
 class ExtensibleKVCache:
-    """Growable backing allocation for the KV cache of `kv_cache_config`."""
+    """Growable backing allocation for the KV cache of `kv_cache_config`.
+
+    `budget`: an extkv.budget.BudgetClient whose grant covers every
+    physical create of this cache (default: the client of the daemon
+    EXTKV_BUDGET names, if set); a create it denies raises BudgetDeniedError,
+    an OutOfMemoryError, before anything changes."""
 
     # Sizing state, set by the lifecycle as it learns more; these defaults
     # hold until then.
@@ -211,8 +218,12 @@ class ExtensibleKVCache:
         kv_cache_config: KVCacheConfig,
         device: torch.device | str | Driver | None,
         layout: KVCacheLayout,
+        *,
+        budget: BudgetClient | None = None,
     ):
         _check_config_and_layout(kv_cache_config, layout)
+        # Every physical create asks the shared budget first, where one is given or EXTKV_BUDGET names one.
+        device = budgeted(device, budget)
         if not kv_cache_config.kv_cache_tensors:
             raise ValueError("kv_cache_config has no kv_cache_tensors; the cache needs at least one")
         self.capacity_blocks = validate.integer("kv_cache_config.num_blocks", kv_cache_config.num_blocks, minimum=1)
