@@ -219,7 +219,7 @@ def test_a_reclaim_ignored_is_denied_at_the_deadline_and_one_answered_makes_room
 
     def give_back(target: int) -> int:
         asked.append(target)
-        holder.returned(0)  # a cache's shrink sends its own; the answer counts the bytes
+        holder.returned(target)  # as a cache's shrink does through its budgeted driver; the answer only ends the reclaim
         return target
 
     holder.on_reclaim(give_back)

@@ -135,11 +135,13 @@ def test_the_worked_example():
     assert wait.verdict == Verdict.WAIT and wait.deadline == 1.0 + RECLAIM_DEADLINE_S
     assert [(r.engine, r.nbytes, r.deadline) for r in wait.reclaims] == [("A", 12 * GiB, 6.0), ("B", 5 * GiB, 6.0)]
 
+    ledger.returned("A", 12 * GiB, now=1.5)
     ledger.released("A", 12 * GiB, now=1.5)  # granted 83; B's pending 5 covers 83 + 24 - 102
     assert ledger.granted == 83 * GiB
     still = ledger.reserve("C", 24 * GiB, now=1.5)
     assert (still.verdict, still.reclaims, still.wait) == (Verdict.WAIT, (), wait.wait)
 
+    ledger.returned("B", 5 * GiB, now=2.0)
     ledger.released("B", 5 * GiB, now=2.0)  # granted 78; 78 + 24 = 102 fits
     granted = ledger.reserve("C", 24 * GiB, now=2.0)
     assert granted.verdict == Verdict.GRANTED
@@ -151,6 +153,7 @@ def test_the_worked_example():
 def test_the_worked_example_when_b_ignores_its_reclaim():
     ledger = worked_example()
     wait = ledger.reserve("C", 24 * GiB, now=1.0)
+    ledger.returned("A", 12 * GiB, now=1.5)
     ledger.released("A", 12 * GiB, now=1.5)
     assert ledger.expire(5.99) == []
     (ignored, denied) = ledger.expire(6.0)
@@ -163,6 +166,7 @@ def test_the_worked_example_when_b_ignores_its_reclaim():
 def test_the_worked_example_when_b_cannot():
     ledger = worked_example()
     ledger.reserve("C", 24 * GiB, now=1.0)
+    ledger.returned("A", 12 * GiB, now=1.5)
     ledger.released("A", 12 * GiB, now=1.5)
     ledger.cannot("B", now=1.6)
     denied = ledger.reserve("C", 24 * GiB, now=1.6)  # 83 + 24 - 102 = 5 must come back; A holds its share 48
@@ -318,6 +322,7 @@ def test_a_late_answer_is_no_error():
     ledger = joined(100, ("a", dict(held=70)), ("b", {}))
     ledger.reserve("b", 50, 0.0)
     ledger.expire(RECLAIM_DEADLINE_S)
+    ledger.returned("a", 20, 6.0)
     ledger.released("a", 20, 6.0)
     ledger.cannot("a", 6.0)
     assert engine(ledger, "a").held == 50
@@ -563,15 +568,19 @@ class LedgerMachine(RuleBasedStateMachine):
     @precondition(lambda self: self.names(live=True))
     @rule(data=st.data())
     def give_back(self, data):
-        """Give back unasked, or answer a reclaim with bytes of its own
-        choosing (more than held too), and run the waits again."""
+        """Give back unasked (`returned`, more than held too), or answer a
+        reclaim (`released` naming bytes of its own choosing, which gives
+        nothing back: the bytes come as `returned`; or `cannot`), and run
+        the waits again."""
         name = data.draw(st.sampled_from(self.names(live=True)))
         answer = data.draw(st.sampled_from(["returned", "released", "cannot"]))
         nbytes = data.draw(st.integers(0, 300))
         if answer == "cannot":
             self.ledger.cannot(name, self.now)
+        elif answer == "released":
+            self.ledger.released(name, nbytes, self.now)
         else:
-            getattr(self.ledger, answer)(name, nbytes, self.now)
+            self.ledger.returned(name, nbytes, self.now)
             self.model[name].held -= min(nbytes, self.model[name].held)
         for name, nbytes in sorted(self.waiting):
             self.reserve_and_check(name, nbytes)
@@ -584,6 +593,7 @@ class LedgerMachine(RuleBasedStateMachine):
                                                  if s.reclaim_pending_bytes]))
         honest = data.draw(st.booleans())
         if honest:  # it may hold less by now, having given back meanwhile
+            self.ledger.returned(name, asked, self.now)
             self.ledger.released(name, asked, self.now)
             self.model[name].held -= min(asked, self.model[name].held)
         else:

@@ -22,6 +22,9 @@ handler given to `on_reclaim` and answers `released` with the bytes it
 freed, or `cannot`; with no handler, every reclaim is answered `cannot`.
 The handler shrinks the cache, which calls this client again, and a call
 that waits for its reply on the reader's own thread would wait forever.
+The bytes it frees reach the daemon as the cache's own `returned`
+(extkv.budget.driver) before the answer, on this connection; the answer
+only ends the reclaim, so no byte is given back twice.
 
 Failing closed: once the daemon is gone (the connection ends, a send
 fails, a reply is late), the client is unavailable for good, and every

@@ -18,8 +18,9 @@ what it asks). A reserve that does not fit *waits* while engines holding
 more than their share give back the rest, never holding less than their
 floor after it (open tickets may yet be cancelled, so only held bytes count):
 the ledger names the reclaims to send, each with its deadline, and the
-asker waits on those and on reclaims already pending. Each answer
-(`released`, `cannot`) is a reason to run the reserve again: the same
+asker waits on those and on reclaims already pending. The bytes an
+engine frees come as `returned`; its answer (`released`, `cannot`) only
+ends the reclaim, and is a reason to run the reserve again: the same
 engine asking the same bytes continues its wait, asking no engine twice.
 If those engines cannot cover it, it is *denied* at once, with the
 numbers; at the deadline `expire` denies it, naming who did not answer.
@@ -50,9 +51,10 @@ come back.
 * Above their shares, and never below their floors: A min(60 - 48,
   60 - 10) = 12, B min(35 - 30, 35 - 30) = 5: together exactly 17, so C
   waits; reclaims: A 12, B 5, deadline now + RECLAIM_DEADLINE_S.
-* A releases 12: granted 83, 83 + 24 = 107; B's pending 5 covers the
-  rest, so C still waits, asking no one new.
-* B releases 5: granted 78, 78 + 24 = 102 fits: C is granted its ticket.
+* A returns 12 and answers `released`: granted 83, 83 + 24 = 107; B's
+  pending 5 covers the rest, so C still waits, asking no one new.
+* B returns 5 and answers `released`: granted 78, 78 + 24 = 102 fits: C
+  is granted its ticket.
 
 Had B ignored its reclaim, `expire` at the deadline would deny C, naming
 B; had B answered `cannot`, C's next reserve would be denied at once: no
@@ -428,8 +430,14 @@ class Ledger:
         self._give_back(self._record("returned", engine), nbytes, now)
 
     def released(self, engine: str, nbytes: int, now: float) -> None:
-        """The answer to a reclaim: `nbytes` given back (as `returned`)."""
-        self._give_back(self._record("released", engine), nbytes, now)
+        """The answer to a reclaim: `nbytes` freed. Each of those bytes came
+        as `returned` first (an engine's releases go through its budgeted
+        driver, extkv.budget.driver, and reach the daemon before this
+        answer, on the same connection), so the answer gives nothing back
+        again: it ends the reclaim."""
+        self._record("released", engine)
+        _integer("nbytes", nbytes)
+        _real("now", now)
         self._answered(engine)
 
     def cannot(self, engine: str, now: float) -> None:
