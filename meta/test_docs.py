@@ -234,9 +234,13 @@ def command_problems(words: list[str]) -> list[str]:
         builtin = subprocess.run(["bash", "-c", f"type -t {shlex.quote(program)}"], capture_output=True, text=True)
         return [] if builtin.stdout.strip() == "builtin" else [f"no program {program}"]
     if program == "extkv" and args and not args[0].startswith("-"):
-        own = help_text("extkv", args[0])
+        named = args[:1]
+        choices = re.search(r"\{([\w,-]+)\}", help_text("extkv", *named))
+        if len(args) > 1 and choices and args[1] in choices.group(1).split(","):
+            named = args[:2]  # a command of commands: `extkv budget serve`
+        own = help_text("extkv", *named)
         passes_on = "go to pytest" in own
-        return unknown_options(args[1:], own, *([help_text("python3", "-m", "pytest")] if passes_on else []))
+        return unknown_options(args[len(named):], own, *([help_text("python3", "-m", "pytest")] if passes_on else []))
     if program == "pytest":
         paths = [arg for arg in args if not arg.startswith("-") and ("/" in arg or arg.endswith(".py"))]
         return unknown_options(args, help_text("python3", "-m", "pytest")) + [
