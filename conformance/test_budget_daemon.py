@@ -49,6 +49,7 @@ from extkv.budget.listener import DaemonRunningError
 from extkv.budget.device import HostDevice
 from extkv.budget.protocol import MAX_REQUEST_BYTES, PROTOCOL
 from extkv.errors import BudgetDeniedError, BudgetProtocolError, BudgetUnavailableError, OutOfMemoryError
+from extkv.testing.budget import ServedDaemon
 from extkv.testing.children import fork_server
 from extkv.vmm import HostDriver
 from extkv.wire import encode_message, receive_message, send_message
@@ -70,32 +71,12 @@ def run_dir():
     shutil.rmtree(parent, ignore_errors=True)
 
 
-class Served:
-    """A daemon serving from a thread of this process; `log` holds its lines."""
-
-    def __init__(self, run_dir: str, budget: int, allowed_uids=None):
-        self.log: list[str] = []
-        self.daemon = BudgetDaemon(HostDevice(), budget, run_dir=run_dir, allowed_uids=allowed_uids,
-                                   log=self.log.append)
-        self.daemon.start()
-        self.path = self.daemon.socket_path
-        self.thread = threading.Thread(target=self.daemon.serve_forever, name="budget-daemon", daemon=True)
-        self.thread.start()
-
-    def stop(self) -> None:
-        if self.thread.is_alive():
-            self.daemon.stop()
-            self.thread.join(HANG_S)
-            assert not self.thread.is_alive(), "the daemon's loop did not stop"
-            self.daemon.close()
-
-
 @pytest.fixture
 def serve(run_dir):
-    served: list[Served] = []
+    served: list[ServedDaemon] = []
 
-    def start(budget: int = BUDGET, allowed_uids=None) -> Served:
-        served.append(Served(run_dir, budget, allowed_uids))
+    def start(budget: int = BUDGET, allowed_uids=None) -> ServedDaemon:
+        served.append(ServedDaemon(run_dir, budget, allowed_uids))
         return served[-1]
 
     yield start
