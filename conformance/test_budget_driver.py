@@ -14,6 +14,7 @@ held usable.
 
 from __future__ import annotations
 
+import contextlib
 import os
 
 import pytest
@@ -42,6 +43,21 @@ def held(client: BudgetClient) -> tuple[int, int]:
     return engine["held"], engine["open_tickets"]
 
 
+@contextlib.contextmanager
+def budgeted_cache(budget: int, make_driver=lambda client: HostDriver(), *, under_budget: bool = True):
+    """(the served daemon, a client of it, a cache over `make_driver(client)`
+    under that client) for a budget of `budget` bytes; the cache is freed on
+    the way out. `under_budget=False`: the driver is the cache's own, no
+    `budget=` given."""
+    with served_daemon(budget) as served, BudgetClient(served.path, timeout=TIMEOUT_S) as client:
+        cache = ExtensibleKVCache(config_for("full", LAYOUT), make_driver(client), LAYOUT,
+                                  budget=client if under_budget else None)
+        try:
+            yield served, client, cache
+        finally:
+            cache.free()
+
+
 class CoveredCreates(WrappingDriver):
     """Under the budgeted driver: at each create, the daemon's ledger must
     show open grants covering it and every byte created but not yet
@@ -68,40 +84,33 @@ class CoveredCreates(WrappingDriver):
 
 
 def test_the_ledger_holds_exactly_the_cache_s_physical_bytes_through_its_life():
-    with served_daemon(1 << 30) as served, BudgetClient(served.path, timeout=TIMEOUT_S) as client:
-        cache = ExtensibleKVCache(config_for("full", LAYOUT), HostDriver(), LAYOUT, budget=client)
-        try:
-            steps = [
-                ("commit 100", lambda: cache.commit(100)),
-                ("commit 300", lambda: cache.commit(300)),
-                ("shrink to 50", lambda: cache.commit(50, shrink=True)),
-                ("preserving defragment", lambda: cache.commit(50, defragment=True, preserve_contents=True)),
-                ("release", cache.release_physical),
-                ("recommit", cache.recommit),
-            ]
-            for name, step in steps:
-                step()
-                assert held(client) == (cache.physical_bytes, 0), f"after {name}: {held(client)} for {cache.physical_bytes} bytes mapped"
-        finally:
-            cache.free()
+    with budgeted_cache(1 << 30) as (_, client, cache):
+        steps = [
+            ("commit 100", lambda: cache.commit(100)),
+            ("commit 300", lambda: cache.commit(300)),
+            ("shrink to 50", lambda: cache.commit(50, shrink=True)),
+            ("preserving defragment", lambda: cache.commit(50, defragment=True, preserve_contents=True)),
+            ("release", cache.release_physical),
+            ("recommit", cache.recommit),
+        ]
+        for name, step in steps:
+            step()
+            assert held(client) == (cache.physical_bytes, 0), f"after {name}: {held(client)} for {cache.physical_bytes} bytes mapped"
+        cache.free()
         assert held(client) == (0, 0), f"after free: {held(client)}"
 
 
 def test_no_physical_create_happens_without_a_covering_grant():
-    with served_daemon(1 << 30) as served, BudgetClient(served.path, timeout=TIMEOUT_S) as client:
-        counting = CoveredCreates(HostDriver(), client)
-        cache = ExtensibleKVCache(config_for("full", LAYOUT), counting, LAYOUT, budget=client)
-        try:
-            for step in (lambda: cache.commit(120), lambda: cache.commit(40, shrink=True),
-                         lambda: cache.commit(40, defragment=True, preserve_contents=True),
-                         cache.release_physical, cache.recommit):
-                step()
-            cache.commit_ahead(200, step_blocks=50)
-            assert cache.settle_commit_ahead(TIMEOUT_S), "the commit-ahead worker did not settle"
-            assert cache.grown_blocks == 240 and held(client) == (cache.physical_bytes, 0), held(client)
-        finally:
-            cache.free()
-        assert counting.creates > 5, f"{counting.creates} creates: the test saw too few to prove anything"
+    with budgeted_cache(1 << 30, lambda client: CoveredCreates(HostDriver(), client)) as (_, client, cache):
+        counting = cache.buffer.driver.inner
+        for step in (lambda: cache.commit(120), lambda: cache.commit(40, shrink=True),
+                     lambda: cache.commit(40, defragment=True, preserve_contents=True),
+                     cache.release_physical, cache.recommit):
+            step()
+        cache.commit_ahead(200, step_blocks=50)
+        assert cache.settle_commit_ahead(TIMEOUT_S), "the commit-ahead worker did not settle"
+        assert cache.grown_blocks == 240 and held(client) == (cache.physical_bytes, 0), held(client)
+    assert counting.creates > 5, f"{counting.creates} creates: the test saw too few to prove anything"
 
 
 def test_a_driver_that_creates_without_reserving_is_caught_by_the_count():
@@ -115,76 +124,59 @@ def test_a_driver_that_creates_without_reserving_is_caught_by_the_count():
         def _create(self, size):
             return self.inner._create(size)
 
-    with served_daemon(1 << 30) as served, BudgetClient(served.path, timeout=TIMEOUT_S) as client:
-        cache = ExtensibleKVCache(config_for("full", LAYOUT), Unreserved(CoveredCreates(HostDriver(), client), client), LAYOUT)
-        try:
-            with pytest.raises(AssertionError, match="with 0 bytes of open grants"):
-                cache.commit(10)
-        finally:
-            cache.free()
+    unreserved = lambda client: Unreserved(CoveredCreates(HostDriver(), client), client)  # noqa: E731
+    with budgeted_cache(1 << 30, unreserved, under_budget=False) as (_, _, cache):
+        with pytest.raises(AssertionError, match="with 0 bytes of open grants"):
+            cache.commit(10)
 
 
 def test_a_commit_the_budget_denies_raises_out_of_memory_and_changes_nothing():
-    with served_daemon(8 << 20) as served, BudgetClient(served.path, timeout=TIMEOUT_S) as client:
-        cache = ExtensibleKVCache(config_for("full", LAYOUT), HostDriver(), LAYOUT, budget=client)
-        try:
-            cache.commit(10)
-            before, ledger = snapshot(cache), held(client)
-            with pytest.raises(BudgetDeniedError) as denied:
-                cache.commit(cache.capacity_blocks)
-            assert isinstance(denied.value, OutOfMemoryError)
-            check_unchanged(cache, before)
-            assert held(client) == ledger, f"the ledger moved from {ledger} to {held(client)}"
-            cache.commit(20)  # still usable
-            assert held(client) == (cache.physical_bytes, 0)
-        finally:
-            cache.free()
+    with budgeted_cache(8 << 20) as (_, client, cache):
+        cache.commit(10)
+        before, ledger = snapshot(cache), held(client)
+        with pytest.raises(BudgetDeniedError) as denied:
+            cache.commit(cache.capacity_blocks)
+        assert isinstance(denied.value, OutOfMemoryError)
+        check_unchanged(cache, before)
+        assert held(client) == ledger, f"the ledger moved from {ledger} to {held(client)}"
+        cache.commit(20)  # still usable
+        assert held(client) == (cache.physical_bytes, 0)
 
 
 def test_a_forked_child_cannot_grow_on_its_parent_s_lease():
-    with served_daemon(1 << 30) as served, BudgetClient(served.path, timeout=TIMEOUT_S) as client:
-        cache = ExtensibleKVCache(config_for("full", LAYOUT), HostDriver(), LAYOUT, budget=client)
-        try:
-            cache.commit(10)
-            read, write = os.pipe()
-            pid = os.fork()
-            if pid == 0:  # the child: report what its growth met, then leave without cleanup
-                try:
-                    ExtensibleKVCache(config_for("full", LAYOUT), HostDriver(), LAYOUT, budget=client).commit(10)
-                    outcome = b"grew"
-                except BudgetUnavailableError:
-                    outcome = b"refused"
-                except BaseException as error:  # noqa: BLE001 - any other outcome is the test's failure
-                    outcome = repr(error).encode()[:200]
-                os.write(write, outcome)
-                os._exit(0)
-            os.close(write)
-            with os.fdopen(read, "rb") as pipe:
-                outcome = pipe.read()
-            os.waitpid(pid, 0)
-            assert outcome == b"refused", f"the forked child's commit: {outcome!r}"
-            cache.commit(30)  # the parent's lease is its own still
-            assert held(client) == (cache.physical_bytes, 0)
-        finally:
-            cache.free()
+    with budgeted_cache(1 << 30) as (_, client, cache):
+        cache.commit(10)
+        read, write = os.pipe()
+        pid = os.fork()
+        if pid == 0:  # the child: report what its growth met, then leave without cleanup
+            try:
+                ExtensibleKVCache(config_for("full", LAYOUT), HostDriver(), LAYOUT, budget=client).commit(10)
+                outcome = b"grew"
+            except BudgetUnavailableError:
+                outcome = b"refused"
+            except BaseException as error:  # noqa: BLE001 - any other outcome is the test's failure
+                outcome = repr(error).encode()[:200]
+            os.write(write, outcome)
+            os._exit(0)
+        os.close(write)
+        with os.fdopen(read, "rb") as pipe:
+            outcome = pipe.read()
+        os.waitpid(pid, 0)
+        assert outcome == b"refused", f"the forked child's commit: {outcome!r}"
+        cache.commit(30)  # the parent's lease is its own still
+        assert held(client) == (cache.physical_bytes, 0)
 
 
 def test_growth_fails_closed_once_the_daemon_is_gone_and_what_is_held_stays_usable():
-    with served_daemon(1 << 30) as served:
-        client = BudgetClient(served.path, timeout=TIMEOUT_S)
-        cache = ExtensibleKVCache(config_for("full", LAYOUT), HostDriver(), LAYOUT, budget=client)
-        try:
-            cache.commit(10)
-            cache.buffer.segment_view(0)[:4096].fill_(7)
-            served.stop()
-            before = snapshot(cache)
-            with pytest.raises(BudgetUnavailableError, match=served.path):
-                cache.commit(cache.capacity_blocks)
-            check_unchanged(cache, before)
-            assert int(cache.buffer.segment_view(0)[:4096].sum()) == 7 * 4096
-        finally:
-            cache.free()
-            client.close()
+    with budgeted_cache(1 << 30) as (served, _, cache):
+        cache.commit(10)
+        cache.buffer.segment_view(0)[:4096].fill_(7)
+        served.stop()
+        before = snapshot(cache)
+        with pytest.raises(BudgetUnavailableError, match=served.path):
+            cache.commit(cache.capacity_blocks)
+        check_unchanged(cache, before)
+        assert int(cache.buffer.segment_view(0)[:4096].sum()) == 7 * 4096
 
 
 def test_a_create_outside_a_reservation_is_refused_before_the_driver_is_called():
@@ -202,16 +194,12 @@ def test_a_commit_failing_part_way_leaves_the_ledger_holding_what_exists(step):
     ledger holds the bytes of every chunk that exists (mapped, or kept
     unmapped for the retry); the commit, retried, completes and the ledger
     holds exactly the cache's physical bytes."""
-    with served_daemon(1 << 30) as served, BudgetClient(served.path, timeout=TIMEOUT_S) as client:
-        faulty = FaultInjectingDriver(HostDriver(), {step: 2}, out_of_memory=True)
-        counting = CoveredCreates(faulty, client)
-        cache = ExtensibleKVCache(config_for("full", LAYOUT), counting, LAYOUT, budget=client)
-        try:
-            with pytest.raises(OutOfMemoryError):
-                cache.commit(100)
-            assert faulty.fired, "no fault fired: the test proved nothing"
-            assert held(client) == (counting.mapped, 0), f"{held(client)} for {counting.mapped} bytes of chunks that exist"
+    faulty = FaultInjectingDriver(HostDriver(), {step: 2}, out_of_memory=True)
+    with budgeted_cache(1 << 30, lambda client: CoveredCreates(faulty, client)) as (_, client, cache):
+        counting = cache.buffer.driver.inner
+        with pytest.raises(OutOfMemoryError):
             cache.commit(100)
-            assert held(client) == (cache.physical_bytes, 0), f"{held(client)} for {cache.physical_bytes} bytes mapped"
-        finally:
-            cache.free()
+        assert faulty.fired, "no fault fired: the test proved nothing"
+        assert held(client) == (counting.mapped, 0), f"{held(client)} for {counting.mapped} bytes of chunks that exist"
+        cache.commit(100)
+        assert held(client) == (cache.physical_bytes, 0), f"{held(client)} for {cache.physical_bytes} bytes mapped"
