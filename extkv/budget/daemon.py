@@ -30,9 +30,10 @@ it names to their engines and holds the reply; every answer, and every
 call or lease end that frees bytes, runs each waiting reserve again, and
 `Ledger.expire`, run at each deadline, denies those still waiting at
 theirs. An engine has at most one reserve waiting: the ones it sends
-meanwhile queue behind it, in order. An answer to a reclaim past its
-deadline still counts what it gave back (as `returned`), but never passes
-for the answer to a newer reclaim.
+meanwhile queue behind it, in order. The bytes an engine frees come as
+`returned` (each release of its budgeted driver); its answer only ends the
+reclaim, and an answer past the deadline ends nothing: it never passes for
+the answer to a newer reclaim.
 
 A lease ends when its connection does (the kernel closes it when the
 process dies, however it dies). What it held stays counted as dead bytes
@@ -363,10 +364,9 @@ class BudgetDaemon:
                                   f"not yet answered {sorted(connection.reclaims)}, got {reclaim}")
 
     def _on_released(self, connection: _Connection, message: dict, now: float) -> None:
+        # The bytes came as `returned` before it: a late answer ends nothing and gives nothing back.
         if self._answered_reclaim(connection, message):
             self.ledger.released(connection.engine, message["bytes"], now)
-        else:  # given back all the same
-            self.ledger.returned(connection.engine, message["bytes"], now)
         self._reply(connection, {"op": "ok", "id": message["id"]})
         self._retry_waits(now)
 
