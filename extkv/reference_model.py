@@ -14,19 +14,44 @@ The runner's stages, as data: `_STAGES` names, for every operation, the
 stages it is legal in and the stage it leads to. An operation called in
 another stage raises `StateError` naming the operation and the stage, and
 changes nothing; a failing operation leaves the stage as it was.
+
+Requests and the shared budget
+------------------------------
+The runner keeps the engine's block bookkeeping: `add_request` gives a
+request the lowest free blocks (never the null block), growing the cache
+through `extend_kv_cache` when they lie past the committed ones;
+`block_tables` builds decode's rows from it; `finish_request` frees them.
+Under a shared KV budget (`budget=`, extkv.budget) the daemon may ask the
+runner to give memory back: `on_reclaim(target_bytes)` picks the largest
+block count whose footprint frees the target, preempts requests, newest
+first, only while the live blocks do not fit below it, moves the live
+blocks above it onto free blocks below it, and shrinks. A shrink discards
+every block's contents, so the live blocks are staged in host memory (the
+device is short of memory precisely then) and written back at their new
+ids, every segment of each.
+
+Threads: every stage operation, the request bookkeeping and `on_reclaim`
+hold `lock` (re-entrant), so a reclaim from the budget client's thread
+runs between two steps. An engine that builds block tables and decodes
+holds `lock` around the pair, so no reclaim moves blocks in between. A
+reclaim that arrives while the runner's own growth waits on the budget
+waits for that growth to end (the daemon never asks the asker itself).
 """
 
 from __future__ import annotations
 
 import enum
 import functools
+import threading
 from dataclasses import dataclass
+from typing import Hashable, Iterable
 
 import torch
 from torch import nn
 
 from . import validate
 from .cache import ExtensibleKVCache, measure_kv_cache_blocks
+from .budget.client import BudgetClient
 from .connector import KVConnector
 from .errors import ExtkvError, StateError
 from .layout import (
@@ -58,6 +83,8 @@ _STAGES: dict[str, tuple[frozenset[_Stage], _Stage | None]] = {
     "capture_cuda_graphs": (frozenset({_Stage.ALLOCATED}), None),
     "measure_and_extend": (frozenset({_Stage.ALLOCATED}), None),
     "decode": (frozenset({_Stage.ALLOCATED}), None),
+    "add_request": (frozenset({_Stage.ALLOCATED}), None),
+    "finish_request": (frozenset({_Stage.ALLOCATED}), None),
     "sleep": (frozenset({_Stage.ALLOCATED}), _Stage.ASLEEP),
     "wake": (frozenset({_Stage.ASLEEP}), _Stage.ALLOCATED),
     "update_weights": (_ANY_LIVE, None),
@@ -67,18 +94,20 @@ _STAGES: dict[str, tuple[frozenset[_Stage], _Stage | None]] = {
 
 def _staged(method):
     """Run `method` only in a stage `_STAGES` allows, then move to the stage
-    it leads to."""
+    it leads to; all under the runner's lock, so a reclaim runs between
+    operations."""
     name = method.__name__
     legal, leads_to = _STAGES[name]
 
     @functools.wraps(method)
     def run(self, *args, **kwargs):
-        if self._stage not in legal:
-            raise StateError(f"ReferenceModelRunner.{name}() is not allowed: the runner is {self._stage.value}")
-        result = method(self, *args, **kwargs)
-        if leads_to is not None:
-            self._stage = leads_to
-        return result
+        with self.lock:
+            if self._stage not in legal:
+                raise StateError(f"ReferenceModelRunner.{name}() is not allowed: the runner is {self._stage.value}")
+            result = method(self, *args, **kwargs)
+            if leads_to is not None:
+                self._stage = leads_to
+            return result
 
     return run
 
@@ -201,7 +230,9 @@ class ReferenceModelRunner:
     up front: the baseline that the extensible runner must match bit for bit.
     `driver` backs the extensible cache (default: the device's own); every
     memory reading of the lifecycle is the cache's driver's, so a test may
-    pass one whose readings it sets (extkv.testing.readings).
+    pass one whose readings it sets (extkv.testing.readings). `budget`: the
+    engine's BudgetClient; every physical create of the cache asks it, and
+    its reclaims are answered by `on_reclaim`.
     """
 
     NULL_BLOCK = 0
@@ -217,6 +248,7 @@ class ReferenceModelRunner:
         extensible: bool = True,
         seed: int = 0,
         driver: Driver | None = None,
+        budget: BudgetClient | None = None,
     ):
         capacity_blocks = validate.integer("capacity_blocks", capacity_blocks, minimum=1, what="a block count")
         extensible = validate.flag("extensible", extensible)
@@ -229,6 +261,9 @@ class ReferenceModelRunner:
             raise ValueError(f"connector must be a KVConnector or None, got {connector!r}")
         if driver is not None and not (isinstance(driver, Driver) and driver.device == canonical_device(device)):
             raise ValueError(f"driver must be a Driver of {canonical_device(device)} or None, got {driver!r}")
+        if budget is not None and not (isinstance(budget, BudgetClient) and extensible):
+            raise ValueError(f"budget must be a BudgetClient of an extensible runner, or None, got {budget!r} "
+                             f"with extensible={extensible}")
         driver = driver_for(device) if driver is None else driver
         self.device, self._driver = torch.device(device), driver
         self.config = config
@@ -249,11 +284,23 @@ class ReferenceModelRunner:
         # segment with exactly one chunk at any block count.
         self.allocated_config = pad_kv_cache_segments(kv_cache_config, layout, driver.granularity)
         self.kv_cache_config = self.allocated_config
-        self.extensible_kv_cache = ExtensibleKVCache(self.allocated_config, driver, layout) if extensible else None
+        self.extensible_kv_cache = (
+            ExtensibleKVCache(self.allocated_config, driver, layout, budget=budget) if extensible else None
+        )
         self.kv_caches: list[torch.Tensor] = []
         self._plain_buffer: torch.Tensor | None = None
         self.graphs: dict[int, _CapturedDecode] = {}
+        #: Held by every stage operation, the request bookkeeping and
+        #: `on_reclaim` (see the module's theory).
+        self.lock = threading.RLock()
+        #: Each running request's blocks, in order; oldest request first.
+        self._requests: dict[Hashable, list[int]] = {}
+        #: Requests `on_reclaim` preempted, in order: the engine schedules
+        #: them again from their tokens, as vLLM recomputes a preempted request.
+        self.preempted: list[Hashable] = []
         self._stage = _Stage.CREATED
+        if budget is not None:
+            budget.on_reclaim(self.on_reclaim)
 
     @property
     def layer_names(self) -> list[str]:
@@ -410,10 +457,147 @@ class ReferenceModelRunner:
         captured.graph.replay()
         return captured.logits.clone()
 
+    # -- requests ---------------------------------------------------------------
+    @_staged
+    def add_request(self, request_id: Hashable, num_blocks: int) -> list[int]:
+        """Give `request_id` the `num_blocks` lowest free blocks, committing
+        (through `extend_kv_cache`) any past the committed ones; returns them."""
+        num_blocks = validate.integer(
+            "num_blocks", num_blocks, minimum=1, maximum=self.config.max_blocks_per_seq, what="a block count")
+        if request_id in self._requests:
+            raise ValueError(f"request {request_id!r} is running already, with blocks {self._requests[request_id]}")
+        live = self._live_blocks()
+        capacity = self.allocated_config.num_blocks
+        free = [block for block in range(self.NULL_BLOCK + 1, capacity) if block not in live][:num_blocks]
+        if len(free) < num_blocks:
+            raise ExtkvError(f"request {request_id!r} needs {num_blocks} blocks; {len(free)} of the capacity "
+                             f"of {capacity} are free")
+        if free[-1] >= self.num_committed_blocks:
+            extend_kv_cache(self, self.allocated_config, free[-1] + 1)
+        self._requests[request_id] = free
+        return list(free)
+
+    @_staged
+    def finish_request(self, request_id: Hashable) -> None:
+        """Free the blocks of `request_id` (a running request)."""
+        if request_id not in self._requests:
+            raise ValueError(f"request {request_id!r} is not running; running: {list(self._requests)}")
+        del self._requests[request_id]
+
+    def request_blocks(self, request_id: Hashable) -> list[int]:
+        """The blocks of running request `request_id`, in order."""
+        with self.lock:
+            if request_id not in self._requests:
+                raise ValueError(f"request {request_id!r} is not running; running: {list(self._requests)}")
+            return list(self._requests[request_id])
+
+    @property
+    def running_requests(self) -> list[Hashable]:
+        """Running requests, oldest first."""
+        with self.lock:
+            return list(self._requests)
+
+    def block_tables(self, request_ids: Iterable[Hashable]) -> torch.Tensor:
+        """Decode's block tables for running `request_ids`: one row each,
+        padded with the null block. Hold `lock` from here through the decode."""
+        with self.lock:
+            rows = [self.request_blocks(request_id) for request_id in request_ids]
+            table = torch.full((len(rows), self.config.max_blocks_per_seq), self.NULL_BLOCK, dtype=torch.int64)
+            for row, blocks in zip(table, rows):
+                row[: len(blocks)] = torch.tensor(blocks, dtype=torch.int64)
+            return table.to(self.device)
+
+    def _live_blocks(self) -> set[int]:
+        return {block for blocks in self._requests.values() for block in blocks}
+
+    # -- the shared budget --------------------------------------------------------
+    def on_reclaim(self, target_bytes: int) -> int:
+        """Free at least `target_bytes` of the cache's physical memory; the
+        bytes freed, or 0 (nothing changed) where even keeping only the null
+        block would not free that much, or the runner holds no live cache.
+
+        The new top is the largest block count whose footprint frees the
+        target. Requests are preempted, newest first (vLLM's scheduler
+        preempts from the end of its running queue), only while the live
+        blocks do not fit below the top; preempted ids go to `preempted`. The
+        live blocks above the top move onto the lowest free blocks below it,
+        each request's blocks updated; the shrink (`extend_kv_cache`)
+        discards contents, so every live block is staged in host memory and
+        written back at its new id, in every segment. Thread-safe: it holds
+        `lock`. The budget client calls it; the freed bytes reach the daemon
+        as the shrink's own `returned`."""
+        target_bytes = validate.integer("target_bytes", target_bytes, what="bytes")
+        with self.lock:
+            kv_cache = self.extensible_kv_cache
+            if self._stage is not _Stage.ALLOCATED or kv_cache is None or not target_bytes:
+                return 0
+            before = kv_cache.physical_bytes
+            new_top = self._top_freeing(kv_cache, before - target_bytes)
+            if new_top is None:
+                return 0
+            while len(self._live_blocks()) > new_top - 1:  # the null block stays below the top
+                newest = next(reversed(self._requests))
+                del self._requests[newest]
+                self.preempted.append(newest)
+            moves = self._moves_below(new_top)
+            staged = self._stage_blocks(kv_cache, sorted(moves))
+            try:
+                extend_kv_cache(self, self.allocated_config, new_top)
+            except BaseException:
+                # The shrink released the contents; no request survives it.
+                self.preempted.extend(self._requests)
+                self._requests.clear()
+                raise
+            self._write_back(kv_cache, [moves[block] for block in sorted(moves)], staged)
+            for blocks in self._requests.values():
+                blocks[:] = [moves[block] for block in blocks]
+            return before - kv_cache.physical_bytes
+
+    @staticmethod
+    def _top_freeing(kv_cache: ExtensibleKVCache, keep_bytes: int) -> int | None:
+        """The largest block count, at least 1 and at most the committed
+        ones, whose footprint is at most `keep_bytes`; None if there is none."""
+        low, high = 1, kv_cache.num_committed_blocks
+        if high < 1 or kv_cache.physical_bytes_for(low) > keep_bytes:
+            return None
+        while low < high:  # the footprint grows with the block count
+            middle = (low + high + 1) // 2
+            if kv_cache.physical_bytes_for(middle) <= keep_bytes:
+                low = middle
+            else:
+                high = middle - 1
+        return low
+
+    def _moves_below(self, new_top: int) -> dict[int, int]:
+        """Each live block's id once the cache holds `new_top` blocks: those
+        below stay, those at or above take the lowest free ids below."""
+        live = self._live_blocks()
+        free = iter(block for block in range(self.NULL_BLOCK + 1, new_top) if block not in live)
+        return {block: block if block < new_top else next(free) for block in live}
+
+    @staticmethod
+    def _stage_blocks(kv_cache: ExtensibleKVCache, blocks: list[int]) -> list[torch.Tensor]:
+        """Host copies of `blocks`, one tensor (blocks, stride) per segment."""
+        index = torch.tensor(blocks, dtype=torch.int64)
+        staged = []
+        for segment, stride in enumerate(kv_cache.segment_strides):
+            rows = kv_cache.buffer.segment_view(segment).view(-1, stride)
+            staged.append(rows[index.to(rows.device)].to("cpu"))
+        return staged
+
+    @staticmethod
+    def _write_back(kv_cache: ExtensibleKVCache, blocks: list[int], staged: list[torch.Tensor]) -> None:
+        """Write `staged` (from `_stage_blocks`) at `blocks`, segment by segment."""
+        index = torch.tensor(blocks, dtype=torch.int64)
+        for segment, (stride, copies) in enumerate(zip(kv_cache.segment_strides, staged)):
+            rows = kv_cache.buffer.segment_view(segment).view(-1, stride)
+            rows[index.to(rows.device)] = copies.to(rows.device)
+
     @_staged
     def free(self) -> None:
-        """Drop graphs and views and free the cache. Idempotent."""
+        """Drop graphs, views and requests and free the cache. Idempotent."""
         self.graphs.clear()
+        self._requests.clear()
         self.kv_caches = []
         self._plain_buffer = None
         if self.extensible_kv_cache is not None:
