@@ -9,7 +9,8 @@ cache's physical bytes. A counting wrapper under the budgeted driver reads
 the ledger at each create and finds a grant covering it. A denied reserve
 is an OutOfMemoryError that changes nothing; a forked child cannot grow on
 its parent's lease; a daemon gone leaves growth failing closed and what is
-held usable.
+held usable; what the cache calls committable is what the budget grants,
+never what the device reads as free.
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ from extkv.errors import BudgetDeniedError, BudgetUnavailableError, DriverError
 from extkv.testing.budget import served_daemon
 from extkv.testing.checks import check_unchanged, snapshot
 from extkv.testing.configs import config_for
+from extkv.testing.readings import InjectedReadingsDriver
 from extkv.vmm import HostDriver
 from extkv.vmm.faults import FaultInjectingDriver
 from extkv.vmm.wrapping import WrappingDriver
@@ -203,3 +205,19 @@ def test_a_commit_failing_part_way_leaves_the_ledger_holding_what_exists(step):
         assert held(client) == (counting.mapped, 0), f"{held(client)} for {counting.mapped} bytes of chunks that exist"
         cache.commit(100)
         assert held(client) == (cache.physical_bytes, 0), f"{held(client)} for {cache.physical_bytes} bytes mapped"
+
+
+def test_committable_blocks_follow_the_budget_never_the_device_s_free_memory():
+    """Under a budget a cache sizes its growth (`committable_blocks`, which
+    the commit-ahead worker and engines read) by what the budget grants now:
+    a device reading far above or below it changes nothing, so engines
+    sizing at once never race on it; another engine's grant lowers it."""
+    readings = InjectedReadingsDriver(HostDriver(), free=1 << 50, total=1 << 50)
+    with budgeted_cache(8 << 20, lambda client: readings) as (served, _, cache):
+        assert cache.committable_blocks() == cache.blocks_within(8 << 20) < cache.capacity_blocks
+        readings.set_readings(free=0, total=1 << 50)
+        assert cache.committable_blocks() == cache.blocks_within(8 << 20)
+        with BudgetClient(served.path, timeout=TIMEOUT_S) as other:
+            other.confirm(other.reserve(2 << 20), 2 << 20)
+            assert cache.committable_blocks() == cache.blocks_within(6 << 20)
+            cache.commit(cache.committable_blocks())  # all of it is granted, without a wait

@@ -66,7 +66,7 @@ import torch
 from . import validate
 from .ahead import DEFAULT_STEP_BYTES, CommitAhead
 from .budget.client import BudgetClient
-from .budget.driver import budgeted
+from .budget.driver import BudgetedDriver, budgeted
 from .deferred_signals import deferred_signals
 from .errors import StateError
 from .layout import (
@@ -567,8 +567,15 @@ class ExtensibleKVCache:
     @_operation
     def committable_blocks(self) -> int:
         """Blocks committable now without eating into warmup's headroom (see
-        `sizing.committable_bytes`); never below the committed count."""
-        free_memory, _ = self.buffer.driver.memory_info()
+        `sizing.committable_bytes`); never below the committed count. Under
+        a shared budget (`budget=`), what the budget grants now without a
+        wait, beside what the cache holds: the budget is the KV caches'
+        alone, so no warmup reserve comes out of it, and the device's free
+        memory is never read, so engines sizing at once cannot race on it."""
+        driver = self.buffer.driver
+        if isinstance(driver, BudgetedDriver):
+            return max(self.blocks_within(self.physical_bytes + driver.client.headroom()), self.num_committed_blocks)
+        free_memory, _ = driver.memory_info()
         budget = committable_bytes(free_memory, self.physical_bytes, self.reserved_headroom_bytes)
         return max(self.blocks_within(budget), self.num_committed_blocks)
 

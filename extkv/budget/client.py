@@ -194,6 +194,13 @@ class BudgetClient:
             raise self._refused("status", reply)
         return reply
 
+    def headroom(self) -> int:
+        """Bytes this engine could be granted now without waiting: the budget
+        less every grant and dead byte, and its cap less its own grant."""
+        report = self.report()
+        (own,) = [engine for engine in report["engines"] if engine["engine"] == report["asker"]]
+        return max(0, min(report["budget"] - report["granted"] - report["dead"], own["cap"] - own["grant"]))
+
     def close(self) -> None:
         """End the lease. Idempotent."""
         self._fail("the client was closed")

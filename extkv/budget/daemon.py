@@ -380,6 +380,7 @@ class BudgetDaemon:
         self._reply(connection, {
             "op": "report", "id": message["id"], "device": self.device.name, "budget": self.ledger.budget,
             "granted": self.ledger.granted, "dead": self.ledger.dead, "engines": self.engine_report(),
+            "asker": connection.engine,  # the engine asking, None for an observer
         })
 
     def engine_report(self) -> list[dict]:

@@ -89,6 +89,10 @@ def _text(value: object) -> bool:
     return isinstance(value, str) and len(value) <= MAX_REASON_CHARS
 
 
+def _optional_text(value: object) -> bool:
+    return value is None or _text(value)
+
+
 def _flag(value: object) -> bool:
     return isinstance(value, bool)
 
@@ -105,6 +109,7 @@ _FIELD_KINDS: dict[Callable[[object], bool], str] = {
     _weight: "a finite number > 0",
     _seconds: "a finite number of seconds >= 0",
     _text: f"a string of at most {MAX_REASON_CHARS} characters",
+    _optional_text: f"null or a string of at most {MAX_REASON_CHARS} characters",
     _flag: "true or false",
     _engines: "a list of objects",
 }
@@ -127,7 +132,8 @@ MESSAGES: dict[str, dict[str, dict[str, Callable[[object], bool]]]] = {
         "granted": {"ticket": _positive_count},
         "denied": {"reason": _text},
         "error": {"reason": _text, "dropped": _flag},
-        "report": {"device": _text, "budget": _count, "granted": _count, "dead": _count, "engines": _engines},
+        "report": {"device": _text, "budget": _count, "granted": _count, "dead": _count, "engines": _engines,
+                   "asker": _optional_text},
         "reclaim": {"reclaim": _positive_count, "bytes": _positive_count, "deadline_s": _seconds},
     },
 }
