@@ -20,7 +20,7 @@ import os
 
 import pytest
 
-from extkv import ExtensibleKVCache, KVCacheLayout, OutOfMemoryError
+from extkv import ExtensibleKVCache, KVCacheLayout, OutOfMemoryError, measure_kv_cache_blocks
 from extkv.budget.client import BudgetClient
 from extkv.budget.driver import BudgetedDriver
 from extkv.errors import BudgetDeniedError, BudgetUnavailableError, DriverError
@@ -221,3 +221,20 @@ def test_committable_blocks_follow_the_budget_never_the_device_s_free_memory():
             other.confirm(other.reserve(2 << 20), 2 << 20)
             assert cache.committable_blocks() == cache.blocks_within(6 << 20)
             cache.commit(cache.committable_blocks())  # all of it is granted, without a wait
+
+
+def test_measure_kv_cache_blocks_sizes_a_budgeted_cache_by_its_grant_and_leaves_torch_uncapped():
+    """The post-warmup sizing of a budgeted cache is what the budget grants
+    it, whatever the device reads as free or the engine requested: a device
+    reading of 0 free bytes or of a petabyte gives the same count, and torch's
+    cap is left as it was (the budget is the KV caches' alone)."""
+    readings = InjectedReadingsDriver(HostDriver(), free=0, total=1 << 50)
+    with budgeted_cache(8 << 20, lambda client: readings) as (served, _, cache):
+        cache.commit(cache.blocks_within(2 << 20))
+        for free in (0, 1 << 50):
+            readings.set_readings(free=free, total=1 << 50)
+            sized = measure_kv_cache_blocks(cache, cache.buffer.device, init_free_memory=1 << 50,
+                                            requested_memory=1 << 20)
+            assert (sized, cache.torch_memory_limit) == (cache.blocks_within(8 << 20), None), (
+                f"{free} bytes read free: sized {sized} blocks with torch capped at {cache.torch_memory_limit}; "
+                f"the budget grants {cache.blocks_within(8 << 20)} blocks")

@@ -724,6 +724,13 @@ def measure_kv_cache_blocks(
     then reserve what it holds plus what stays free once the cache has its
     final size, less KV_CACHE_NON_TORCH_RESERVE_BYTES for memory taken
     outside torch (`sizing.torch_memory_limit_bytes`).
+
+    Under a shared budget (`budget=`) the cache gets what the budget grants
+    it now without a wait, beside what it holds (`committable_blocks`), and
+    neither `requested_memory` nor the device's free memory is read: engines
+    sizing at once would each count the same free bytes. Torch is not capped
+    then; the operator's budget is the KV caches' alone and must leave the
+    engines' weights and activations room on the device.
     """
     if not isinstance(kv_cache, ExtensibleKVCache):
         raise ValueError(f"measure_kv_cache_blocks needs an ExtensibleKVCache, got {kv_cache!r}")
@@ -731,6 +738,11 @@ def measure_kv_cache_blocks(
         raise StateError("measure_kv_cache_blocks() is not allowed on a freed ExtensibleKVCache")
     device = _cache_device(kv_cache, device)
     ipc_reserve_bytes = validate.integer("ipc_reserve_bytes", ipc_reserve_bytes, what="bytes")
+    if isinstance(kv_cache.buffer.driver, BudgetedDriver):
+        num_blocks = kv_cache.committable_blocks()
+        logger.info("KV cache sized by its shared budget: %d blocks (%.2f GiB).",
+                    num_blocks, num_blocks * kv_cache.bytes_per_block / GiB)
+        return num_blocks
     gc.collect()  # dropped tensors not yet collected still pin torch's blocks
     torch_memory.release_cached(device)
     free_memory, _ = kv_cache.buffer.driver.memory_info()
