@@ -318,6 +318,21 @@ def test_a_leaving_engine_ends_its_waits_and_the_reclaims_asked_of_it():
     assert [event.engine for event in ledger.expire(RECLAIM_DEADLINE_S)] == ["a"]  # only a's reclaim, no wait
 
 
+def test_a_reserve_waiting_on_an_engine_that_dies_waits_for_its_bytes_seen_gone():
+    """The engine asked to reclaim dies before it answers: the reserve run
+    again (as the daemon does at the lease's end) keeps waiting, for the
+    dead bytes, and is granted once they are seen gone; a reserve not yet
+    waiting is denied at once, as dead bytes are no one's to reclaim."""
+    ledger = joined(100, ("a", dict(held=70)), ("b", {}))
+    wait = ledger.reserve("b", 50, 0.0)
+    ledger.leave("a", 1.0)
+    still = ledger.reserve("b", 50, 1.0)
+    assert (still.verdict, still.reclaims, still.wait, still.deadline) == (Verdict.WAIT, (), wait.wait, wait.deadline)
+    assert ledger.reserve("b", 40, 1.0).verdict == Verdict.DENIED
+    ledger.seen_gone("a", 0, 1.02)
+    assert ledger.reserve("b", 50, 1.02).verdict == Verdict.GRANTED and ledger.expire(RECLAIM_DEADLINE_S) == []
+
+
 def test_a_late_answer_is_no_error():
     ledger = joined(100, ("a", dict(held=70)), ("b", {}))
     ledger.reserve("b", 50, 0.0)
@@ -485,13 +500,17 @@ class LedgerMachine(RuleBasedStateMachine):
                 assert snapshot(self.ledger) == before  # a denial that ended no wait changes nothing
             self.waiting.discard((name, nbytes))
         else:
+            was_waiting = (name, nbytes) in self.waiting
             self.waiting.add((name, nbytes))
             for reclaim in decision.reclaims:
                 target = self.model[reclaim.engine]
                 assert reclaim.engine != name and target.live
                 assert 0 < reclaim.nbytes <= target.held and target.held - reclaim.nbytes >= target.floor
             pending = sum(s.reclaim_pending_bytes for s in self.ledger.status() if s.engine != name)
-            assert pending >= self.total() + nbytes - BUDGET  # a wait is for reclaims that would make room
+            # A wait is for reclaims that would make room, or, once waiting,
+            # for the bytes of engines that died meanwhile, seen gone soon.
+            dead = sum(e.dead for e in self.model.values()) if was_waiting else 0
+            assert pending + dead >= self.total() + nbytes - BUDGET
         return decision
 
     @initialize(data=st.data())

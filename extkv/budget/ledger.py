@@ -24,6 +24,8 @@ ends the reclaim, and is a reason to run the reserve again: the same
 engine asking the same bytes continues its wait, asking no engine twice.
 If those engines cannot cover it, it is *denied* at once, with the
 numbers; at the deadline `expire` denies it, naming who did not answer.
+A reserve already waiting when an engine it waits on dies waits on for
+the dead bytes (they come back once seen gone, below), to its deadline.
 
 A lease ends with the engine's connection (`leave`): what it held and its
 open tickets stay counted as *dead* bytes, since its memory may outlive
@@ -399,6 +401,10 @@ class Ledger:
         waiter = None if wait is None else self._waiters[wait]
         relied, asked = self._reclaim_plan(engine, nbytes, waiter)
         short = need - sum(reclaim.nbytes for reclaim in relied) - sum(nbytes for _, nbytes in asked)
+        if short > 0 and waiter is not None and short <= self.dead:
+            # An engine this reserve waited on died mid-reclaim: its bytes
+            # come back once seen gone, so the wait goes on to its deadline.
+            return Decision(Verdict.WAIT, reclaims=(), wait=wait, deadline=waiter.deadline)
         if short > 0:
             unasked = sorted(waiter.answered | waiter.ignored) if waiter else []
             return self._deny(wait, f"engine {engine!r} asked {nbytes} bytes: budget {self.budget}, granted "
