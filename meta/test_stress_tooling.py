@@ -25,6 +25,7 @@ from extkv.testing.stress.under_pressure import (
     check_block_values,
     write_block_values,
 )
+from extkv.testing.stress.child import ChildProcess
 from extkv.testing.stress.walk import out_of_memory_waiter
 from extkv.testing.configs import config_for
 from extkv.vmm import HostDriver
@@ -142,3 +143,11 @@ def test_the_recovery_after_an_inconclusive_pressure_episode_leaves_the_kept_blo
             assert kv_cache.num_committed_blocks == PRESSURE_KEPT_BLOCKS, kv_cache.num_committed_blocks
     finally:
         kv_cache.free()
+
+
+def test_a_closed_child_still_answers_its_pid():
+    """NVML is read for a stress child's pid once the child is closed and
+    reaped (that its GPU memory is gone): the pid must outlive the close."""
+    with ChildProcess(["crash-child", "--device", "cpu", "--seed", "1"]) as child:
+        pid = child.pid
+    assert child.pid == pid > 0

@@ -81,6 +81,9 @@ class ChildProcess:
                 name=f"extkv-stress-{self.arguments[0]}",
             )
             self._process.start()
+            # Kept: a closed Process object no longer answers its pid, and
+            # NVML is read for it after the child is closed.
+            self.pid = self._process.pid
         except BaseException:
             self._channel.close()
             os.unlink(self._stderr_path)
@@ -95,10 +98,6 @@ class ChildProcess:
     def command(self) -> str:
         """The command that runs the same child on its own, to reproduce it."""
         return " ".join(["python -m extkv.testing.stress", *self.arguments])
-
-    @property
-    def pid(self) -> int:
-        return self._process.pid
 
     @property
     def returncode(self) -> int | None:
