@@ -71,6 +71,9 @@ def load_spin_kernel(driver) -> None:
         return
     with torch.cuda.device(driver.device):
         scratch = torch.ones(WARM_UP_BYTES, dtype=torch.uint8, device=driver.device)
+        # The side stream does not wait for this one: unsynchronized, the
+        # fill can land after the zeroing (seen under a busy H200 check).
+        torch.cuda.current_stream().synchronize()
     fences = []
 
     def spin_and_zero() -> None:
