@@ -82,6 +82,61 @@ a cache that held tokens refuses to continue, with StateError, until
 `reset()`; then the caller re-prefills, as after `recommit()`. A cache that
 held none takes the woken blocks as they are.
 
+The shared budget. Under a shared KV budget (extkv.budget: `budget=` a
+BudgetClient, or the client of the daemon EXTKV_BUDGET names, as
+ExtensibleKVCache takes it) every commit asks the daemon first, and the
+cache answers the daemon's reclaims with `on_reclaim(target_bytes)`,
+which it registers on the client, holding itself weakly so that a lease
+outliving the cache keeps nothing mapped. A client has one handler, the
+last cache's made on it: an engine that keeps several caches on one lease
+registers a handler of its own that asks each cache's `on_reclaim`. What
+it gives, never a token of a generation that may go on:
+
+1. The margin: blocks committed past the chunks the sequences hold, which
+   no token occupies. The cache shrinks to the largest block count whose
+   footprint frees the target, never below those chunks (an empty cache
+   keeps its null block only); the chunks above the new top point at the
+   null block again and are committed anew when tokens reach them. A
+   shrink discards every block's contents (it remaps a smaller prefix), so
+   the blocks holding tokens (a prefix too: rows share positions) are
+   staged in host memory, where the device is short of memory precisely
+   then, and written back at the same ids.
+2. A generation the caller declared done (`finish_generation()`): all of
+   it, the null block included, since nothing will read it; no copy is
+   made. The cache is then given back: an update raises StateError until
+   `reset()`, which maps the null block again (asking the budget).
+3. Otherwise nothing: a target the margin cannot cover is answered 0,
+   nothing changed (the daemon hears `cannot`), rather than a part of it,
+   which would leave the shrink's own regrowth short (below) and lose
+   every token. A single finished row cannot be freed: its blocks are
+   interleaved with the other rows' (a prefix shrink takes chunks of
+   every row), so the caller finishes a generation, not a row.
+
+`finish_generation()` refuses updates from then on, whether or not a
+reclaim came, so what the caller sees never depends on the daemon's
+timing. A margin shrink releases every block before it maps the smaller
+prefix again, and the daemon may grant the released bytes to the engine
+that waits before the regrowth asks for its own: where the daemon asked
+this engine alone, what it asked is at most what the shrink frees, so the
+regrowth fits; where it asked several, or a third engine grows in
+between, the regrowth waits for reclaims of others and is denied if they
+cannot cover it. Should the regrowth fail so (or the driver run out of
+memory), the tokens are gone: the cache is given back, as in 2, its next
+update raises StateError, and the error reaches the budget client, which
+warns and answers `cannot`.
+
+Threads. The budget client runs `on_reclaim` on a thread of its own,
+while a generate may be running on another. Every update (and
+`make_room`, `reset`, `finish_generation`, sleep, wake, `free`) holds the
+cache's `lock` (re-entrant), as `on_reclaim` does, so a reclaim runs
+between two layers' updates, never inside one: a step's positions lie
+below the margin, which `make_room` counted at layer 0, and the keys and
+values each update hands out are a gathered copy, so the shrink moves
+nothing any layer still reads. A caller who replays a captured CUDA graph
+holds `lock` from its `make_room` through the replay. A reclaim that
+arrives while the cache's own growth waits on the budget waits for that
+growth to end (the daemon never asks the asker itself).
+
 How it differs from StaticCache and DynamicCache. StaticCache allocates
 max_cache_len tokens of every layer up front; this cache reserves that as
 address space only and maps memory as tokens arrive, with the same static
@@ -102,11 +157,16 @@ layer. Beam search, batch reordering and cropping are not supported.
 from __future__ import annotations
 
 import enum
+import threading
+import weakref
+from typing import Callable
 
 import torch
 from transformers.cache_utils import Cache, CacheLayerMixin, get_layer_types_and_kwargs
 
 from .. import validate
+from ..budget.client import BudgetClient
+from ..budget.driver import BudgetedDriver
 from ..cache import ExtensibleKVCache
 from ..deferred_signals import deferred_signals
 from ..errors import StateError
@@ -145,6 +205,8 @@ MiB = float(1 << 20)
 
 class _State(enum.Enum):
     LIVE = "live"
+    FINISHED = "finished (finish_generation() declared its generation done; reset() starts another)"
+    GIVEN_BACK = "given back (a budget reclaim took every block; reset() maps the null block again for another generation)"
     ASLEEP = "asleep (its memory released; recommit() wakes it)"
     FREED = "freed"
 
@@ -171,6 +233,36 @@ def _head_geometry(text_config) -> tuple[int, int]:
         hidden = validate.integer("config.hidden_size", getattr(text_config, "hidden_size", None), minimum=1)
         head_dim = hidden // heads
     return kv_heads, validate.integer("config.head_dim", head_dim, minimum=1)
+
+
+def _largest_count_within(kv_cache: ExtensibleKVCache, least: int, keep_bytes: int) -> int | None:
+    """The largest block count from `least` to the committed ones whose
+    footprint is at most `keep_bytes`; None if there is none."""
+    low, high = least, kv_cache.num_committed_blocks
+    if high < low or kv_cache.physical_bytes_for(low) > keep_bytes:
+        return None
+    while low < high:  # the footprint grows with the block count
+        middle = (low + high + 1) // 2
+        if kv_cache.physical_bytes_for(middle) <= keep_bytes:
+            low = middle
+        else:
+            high = middle - 1
+    return low
+
+
+def _reclaims_answered_by(cache: "ExtensibleCache") -> Callable[[int], int]:
+    """A budget client's reclaim handler that calls `cache.on_reclaim`
+    while the cache lives and answers 0 once it is gone. It holds the cache
+    weakly: a lease may outlive the cache (EXTKV_BUDGET's lasts as long as
+    the process), and a cache dropped without `free()` must still be
+    collected, its memory with it."""
+    on_reclaim = weakref.WeakMethod(cache.on_reclaim)
+
+    def answer(target_bytes: int) -> int:
+        handler = on_reclaim()
+        return 0 if handler is None else handler(target_bytes)
+
+    return answer
 
 
 class ExtensibleLayer(CacheLayerMixin):
@@ -289,10 +381,15 @@ class ExtensibleCache(Cache):
     describes (the model's config: layer count, layer types, KV heads and
     head_dim come from it), on `device` (a torch device, or an extkv Driver)
     in `dtype` (the model's). Blocks of `block_size` tokens are committed as
-    tokens arrive, `margin` tokens ahead (module docstring).
+    tokens arrive, `margin` tokens ahead (module docstring). `budget`: the
+    engine's BudgetClient of a shared KV budget (default: the client of the
+    daemon EXTKV_BUDGET names, if set); every commit asks it first, and
+    its reclaims are answered by `on_reclaim`.
 
     Pass it to `model.generate(..., past_key_values=cache)` or to the model's
-    forward in a decode loop of your own; `free()` it when done.
+    forward in a decode loop of your own; `finish_generation()` once a
+    generation is done, so a reclaim may take its memory, and `free()` it
+    when done with the cache.
     """
 
     def __init__(
@@ -305,6 +402,7 @@ class ExtensibleCache(Cache):
         batch_size: int = 1,
         block_size: int = DEFAULT_BLOCK_SIZE,
         margin: int = DEFAULT_MARGIN,
+        budget: BudgetClient | None = None,
     ):
         text_config = _text_config(config)
         self._max_cache_len = validate.integer("max_cache_len", max_cache_len, minimum=1, what="tokens")
@@ -313,7 +411,12 @@ class ExtensibleCache(Cache):
         self.margin = validate.integer("margin", margin, what="tokens")
         if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
             raise ValueError(f"dtype must be a floating-point torch.dtype (the model's), got {dtype!r}")
+        if budget is not None and not isinstance(budget, BudgetClient):
+            raise ValueError(f"budget must be an extkv.budget.BudgetClient or None, got {budget!r}")
         self.dtype = dtype
+        #: Held by every update and state change and by `on_reclaim` (see
+        #: the module's theory: threads).
+        self.lock = threading.RLock()
         layer_types, layer_kwargs = get_layer_types_and_kwargs(text_config)
         # transformers 5.17 gives one kwargs dict for all layers; later
         # releases give one per layer (heterogeneous configs).
@@ -344,7 +447,7 @@ class ExtensibleCache(Cache):
         self._open_chunks = 0
         # A signal between the reservation and the assignment would lose it.
         with deferred_signals():
-            self.kv_cache = ExtensibleKVCache(kv_cache_config, driver, LAYOUT)
+            self.kv_cache = ExtensibleKVCache(kv_cache_config, driver, LAYOUT, budget=budget)
             self._state = _State.LIVE
         #: The reservation's `release_count` when this cache last knew what its blocks hold.
         self._releases_seen = self.kv_cache.buffer.release_count
@@ -371,6 +474,9 @@ class ExtensibleCache(Cache):
             self.kv_cache.free()
             self._state = _State.FREED
             raise
+        budgeted_driver = self.kv_cache.buffer.driver
+        if isinstance(budgeted_driver, BudgetedDriver):
+            budgeted_driver.client.on_reclaim(_reclaims_answered_by(self))
 
     def _rows_named(self, blocks: torch.Tensor) -> torch.Tensor:
         """The rows of `blocks` (batch, chunks), flattened in (K or V, batch
@@ -393,11 +499,10 @@ class ExtensibleCache(Cache):
     def is_freed(self) -> bool:
         return self._state is _State.FREED
 
-    def _require_mapped(self, operation: str) -> None:
-        """StateError unless live with every committed block mapped, however
-        the memory was released."""
-        if self._state is not _State.LIVE:
-            self._require(operation, _State.LIVE)
+    def _require_mapped(self, operation: str, *legal: _State) -> None:
+        """StateError unless in a state of `legal` (default: live) with every
+        committed block mapped, however the memory was released."""
+        self._require(operation, *(legal or (_State.LIVE,)))
         if self._memory_released():
             raise StateError(
                 f"ExtensibleCache.{operation}() is not allowed: its ExtensibleKVCache is asleep, its memory released "
@@ -422,7 +527,7 @@ class ExtensibleCache(Cache):
     @property
     def is_asleep(self) -> bool:
         """Asleep by its own `release_physical()`, or its memory released by another."""
-        if self._state is not _State.LIVE:
+        if self._state in (_State.ASLEEP, _State.FREED):
             return self._state is _State.ASLEEP
         return self._memory_released()
 
@@ -485,10 +590,11 @@ class ExtensibleCache(Cache):
                 f"layer_idx {layer_idx!r} is not one of this cache's {len(self.layers)} layers (0 to "
                 f"{len(self.layers) - 1}): build the cache from the config of the model that runs it"
             )
-        if layer_idx == 0:
-            self._begin_step(key_states, value_states)
-            self._step_positions = self._positions_of_step(key_states.shape[-2])
-        return self.layers[layer_idx].update(key_states, value_states)
+        with self.lock:
+            if layer_idx == 0:
+                self._begin_step(key_states, value_states)
+                self._step_positions = self._positions_of_step(key_states.shape[-2])
+            return self.layers[layer_idx].update(key_states, value_states)
 
     def _positions_of_step(self, new: int) -> tuple[torch.Tensor, torch.Tensor]:
         """(block of each batch row, offset in it) of the step's `new`
@@ -522,7 +628,12 @@ class ExtensibleCache(Cache):
         check that they fit max_cache_len, commit their blocks (and `margin`
         tokens more) and count them. Layer 0's update calls it; call it
         yourself before each replay of a captured CUDA graph, which writes its
-        tokens without any host code."""
+        tokens without any host code (holding `lock` through the replay
+        where a shared budget may reclaim)."""
+        with self.lock:
+            self._make_room(num_tokens)
+
+    def _make_room(self, num_tokens: int) -> None:
         self._require_blocks("make_room")
         num_tokens = validate.integer("num_tokens", num_tokens, what="tokens per sequence")
         end = self._seq_length + num_tokens
@@ -567,27 +678,45 @@ class ExtensibleCache(Cache):
     def release_physical(self) -> None:
         """Sleep: give every page back to the driver, keeping the addresses.
         Updates raise StateError until `recommit`."""
-        self._require("release_physical", _State.LIVE, _State.ASLEEP)
-        self.kv_cache.release_physical()
-        self._state = _State.ASLEEP
+        with self.lock:
+            self._require("release_physical", _State.LIVE, _State.ASLEEP)
+            self.kv_cache.release_physical()
+            self._state = _State.ASLEEP
 
     def recommit(self) -> None:
         """Wake: map the blocks committed before the sleep again, zeroed, at
         the same addresses, and empty the cache. Re-prefill to continue."""
-        self._require("recommit", _State.ASLEEP)
-        self.kv_cache.recommit()
-        self._empty()
-        self._releases_seen = self.kv_cache.buffer.release_count
-        self._state = _State.LIVE
+        with self.lock:
+            self._require("recommit", _State.ASLEEP)
+            self.kv_cache.recommit()
+            self._empty()
+            self._releases_seen = self.kv_cache.buffer.release_count
+            self._state = _State.LIVE
 
     def reset(self) -> None:
         """Empty the cache and zero its committed blocks (Cache.reset); what
-        a SleepController's wake asks for before a re-prefill."""
-        self._require_mapped("reset")
-        for layer in self.layers:
-            layer._zero_committed(self.kv_cache.num_committed_blocks)
-        self._empty()
-        self._releases_seen = self.kv_cache.buffer.release_count
+        a SleepController's wake asks for before a re-prefill, and what starts
+        another generation after `finish_generation()`. A cache a budget
+        reclaim took is given its null block again first (the budget is asked;
+        a denial raises BudgetDeniedError and changes nothing)."""
+        with self.lock:
+            self._require_mapped("reset", _State.LIVE, _State.FINISHED, _State.GIVEN_BACK)
+            if self._state is _State.GIVEN_BACK:
+                self.kv_cache.commit(1)  # every chunk not open points at the null block
+            for layer in self.layers:
+                layer._zero_committed(self.kv_cache.num_committed_blocks)
+            self._empty()
+            self._releases_seen = self.kv_cache.buffer.release_count
+            self._state = _State.LIVE
+
+    def finish_generation(self) -> None:
+        """Declare the generation done: its tokens stay until a budget
+        reclaim takes all of its memory (module docstring), and updates raise
+        StateError until `reset()`, whether or not one came. Idempotent."""
+        with self.lock:
+            self._require("finish_generation", _State.LIVE, _State.FINISHED, _State.GIVEN_BACK)
+            if self._state is _State.LIVE:
+                self._state = _State.FINISHED
 
     def _empty(self) -> None:
         self._seq_length = 0
@@ -597,12 +726,97 @@ class ExtensibleCache(Cache):
     def free(self) -> None:
         """Release the reservation and every page. Idempotent; every other
         operation raises StateError afterwards."""
-        if self._state is _State.FREED:
+        with self.lock:
+            if self._state is _State.FREED:
+                return
+            for layer in self.layers:
+                layer._drop_blocks()
+            self.kv_cache.free()
+            self._state = _State.FREED
+
+    # -- the shared budget --------------------------------------------------------
+    def on_reclaim(self, target_bytes: int) -> int:
+        """Give at least `target_bytes` of physical memory back to the shared
+        budget: the bytes freed, or 0 with nothing changed (module docstring:
+        the margin of a live generation, all of a finished one, else
+        nothing). The budget client calls it from its own thread; it holds
+        `lock`. The freed bytes reach the daemon as the shrink's own
+        `returned`."""
+        target_bytes = validate.integer("target_bytes", target_bytes, what="bytes")
+        with self.lock:
+            if not target_bytes or self._state not in (_State.LIVE, _State.FINISHED, _State.GIVEN_BACK):
+                return 0
+            if self._memory_released():  # asleep under another's hand: nothing mapped to give
+                return 0
+            if self._state is _State.LIVE:
+                return self._shrink_into_margin(target_bytes)
+            before = self.kv_cache.physical_bytes
+            if before:
+                self._give_back_every_block()
+            return before - self.kv_cache.physical_bytes
+
+    def _shrink_into_margin(self, target_bytes: int) -> int:
+        """Free `target_bytes` from the margin of a live generation, keeping
+        every token; 0 and nothing changed where the margin cannot."""
+        kv_cache = self.kv_cache
+        holding = self._blocks_for(-(-self._seq_length // self.block_size))
+        before = kv_cache.physical_bytes
+        new_top = _largest_count_within(kv_cache, holding, before - target_bytes)
+        if new_top is None:
+            return 0
+        knew_contents = kv_cache.buffer.release_count == self._releases_seen
+        staged = self._stage_blocks_below(holding)
+        try:
+            kv_cache.commit(new_top, shrink=True)
+            self._write_back_blocks(staged)
+        except BaseException:
+            self._forget_blocks()  # released and not all written back: the tokens are gone
+            raise
+        self._close_chunks_from((new_top - 1) // self._batch_size)
+        if knew_contents:  # what was lost before this reclaim stays for the next update to refuse
+            self._releases_seen = kv_cache.buffer.release_count
+        return before - kv_cache.physical_bytes
+
+    def _give_back_every_block(self) -> None:
+        """Shrink to no block, the null block included: the generation is
+        done (or given back already, a release left unfinished), so nothing
+        is staged."""
+        try:
+            self.kv_cache.commit(0, shrink=True)
+        finally:
+            self._forget_blocks()
+
+    def _forget_blocks(self) -> None:
+        """Given back: the blocks are released, so no chunk is open and no
+        token held."""
+        self._close_chunks_from(0)
+        self._empty()
+        self._releases_seen = self.kv_cache.buffer.release_count
+        self._state = _State.GIVEN_BACK
+
+    def _close_chunks_from(self, chunks: int) -> None:
+        """Point the table's chunks from `chunks` on at the null block again:
+        their blocks are past the committed ones."""
+        if chunks >= self._open_chunks:
             return
-        for layer in self.layers:
-            layer._drop_blocks()
-        self.kv_cache.free()
-        self._state = _State.FREED
+        self.block_table[:, chunks : self._open_chunks] = 0
+        self._gather_rows.copy_(self._rows_named(self.block_table[:, :-1]))
+        self._open_chunks = chunks
+
+    def _stage_blocks_below(self, end: int) -> list[torch.Tensor]:
+        """Host copies of blocks 1 to `end` - 1 of every layer (the null
+        block reads as zero once mapped again), one (blocks, stride) each."""
+        buffer = self.kv_cache.buffer
+        return [
+            buffer.segment_view(segment).view(-1, stride)[1:end].to("cpu", copy=True)
+            for segment, stride in enumerate(self.kv_cache.segment_strides)
+        ]
+
+    def _write_back_blocks(self, staged: list[torch.Tensor]) -> None:
+        """Write `staged` (from `_stage_blocks_below`) where it was read."""
+        buffer = self.kv_cache.buffer
+        for segment, (stride, copies) in enumerate(zip(self.kv_cache.segment_strides, staged)):
+            buffer.segment_view(segment).view(-1, stride)[1 : 1 + len(copies)].copy_(copies)
 
     def __repr__(self) -> str:
         return (

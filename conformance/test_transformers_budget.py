@@ -1,0 +1,310 @@
+"""ExtensibleCache (extkv.integrations.transformers) gives memory back when the
+shared KV budget asks, and never a token of a generation that may go on.
+
+A tiny random-initialised transformers model generates greedily, two
+sequences at once, into an ExtensibleCache under a real daemon
+(extkv.testing.budget) over the host driver, with a granule of one page so
+that block counts, not granules, decide the footprint. Mid-generation a
+second engine's reserve makes the daemon reclaim from the cache: the cache
+gives back blocks of its margin only, the blocks holding tokens read as
+before, and generate goes on to DynamicCache's tokens. A reclaim the margin
+cannot cover is answered `cannot` and changes nothing. A generation
+declared finished is given back whole, and so is one whose shrink could not
+map its tokens' blocks again; the cache then refuses updates until
+`reset()`. After each, the daemon's ledger holds exactly the cache's
+physical bytes.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+
+import pytest
+
+# Before transformers is imported: nothing here may reach the Hub.
+os.environ["HF_HUB_OFFLINE"] = "1"
+transformers = pytest.importorskip(
+    "transformers", reason="transformers is not installed: pip install 'extkv[transformers]' to test ExtensibleCache"
+)
+
+import torch
+from transformers import DynamicCache, LogitsProcessor, LogitsProcessorList
+
+from extkv import OutOfMemoryError, StateError
+from extkv.budget.client import BudgetClient
+from extkv.errors import BudgetDeniedError
+from extkv.integrations.transformers import ExtensibleCache
+from extkv.testing.budget import served_daemon
+from extkv.testing.checks import check_unchanged, snapshot
+from extkv.vmm import HostDriver
+from extkv.vmm.faults import FaultInjectingDriver
+
+#: Seconds a client waits for the daemon.
+TIMEOUT_S = 60
+BUDGET = 4 << 20
+#: A granule of one page: with this model a block of a layer is 4 KiB, so
+#: on 4 KiB pages every block is a granule of every layer.
+GRANULE = os.sysconf("SC_PAGE_SIZE")
+BATCH = 2
+PROMPT = 12
+NEW_TOKENS = 60
+#: A tiny Llama (2 layers, 2 KV heads of 16); no eos, so every generation runs its length.
+CONFIG = {
+    "vocab_size": 256,
+    "hidden_size": 64,
+    "intermediate_size": 128,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "max_position_embeddings": 512,
+    "bos_token_id": 0,
+    "eos_token_id": None,
+    "pad_token_id": 0,
+}
+#: Logits of the two caches differ by rounding only.
+LOGITS = {"rtol": 1e-4, "atol": 1e-4}
+
+
+@pytest.fixture(scope="module")
+def model():
+    torch.manual_seed(0)
+    return transformers.LlamaForCausalLM(transformers.LlamaConfig(**CONFIG)).eval()
+
+
+@pytest.fixture(scope="module")
+def ids():
+    generator = torch.Generator().manual_seed(1)
+    return torch.randint(1, CONFIG["vocab_size"], (BATCH, PROMPT), generator=generator)
+
+
+class EachStep(LogitsProcessor):
+    """Calls `action(step)` after every forward of a generation (step 0:
+    after the prefill; after step k the cache holds the prompt and k
+    tokens), leaving the scores alone."""
+
+    def __init__(self, action):
+        self.action, self.step = action, 0
+
+    def __call__(self, input_ids, scores):
+        self.action(self.step)
+        self.step += 1
+        return scores
+
+
+def greedy(model, ids, cache, new_tokens: int, each_step=None):
+    """(sequences, logits of every step) of a greedy generation."""
+    out = model.generate(
+        ids, attention_mask=torch.ones_like(ids), past_key_values=cache, max_new_tokens=new_tokens, do_sample=False,
+        output_logits=True, return_dict_in_generate=True, disable_compile=True,
+        logits_processor=LogitsProcessorList([EachStep(each_step)] if each_step else []),
+    )
+    return out.sequences, torch.stack(out.logits)
+
+
+def expect_same_generation(got, expected, what: str) -> None:
+    (tokens, logits), (expected_tokens, expected_logits) = got, expected
+    if not torch.equal(tokens, expected_tokens):
+        differ = (tokens != expected_tokens).any(0).nonzero().flatten().tolist()
+        raise AssertionError(f"{what}: tokens differ from DynamicCache's at positions {differ}")
+    torch.testing.assert_close(logits, expected_logits, **LOGITS, msg=lambda m: f"{what}: logits: {m}")
+
+
+@pytest.fixture(scope="module")
+def expected(model, ids):
+    return greedy(model, ids, DynamicCache(config=model.config), NEW_TOKENS)
+
+
+@contextlib.contextmanager
+def cache_under(client: BudgetClient, model, driver=None):
+    driver = HostDriver(GRANULE) if driver is None else driver
+    cache = ExtensibleCache(model.config, 256, device=driver, batch_size=BATCH, budget=client)
+    try:
+        yield cache
+    finally:
+        cache.free()
+
+
+def held(client: BudgetClient) -> int:
+    """What the daemon's ledger holds for this client's engine."""
+    report = client.report()
+    (engine,) = [engine for engine in report["engines"] if engine["engine"] == report["asker"]]
+    return engine["held"]
+
+
+def holding_blocks(cache: ExtensibleCache) -> int:
+    """Blocks up to the last that holds a token, the null block included."""
+    return 1 + -(-cache.seq_length // cache.block_size) * cache.batch_size
+
+
+def token_blocks(cache: ExtensibleCache) -> list[torch.Tensor]:
+    """Copies of every layer's blocks 1 to `holding_blocks` - 1: the tokens."""
+    buffer, end = cache.kv_cache.buffer, holding_blocks(cache)
+    return [buffer.segment_view(segment).view(-1, stride)[1:end].clone()
+            for segment, stride in enumerate(cache.kv_cache.segment_strides)]
+
+
+@contextlib.contextmanager
+def at_step(model, where: str, step: int, action):
+    """Run `action()` once, at `step` of the generation inside: after the
+    step's forward ("between steps": yields greedy's `each_step`), or
+    inside it, after layer 0's update and before layer 1's ("between two
+    layers": yields None, a hook on layer 1 runs it), as the budget
+    client's thread may find the cache. Step 0 is the prefill; after step
+    k's layer 0 the cache counts the prompt and k tokens."""
+    calls = []
+
+    def before_layer_1(module, args):
+        calls.append(None)
+        if len(calls) - 1 == step:
+            action()
+
+    def after_forward(step_done):
+        if step_done == step:
+            action()
+
+    if where == "between steps":
+        yield after_forward
+        return
+    hook = model.model.layers[1].register_forward_pre_hook(before_layer_1)
+    try:
+        yield None
+    finally:
+        hook.remove()
+
+
+@pytest.mark.invariant(1)
+@pytest.mark.invariant(5)
+@pytest.mark.invariant(7)
+@pytest.mark.parametrize("where", ["between steps", "between two layers"])
+def test_a_reclaim_takes_the_margin_only_and_generate_goes_on_as_dynamic_cache(model, ids, expected, where):
+    """At step 20 (32 tokens: 2 chunks of 2 rows, blocks 1-4; 5 chunks, 11
+    blocks, committed) engine B reserves what leaves the budget 3 blocks
+    short; B weighs so much more that the daemon asks the cache for exactly
+    those 3 blocks. B is granted once the cache gave them back; the token
+    blocks read as before, the chunks past the new top point at the null
+    block, and generate grows again past them to DynamicCache's tokens."""
+    with served_daemon(BUDGET) as served, BudgetClient(served.path, timeout=TIMEOUT_S) as client_a, \
+            cache_under(client_a, model) as cache, \
+            BudgetClient(served.path, timeout=TIMEOUT_S, weight=1e6) as client_b:
+        reclaimed = []
+
+        def reclaim():
+            kv_cache = cache.kv_cache
+            committed, before, tokens = kv_cache.num_committed_blocks, cache.physical_bytes, token_blocks(cache)
+            assert (cache.seq_length, holding_blocks(cache), committed) == (PROMPT + 20, 5, 11)
+            want = before - kv_cache.physical_bytes_for(committed - 3)
+            ticket = client_b.reserve(BUDGET - before + want)  # granted only once the cache gave `want` back
+            # B's grant came from bytes the cache's handler returned under
+            # its lock: holding it, the handler has ended.
+            with cache.lock:
+                assert kv_cache.num_committed_blocks == committed - 3, "not the 3 blocks the daemon asked for"
+                assert before - cache.physical_bytes == want
+                assert cache.block_table[:, 3:].eq(0).all(), "a chunk past the new top still names its block"
+                for layer, (now, then) in enumerate(zip(token_blocks(cache), tokens)):
+                    assert torch.equal(now, then), f"layer {layer}'s token blocks changed in the reclaim"
+                assert held(client_a) == cache.physical_bytes
+            client_b.cancel(ticket)
+            reclaimed.append(committed - kv_cache.num_committed_blocks)
+
+        with at_step(model, where, 20, reclaim) as each_step:
+            got = greedy(model, ids, cache, NEW_TOKENS, each_step=each_step)
+        assert reclaimed == [3], reclaimed
+        expect_same_generation(got, expected, f"reclaimed at step 20, {where}")
+        assert cache.kv_cache.num_committed_blocks > 11, "generate did not grow past the reclaimed blocks"
+        assert held(client_a) == cache.physical_bytes
+
+
+@pytest.mark.invariant(1)
+@pytest.mark.invariant(5)
+def test_a_reclaim_the_margin_cannot_cover_is_answered_cannot_and_changes_nothing(model, ids, expected):
+    """At step 10 B reserves what leaves the budget short by the margin and
+    one byte: the cache answers `cannot` rather than drop a token, so B is
+    denied; the cache's blocks, committed count and table are as they
+    were, the ledger holds its bytes, and generate goes on as DynamicCache."""
+    with served_daemon(BUDGET) as served, BudgetClient(served.path, timeout=TIMEOUT_S) as client_a, \
+            cache_under(client_a, model) as cache, \
+            BudgetClient(served.path, timeout=TIMEOUT_S, weight=1e6) as client_b:
+        refused = []
+
+        def reclaim_at(step):
+            if step != 10:
+                return
+            kv_cache = cache.kv_cache
+            before, state, table = cache.physical_bytes, snapshot(kv_cache), cache.block_table.clone()
+            margin = before - kv_cache.physical_bytes_for(holding_blocks(cache))
+            assert margin > 0
+            with pytest.raises(BudgetDeniedError) as denied:
+                client_b.reserve(BUDGET - before + margin + 1)
+            with cache.lock:
+                check_unchanged(kv_cache, state)
+                assert torch.equal(cache.block_table, table)
+                assert held(client_a) == cache.physical_bytes == before
+            refused.append(str(denied.value))
+
+        got = greedy(model, ids, cache, NEW_TOKENS, each_step=reclaim_at)
+        assert len(refused) == 1, refused
+        expect_same_generation(got, expected, "a reclaim refused at step 10")
+        assert held(client_a) == cache.physical_bytes
+
+
+@pytest.mark.invariant(5)
+@pytest.mark.invariant(6)
+def test_a_finished_generation_is_given_back_whole_and_the_cache_refuses_until_reset(model, ids, expected):
+    """finish_generation(): updates are refused from then on; a reclaim of
+    one byte takes every block, the null block included, and the ledger
+    holds nothing; updates are still refused, now as given back, before any
+    block is touched; reset() maps the null block again and a new
+    generation is DynamicCache's."""
+    with served_daemon(BUDGET) as served, BudgetClient(served.path, timeout=TIMEOUT_S) as client, \
+            cache_under(client, model) as cache:
+        sequences, _ = greedy(model, ids, cache, 20)
+        cache.finish_generation()
+        with pytest.raises(StateError, match="finished"):
+            greedy(model, sequences, cache, 4)
+        before = cache.physical_bytes
+        assert before > 0 and held(client) == before
+
+        assert cache.on_reclaim(1) == before, "a finished generation was not given back whole"
+        assert cache.physical_bytes == 0 and cache.kv_cache.num_committed_blocks == 0
+        assert held(client) == 0
+        assert cache.seq_length == 0 and cache.block_table.eq(0).all()
+        states = torch.zeros(BATCH, CONFIG["num_key_value_heads"], 1, 16)
+        for refused in (lambda: greedy(model, sequences, cache, 4), lambda: cache.update(states, states, 1),
+                        cache.make_room):
+            with pytest.raises(StateError, match=r"given back .*reset\(\)"):
+                refused()
+        assert cache.on_reclaim(1) == 0 and held(client) == cache.physical_bytes == 0
+
+        cache.reset()
+        assert cache.kv_cache.num_committed_blocks == 1 and held(client) == cache.physical_bytes > 0
+        expect_same_generation(greedy(model, ids, cache, NEW_TOKENS), expected, "a new generation after reset()")
+        assert held(client) == cache.physical_bytes
+
+
+@pytest.mark.invariant(5)
+@pytest.mark.invariant(6)
+def test_a_margin_shrink_whose_regrowth_fails_gives_the_cache_back_and_it_refuses_to_continue(model, ids, expected):
+    """The driver runs out of memory as a margin shrink maps the smaller
+    prefix again: the tokens went with the released blocks, so the cache is
+    given back and the error reaches the caller (the budget client warns
+    and answers `cannot`); generate raises StateError rather than attend
+    over unmapped or zeroed blocks; the ledger holds nothing; after reset()
+    a new generation is DynamicCache's."""
+    driver = FaultInjectingDriver(HostDriver(GRANULE), out_of_memory=True)
+    with served_daemon(BUDGET) as served, BudgetClient(served.path, timeout=TIMEOUT_S) as client, \
+            cache_under(client, model, driver) as cache:
+        sequences, _ = greedy(model, ids, cache, 20)
+        margin = cache.physical_bytes - cache.kv_cache.physical_bytes_for(holding_blocks(cache))
+        assert margin > 0
+        driver.fail_in("create")
+        with pytest.raises(OutOfMemoryError, match="injected"):
+            cache.on_reclaim(margin)
+        assert driver.fired, "no create failed: the shrink mapped nothing again"
+        assert cache.physical_bytes == 0 and held(client) == 0
+        assert cache.seq_length == 0 and cache.block_table.eq(0).all()
+        with pytest.raises(StateError, match=r"given back .*reset\(\)"):
+            greedy(model, sequences, cache, 4)
+        cache.reset()
+        expect_same_generation(greedy(model, ids, cache, NEW_TOKENS), expected, "a new generation after reset()")
+        assert held(client) == cache.physical_bytes
