@@ -24,7 +24,7 @@ from extkv import KVCacheLayout
 from extkv.ahead import BackgroundGrowthError
 from extkv.errors import DriverError, StateError
 from extkv.reference_model import ReferenceModelRunner
-from extkv.testing.checks import check_all_equal, check_readback_matches_bookkeeping, check_usage_matches
+from extkv.testing.checks import check_all_equal, check_readback_matches_bookkeeping, check_usage_matches, warm_up_kernels
 from extkv.testing.configs import config_for
 from extkv.vmm import FaultInjectingDriver, PoisoningDriver, driver_for
 from extkv.vmm.late import LateZeroingDriver
@@ -689,7 +689,10 @@ class _FailingReading(WrappingDriver):
 def test_a_settled_window_reads_zero_however_late_the_device_zeroes(build, poisoned):
     """Settling orders the caller's next work after the worker's zeroing,
     which ran on a stream of its own: each zeroing is held back on the
-    device, so a read not ordered after it sees the poison."""
+    device, so a read not ordered after it sees the poison. The read's
+    kernels are loaded first: a kernel's first launch waits for the work
+    queued before it, and would order the read by itself."""
+    warm_up_kernels(poisoned.device)
     late = LateZeroingDriver(poisoned)
     cache = cache_over(build, late)
     late.synchronize()  # only the worker's zeroing runs late, not the first commit's
@@ -704,6 +707,7 @@ def test_a_settled_window_reads_zero_however_late_the_device_zeroes(build, poiso
 def test_a_commit_inside_the_window_reads_zero_however_late_the_device_zeroes(build, poisoned):
     """A commit counted inside the window, the worker's zeroing still queued
     on its own stream: the caller's next work waits for it."""
+    warm_up_kernels(poisoned.device)  # as above: no first launch orders the read
     late = LateZeroingDriver(poisoned)
     cache = cache_over(build, late)
     late.synchronize()  # only the worker's zeroing runs late, not the first commit's
