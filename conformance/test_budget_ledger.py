@@ -3,8 +3,10 @@ pure, no device, no clock. Each rule with its numbers, the module's worked
 example number by number, illegal calls that raise and change nothing
 (against a deep copy of the whole ledger), and a Hypothesis state machine
 beside a plain model whose invariant is the budget's accounting: grants
-and dead bytes within the budget at every step, no engine above its cap,
-nothing held below zero, unique tickets, refused calls changing nothing."""
+and dead bytes within the budget at every step, no engine above its cap
+(or, where engines joined holding more, never more than that, falling as
+they give back), nothing held below zero, unique tickets, refused calls
+changing nothing."""
 
 from __future__ import annotations
 
@@ -221,6 +223,24 @@ def test_a_lease_that_held_nothing_is_forgotten_at_once():
     ledger.join("a", pid=7, uid=1000, floor=0, cap=None, weight=1.0, now=2.0)  # the name is free again
 
 
+def test_a_rejoin_holding_more_than_is_left_is_counted_and_growth_waits_for_room():
+    """Engines rejoin a restarted daemon: a holding 30 of a budget of 100,
+    b holding 90 under a cap of 60. All 120 are counted, the excess is in
+    the status, and nothing is granted past the cap or the budget until
+    bytes come back: b, 30 above its share, is asked for them."""
+    ledger = joined(100, ("a", dict(held=30)), ("b", dict(held=90, cap=60)))
+    assert (ledger.granted, ledger.over_budget) == (120, 20)
+    assert [(s.engine, s.held, s.over_cap) for s in ledger.status()] == [("a", 30, 0), ("b", 90, 30)]
+    capped = ledger.reserve("b", 1, 0.0)
+    assert capped.verdict == Verdict.DENIED and "more than its cap of 60" in capped.reason
+    wait = ledger.reserve("a", 10, 0.0)  # shares of demands 40, 90 (capped at 60): 40, 60
+    assert wait.verdict == Verdict.WAIT and [(r.engine, r.nbytes) for r in wait.reclaims] == [("b", 30)]
+    ledger.returned("b", 30, 0.5)
+    ledger.released("b", 30, 0.5)
+    assert ledger.reserve("a", 10, 0.5).verdict == Verdict.GRANTED
+    assert (ledger.granted, ledger.over_budget, engine(ledger, "b").over_cap) == (100, 0, 0)
+
+
 def test_a_leaving_engine_takes_its_tickets_into_dead_bytes():
     ledger = joined(100, ("a", dict(held=10)))
     ledger.reserve("a", 30, 0.0)
@@ -398,7 +418,7 @@ ILLEGAL_CALLS = [
     (joining("e", cap=0), r"cap must be an int >= 1 \(bytes\), got 0"),
     (joining("e", floor=20, cap=10), "floor must be <= the cap of 10 bytes, got 20"),
     (joining("e", floor=901), r"floor must be <= 900 bytes, what the budget of 1000 leaves beside the other floors \(100\), got 901"),
-    (joining("e", held=286), "held must be <= 285 bytes, what the cap and the budget leave, got 286"),
+    (joining("e", held=-1), r"held must be an int >= 0 \(bytes\), got -1"),
 ]
 
 
@@ -450,6 +470,7 @@ class ModelEngine:
     dead: int = 0
     open: dict[int, tuple[int, float]] = field(default_factory=dict)  # ticket -> (bytes, issued at)
     expired: dict[int, int] = field(default_factory=dict)  # ticket -> bytes
+    ceiling: int = 0  # the most its grant may be: its cap, or what it joined holding until it falls below that
 
     @property
     def grant(self) -> int:
@@ -468,6 +489,9 @@ class LedgerMachine(RuleBasedStateMachine):
         self.now = 0.0
         self.issued: set[int] = set()
         self.waiting: set[tuple[str, int]] = set()  # reserves told to wait, not yet answered
+        #: The most the grants and dead bytes may add up to: the budget, or
+        #: what joins holding more than was left made it, until it falls below.
+        self.ceiling = BUDGET
 
     def names(self, live: bool) -> list[str]:
         return [name for name, e in self.model.items() if e.live == live]
@@ -532,10 +556,11 @@ class LedgerMachine(RuleBasedStateMachine):
         call = lambda: self.ledger.join(name, pid=1, uid=1, floor=floor, cap=cap, weight=weight, now=self.now, held=held)
         cap = BUDGET if cap is None else min(cap, BUDGET)
         floors = sum(e.floor for e in self.model.values() if e.live)
-        if floor > cap or floors + floor > BUDGET or held > min(cap, BUDGET - self.total()):
+        if floor > cap or floors + floor > BUDGET:
             return self.refused(call, "must be <=")
-        call()
-        self.model[name] = ModelEngine(floor, cap, held=held)
+        call()  # held past the cap or what the budget leaves is counted all the same: those bytes exist
+        self.model[name] = ModelEngine(floor, cap, held=held, ceiling=max(cap, held))
+        self.ceiling = max(self.ceiling, self.total())
 
     @precondition(lambda self: self.names(live=True))
     @rule(data=st.data())
@@ -684,10 +709,19 @@ class LedgerMachine(RuleBasedStateMachine):
 
     @invariant()
     def the_budget_holds(self):
-        assert self.ledger.granted + self.ledger.dead <= BUDGET
+        """Grants and dead bytes within the budget, and each grant within its
+        cap, but where joins brought more: then nothing grows until they fall
+        back within it."""
+        assert self.ledger.granted + self.ledger.dead <= self.ceiling
+        self.ceiling = max(BUDGET, self.ledger.granted + self.ledger.dead)
+        assert self.ledger.over_budget == self.ceiling - BUDGET
         statuses = self.ledger.status()
         for status in statuses:
-            assert status.grant <= status.cap and status.held >= 0 and status.dead >= 0
+            mine = self.model[status.engine]
+            if status.lease == "live":
+                assert status.grant <= mine.ceiling and status.over_cap == max(0, status.grant - status.cap)
+                mine.ceiling = max(status.cap, status.grant)
+            assert status.held >= 0 and status.dead >= 0
         seen = {s.engine: (s.lease == "live", s.held, s.dead, s.open_ticket_bytes, s.expired_tickets) for s in statuses}
         assert seen == {name: (e.live, e.held, e.dead, e.grant - e.held, len(e.expired)) for name, e in self.model.items()}
         assert self.ledger.granted + self.ledger.dead == self.total()

@@ -302,7 +302,7 @@ def test_budget_serve_runs_until_sigterm_and_status_reads_it():
             status = subprocess.run([*extkv_budget, "status", "--run-dir", run], env=env, capture_output=True,
                                     text=True, timeout=120, check=False)
             assert status.returncode == 0, status.stderr
-            assert status.stdout == (f"budget={int(total * 0.8)} granted=0 dead=0 free={int(total * 0.8)} engines=0 "
+            assert status.stdout == (f"budget={int(total * 0.8)} granted=0 dead=0 free={int(total * 0.8)} over_budget=0 engines=0 "
                                      f"device=host socket={path}\n(no engine)\n"), status.stdout
             second = subprocess.run(serve, env=env, capture_output=True, text=True, timeout=120, check=False)
             assert second.returncode == 1 and second.stderr.count("\n") == 1, second.stderr

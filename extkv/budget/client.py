@@ -347,15 +347,19 @@ def read_status(socket_path: str, timeout: float = 10.0) -> dict:
 def status_lines(report: dict) -> list[str]:
     """`extkv budget status`'s lines: the budget, then one per engine, each a
     run of name=value (bytes exact; `outside` is the device's own reading of
-    the process, `-` where it cannot be read)."""
-    free = report["budget"] - report["granted"] - report["dead"]
-    lines = [f"budget={report['budget']} granted={report['granted']} dead={report['dead']} free={free} "
+    the process, `-` where it cannot be read). `over_budget` and an engine's
+    `over_cap`: bytes counted past the budget, or past its cap, which only
+    engines that rejoined a restarted daemon holding more can put there."""
+    counted = report["granted"] + report["dead"]
+    lines = [f"budget={report['budget']} granted={report['granted']} dead={report['dead']} "
+             f"free={max(0, report['budget'] - counted)} over_budget={max(0, counted - report['budget'])} "
              f"engines={len(report['engines'])} device={report['device']}"]
     for engine in report["engines"]:
         outside = "-" if engine["outside"] is None else engine["outside"]
         lines.append(
             f"pid={engine['pid']} engine={engine['engine']} lease={engine['lease']} grant={engine['grant']} "
             f"held={engine['held']} dead={engine['dead']} outside={outside} floor={engine['floor']} cap={engine['cap']} "
+            f"over_cap={max(0, engine['grant'] - engine['cap'])} "
             f"weight={engine['weight']:g} open_tickets={engine['open_tickets']} "
             f"reclaim_pending={engine['reclaim_pending_bytes']} reclaims_ignored={engine['reclaims_ignored']}"
         )

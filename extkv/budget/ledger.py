@@ -34,6 +34,12 @@ the connection, until the outside reading of its process shows them gone
 bytes count as held, so they can be reclaimed, until the lease ends or a
 late confirm settles it.
 
+An engine that rejoins a daemon that restarted joins with the bytes it
+holds (`join`'s `held`). They exist, so they are counted even where they
+take the engines past the budget (`over_budget`) or the engine past its
+cap (`over_cap`): nothing is granted past either until returns make room,
+and engines above their shares are asked to give back as usual.
+
 Nothing here reads a clock or does I/O: time is the caller's `now`, in
 seconds of one monotonic clock. What each call may do in each state of a
 lease and of a ticket is the table `_CALLS`; a call it does not allow, or
@@ -221,6 +227,7 @@ class EngineStatus:
     reclaim_pending_bytes: int
     reclaims_ignored: int
     overclaimed_bytes: int  # bytes returned beyond what it held, clamped away
+    over_cap: int  # grant past its cap: bytes it rejoined holding (`join`'s `held`)
 
 
 @dataclass(frozen=True)
@@ -344,6 +351,12 @@ class Ledger:
     def dead(self) -> int:
         return sum(engine.dead for engine in self._engines.values())
 
+    @property
+    def over_budget(self) -> int:
+        """Bytes counted past the budget: only engines that rejoined holding
+        more than was left put them there (`join`'s `held`)."""
+        return max(0, self.granted + self.dead - self.budget)
+
     def status(self) -> list[EngineStatus]:
         """One line per engine, live and dead, in the order they joined."""
         shares = self._shares({})
@@ -356,6 +369,7 @@ class Ledger:
                 floor=engine.floor, cap=engine.cap, weight=engine.weight, share=shares.get(name, 0),
                 reclaim_pending_bytes=self._reclaims[name].nbytes if name in self._reclaims else 0,
                 reclaims_ignored=engine.reclaims_ignored, overclaimed_bytes=engine.overclaimed_bytes,
+                over_cap=max(0, engine.grant - engine.cap),
             )
             for name, engine in self._engines.items()
         ]
@@ -364,8 +378,12 @@ class Ledger:
     def join(self, engine: str, *, pid: int, uid: int, floor: int, cap: int | None, weight: float, now: float,
              held: int = 0) -> None:
         """A lease begins. `cap` None (or above the budget) is the budget.
-        `held`: what the engine holds already, when it joins a restarted
-        daemon; it must fit as a reserve would."""
+        `held`: what the engine holds already, when it rejoins a daemon that
+        restarted. Those bytes exist, so they are counted whatever room is
+        left, even past the engine's cap or the budget (`over_cap`,
+        `over_budget`): until returns make room, this engine's reserves
+        past its cap are denied, and every reserve past the budget waits
+        for reclaims or is denied, as any reserve that does not fit."""
         self._require("join", engine)
         pid, uid = _integer("pid", pid, minimum=1, what="a process id"), _integer("uid", uid, what="a user id")
         floor, held = _integer("floor", floor), _integer("held", held)
@@ -378,9 +396,6 @@ class Ledger:
         if floors + floor > self.budget:
             raise BudgetProtocolError(f"floor must be <= {self.budget - floors} bytes, what the budget of "
                                       f"{self.budget} leaves beside the other floors ({floors}), got {floor}")
-        room = min(cap, self.budget - self.granted - self.dead)
-        if held > room:
-            raise BudgetProtocolError(f"held must be <= {room} bytes, what the cap and the budget leave, got {held}")
         self._engines[engine] = _Engine(pid, uid, floor, cap, weight, held, lease=_CALLS["join"].lease_after)
 
     def reserve(self, engine: str, nbytes: int, now: float) -> Decision:
