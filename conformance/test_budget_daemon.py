@@ -123,7 +123,7 @@ def raw_connection(path: str) -> socket.socket:
 
 
 def raw_hello(sock: socket.socket) -> None:
-    send_message(sock, {"op": "hello", "id": 0, "protocol": PROTOCOL, "floor": 0, "cap": None, "weight": 1.0})
+    send_message(sock, {"op": "hello", "id": 0, "protocol": PROTOCOL, "floor": 0, "cap": None, "weight": 1.0, "held": 0})
     assert receive_message(sock) == {"op": "ok", "id": 0}
 
 
@@ -341,6 +341,10 @@ MALFORMED = {
     "no id": encode_message({"op": "reserve", "bytes": 10}),
     "a second protocol": encode_message({"op": "hello", "id": 1, "protocol": "extkv-budget/0", "floor": 0,
                                          "cap": None, "weight": 1}),
+    "held negative": encode_message({"op": "hello", "id": 1, "protocol": PROTOCOL, "floor": 0, "cap": None,
+                                     "weight": 1, "held": -1}),
+    "held missing": encode_message({"op": "hello", "id": 1, "protocol": PROTOCOL, "floor": 0, "cap": None,
+                                    "weight": 1}),
     "too long": struct.pack(">Q", MAX_REQUEST_BYTES + 1) + b"{",
 }
 

@@ -89,7 +89,9 @@ class BudgetProtocolError(ExtkvError, ValueError):
 class BudgetUnavailableError(ExtkvError, ConnectionError):
     """The budget daemon cannot be reached (never started, gone, or it
     refused this process): growth fails closed, while memory already held
-    stays usable. The message names the socket and the cause."""
+    stays usable. The message names the socket and the cause. A client
+    whose daemon went away rejoins one that answers again on its socket
+    (extkv.budget.client), and growth resumes."""
 
 
 class BudgetDeniedError(OutOfMemoryError):

@@ -10,12 +10,13 @@ does, however it ends. `EXTKV_BUDGET=<socket>` names the daemon for
 
 Requests (extkv.budget.protocol) go out under one send lock, so any thread
 may call (a commit-ahead worker reserves from its own); each carries an id,
-and one reader thread hands each reply to the call waiting on that id. A
-call waits at most `timeout` seconds for its reply, which covers a reserve
-waiting while the daemon reclaims from other engines. The socket's timeout
-is set once, at connect, and bounds every send and every read once a
-message has begun to arrive; the reader waits for the next message with
-poll(), unbounded, until `close()` shuts the socket down.
+unique over the client's life, and one reader thread per connection hands
+each reply to the call waiting on that id. A call waits at most `timeout`
+seconds for its reply, which covers a reserve waiting while the daemon
+reclaims from other engines. The socket's timeout is set once, at connect,
+and bounds every send and every read once a message has begun to arrive;
+the reader waits for the next message with poll(), unbounded, until the
+connection ends or is shut down.
 
 The daemon's pushes (`reclaim`) go to a second thread, which runs the
 handler given to `on_reclaim` and answers `released` with the bytes it
@@ -24,24 +25,50 @@ The handler shrinks the cache, which calls this client again, and a call
 that waits for its reply on the reader's own thread would wait forever.
 The bytes it frees reach the daemon as the cache's own `returned`
 (extkv.budget.driver) before the answer, on this connection; the answer
-only ends the reclaim, so no byte is given back twice.
+only ends the reclaim, so no byte is given back twice. A reclaim from a
+connection that has ended is dropped unheard: the daemon that asked is gone.
 
-Failing closed: once the daemon is gone (the connection ends, a send
-fails, a reply is late), the client is unavailable for good, and every
-`reserve` raises BudgetUnavailableError naming the socket and the cause,
-so nothing grows without a grant. What the engine holds stays usable: a
-`returned` with no daemon to tell is dropped, since the bytes are gone
-either way and a restarted daemon counts what engines hold as they
-reconnect. A late reply does not leave a ticket nobody confirms: the
-client hangs up, which ends its lease and with it the ticket.
+Failing closed, and rejoining. When the connection ends (the daemon died
+or dropped it, a send failed, a reply was late, and then the client hangs
+up, which ends its lease and with it any ticket the late reply carried),
+the client is disconnected: every `reserve` raises BudgetUnavailableError
+naming the socket and the cause, so nothing grows without a grant, while
+what the engine holds stays usable. A rejoin thread connects again to the
+same socket path, at once and then after waits that double from
+REJOIN_FIRST_WAIT_S up to REJOIN_MAX_WAIT_S, for as long as it takes; the
+thread alone waits on a daemon that is slow to answer, never a commit.
+When a daemon answers, the client says `hello` again, with the same
+floor, cap and weight and with `held`: the bytes its engine holds now, the
+sum of the callables given to `track_held` (each budgeted driver gives
+one: its chunks' bytes, extkv.budget.driver). A restarted daemon's ledger
+is rebuilt from these hellos, and it counts them even past the budget
+(extkv.budget.ledger's `join`): they exist.
 
-A forked child inherits the parent's socket, and with it the power to keep
-the lease alive after the parent died; the child closes its copy at fork
-and finds the client unavailable: the lease is the parent's.
+Held is exact only if nothing it counts changes unseen around the rejoin:
+
+- No ticket is open. A ticket of the ended connection (a create that may
+  be under way) defers the rejoin until it is confirmed or cancelled; its
+  confirm or cancel goes to no daemon, since the one that granted it is
+  gone or has ended the lease, and the bytes it created are in the next
+  hello's held. Meanwhile no ticket is granted, so when none is open no
+  create is under way.
+- Each release is told to exactly one connection. Every rejoin is a lease,
+  numbered; `track_held`'s callable is given the number as it reads the
+  bytes, and the `returned` of each release later names the lease it was
+  read under: a release before the read is in no hello and goes nowhere
+  (its lease ended), one after it reaches the new daemon, after the hello.
+  A `returned` that names no lease goes to the connection of the moment,
+  and while there is none it is dropped: the next hello carries the truth.
+
+A forked child inherits the parent's sockets, and with them the power to
+keep the lease alive after the parent died; the child closes its copies at
+fork and finds the client closed for good: the lease is the parent's, and
+a child never rejoins on it. `close()` also ends the client for good.
 """
 
 from __future__ import annotations
 
+import inspect
 import math
 import numbers
 import os
@@ -62,9 +89,18 @@ ENVIRONMENT_VARIABLE = "EXTKV_BUDGET"
 #: `BudgetClient`'s default timeout: a reserve may wait for reclaims from
 #: other engines (extkv.budget.ledger's RECLAIM_DEADLINE_S), well inside it.
 DEFAULT_TIMEOUT_S = 30.0
+#: The wait after the first failed rejoin; it doubles after each failure, up
+#: to REJOIN_MAX_WAIT_S. A choice: a refused connect costs microseconds, so
+#: the waits bound the log of failures, not any load on the daemon, and a
+#: daemon that restarts is rejoined within REJOIN_MAX_WAIT_S of its start.
+REJOIN_FIRST_WAIT_S = 0.05
+REJOIN_MAX_WAIT_S = 1.0
 
 #: Every client of this process, so a forked child can close its copies.
 _CLIENTS: "weakref.WeakSet[BudgetClient]" = weakref.WeakSet()
+#: Held while a client makes a socket and records it, and across every
+#: fork: a child finds every socket its parent's clients made, to close it.
+_SOCKET_BIRTH = threading.Lock()
 
 
 class _Waiter:
@@ -73,8 +109,8 @@ class _Waiter:
         self.reply: dict | None = None
 
 
-def _connect(socket_path: str, timeout: float | None) -> socket.socket:
-    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+def _connect(socket_path: str, timeout: float | None, sock: socket.socket) -> socket.socket:
+    """`sock`, a fresh AF_UNIX stream socket, connected to `socket_path`; closed and BudgetUnavailableError if not."""
     sock.settimeout(timeout)
     try:
         sock.connect(socket_path)
@@ -96,45 +132,32 @@ class BudgetClient:
             raise ValueError(f"weight must be a finite number > 0, got {weight!r}")
         self.timeout = validate.timeout("timeout", timeout)
         self.socket_path = os.fspath(socket_path)
+        self._terms = {"floor": floor, "cap": cap, "weight": weight}
         self._handler: Callable[[int], int] | None = None
-        self._lock = threading.Lock()  # ids, waiters, availability
+        self._lock = threading.Lock()  # everything below but the sockets' traffic
+        self._changed = threading.Condition(self._lock)  # the connection, the open tickets, the end
         self._send_lock = threading.Lock()
-        self._waiters: dict[int, _Waiter] = {}
-        self._unavailable: str | None = None
-        self._reclaims: queue.SimpleQueue = queue.SimpleQueue()
-        self._sock = _connect(self.socket_path, self.timeout)
-        try:
-            self._hello({"op": "hello", "id": 0, "protocol": PROTOCOL, "floor": floor, "cap": cap, "weight": weight})
-        except BaseException:
-            self._sock.close()
-            raise
-        self._sock.settimeout(self.timeout)  # the deadline's waits changed it; from here on it never changes
         self._next_id = 1
-        self._reader = threading.Thread(target=self._read, name="extkv-budget-reader", daemon=True)
+        self._waiters: dict[int, _Waiter] = {}
+        self._holders: list[Callable[[], Callable[[int], int] | None]] = []
+        self._lease = 0  # the number of the latest join, made or under way
+        self._sock: socket.socket | None = None  # the latest connection that joined
+        self._joining_sock: socket.socket | None = None
+        self._joining = False
+        self._returned_while_joining = 0
+        self._connected = False
+        self._open_tickets: set[int] = set()
+        self._down: str | None = None  # why it is disconnected
+        self._rejoin_failed: str | None = None
+        self._closed: str | None = None  # why it is closed for good
+        self._reader: threading.Thread | None = None
+        self._reclaims: queue.SimpleQueue = queue.SimpleQueue()
+        _CLIENTS.add(self)  # before any socket exists: a fork from here on closes the child's copies
+        self._join()
         self._worker = threading.Thread(target=self._answer_reclaims, name="extkv-budget-reclaims", daemon=True)
-        self._reader.start()
+        self._rejoiner = threading.Thread(target=self._rejoin, name="extkv-budget-rejoin", daemon=True)
         self._worker.start()
-        _CLIENTS.add(self)
-
-    def _hello(self, hello: dict) -> None:
-        """Join, before any thread starts. A daemon that refuses this process
-        says why and hangs up: the reason is read even where the hello could
-        not be sent, since it waits in this socket's queue."""
-        deadline = Deadline(self.timeout, f"hello to the budget daemon at {self.socket_path!r}")
-        try:
-            send_message(self._sock, hello, deadline=deadline)
-        except BrokenPipeError:
-            pass  # refused at once: its reason follows
-        except OSError as error:
-            raise BudgetUnavailableError(f"the budget daemon at {self.socket_path!r} did not take hello: {error}") from None
-        try:
-            reply = validate_message(receive_message(self._sock, max_bytes=MAX_REPLY_BYTES, deadline=deadline), FROM_DAEMON)
-        except (OSError, ValueError) as error:
-            raise BudgetUnavailableError(f"the budget daemon at {self.socket_path!r} did not answer hello: {error}") from None
-        if reply["op"] == "error" and reply["id"] is None:
-            raise BudgetUnavailableError(f"the budget daemon at {self.socket_path!r} refused this process: {reply['reason']}")
-        if reply["op"] != "ok":
-            raise self._refused("hello", reply)
+        self._rejoiner.start()
 
     @classmethod
     def from_environment(cls) -> "BudgetClient | None":
@@ -144,7 +167,31 @@ class BudgetClient:
 
     @property
     def available(self) -> bool:
-        return self._unavailable is None
+        """Whether the client holds a lease now (it may end at any moment)."""
+        return self._connected
+
+    def wait_available(self, timeout: float | None) -> bool:
+        """Wait until the client holds a lease (at once if it does), at most
+        `timeout` seconds (None: no limit); False at the timeout or once the
+        client is closed for good."""
+        timeout = validate.timeout("timeout", timeout)
+        with self._changed:
+            self._changed.wait_for(lambda: self._connected or self._closed is not None, timeout)
+            return self._connected
+
+    def track_held(self, held_bytes: Callable[[int], int]) -> int:
+        """Count `held_bytes(lease)`, the bytes some part of the engine holds
+        now, into every rejoin's `held`; `lease` numbers that rejoin, and the
+        releases it reads from then on are returned naming it (see the
+        module's theory). Returns the lease number now, which the releases
+        name until the first call. A bound method is held weakly: a driver
+        no one uses any longer stops counting."""
+        if not callable(held_bytes):
+            raise ValueError(f"held_bytes must be a callable taking a lease number, got {held_bytes!r}")
+        holder = weakref.WeakMethod(held_bytes) if inspect.ismethod(held_bytes) else (lambda: held_bytes)
+        with self._lock:
+            self._holders.append(holder)
+            return self._lease
 
     # -- the engine's calls ----------------------------------------------------
     def reserve(self, nbytes: int) -> int:
@@ -160,22 +207,31 @@ class BudgetClient:
         raise self._refused("reserve", reply)
 
     def confirm(self, ticket: int, created: int) -> None:
-        """`created` bytes (at most the ticket's) were created; the rest goes back."""
+        """`created` bytes (at most the ticket's) were created; the rest goes
+        back. A ticket of a connection that ended is settled here alone."""
         ticket = validate.integer("ticket", ticket, minimum=1)
         created = validate.integer("created", created, what="bytes")
-        self._expect_ok("confirm", self._request({"op": "confirm", "ticket": ticket, "created": created}))
+        self._settle({"op": "confirm", "ticket": ticket, "created": created})
 
     def cancel(self, ticket: int) -> None:
         """The create the ticket was for failed: all of it goes back."""
         ticket = validate.integer("ticket", ticket, minimum=1)
-        self._expect_ok("cancel", self._request({"op": "cancel", "ticket": ticket}))
+        self._settle({"op": "cancel", "ticket": ticket})
 
-    def returned(self, nbytes: int) -> None:
-        """`nbytes` were given back (a shrink, a release). No reply is
-        awaited; without a daemon it is dropped (see the module's theory)."""
+    def returned(self, nbytes: int, lease: int | None = None) -> None:
+        """`nbytes` were given back (a shrink, a release), read under `lease`
+        (a number `track_held` gave; None: the connection of the moment). No
+        reply is awaited; one the daemon of `lease` cannot hear is dropped
+        (see the module's theory)."""
         nbytes = validate.integer("nbytes", nbytes, what="bytes")
+        if lease is not None:
+            lease = validate.integer("lease", lease, what="a lease number")
+        with self._lock:
+            if self._joining and lease == self._lease:  # read after this join's hello: told once it is answered
+                self._returned_while_joining += nbytes
+                return
         try:
-            self._request({"op": "returned", "bytes": nbytes}, wait=False)
+            self._request({"op": "returned", "bytes": nbytes}, wait=False, lease=lease)
         except BudgetUnavailableError:
             pass
 
@@ -202,12 +258,23 @@ class BudgetClient:
         return max(0, min(report["budget"] - report["granted"] - report["dead"], own["cap"] - own["grant"]))
 
     def close(self) -> None:
-        """End the lease. Idempotent."""
-        self._fail("the client was closed")
-        for thread in (self._reader, self._worker):
-            if thread is not threading.current_thread() and thread.ident is not None:
+        """End the lease, and with it the client for good. Idempotent."""
+        with self._changed:
+            self._closed = self._closed or "the client was closed"
+            self._changed.notify_all()
+            sockets = [sock for sock in (self._sock, self._joining_sock) if sock is not None]
+        self._disconnect(self._lease, "the client was closed")
+        for sock in sockets:  # wakes the reader's poll, and a join waiting for its hello's answer
+            try:
+                sock.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass
+        self._reclaims.put(None)
+        for thread in (self._reader, self._worker, self._rejoiner):
+            if thread is not None and thread is not threading.current_thread() and thread.ident is not None:
                 thread.join(self.timeout)
-        self._sock.close()
+        for sock in sockets:
+            sock.close()
 
     def __enter__(self) -> "BudgetClient":
         return self
@@ -216,19 +283,108 @@ class BudgetClient:
         self.close()
 
     def __repr__(self) -> str:
-        state = "available" if self.available else f"unavailable: {self._unavailable}"
+        failed = f"; the last rejoin: {self._rejoin_failed}" if self._rejoin_failed and not self._closed else ""
+        state = "available" if self._connected else f"unavailable: {self._closed or self._down}{failed}"
         return f"BudgetClient({self.socket_path!r}, {state})"
+
+    # -- joining ---------------------------------------------------------------
+    def _join(self) -> None:
+        """Connect and say hello, as the next lease number; on success the
+        connection is the client's and its reader runs. BudgetUnavailableError
+        (no daemon, or it refused this process), BudgetProtocolError (it
+        refused the hello) or what a `track_held` callable raised otherwise."""
+        with self._lock:
+            if self._closed is not None:
+                raise self._unavailable_error()
+            self._lease += 1
+            lease, self._joining, self._returned_while_joining = self._lease, True, 0
+            self._holders = [holder for holder in self._holders if holder() is not None]
+            holders = [held_bytes for holder in self._holders if (held_bytes := holder()) is not None]
+        sock = None
+        try:
+            with _SOCKET_BIRTH:
+                sock = self._joining_sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+            _connect(self.socket_path, self.timeout, sock)
+            held = sum(validate.integer("bytes held", held_bytes(lease), what="bytes") for held_bytes in holders)
+            self._hello(sock, {"op": "hello", "id": 0, "protocol": PROTOCOL, **self._terms, "held": held})
+            sock.settimeout(self.timeout)  # the deadline's waits changed it; from here on it never changes
+        except BaseException:
+            with self._lock:
+                self._joining, self._joining_sock = False, None
+            if sock is not None:
+                sock.close()
+            raise
+        with self._changed:
+            # One step from joining to joined: a `returned` of this lease is counted either way, once.
+            self._joining, self._joining_sock = False, None
+            if self._closed is not None:  # closed while joining: this connection was never the client's
+                sock.close()
+                raise self._unavailable_error()
+            self._sock, self._connected, self._down, self._rejoin_failed = sock, True, None, None
+            returned, self._returned_while_joining = self._returned_while_joining, 0
+            self._reader = threading.Thread(target=self._read, args=(sock, lease), name="extkv-budget-reader",
+                                            daemon=True)
+            self._changed.notify_all()
+        self._reader.start()
+        if returned:
+            self.returned(returned, lease)
+
+    def _hello(self, sock: socket.socket, hello: dict) -> None:
+        """Join on `sock`, before its reader starts. A daemon that refuses
+        this process says why and hangs up: the reason is read even where
+        the hello could not be sent, since it waits in this socket's queue."""
+        deadline = Deadline(self.timeout, f"hello to the budget daemon at {self.socket_path!r}")
+        try:
+            send_message(sock, hello, deadline=deadline)
+        except BrokenPipeError:
+            pass  # refused at once: its reason follows
+        except OSError as error:
+            raise BudgetUnavailableError(f"the budget daemon at {self.socket_path!r} did not take hello: {error}") from None
+        try:
+            reply = validate_message(receive_message(sock, max_bytes=MAX_REPLY_BYTES, deadline=deadline), FROM_DAEMON)
+        except (OSError, ValueError) as error:
+            raise BudgetUnavailableError(f"the budget daemon at {self.socket_path!r} did not answer hello: {error}") from None
+        if reply["op"] == "error" and reply["id"] is None:
+            raise BudgetUnavailableError(f"the budget daemon at {self.socket_path!r} refused this process: {reply['reason']}")
+        if reply["op"] != "ok":
+            raise self._refused("hello", reply)
+
+    def _rejoin(self) -> None:
+        """The rejoin thread (see the module's theory): once the connection
+        ended and no ticket of it is open, join again, waiting longer after
+        each failure, until a daemon answers or the client is closed."""
+        wait_s = 0.0
+        while True:
+            with self._changed:
+                self._changed.wait_for(lambda: self._closed is not None or (not self._connected and not self._open_tickets))
+                if self._closed is not None or self._changed.wait_for(lambda: self._closed is not None, wait_s):
+                    return
+            try:
+                self._join()
+                wait_s = 0.0
+            except Exception as error:  # noqa: BLE001 - each failure is the cause a reserve names, and is tried again
+                with self._lock:
+                    self._rejoin_failed = f"{type(error).__name__}: {error}"
+                wait_s = min(max(2 * wait_s, REJOIN_FIRST_WAIT_S), REJOIN_MAX_WAIT_S)
 
     # -- requests and replies --------------------------------------------------
     def _unavailable_error(self) -> BudgetUnavailableError:
-        return BudgetUnavailableError(f"the budget daemon at {self.socket_path!r} is unavailable ({self._unavailable}): "
-                                      "growth fails closed; memory already held stays usable")
+        if self._closed is not None:
+            return BudgetUnavailableError(f"the budget daemon at {self.socket_path!r} is unavailable ({self._closed}): "
+                                          "growth fails closed; memory already held stays usable")
+        failed = f"; the last rejoin: {self._rejoin_failed}" if self._rejoin_failed else ""
+        return BudgetUnavailableError(f"the budget daemon at {self.socket_path!r} is unavailable ({self._down}{failed}): "
+                                      "growth fails closed until the client rejoins; memory already held stays usable")
 
-    def _request(self, message: dict, *, wait: bool = True) -> dict | None:
+    def _request(self, message: dict, *, wait: bool = True, lease: int | None = None) -> dict | None:
+        """Send `message` on the connection of the moment (which must be that
+        of `lease`, if given) and return its reply (None if not `wait`);
+        BudgetUnavailableError where there is none, or it ends first."""
         op = message["op"]
         with self._lock:
-            if self._unavailable is not None:
+            if not self._connected or (lease is not None and lease != self._lease):
                 raise self._unavailable_error()
+            sock, lease = self._sock, self._lease
             message["id"] = self._next_id
             self._next_id += 1
             waiter = _Waiter() if wait else None
@@ -236,71 +392,99 @@ class BudgetClient:
                 self._waiters[message["id"]] = waiter
         try:
             with self._send_lock:
-                send_message(self._sock, message, what=f"a budget {op}")
+                send_message(sock, message, what=f"a budget {op}")
         except OSError as error:  # a timeout or a hang-up
-            self._fail(f"sending {op} failed: {error}")
+            self._disconnect(lease, f"sending {op} failed: {error}")
             raise self._unavailable_error() from None
         if waiter is None:
             return None
         if not waiter.done.wait(self.timeout):
-            self._fail(f"no reply to {op} within {self.timeout:g} s")
-        if waiter.reply is None:
+            self._disconnect(lease, f"no reply to {op} within {self.timeout:g} s")
+        with self._lock:  # a reply is given under it: one that came as the wait ended is taken, not lost
+            reply = waiter.reply
+        if reply is None:
             raise self._unavailable_error()
-        return waiter.reply
+        return reply
+
+    def _settle(self, message: dict) -> None:
+        """Confirm or cancel a ticket. One of a connection that ended is
+        settled here alone: the daemon that granted it is gone or has ended
+        the lease, and the rejoin's held counts what it created."""
+        op, ticket = message["op"], message["ticket"]
+        try:
+            reply = self._request(message)
+        except BudgetUnavailableError:
+            with self._changed:
+                if self._closed is not None or ticket not in self._open_tickets:
+                    raise
+                self._open_tickets.discard(ticket)
+                self._changed.notify_all()
+            return
+        if reply["op"] != "ok":
+            raise self._refused(op, reply)
+        with self._changed:
+            self._open_tickets.discard(ticket)
+            self._changed.notify_all()
 
     def _refused(self, op: str, reply: dict) -> Exception:
         dropped = " (the daemon dropped the connection)" if reply.get("dropped") else ""
         return BudgetProtocolError(f"the budget daemon at {self.socket_path!r} refused {op}: {reply['reason']}{dropped}")
 
-    def _expect_ok(self, op: str, reply: dict) -> None:
-        if reply["op"] != "ok":
-            raise self._refused(op, reply)
-
-    def _fail(self, reason: str) -> None:
-        """Unavailable for good: wake every waiting call and the threads."""
-        with self._lock:
-            if self._unavailable is not None:
+    def _disconnect(self, lease: int, reason: str) -> None:
+        """The connection of `lease` ended, or must: wake every call waiting
+        on it and its reader, and let the rejoin thread start."""
+        with self._changed:
+            if lease != self._lease or not self._connected:
                 return
-            self._unavailable = reason
+            self._connected, self._down = False, reason
             waiters, self._waiters = self._waiters, {}
+            sock = self._sock
+            self._changed.notify_all()
         for waiter in waiters.values():
             waiter.done.set()
         try:
-            self._sock.shutdown(socket.SHUT_RDWR)  # wakes the reader's poll
+            sock.shutdown(socket.SHUT_RDWR)  # wakes the reader's poll, and ends the lease of a late reply
         except OSError:
             pass
-        self._reclaims.put(None)
 
-    def _read(self) -> None:
+    def _read(self, sock: socket.socket, lease: int) -> None:
         poller = select.poll()
-        poller.register(self._sock.fileno(), select.POLLIN)
+        poller.register(sock.fileno(), select.POLLIN)
         reason = "the daemon closed the connection"
         try:
-            while self._unavailable is None:
+            while True:
                 poller.poll()
-                if self._unavailable is not None:
-                    return
+                with self._lock:
+                    if lease != self._lease or not self._connected:
+                        return  # disconnected by this side
                 message = validate_message(
-                    receive_message(self._sock, max_bytes=MAX_REPLY_BYTES, what="a budget daemon message"), FROM_DAEMON
+                    receive_message(sock, max_bytes=MAX_REPLY_BYTES, what="a budget daemon message"), FROM_DAEMON
                 )
                 if message["op"] == "reclaim":
-                    self._reclaims.put(message)
+                    self._reclaims.put((lease, message))
                     continue
                 if message["id"] is None:  # the daemon refused the connection itself
                     reason = f"the daemon refused this process: {message['reason']}"
                     return
                 with self._lock:
                     waiter = self._waiters.pop(message["id"], None)
-                if waiter is not None:  # None: a reply nobody waits for (returned's)
-                    waiter.reply = message
+                    if waiter is not None:  # None: a reply nobody waits for (returned's, or one given up on)
+                        waiter.reply = message
+                        if message["op"] == "granted":  # open until settled: a rejoin waits for it
+                            self._open_tickets.add(message["ticket"])
+                if waiter is not None:
                     waiter.done.set()
         except (OSError, ValueError) as error:  # the connection ended, or the daemon sent garbage
             reason = f"{type(error).__name__}: {error}"
         finally:
-            self._fail(reason)
+            self._disconnect(lease, reason)
+            sock.close()
 
     def _answer_reclaims(self) -> None:
-        while (push := self._reclaims.get()) is not None:
+        while (pushed := self._reclaims.get()) is not None:
+            lease, push = pushed
+            if not self._connected or lease != self._lease:
+                continue  # asked on a connection that ended: no daemon waits for the answer
             handler, freed = self._handler, 0
             if handler is not None:
                 try:
@@ -310,27 +494,43 @@ class BudgetClient:
                     freed = 0
             answer = {"op": "released", "bytes": freed} if freed else {"op": "cannot"}
             try:
-                self._request({**answer, "reclaim": push["reclaim"]}, wait=False)
+                self._request({**answer, "reclaim": push["reclaim"]}, wait=False, lease=lease)
             except BudgetUnavailableError:
-                return
+                pass  # its connection ended meanwhile
+
+
+def _before_fork() -> None:
+    _SOCKET_BIRTH.acquire()
+
+
+def _after_fork_in_parent() -> None:
+    _SOCKET_BIRTH.release()
 
 
 def _forget_in_child() -> None:
     """In a forked child: close the inherited sockets (never shut them down,
-    which would end the parent's connection too) and fail every client."""
+    which would end the parent's connection too) and close every client
+    for good; its locks may have been held by threads the child lacks."""
+    _SOCKET_BIRTH.release()
     for client in list(_CLIENTS):
-        client._unavailable = "inherited across fork: the lease is the parent's"
-        client._sock.close()
+        client._lock = threading.Lock()
+        client._changed = threading.Condition(client._lock)
+        client._send_lock = threading.Lock()
+        client._closed = "inherited across fork: the lease is the parent's"
+        client._connected = False
+        for sock in (client._sock, client._joining_sock):
+            if sock is not None:
+                sock.close()
 
 
-os.register_at_fork(after_in_child=_forget_in_child)
+os.register_at_fork(before=_before_fork, after_in_parent=_after_fork_in_parent, after_in_child=_forget_in_child)
 
 
 def read_status(socket_path: str, timeout: float = 10.0) -> dict:
     """The daemon's `report` (extkv.budget.protocol), asked as an observer that
     holds no lease; BudgetUnavailableError where no daemon answers."""
     deadline = Deadline(validate.timeout("timeout", timeout), f"the status of the budget daemon at {socket_path!r}")
-    with _connect(socket_path, timeout) as sock:
+    with _connect(socket_path, timeout, socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)) as sock:
         try:
             try:
                 send_message(sock, {"op": "status", "id": 0}, deadline=deadline)

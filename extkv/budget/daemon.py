@@ -43,6 +43,12 @@ the host a pidfd opened at `hello` says when the process exited (and with
 it its memfds), so a process that later takes its pid is never read in its
 place.
 
+A daemon that restarts starts with an empty ledger, and engines rebuild it:
+each client rejoins, saying in `hello` what its engine holds now, and the
+ledger counts those bytes even past the budget or the engine's cap
+(extkv.budget.ledger's `join`), since they exist; growth past either is
+denied until engines give back, and the log names the excess.
+
 Nothing here imports torch, and no CUDA context is ever created: a GPU is
 read through NVML.
 """
@@ -278,7 +284,7 @@ class BudgetDaemon:
             raise BudgetProtocolError(f"hello: this connection joined already, as engine {connection.engine!r}")
         engine = f"{connection.pid}.{connection.serial}"
         self.ledger.join(engine, pid=connection.pid, uid=connection.uid, floor=message["floor"], cap=message["cap"],
-                         weight=message["weight"], now=now)
+                         weight=message["weight"], now=now, held=message["held"])
         connection.engine = engine
         self._engines[engine] = connection
         try:
@@ -286,7 +292,12 @@ class BudgetDaemon:
         except OSError:
             connection.pidfd = None  # gone already: its lease ends with the connection it left
         self._reply(connection, {"op": "ok", "id": message["id"]})
-        self._log(f"engine {engine} joined: floor {message['floor']}, cap {message['cap']}, weight {message['weight']}")
+        (status,) = [status for status in self.ledger.status() if status.engine == engine]
+        past = "".join([f"; {status.over_cap} bytes past its cap" if status.over_cap else "",
+                        f"; the engines are {self.ledger.over_budget} bytes past the budget, growth is denied until "
+                        "they give back" if self.ledger.over_budget else ""])
+        self._log(f"engine {engine} joined: floor {message['floor']}, cap {message['cap']}, weight {message['weight']}, "
+                  f"holding {message['held']} bytes{past}")
 
     def _on_reserve(self, connection: _Connection, message: dict, now: float) -> None:
         if connection.waiting is None:

@@ -27,6 +27,13 @@ remain, so the ledger never hears of bytes it was not yet told it holds.
 An imported chunk (another process's memory) is no part of this
 engine's grant and is not reported.
 
+The driver tells its client what it holds (`held_bytes`: the bytes of the
+chunks it created and has not released), which the client sends in the
+`hello` with which it rejoins a daemon that restarted. Each release names
+the lease under which the held bytes were last read, so that a release the
+rejoin's hello already left out is not returned to the new daemon too
+(extkv.budget.client's theory).
+
 `budgeted(device, budget)` is what a cache does with its `budget=`
 argument: the device's driver wrapped around that client, or, with none
 given, around the process's one client of the daemon EXTKV_BUDGET names
@@ -68,6 +75,8 @@ class BudgetedDriver(WrappingDriver):
         #: The admission each chunk this driver created and has not released was created under.
         self._own: dict[int, _Admission] = {}
         self._own_lock = threading.Lock()
+        self._held = 0  # the bytes of those chunks
+        self._lease = client.track_held(self.held_bytes)  # the lease its releases are returned under
 
     @contextlib.contextmanager
     def admit(self, size: int, chunks: int = 1) -> Iterator[None]:
@@ -100,6 +109,7 @@ class BudgetedDriver(WrappingDriver):
         with self._own_lock:
             admission.created += size
             self._own[chunk.handle] = admission
+            self._held += size
         return chunk
 
     def _release(self, chunk: Chunk) -> None:
@@ -107,10 +117,21 @@ class BudgetedDriver(WrappingDriver):
         with self._own_lock:
             admission = self._own.pop(chunk.handle, None)
             unconfirmed = admission is not None and not admission.confirmed
+            if admission is not None:
+                self._held -= chunk.size
             if unconfirmed:  # an undo inside the admission: its confirm will not count the chunk
                 admission.created -= chunk.size
+            lease = self._lease
         if admission is not None and not unconfirmed:
-            self.client.returned(chunk.size)
+            self.client.returned(chunk.size, lease)
+
+    def held_bytes(self, lease: int) -> int:
+        """The bytes of the chunks this driver created and has not released,
+        read for the hello of `lease`, under which the releases from now on
+        are returned (extkv.budget.client's `track_held`)."""
+        with self._own_lock:
+            self._lease = lease
+            return self._held
 
 
 #: The process's client of the daemon EXTKV_BUDGET names, once a cache asked.

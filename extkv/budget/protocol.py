@@ -9,9 +9,12 @@ has an `"id"` (an int the client counts up) that its reply echoes.
 
 Engine to daemon (`TO_DAEMON`), one reply each:
 
-- `hello{protocol, floor, cap, weight}`: join as an engine; its connection
-  is its lease from then on. The first message of a connection is `hello`
-  or `status` (an observer that holds no lease, as `extkv budget status`).
+- `hello{protocol, floor, cap, weight, held}`: join as an engine; its
+  connection is its lease from then on. `held` is the bytes the engine
+  holds already: 0 on its first connection, what its caches hold when it
+  rejoins a daemon that restarted (extkv.budget.client). The first message
+  of a connection is `hello` or `status` (an observer that holds no lease,
+  as `extkv budget status`).
 - `reserve{bytes}`, before a physical create: `granted{ticket}` or
   `denied{reason}`, at once or once the reclaims it waits for are answered.
 - `confirm{ticket, created}`, `cancel{ticket}`, `returned{bytes}`: `ok`.
@@ -45,10 +48,11 @@ from typing import Callable
 
 from ..errors import BudgetProtocolError
 
-#: Names the protocol in `hello`; the daemon refuses any other.
-PROTOCOL = "extkv-budget/1"
+#: Names the protocol in `hello`; the daemon refuses any other, naming it
+#: before any field of the hello.
+PROTOCOL = "extkv-budget/2"
 #: The most the daemon reads of one engine's message: the largest request
-#: (`hello`) is well under 200 bytes of JSON.
+#: (`hello`) is under 200 bytes of JSON.
 MAX_REQUEST_BYTES = 4096
 #: The most a client reads of one daemon message: a status report is about
 #: 300 bytes per engine, so room for thousands.
@@ -118,7 +122,7 @@ _FIELD_KINDS: dict[Callable[[object], bool], str] = {
 #: request carries, and every reply but a connection's refusal).
 MESSAGES: dict[str, dict[str, dict[str, Callable[[object], bool]]]] = {
     TO_DAEMON: {
-        "hello": {"protocol": _text, "floor": _count, "cap": _optional_count, "weight": _weight},
+        "hello": {"protocol": _text, "floor": _count, "cap": _optional_count, "weight": _weight, "held": _count},
         "reserve": {"bytes": _positive_count},
         "confirm": {"ticket": _positive_count, "created": _count},
         "cancel": {"ticket": _positive_count},
@@ -161,6 +165,9 @@ def validate_message(message: object, direction: str) -> dict:
     if not isinstance(message, dict):
         raise BudgetProtocolError(f"a budget message must be a JSON object, got {_shown(message)}")
     op = message.get("op")
+    # Another version's hello is named as such first: its fields may differ too.
+    if direction == TO_DAEMON and op == "hello" and message.get("protocol") != PROTOCOL:
+        raise BudgetProtocolError(f"hello: field 'protocol' must be {PROTOCOL!r}, got {_shown(message.get('protocol'))}")
     fields = MESSAGES[direction].get(op) if isinstance(op, str) else None
     if fields is None:
         raise BudgetProtocolError(f"op must be one of {sorted(MESSAGES[direction])} ({direction}), got {_shown(op)}")
@@ -179,8 +186,6 @@ def validate_message(message: object, direction: str) -> dict:
             raise BudgetProtocolError(f"{op}: field {name!r} is missing")
         if not check(message[name]):
             raise BudgetProtocolError(f"{op}: field {name!r} must be {_FIELD_KINDS[check]}, got {_shown(message[name])}")
-    if op == "hello" and message["protocol"] != PROTOCOL:
-        raise BudgetProtocolError(f"hello: field 'protocol' must be {PROTOCOL!r}, got {_shown(message['protocol'])}")
     if op == "report":
         for index, engine in enumerate(message["engines"]):
             for name, check in REPORT_ENGINE_FIELDS.items():

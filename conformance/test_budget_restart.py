@@ -1,0 +1,204 @@
+"""The budget daemon restarts: the engines rebuild its ledger as they rejoin.
+
+A real daemon (extkv.budget.daemon) serves the host "device" from a child
+process (extkv.testing.budget.daemon_process), on a real Unix socket, and
+is killed by SIGKILL as a crash would end it; a second one is started on
+the same socket. Engines are real clients (extkv.budget.client) in this
+process, each with a cache under its budget over the real host driver.
+Nothing is mocked, and nothing waits by sleeping: each side waits on a
+pipe, a client's rejoin or the daemon's status, within HANG_S, a net
+against a hang.
+
+- While the daemon is down, growth fails closed, naming the socket and the
+  cause; what the caches hold stays readable and writable, and what they
+  give back is told to no one. (A shrink is a release, then a commit of
+  the smaller prefix, which asks the budget: it fails closed too.)
+- Restarted on the same socket, it is rejoined by each engine with what its
+  cache holds: the ledger holds each cache's physical bytes, and growth
+  within the budget works again.
+- Restarted with a budget below what the engines hold, it counts all of it,
+  says so in `extkv budget status`, and denies growth until they give back.
+- A forked child never rejoins on its parent's lease.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import tempfile
+
+import pytest
+
+from extkv import ExtensibleKVCache, KVCacheLayout
+from extkv.budget.client import BudgetClient, read_status, status_lines
+from extkv.errors import BudgetDeniedError, BudgetUnavailableError
+from extkv.testing.budget import daemon_process
+from extkv.testing.checks import check_unchanged, snapshot
+from extkv.testing.configs import config_for
+from extkv.vmm import HostDriver
+
+pytestmark = pytest.mark.invariant(5)
+
+#: Safety net against a hang, never a synchronization.
+HANG_S = 60
+MiB = 1 << 20
+#: Block-outermost: one segment, so growth comes in whole granules (2 MiB on the host driver) of 85 blocks.
+LAYOUT = KVCacheLayout.BLHNC
+
+
+@pytest.fixture
+def run_dir():
+    # Short: an AF_UNIX address holds 107 bytes, and pytest's tmp_path is long.
+    parent = tempfile.mkdtemp(prefix="extkv-budget-")
+    yield os.path.join(parent, "run")
+    shutil.rmtree(parent, ignore_errors=True)
+
+
+@pytest.fixture
+def engines():
+    """`engine(path, **client_terms)`: (a client of the daemon at `path`, a
+    cache under it); the caches are freed and the clients closed after."""
+    made: list[tuple[BudgetClient, ExtensibleKVCache]] = []
+
+    def engine(path: str, **terms) -> tuple[BudgetClient, ExtensibleKVCache]:
+        client = BudgetClient(path, timeout=terms.pop("timeout", HANG_S), **terms)
+        made.append((client, ExtensibleKVCache(config_for("full", LAYOUT), HostDriver(), LAYOUT, budget=client)))
+        return made[-1]
+
+    yield engine
+    for client, cache in made:
+        cache.free()
+        client.close()
+
+
+def grow_to(cache: ExtensibleKVCache, nbytes: int) -> None:
+    cache.commit(cache.blocks_within(nbytes))
+
+
+def shrink_to(cache: ExtensibleKVCache, nbytes: int) -> None:
+    cache.commit(cache.blocks_within(nbytes), shrink=True)
+
+
+def check_the_ledger_holds_each_cache(path: str, engines: list[tuple[BudgetClient, ExtensibleKVCache]]) -> dict:
+    """The daemon's report, once it shows, per engine, a live lease holding
+    exactly its cache's physical bytes, with no ticket open."""
+    report = read_status(path, HANG_S)
+    by_name = {engine["engine"]: engine for engine in report["engines"]}
+    assert len(by_name) == len(engines), report
+    for client, cache in engines:
+        mine = by_name[client.report()["asker"]]
+        assert (mine["lease"], mine["held"], mine["open_tickets"]) == ("live", cache.physical_bytes, 0), (
+            f"{mine} for a cache of {cache.physical_bytes} bytes")
+    assert report["granted"] == sum(cache.physical_bytes for _, cache in engines), report
+    return report
+
+
+def status_fields(path: str) -> list[dict[str, str]]:
+    """`extkv budget status`'s lines, each as its name=value pairs."""
+    return [dict(pair.split("=", 1) for pair in line.split()) for line in status_lines(read_status(path, HANG_S))]
+
+
+def test_growth_fails_closed_while_the_daemon_is_down_and_engines_rejoin_it_restarted(run_dir, engines):
+    with daemon_process(run_dir, 16 * MiB) as daemon:
+        path = daemon.path
+        first, second = engines(path), engines(path)
+        grow_to(first[1], 4 * MiB)
+        grow_to(second[1], 6 * MiB)
+        check_the_ledger_holds_each_cache(path, [first, second])
+        first[1].buffer.segment_view(0)[:4096].fill_(7)
+    # SIGKILLed: the caches hold what they held, and nothing grants more.
+    before = snapshot(first[1])
+    with pytest.raises(BudgetUnavailableError) as gone:
+        grow_to(first[1], 8 * MiB)
+    assert re.search(rf"the budget daemon at {re.escape(repr(path))} is unavailable \(.+\): growth fails closed",
+                     str(gone.value)), str(gone.value)
+    assert not first[0].available
+    check_unchanged(first[1], before)
+    held = first[1].buffer.segment_view(0)[:4096]
+    assert int(held.sum()) == 7 * 4096, "what the cache held is readable"
+    held.fill_(3)
+    assert int(held.sum()) == 3 * 4096, "and writable"
+    second[1].release_physical()  # given back while down: told to no daemon, and no rejoin counts it
+
+    with daemon_process(run_dir, 16 * MiB) as daemon:
+        assert daemon.path == path
+        for client, _ in (first, second):
+            assert client.wait_available(HANG_S), f"{client} did not rejoin within {HANG_S} s"
+        check_the_ledger_holds_each_cache(path, [first, second])
+        grow_to(first[1], 8 * MiB)
+        second[1].recommit()  # 8 + 6 of 16: granted again
+        report = check_the_ledger_holds_each_cache(path, [first, second])
+        assert report["granted"] == 14 * MiB
+
+
+def test_a_rejoin_holding_more_than_the_budget_is_counted_and_growth_denied_until_returned(run_dir, engines):
+    """Restarted with 8 MiB where the engines hold 14 (10 and 4): all 14 are
+    counted, the status names 6 past the budget and 2 past the first's cap
+    (the budget), and neither grows until the first gives back."""
+    with daemon_process(run_dir, 32 * MiB) as daemon:
+        first, second = engines(daemon.path), engines(daemon.path)
+        grow_to(first[1], 10 * MiB)
+        grow_to(second[1], 4 * MiB)
+    with daemon_process(run_dir, 8 * MiB) as daemon:
+        for client, _ in (first, second):
+            assert client.wait_available(HANG_S), f"{client} did not rejoin within {HANG_S} s"
+        check_the_ledger_holds_each_cache(daemon.path, [first, second])
+        budget_line, *engine_lines = status_fields(daemon.path)
+        assert (budget_line["granted"], budget_line["over_budget"], budget_line["free"]) == (
+            str(14 * MiB), str(6 * MiB), "0"), budget_line
+        over_cap = {line["engine"]: line["over_cap"] for line in engine_lines}
+        assert over_cap == {first[0].report()["asker"]: str(2 * MiB), second[0].report()["asker"]: "0"}, engine_lines
+
+        with pytest.raises(BudgetDeniedError, match=f"more than its cap of {8 * MiB}"):
+            grow_to(first[1], 12 * MiB)
+        before = snapshot(second[1])
+        with pytest.raises(BudgetDeniedError, match=f"budget {8 * MiB}, granted {14 * MiB}"):
+            grow_to(second[1], 6 * MiB)
+        check_unchanged(second[1], before)
+        check_the_ledger_holds_each_cache(daemon.path, [first, second])
+
+        shrink_to(first[1], 2 * MiB)  # 2 + 4 of 8
+        grow_to(second[1], 6 * MiB)
+        check_the_ledger_holds_each_cache(daemon.path, [first, second])
+        budget_line, *engine_lines = status_fields(daemon.path)
+        assert budget_line["over_budget"] == "0" and {line["over_cap"] for line in engine_lines} == {"0"}
+
+
+def test_a_forked_child_never_rejoins_on_its_parent_s_lease(run_dir, engines):
+    """A child forked while the daemon is down: once a daemon serves again,
+    the parent rejoins and the child does not, nor can it grow."""
+    with daemon_process(run_dir, 16 * MiB) as daemon:
+        client, cache = engines(daemon.path)
+        grow_to(cache, 2 * MiB)
+    restarted_read, restarted_write = os.pipe()
+    outcome_read, outcome_write = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # the child: once told the daemon is back, report what its client does, then leave without cleanup
+        try:
+            os.close(restarted_write)
+            os.read(restarted_read, 1)
+            try:  # a cache of its own (an inherited one may not be used) under the inherited client
+                ExtensibleKVCache(config_for("full", LAYOUT), HostDriver(), LAYOUT, budget=client).commit(10)
+                grew = "grew"
+            except BudgetUnavailableError as error:
+                grew = "refused" if "the lease is the parent's" in str(error) else repr(error)
+            outcome = f"{client.available} {grew}"
+        except BaseException as error:  # noqa: BLE001 - any other outcome is the test's failure
+            outcome = repr(error)
+        os.write(outcome_write, outcome.encode()[:500])
+        os._exit(0)
+    os.close(restarted_read)
+    os.close(outcome_write)
+    try:
+        with daemon_process(run_dir, 16 * MiB) as daemon:
+            assert client.wait_available(HANG_S), f"{client} did not rejoin within {HANG_S} s"
+            os.write(restarted_write, b"x")
+            with os.fdopen(outcome_read, "rb") as pipe:
+                outcome = pipe.read().decode()
+            assert outcome == "False refused", f"the forked child: {outcome!r}"
+            report = check_the_ledger_holds_each_cache(daemon.path, [(client, cache)])
+            assert [engine["pid"] for engine in report["engines"]] == [os.getpid()], report
+    finally:
+        os.close(restarted_write)
+        os.waitpid(pid, 0)
