@@ -18,6 +18,9 @@ against a hang.
   within the budget works again.
 - Restarted with a budget below what the engines hold, it counts all of it,
   says so in `extkv budget status`, and denies growth until they give back.
+- A client that hangs up on a daemon that stalls rejoins it once it
+  answers, and the lease it ended is not counted beside the new one; nor
+  is a lease of the same process that claimed bytes it never created.
 - A forked child never rejoins on its parent's lease.
 """
 
@@ -26,7 +29,9 @@ from __future__ import annotations
 import os
 import re
 import shutil
+import signal
 import tempfile
+import time
 
 import pytest
 
@@ -42,6 +47,9 @@ pytestmark = pytest.mark.invariant(5)
 
 #: Safety net against a hang, never a synchronization.
 HANG_S = 60
+#: A client's wait for a reply where the test stalls the daemon: the stall
+#: is a SIGSTOP, so no reply comes however long it waits.
+STALLED_REPLY_S = 1.0
 MiB = 1 << 20
 #: Block-outermost: one segment, so growth comes in whole granules (2 MiB on the host driver) of 85 blocks.
 LAYOUT = KVCacheLayout.BLHNC
@@ -163,6 +171,41 @@ def test_a_rejoin_holding_more_than_the_budget_is_counted_and_growth_denied_unti
         check_the_ledger_holds_each_cache(daemon.path, [first, second])
         budget_line, *engine_lines = status_fields(daemon.path)
         assert budget_line["over_budget"] == "0" and {line["over_cap"] for line in engine_lines} == {"0"}
+
+
+def test_a_client_that_hangs_up_on_a_stalled_daemon_rejoins_it_and_is_counted_once(run_dir, engines):
+    """The daemon stops (SIGSTOP) and the client's reply is late: it hangs
+    up, which ends its lease there, and rejoins once the daemon goes on.
+    The ended lease's bytes are the process's, which the new lease holds:
+    they must not stay counted beside it."""
+    with daemon_process(run_dir, 16 * MiB) as daemon:
+        engine = engines(daemon.path, timeout=STALLED_REPLY_S)
+        grow_to(engine[1], 4 * MiB)
+        os.kill(daemon.pid, signal.SIGSTOP)
+        try:
+            with pytest.raises(BudgetUnavailableError, match=f"no reply to status within {STALLED_REPLY_S:g} s"):
+                engine[0].report()
+        finally:
+            os.kill(daemon.pid, signal.SIGCONT)
+        assert engine[0].wait_available(HANG_S), f"{engine[0]} did not rejoin within {HANG_S} s"
+        wait_until_no_lease_is_dead(daemon.path)
+        check_the_ledger_holds_each_cache(daemon.path, [engine])
+        # A lease that claimed bytes it never created ends: it is read gone as
+        # the first was, which takes the daemon's reading of its dead leases
+        # again, now that the first is forgotten: the daemon serves on.
+        with BudgetClient(daemon.path, timeout=HANG_S) as claimant:
+            claimant.confirm(claimant.reserve(MiB), MiB)
+        wait_until_no_lease_is_dead(daemon.path)
+        grow_to(engine[1], 6 * MiB)
+        check_the_ledger_holds_each_cache(daemon.path, [engine])
+
+
+def wait_until_no_lease_is_dead(path: str) -> None:
+    """Asked again at each reply, the daemon's own pace (it reads its dead
+    leases every DEAD_LEASE_POLL_S), within HANG_S."""
+    end = time.monotonic() + HANG_S
+    while (report := read_status(path, HANG_S))["dead"] or any(e["lease"] != "live" for e in report["engines"]):
+        assert time.monotonic() < end, f"a lease that ended still counted after {HANG_S} s: {report}"
 
 
 def test_a_forked_child_never_rejoins_on_its_parent_s_lease(run_dir, engines):

@@ -41,7 +41,10 @@ until the device's outside reading of its process (extkv.budget.device)
 shows them gone, read every DEAD_LEASE_POLL_S while any lease is dead. On
 the host a pidfd opened at `hello` says when the process exited (and with
 it its memfds), so a process that later takes its pid is never read in its
-place.
+place. A process that still lives may hold a live lease too (its client
+rejoined, or it has a second client): the reading, less what its live
+leases hold, is what the dead lease can still hold. A lying hello cannot
+shrink what is counted by this: bytes it leaves out stay dead.
 
 A daemon that restarts starts with an empty ledger, and engines rebuild it:
 each client rejoins, saying in `hello` what its engine holds now, and the
@@ -69,7 +72,7 @@ from .. import validate
 from ..errors import BudgetProtocolError
 from ..wire import MessageBuffer, encode_message, peer_credentials
 from .device import HostDevice, NvmlDevice
-from .ledger import Ledger, ReclaimIgnored, ReserveDenied, Verdict
+from .ledger import Lease, Ledger, ReclaimIgnored, ReserveDenied, Verdict
 from .listener import ClaimedSocket, claim_socket
 from .protocol import FROM_DAEMON, MAX_REQUEST_BYTES, TO_DAEMON, default_run_dir, socket_path, validate_message
 
@@ -419,12 +422,18 @@ class BudgetDaemon:
 
     def _read_dead_leases(self, now: float) -> None:
         dead = self.ledger.dead
+        statuses = self.ledger.status()
         for engine, (pid, pidfd) in list(self._dead.items()):
             reading = self._outside(engine, pid)
             if reading is None:
                 continue  # cannot be read: its bytes stay counted
-            self.ledger.seen_gone(engine, reading, now)
-            if reading <= 0:
+            # The process reads as all it holds; what it holds under a live
+            # lease of its own (a client that rejoined, a second client) is
+            # counted there, not left to the dead one.
+            live = sum(status.held for status in statuses if status.pid == pid and status.lease is Lease.LIVE)
+            remaining = reading - live
+            self.ledger.seen_gone(engine, remaining, now)
+            if remaining <= 0:  # the ledger forgot the lease at it: so does the loop
                 del self._dead[engine]
                 if pidfd is not None:
                     os.close(pidfd)
