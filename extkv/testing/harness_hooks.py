@@ -75,6 +75,7 @@ from ..tensor import ExtensibleTensor
 from ..usage import UsageProbe, open_chunk_fds
 from ..vmm.cuda import DEVICE_FEATURES
 from .checks import warm_up_kernels
+from . import model_warm_up  # noqa: F401  (registers the reference decoder's warm-up)
 from .configs import CAPACITY, CASE_IDS, CASES, config_for
 from .facts import cuda_device_count, machine_facts, no_cuda_reason
 from . import exclusive as exclusive_locks
