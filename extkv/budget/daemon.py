@@ -361,7 +361,27 @@ class BudgetDaemon:
     def _on_returned(self, connection: _Connection, message: dict, now: float) -> None:
         self.ledger.returned(connection.engine, message["bytes"], now)
         self._reply(connection, {"op": "ok", "id": message["id"]})
+        self._check_claimed_release(connection, now)
         self._retry_waits(now)
+
+    def _check_claimed_release(self, connection: _Connection, now: float) -> None:
+        """A release is claimed after its memory is gone, so the outside
+        reading, taken now, shows no more than the engine's grant; where it
+        shows more (and reads the engine's chunks alone), the reading decides."""
+        if not self.device.reads_chunks_only:
+            return
+        reading = self._outside(connection.engine, connection.pid)
+        if reading is None:
+            return
+        # The process reads as all it holds: what its other leases (a second
+        # client, one that rejoined, a dead one not yet seen gone) may hold
+        # is theirs.
+        others = sum(status.grant + status.dead for status in self.ledger.status()
+                     if status.pid == connection.pid and status.engine != connection.engine)
+        added = self.ledger.outside_reading(connection.engine, max(reading - others, 0), now)
+        if added:
+            self._log(f"engine {connection.engine} returned {added} bytes its process still holds "
+                      f"(read {reading} bytes from outside): counted as held")
 
     def _answered_reclaim(self, connection: _Connection, message: dict) -> bool:
         """Whether `message` answers the engine's pending reclaim (True) or

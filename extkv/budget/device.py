@@ -11,7 +11,10 @@ cannot move the ledger by its word alone.
   MemTotal; a process holds the pages of the extkv memfds it reaches
   (extkv.memfds, from /proc/PID). Those die with the process, so once its
   pidfd says it exited, it holds nothing (`freed_at_exit`), whatever
-  process later takes its pid.
+  process later takes its pid. The reading is of chunks alone
+  (`reads_chunks_only`), so it also decides a live engine's claimed
+  releases; a process that maps another's exported chunks reads them as
+  its own, so there it errs toward counting too much.
 - GPU (`NvmlDevice`): key the GPU's UUID, which names it in every process
   whatever CUDA_VISIBLE_DEVICES renumbers; total memory and per-process
   used memory are NVML's. NVML only: the daemon creates no CUDA context,
@@ -19,7 +22,8 @@ cannot move the ledger by its word alone.
   when the driver tears the process's context down, which it does in its
   own time after the exit: the reading decides, not the exit. NVML's
   per-process reading counts all the process holds on the GPU (its CUDA
-  context, torch's allocations), not the KV cache alone.
+  context, torch's allocations), not the KV cache alone: it decides at the
+  lease's end, never a live engine's claimed release.
 
 `open_device("host" | "cuda:N" | "GPU-<uuid>")` picks one. `cuda:N` counts
 as CUDA does under CUDA_VISIBLE_DEVICES (an entry of it a UUID or an NVML
@@ -39,6 +43,7 @@ from ..memfds import host_chunk_bytes
 class HostDevice:
     key = "host"
     freed_at_exit = True
+    reads_chunks_only = True
 
     def __init__(self):
         self.name = "host"
@@ -69,6 +74,7 @@ def _mem_total() -> int:
 
 class NvmlDevice:
     freed_at_exit = False
+    reads_chunks_only = False
 
     def __init__(self, handle, api):
         self._handle = handle

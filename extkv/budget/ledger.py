@@ -30,7 +30,10 @@ the dead bytes (they come back once seen gone, below), to its deadline.
 A lease ends with the engine's connection (`leave`): what it held and its
 open tickets stay counted as *dead* bytes, since its memory may outlive
 the connection, until the outside reading of its process shows them gone
-(`seen_gone`). A ticket not settled within `TICKET_TTL_S` expires: its
+(`seen_gone`). A live engine's word is checked the same way where the
+device reads its chunks alone (`outside_reading`): a reading above its
+grant is memory it said it returned, and is counted as held again.
+A ticket not settled within `TICKET_TTL_S` expires: its
 bytes count as held, so they can be reclaimed, until the lease ends or a
 late confirm settles it.
 
@@ -149,6 +152,7 @@ _CALLS: dict[str, _Call] = {
     "expire": _Call(frozenset({_LIVE}), frozenset({_OPEN}), _LIVE),
     "leave": _Call(frozenset({_LIVE}), frozenset(), _DEAD),
     "seen_gone": _Call(frozenset({_DEAD}), frozenset(), _DEAD),
+    "outside_reading": _Call(frozenset({_LIVE}), frozenset(), _LIVE),
 }
 
 
@@ -226,7 +230,7 @@ class EngineStatus:
     share: int
     reclaim_pending_bytes: int
     reclaims_ignored: int
-    overclaimed_bytes: int  # bytes returned beyond what it held, clamped away
+    overclaimed_bytes: int  # returned beyond what it held (clamped), or that the outside reading showed still held
     over_cap: int  # grant past its cap: bytes it rejoined holding (`join`'s `held`)
 
 
@@ -555,6 +559,24 @@ class Ledger:
             record.held += created
         else:  # its bytes were moved into held at expiry
             record.held -= min(found.nbytes - created, record.held)
+
+    def outside_reading(self, engine: str, nbytes: int, now: float) -> int:
+        """The device's reading of the memory a live engine's process holds,
+        `nbytes`, where it reads the engine's chunks alone. Every byte an
+        honest engine holds is covered by its grant (confirmed or under an
+        open ticket), so a reading above the grant is memory it said it
+        returned and did not: the reading decides, held rises by the excess
+        (noted in `overclaimed_bytes`). Returns the bytes added, 0 for an
+        honest engine; a reading never lowers what is held."""
+        record = self._record("outside_reading", engine)
+        nbytes = _integer("nbytes", nbytes)
+        _real("now", now)
+        excess = nbytes - record.grant
+        if excess <= 0:
+            return 0
+        record.held += excess
+        record.overclaimed_bytes += excess
+        return excess
 
     def _give_back(self, record: _Engine, nbytes: int, now: float) -> None:
         nbytes = _integer("nbytes", nbytes)
