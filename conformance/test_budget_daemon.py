@@ -49,7 +49,7 @@ from extkv.budget.listener import DaemonRunningError
 from extkv.budget.device import HostDevice
 from extkv.budget.protocol import MAX_REQUEST_BYTES, PROTOCOL
 from extkv.errors import BudgetDeniedError, BudgetProtocolError, BudgetUnavailableError, OutOfMemoryError
-from extkv.testing.budget import ServedDaemon
+from extkv.testing.budget import ServedDaemon, check_uid_refused
 from extkv.testing.children import fork_server
 from extkv.vmm import HostDriver
 from extkv.wire import encode_message, receive_message, send_message
@@ -403,16 +403,7 @@ def test_an_unknown_ticket_or_reclaim_is_refused_and_the_connection_kept(serve, 
 
 @pytest.mark.invariant(5, 6)
 def test_another_uid_is_refused_before_anything_it_sends_is_read(serve):
-    other = os.geteuid() + 1
-    served = serve(allowed_uids=[other])
-    with pytest.raises(BudgetUnavailableError) as refused:
-        BudgetClient(served.path, timeout=HANG_S)
-    message = str(refused.value)
-    assert served.path in message and f"uid {os.geteuid()} is not among" in message and str(other) in message
-    with pytest.raises(BudgetUnavailableError, match="refused"):
-        read_status(served.path, HANG_S)
-    served.stop()
-    assert served.daemon.ledger.status() == [] and served.daemon.ledger.granted == 0
+    check_uid_refused(serve(allowed_uids=[os.geteuid() + 1]))
 
 
 def test_a_silent_engine_holds_up_no_other(serve, clients):

@@ -24,25 +24,18 @@ from extkv import ExtensibleKVCache, KVCacheLayout, OutOfMemoryError, measure_kv
 from extkv.budget.client import BudgetClient
 from extkv.budget.driver import BudgetedDriver
 from extkv.errors import BudgetDeniedError, BudgetUnavailableError, DriverError
-from extkv.testing.budget import served_daemon
+from extkv.testing.budget import CoveredCreates, check_ledger_holds, ledger_held, served_daemon
 from extkv.testing.checks import check_unchanged, snapshot
 from extkv.testing.configs import config_for
 from extkv.testing.readings import InjectedReadingsDriver
 from extkv.vmm import HostDriver
 from extkv.vmm.faults import FaultInjectingDriver
-from extkv.vmm.wrapping import WrappingDriver
 
 pytestmark = pytest.mark.invariant(5)
 
 LAYOUT = KVCacheLayout.LBHNC
 #: Seconds a client waits for the daemon.
 TIMEOUT_S = 60
-
-
-def held(client: BudgetClient) -> tuple[int, int]:
-    """(held, open tickets) of this client's engine, as the daemon reads its ledger."""
-    (engine,) = client.report()["engines"]
-    return engine["held"], engine["open_tickets"]
 
 
 @contextlib.contextmanager
@@ -60,31 +53,6 @@ def budgeted_cache(budget: int, make_driver=lambda client: HostDriver(), *, unde
             cache.free()
 
 
-class CoveredCreates(WrappingDriver):
-    """Under the budgeted driver: at each create, the daemon's ledger must
-    show open grants covering it and every byte created but not yet
-    confirmed (what this wrapper created and did not release, less what the
-    ledger holds as confirmed). `mapped`: the bytes of the chunks that exist."""
-
-    def __init__(self, inner, client: BudgetClient):
-        super().__init__(inner)
-        self.client, self.mapped, self.creates = client, 0, 0
-
-    def _create(self, size: int):
-        (engine,) = self.client.report()["engines"]
-        open_bytes, unconfirmed = engine["grant"] - engine["held"], self.mapped - engine["held"]
-        assert open_bytes >= unconfirmed + size, (
-            f"a create of {size} bytes with {open_bytes} bytes of open grants, {unconfirmed} of them created already")
-        chunk = self.inner._create(size)
-        self.mapped += size
-        self.creates += 1
-        return chunk
-
-    def _release(self, chunk) -> None:
-        self.inner._release(chunk)
-        self.mapped -= chunk.size
-
-
 def test_the_ledger_holds_exactly_the_cache_s_physical_bytes_through_its_life():
     with budgeted_cache(1 << 30) as (_, client, cache):
         steps = [
@@ -97,9 +65,9 @@ def test_the_ledger_holds_exactly_the_cache_s_physical_bytes_through_its_life():
         ]
         for name, step in steps:
             step()
-            assert held(client) == (cache.physical_bytes, 0), f"after {name}: {held(client)} for {cache.physical_bytes} bytes mapped"
+            check_ledger_holds(client, cache.physical_bytes, f"after {name}")
         cache.free()
-        assert held(client) == (0, 0), f"after free: {held(client)}"
+        check_ledger_holds(client, 0, "after free")
 
 
 def test_no_physical_create_happens_without_a_covering_grant():
@@ -111,7 +79,8 @@ def test_no_physical_create_happens_without_a_covering_grant():
             step()
         cache.commit_ahead(200, step_blocks=50)
         assert cache.settle_commit_ahead(TIMEOUT_S), "the commit-ahead worker did not settle"
-        assert cache.grown_blocks == 240 and held(client) == (cache.physical_bytes, 0), held(client)
+        assert cache.grown_blocks == 240
+        check_ledger_holds(client, cache.physical_bytes, "after commit-ahead settled")
     assert counting.creates > 5, f"{counting.creates} creates: the test saw too few to prove anything"
 
 
@@ -135,14 +104,14 @@ def test_a_driver_that_creates_without_reserving_is_caught_by_the_count():
 def test_a_commit_the_budget_denies_raises_out_of_memory_and_changes_nothing():
     with budgeted_cache(8 << 20) as (_, client, cache):
         cache.commit(10)
-        before, ledger = snapshot(cache), held(client)
+        before, ledger = snapshot(cache), ledger_held(client)
         with pytest.raises(BudgetDeniedError) as denied:
             cache.commit(cache.capacity_blocks)
         assert isinstance(denied.value, OutOfMemoryError)
         check_unchanged(cache, before)
-        assert held(client) == ledger, f"the ledger moved from {ledger} to {held(client)}"
+        assert ledger_held(client) == ledger, f"the ledger moved from {ledger} to {ledger_held(client)}"
         cache.commit(20)  # still usable
-        assert held(client) == (cache.physical_bytes, 0)
+        check_ledger_holds(client, cache.physical_bytes, "after the next commit")
 
 
 def test_a_forked_child_cannot_grow_on_its_parent_s_lease():
@@ -166,7 +135,7 @@ def test_a_forked_child_cannot_grow_on_its_parent_s_lease():
         os.waitpid(pid, 0)
         assert outcome == b"refused", f"the forked child's commit: {outcome!r}"
         cache.commit(30)  # the parent's lease is its own still
-        assert held(client) == (cache.physical_bytes, 0)
+        check_ledger_holds(client, cache.physical_bytes, "after the parent's commit")
 
 
 def test_growth_fails_closed_once_the_daemon_is_gone_and_what_is_held_stays_usable():
@@ -186,7 +155,7 @@ def test_a_create_outside_a_reservation_is_refused_before_the_driver_is_called()
         driver = BudgetedDriver(HostDriver(), client)
         with pytest.raises(DriverError, match="outside a granted reservation"):
             driver.create(driver.granularity)
-        assert held(client) == (0, 0)
+        check_ledger_holds(client, 0, "after the refused create")
 
 
 @pytest.mark.parametrize("step", ["create", "map"])
@@ -202,9 +171,9 @@ def test_a_commit_failing_part_way_leaves_the_ledger_holding_what_exists(step):
         with pytest.raises(OutOfMemoryError):
             cache.commit(100)
         assert faulty.fired, "no fault fired: the test proved nothing"
-        assert held(client) == (counting.mapped, 0), f"{held(client)} for {counting.mapped} bytes of chunks that exist"
+        check_ledger_holds(client, counting.mapped, f"after the {step} that failed")
         cache.commit(100)
-        assert held(client) == (cache.physical_bytes, 0), f"{held(client)} for {cache.physical_bytes} bytes mapped"
+        check_ledger_holds(client, cache.physical_bytes, "after the commit retried")
 
 
 def test_committable_blocks_follow_the_budget_never_the_device_s_free_memory():

@@ -6,30 +6,20 @@ beside a plain model whose invariant is the budget's accounting: grants
 and dead bytes within the budget at every step, no engine above its cap
 (or, where engines joined holding more, never more than that, falling as
 they give back), nothing held below zero, unique tickets, refused calls
-changing nothing."""
+changing nothing (extkv.testing.ledger_machine: the check the planted
+ledger defects must fail too)."""
 
 from __future__ import annotations
 
-import copy
 import math
-from dataclasses import dataclass, field
 
 import pytest
-from hypothesis import strategies as st
-from hypothesis.stateful import (
-    RuleBasedStateMachine,
-    initialize,
-    invariant,
-    precondition,
-    rule,
-    run_state_machine_as_test,
-)
+from hypothesis.stateful import run_state_machine_as_test
 
 from extkv.budget import ledger as ledger_module
 from extkv.budget.ledger import (
     RECLAIM_DEADLINE_S,
     TICKET_TTL_S,
-    Decision,
     Ledger,
     ReclaimIgnored,
     ReserveDenied,
@@ -39,16 +29,11 @@ from extkv.budget.ledger import (
     fair_shares,
 )
 from extkv.errors import BudgetProtocolError
+from extkv.testing.ledger_machine import ledger_machine, snapshot
 
 pytestmark = pytest.mark.invariant(5)
 
 GiB = 1 << 30
-
-
-def snapshot(ledger: Ledger) -> dict:
-    """Everything the ledger holds, deep-copied: equal before and after a
-    call that changed nothing."""
-    return copy.deepcopy(vars(ledger))
 
 
 def engine(ledger: Ledger, name: str):
@@ -449,283 +434,7 @@ def test_a_budget_must_be_a_positive_int(budget):
 
 
 # --------------------------------------------------------------------------
-# The state machine, beside a plain model
-
-BUDGET = 1000
-NAMES = ("a", "b", "c")
-#: Bytes an engine holds as it joins: often a large share of the budget, so
-#: that it fills soon; and bytes a reserve asks, a few shares of it.
-HELD_BYTES = st.integers(0, 450) | st.sampled_from([150, 300, 450])
-ASKED_BYTES = st.integers(1, 200) | st.sampled_from([50, 100, 200])
-
-
-@dataclass
-class ModelEngine:
-    """What the ledger should hold for one engine, by the rules alone."""
-
-    floor: int
-    cap: int
-    live: bool = True
-    held: int = 0
-    dead: int = 0
-    open: dict[int, tuple[int, float]] = field(default_factory=dict)  # ticket -> (bytes, issued at)
-    expired: dict[int, int] = field(default_factory=dict)  # ticket -> bytes
-    ceiling: int = 0  # the most its grant may be: its cap, or what it joined holding until it falls below that
-
-    @property
-    def grant(self) -> int:
-        return self.held + sum(nbytes for nbytes, _ in self.open.values())
-
-
-class LedgerMachine(RuleBasedStateMachine):
-    """Legal calls on engines drawn from the model; `illegal` makes the
-    refused ones. Answers to reclaims run the waiting reserves again, as
-    the daemon does."""
-
-    def __init__(self):
-        super().__init__()
-        self.ledger = Ledger(BUDGET)
-        self.model: dict[str, ModelEngine] = {}
-        self.now = 0.0
-        self.issued: set[int] = set()
-        self.waiting: set[tuple[str, int]] = set()  # reserves told to wait, not yet answered
-        #: The most the grants and dead bytes may add up to: the budget, or
-        #: what joins holding more than was left made it, until it falls below.
-        self.ceiling = BUDGET
-
-    def names(self, live: bool) -> list[str]:
-        return [name for name, e in self.model.items() if e.live == live]
-
-    def total(self) -> int:
-        return sum(e.grant for e in self.model.values() if e.live) + sum(e.dead for e in self.model.values())
-
-    def refused(self, call, words: str) -> None:
-        before = snapshot(self.ledger)
-        with pytest.raises(BudgetProtocolError, match=words):
-            call()
-        assert snapshot(self.ledger) == before
-
-    def forget_if_gone(self, name: str) -> None:
-        if not self.model[name].live and not self.model[name].dead:
-            del self.model[name]
-
-    def reserve_and_check(self, name: str, nbytes: int) -> Decision:
-        before, mine = snapshot(self.ledger), self.model[name]
-        decision = self.ledger.reserve(name, nbytes, self.now)
-        fits = mine.grant + nbytes <= mine.cap and self.total() + nbytes <= BUDGET
-        assert (decision.verdict == Verdict.GRANTED) == fits, (decision, self.total())
-        if decision.verdict == Verdict.GRANTED:
-            assert decision.ticket not in self.issued
-            self.issued.add(decision.ticket)
-            mine.open[decision.ticket] = (nbytes, self.now)
-            self.waiting.discard((name, nbytes))
-        elif decision.verdict == Verdict.DENIED:
-            if (name, nbytes) not in self.waiting:
-                assert snapshot(self.ledger) == before  # a denial that ended no wait changes nothing
-            self.waiting.discard((name, nbytes))
-        else:
-            was_waiting = (name, nbytes) in self.waiting
-            self.waiting.add((name, nbytes))
-            for reclaim in decision.reclaims:
-                target = self.model[reclaim.engine]
-                assert reclaim.engine != name and target.live
-                assert 0 < reclaim.nbytes <= target.held and target.held - reclaim.nbytes >= target.floor
-            pending = sum(s.reclaim_pending_bytes for s in self.ledger.status() if s.engine != name)
-            # A wait is for reclaims that would make room, or, once waiting,
-            # for the bytes of engines that died meanwhile, seen gone soon.
-            dead = sum(e.dead for e in self.model.values()) if was_waiting else 0
-            assert pending + dead >= self.total() + nbytes - BUDGET
-        return decision
-
-    @initialize(data=st.data())
-    def engines_join(self, data):
-        """Every run starts with the engines joined, holding what they draw,
-        so that reserves soon meet a full budget."""
-        for name in NAMES:
-            self.join_as_drawn(name, data)
-
-    @precondition(lambda self: len(self.model) < len(NAMES))
-    @rule(data=st.data())
-    def join(self, data):
-        self.join_as_drawn(data.draw(st.sampled_from([name for name in NAMES if name not in self.model])), data)
-
-    def join_as_drawn(self, name: str, data) -> None:
-        floor, held = data.draw(st.integers(0, 250)), data.draw(HELD_BYTES)
-        cap = data.draw(st.none() | st.integers(300, 1200))
-        weight = data.draw(st.sampled_from([1.0, 2.0]) | st.floats(0.1, 10))
-        call = lambda: self.ledger.join(name, pid=1, uid=1, floor=floor, cap=cap, weight=weight, now=self.now, held=held)
-        cap = BUDGET if cap is None else min(cap, BUDGET)
-        floors = sum(e.floor for e in self.model.values() if e.live)
-        if floor > cap or floors + floor > BUDGET:
-            return self.refused(call, "must be <=")
-        call()  # held past the cap or what the budget leaves is counted all the same: those bytes exist
-        self.model[name] = ModelEngine(floor, cap, held=held, ceiling=max(cap, held))
-        self.ceiling = max(self.ceiling, self.total())
-
-    @precondition(lambda self: self.names(live=True))
-    @rule(data=st.data())
-    def reserve(self, data):
-        """Reserve, and as often as not create it all and confirm at once, as an engine does."""
-        name, nbytes = data.draw(st.sampled_from(self.names(live=True))), data.draw(ASKED_BYTES)
-        self.reserve_and_confirm(data, name, nbytes)
-
-    @precondition(lambda self: self.names(live=True))
-    @rule(data=st.data())
-    def idle_engine_bursts(self, data):
-        """The engine holding least for its weight asks a little past what
-        is free: the reserve that makes others give back."""
-        statuses = [s for s in self.ledger.status() if s.lease == "live"]
-        name = min(statuses, key=lambda s: (s.grant / s.weight, s.engine)).engine
-        self.reserve_and_confirm(data, name, BUDGET - self.total() + data.draw(st.integers(1, 100)))
-
-    def reserve_and_confirm(self, data, name: str, nbytes: int) -> None:
-        decision = self.reserve_and_check(name, nbytes)
-        if decision.verdict == Verdict.GRANTED and data.draw(st.booleans()):
-            self.settle(name, decision.ticket, nbytes, nbytes)
-
-    def tickets(self) -> list[tuple[str, int, int]]:
-        """(engine, ticket, bytes) of every open or expired ticket."""
-        return [(name, ticket, nbytes) for name, e in self.model.items() if e.live
-                for ticket, nbytes in [*((t, n) for t, (n, _) in e.open.items()), *e.expired.items()]]
-
-    @precondition(lambda self: self.tickets())
-    @rule(data=st.data())
-    def settle_ticket(self, data):
-        name, ticket, nbytes = data.draw(st.sampled_from(self.tickets()))
-        self.settle(name, ticket, nbytes, data.draw(st.none() | st.integers(0, nbytes)))
-
-    def settle(self, name: str, ticket: int, nbytes: int, created: int | None) -> None:
-        """Confirm `created` bytes of the ticket, or cancel it (None)."""
-        mine = self.model[name]
-        if created is None:
-            self.ledger.cancel(name, ticket, self.now)
-            created = 0
-        else:
-            self.ledger.confirm(name, ticket, created, self.now)
-        if ticket in mine.open:
-            del mine.open[ticket]
-            mine.held += created
-        else:
-            del mine.expired[ticket]
-            mine.held -= min(nbytes - created, mine.held)
-
-    @precondition(lambda self: self.names(live=True))
-    @rule(data=st.data())
-    def give_back(self, data):
-        """Give back unasked (`returned`, more than held too), or answer a
-        reclaim (`released` naming bytes of its own choosing, which gives
-        nothing back: the bytes come as `returned`; or `cannot`), and run
-        the waits again."""
-        name = data.draw(st.sampled_from(self.names(live=True)))
-        answer = data.draw(st.sampled_from(["returned", "released", "cannot"]))
-        nbytes = data.draw(st.integers(0, 300))
-        if answer == "cannot":
-            self.ledger.cannot(name, self.now)
-        elif answer == "released":
-            self.ledger.released(name, nbytes, self.now)
-        else:
-            self.ledger.returned(name, nbytes, self.now)
-            self.model[name].held -= min(nbytes, self.model[name].held)
-        for name, nbytes in sorted(self.waiting):
-            self.reserve_and_check(name, nbytes)
-
-    @precondition(lambda self: any(s.reclaim_pending_bytes for s in self.ledger.status()))
-    @rule(data=st.data())
-    def answer_reclaim(self, data):
-        """Answer a pending reclaim as asked, or `cannot`, and run the waits again."""
-        name, asked = data.draw(st.sampled_from([(s.engine, s.reclaim_pending_bytes) for s in self.ledger.status()
-                                                 if s.reclaim_pending_bytes]))
-        honest = data.draw(st.booleans())
-        if honest:  # it may hold less by now, having given back meanwhile
-            self.ledger.returned(name, asked, self.now)
-            self.ledger.released(name, asked, self.now)
-            self.model[name].held -= min(asked, self.model[name].held)
-        else:
-            self.ledger.cannot(name, self.now)
-        for name, nbytes in sorted(self.waiting):
-            self.reserve_and_check(name, nbytes)
-
-    @precondition(lambda self: len(self.names(live=True)) > 1)  # a run with no engine left tests little
-    @rule(data=st.data())
-    def leave(self, data):
-        name = data.draw(st.sampled_from(self.names(live=True)))
-        self.ledger.leave(name, self.now)
-        mine = self.model[name]
-        mine.live, mine.dead, mine.held = False, mine.grant, 0
-        mine.open.clear()
-        mine.expired.clear()
-        self.waiting = {(engine, nbytes) for engine, nbytes in self.waiting if engine != name}
-        self.forget_if_gone(name)
-
-    @precondition(lambda self: self.names(live=False))
-    @rule(data=st.data())
-    def seen_gone(self, data):
-        name, outside = data.draw(st.sampled_from(self.names(live=False))), data.draw(st.integers(-10, 300))
-        self.ledger.seen_gone(name, outside, self.now)
-        self.model[name].dead = min(self.model[name].dead, max(outside, 0))
-        self.forget_if_gone(name)
-
-    @rule(data=st.data())
-    def time_passes(self, data):
-        self.now += data.draw(st.sampled_from([0.5, RECLAIM_DEADLINE_S, TICKET_TTL_S]))
-        events = self.ledger.expire(self.now)
-        expected = []
-        for name, mine in self.model.items():
-            for ticket, (nbytes, issued_at) in list(mine.open.items()):
-                if issued_at + TICKET_TTL_S <= self.now:
-                    del mine.open[ticket]
-                    mine.expired[ticket] = nbytes
-                    mine.held += nbytes
-                    expected.append(TicketExpired(name, ticket, nbytes))
-        assert [e for e in events if isinstance(e, TicketExpired)] == expected
-        for denied in (e for e in events if isinstance(e, ReserveDenied)):
-            self.waiting.remove((denied.engine, denied.nbytes))
-
-    @precondition(lambda self: self.model)
-    @rule(data=st.data())
-    def illegal(self, data):
-        ledger, now = self.ledger, self.now
-        calls = [(lambda: ledger.reserve("nobody", 1, now), "reserve: engine 'nobody' is absent, expected live"),
-                 (lambda: ledger.confirm("nobody", 1, 0, now), "confirm: engine 'nobody' is absent, expected live"),
-                 (lambda: ledger.expire(math.nan), "now must be a finite real number")]
-        # Each call binds its values as defaults: a closure would see the loop's last ones.
-        for name in self.names(live=False):
-            calls += [(lambda name=name: ledger.reserve(name, 1, now), "reserve: engine .* is dead, expected live"),
-                      (lambda name=name: ledger.leave(name, now), "leave: engine .* is dead, expected live")]
-        for name in self.names(live=True):
-            mine = self.model[name]
-            calls += [(lambda name=name: ledger.returned(name, -1, now), "nbytes must be an int >= 0"),
-                      (lambda name=name: ledger.reserve(name, 0, now), "nbytes must be an int >= 1"),
-                      (lambda name=name: ledger.confirm(name, 10**9, 0, now), "never issued"),
-                      (lambda name=name: ledger.seen_gone(name, 0, now), "is live, expected dead"),
-                      (lambda name=name: ledger.join(name, pid=1, uid=1, floor=0, cap=None, weight=1.0, now=now),
-                       "join: engine .* is live, expected absent")]
-            calls += [(lambda name=name, ticket=ticket, nbytes=nbytes: ledger.confirm(name, ticket, nbytes + 1, now),
-                       "created must be <=") for ticket, (nbytes, _) in mine.open.items()]
-            closed = self.issued - set(mine.open) - set(mine.expired)
-            calls += [(lambda name=name, ticket=ticket: ledger.cancel(name, ticket, now), "ticket must be one of")
-                      for ticket in closed]
-        self.refused(*data.draw(st.sampled_from(calls)))
-
-    @invariant()
-    def the_budget_holds(self):
-        """Grants and dead bytes within the budget, and each grant within its
-        cap, but where joins brought more: then nothing grows until they fall
-        back within it."""
-        assert self.ledger.granted + self.ledger.dead <= self.ceiling
-        self.ceiling = max(BUDGET, self.ledger.granted + self.ledger.dead)
-        assert self.ledger.over_budget == self.ceiling - BUDGET
-        statuses = self.ledger.status()
-        for status in statuses:
-            mine = self.model[status.engine]
-            if status.lease == "live":
-                assert status.grant <= mine.ceiling and status.over_cap == max(0, status.grant - status.cap)
-                mine.ceiling = max(status.cap, status.grant)
-            assert status.held >= 0 and status.dead >= 0
-        seen = {s.engine: (s.lease == "live", s.held, s.dead, s.open_ticket_bytes, s.expired_tickets) for s in statuses}
-        assert seen == {name: (e.live, e.held, e.dead, e.grant - e.held, len(e.expired)) for name, e in self.model.items()}
-        assert self.ledger.granted + self.ledger.dead == self.total()
-
+# The state machine, beside a plain model (extkv.testing.ledger_machine)
 
 def test_ledger_state_machine():
-    run_state_machine_as_test(LedgerMachine)
+    run_state_machine_as_test(ledger_machine())

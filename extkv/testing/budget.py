@@ -1,11 +1,12 @@
-"""A budget daemon serving from a thread of the test process.
+"""A budget daemon serving from a thread of the test process, and the checks of the budget's proofs.
 
 Theory of operation
 -------------------
 The budget's tests need a real daemon (extkv.budget.daemon) on a real Unix
 socket, and an engine's side that talks to it through the real client.
-`served_daemon(budget)` starts a `BudgetDaemon` over the host device in a
-directory of its own (short: an AF_UNIX address holds 107 bytes, and
+`served_daemon(budget)` starts a `BudgetDaemon` (or the daemon `make_daemon`
+builds: a planted defect's, extkv.testing.planted) over the host device in
+a directory of its own (short: an AF_UNIX address holds 107 bytes, and
 pytest's tmp_path is long) and runs its loop in a daemon thread, so a test
 reads the ledger through the same protocol an operator's `extkv budget
 status` uses; on the way out it stops the loop, joins it within
@@ -14,6 +15,26 @@ STOP_WAIT_S, closes the daemon and removes the directory.
 `daemon_process(run_dir, budget)` serves from a child process of the fork
 server (extkv.testing.children) instead, so that a test can SIGKILL the
 daemon, as a crash would end it, and start another on the same socket.
+
+The checks live here so that the contract tests (conformance/
+test_budget_*.py) and the planted defects that must fail them
+(conformance/test_planted_defects.py) run the same code:
+
+- `CoveredCreates`: a driver under a budgeted driver that, at each create,
+  reads the daemon's ledger and demands open grants covering it.
+- `check_ledger_holds`: at a quiescent point the ledger holds exactly what
+  the engine maps, with no ticket open.
+- `ledger_settles`: after an engine's SIGKILL, the ledger comes back to the
+  live engines' bytes within KILL_SETTLES_S of its exit, and names the dead
+  engine no more. A child engine for it (`child_stopped_at`) stops at one
+  step of the protocol, says so on a pipe and waits there for its SIGKILL;
+  its stop is a driver step (`StopsAt`, under the budgeted driver, so it
+  sees each create and release where the budget asked for it) or the
+  reclaim handler itself, so no sleep orders anything.
+- `check_uid_refused`: a daemon told to serve other uids refuses this one
+  before anything it sends is read, and nothing of it reaches the ledger.
+
+Every check raises AssertionError naming the numbers it found.
 """
 
 from __future__ import annotations
@@ -21,26 +42,44 @@ from __future__ import annotations
 import contextlib
 import os
 import shutil
+import signal
 import tempfile
 import threading
-from typing import Iterator
+import time
+from typing import Callable, Iterator
 
+from ..budget.client import BudgetClient, read_status
 from ..budget.daemon import BudgetDaemon
 from ..budget.device import HostDevice
+from ..cache import ExtensibleKVCache
+from ..errors import BudgetUnavailableError
+from ..layout import KVCacheLayout
+from ..vmm import HostDriver
+from ..vmm.wrapping import WrappingDriver
 from .children import fork_server
+from .configs import config_for
 
 #: Seconds the daemon's loop may take to stop once asked, and a daemon's
 #: child process to start or to be reaped once killed: a net against a hang.
 STOP_WAIT_S = 60
+#: A safety net against a hang (a child that never reaches its step, a
+#: reply that never comes), never a synchronization.
+HANG_S = 60
+#: The issue's bound: the ledger equals the live engines' bytes within this
+#: many seconds of a killed engine's exit. The daemon reads a dead lease's
+#: process every DEAD_LEASE_POLL_S (0.02 s), a hundredth of it.
+KILL_SETTLES_S = 2.0
 
 
 class ServedDaemon:
-    """A daemon serving from a thread; `log` holds its lines, `path` its socket."""
+    """A daemon serving from a thread; `log` holds its lines, `path` its socket.
+    `make_daemon` takes BudgetDaemon's arguments and returns the daemon to serve."""
 
-    def __init__(self, run_dir: str, budget: int, allowed_uids=None):
+    def __init__(self, run_dir: str, budget: int, allowed_uids=None,
+                 make_daemon: Callable[..., BudgetDaemon] = BudgetDaemon):
         self.log: list[str] = []
-        self.daemon = BudgetDaemon(HostDevice(), budget, run_dir=run_dir, allowed_uids=allowed_uids,
-                                   log=self.log.append)
+        self.daemon = make_daemon(HostDevice(), budget, run_dir=run_dir, allowed_uids=allowed_uids,
+                                  log=self.log.append)
         self.daemon.start()
         self.path = self.daemon.socket_path
         self.thread = threading.Thread(target=self.daemon.serve_forever, name="budget-daemon", daemon=True)
@@ -57,9 +96,10 @@ class ServedDaemon:
 
 
 @contextlib.contextmanager
-def served_daemon(budget: int, allowed_uids=None) -> Iterator[ServedDaemon]:
+def served_daemon(budget: int, allowed_uids=None,
+                  make_daemon: Callable[..., BudgetDaemon] = BudgetDaemon) -> Iterator[ServedDaemon]:
     parent = tempfile.mkdtemp(prefix="extkv-budget-")
-    served = ServedDaemon(os.path.join(parent, "run"), budget, allowed_uids)
+    served = ServedDaemon(os.path.join(parent, "run"), budget, allowed_uids, make_daemon)
     try:
         yield served
     finally:
@@ -128,3 +168,208 @@ def daemon_process(run_dir: str, budget: int) -> Iterator[DaemonProcess]:
         yield served
     finally:
         served.kill()
+
+
+# -- grants ------------------------------------------------------------------------
+def ledger_held(client: BudgetClient) -> tuple[int, int]:
+    """(held, open tickets) of `client`'s own engine, as the daemon reads its ledger."""
+    report = client.report()
+    (engine,) = [engine for engine in report["engines"] if engine["engine"] == report["asker"]]
+    return engine["held"], engine["open_tickets"]
+
+
+def check_ledger_holds(client: BudgetClient, physical_bytes: int, when: str) -> None:
+    """At a quiescent point (`when`, for the message): the ledger holds
+    exactly `physical_bytes` for `client`'s engine, and no ticket is open."""
+    held, open_tickets = ledger_held(client)
+    if (held, open_tickets) != (physical_bytes, 0):
+        raise AssertionError(f"{when}: the ledger holds {held} bytes and {open_tickets} open tickets for an engine "
+                             f"whose chunks hold {physical_bytes} bytes")
+
+
+class CoveredCreates(WrappingDriver):
+    """Under the budgeted driver: at each create, the daemon's ledger must
+    show open grants covering it and every byte created but not yet
+    confirmed (what this wrapper created and did not release, less what the
+    ledger holds as confirmed). `mapped`: the bytes of the chunks that
+    exist; `creates`: how many creates it saw."""
+
+    def __init__(self, inner, client: BudgetClient):
+        super().__init__(inner)
+        self.client, self.mapped, self.creates = client, 0, 0
+
+    def _create(self, size: int):
+        report = self.client.report()
+        (engine,) = [engine for engine in report["engines"] if engine["engine"] == report["asker"]]
+        open_bytes, unconfirmed = engine["grant"] - engine["held"], self.mapped - engine["held"]
+        if open_bytes < unconfirmed + size:
+            raise AssertionError(f"a create of {size} bytes with {open_bytes} bytes of open grants, "
+                                 f"{unconfirmed} of them created already")
+        chunk = self.inner._create(size)
+        self.mapped += size
+        self.creates += 1
+        return chunk
+
+    def _release(self, chunk) -> None:
+        self.inner._release(chunk)
+        self.mapped -= chunk.size
+
+
+# -- an engine killed at a step of the protocol -----------------------------------------
+LAYOUT = KVCacheLayout.LBHNC
+#: The child engine's blocks: several commits of a quarter each, so that a
+#: defragment has chunks to join.
+CHILD_BLOCKS = 400
+#: Where a child engine stops, in the order an engine meets them: its lease
+#: just made; a reserve granted with nothing created; a chunk created but
+#: not yet confirmed; a commit confirmed; a shrink's chunks released but
+#: not yet returned; a reclaim being answered; a preserving defragment's
+#: scratch created.
+STEPS = ("lease", "granted", "created", "confirmed", "released", "reclaim", "scratch")
+#: What a child stopped at "reclaim" says once it answers reclaims.
+ANSWERING_RECLAIMS = "answering reclaims"
+
+
+def footprint(blocks: int) -> int:
+    """The physical bytes of `blocks` committed blocks of the child's cache
+    (and of a cache of the same config and layout beside it)."""
+    cache = ExtensibleKVCache(config_for("full", LAYOUT), HostDriver(), LAYOUT)
+    try:
+        return cache.physical_bytes_for(blocks)
+    finally:
+        cache.free()
+
+
+class StopsAt(WrappingDriver):
+    """The host driver, except that at `step`, once armed, it tells the test
+    where it is and waits there for its SIGKILL."""
+
+    def __init__(self, inner, step: str, replies):
+        super().__init__(inner)
+        self.step, self.replies, self.armed = step, replies, False
+
+    def reached(self, step: str) -> None:
+        if step == self.step and self.armed:
+            self.replies.send(step)
+            while True:
+                signal.pause()
+
+    def _create(self, size: int):
+        self.reached("granted")
+        chunk = self.inner._create(size)
+        self.reached("created")
+        self.reached("scratch")
+        return chunk
+
+    def _release(self, chunk) -> None:
+        self.inner._release(chunk)
+        self.reached("released")
+
+
+def engine_stopping_at(socket_path: str, step: str, replies) -> None:
+    """A child engine: a cache under the budget that commits, shrinks,
+    answers a reclaim and defragments, stopping at `step`."""
+    stops = StopsAt(HostDriver(), step, replies)
+    stops.armed = step in ("lease", "granted", "created")
+    client = BudgetClient(socket_path, timeout=HANG_S)
+    cache = ExtensibleKVCache(config_for("full", LAYOUT), stops, LAYOUT, budget=client)
+    stops.reached("lease")
+    for blocks in range(CHILD_BLOCKS // 4, CHILD_BLOCKS + 1, CHILD_BLOCKS // 4):
+        cache.commit(blocks)
+    stops.armed = True
+    stops.reached("confirmed")
+    if step == "reclaim":
+        client.on_reclaim(lambda target_bytes: stops.reached("reclaim"))
+        replies.send(ANSWERING_RECLAIMS)
+        while True:
+            signal.pause()
+    if step == "scratch":
+        cache.commit(CHILD_BLOCKS, defragment=True, preserve_contents=True)
+    cache.commit(CHILD_BLOCKS // 2, shrink=True)
+    raise AssertionError(f"the child engine passed {step!r} without stopping there")
+
+
+@contextlib.contextmanager
+def child_stopped_at(socket_path: str, step: str):
+    """A child engine (`engine_stopping_at`) of the daemon at `socket_path`,
+    once it said something on its pipe: yields (process, replies). For
+    "reclaim" that is ANSWERING_RECLAIMS, and `step` follows once a reclaim
+    reaches it; otherwise `step` itself, waiting in `replies`. The child is
+    killed and reaped on the way out."""
+    if step not in STEPS:
+        raise ValueError(f"step must be one of {STEPS}, got {step!r}")
+    context = fork_server()
+    replies, replies_out = context.Pipe(duplex=False)
+    process = context.Process(target=engine_stopping_at, args=(socket_path, step, replies_out), daemon=True)
+    process.start()
+    replies_out.close()
+    try:
+        assert replies.poll(HANG_S), f"the child engine did not reach {step!r} within {HANG_S} s"
+        yield process, replies
+    finally:
+        process.kill()
+        process.join(HANG_S)
+        replies.close()
+
+
+def sigkill(process) -> float:
+    """SIGKILL `process`, reap it, and return time.monotonic() at its exit."""
+    os.kill(process.pid, signal.SIGKILL)
+    process.join(HANG_S)
+    return time.monotonic()
+
+
+def ledger_settles(path: str, pid: int, live_bytes: Callable[[], int], exited: float,
+                   within_s: float = KILL_SETTLES_S) -> dict:
+    """The first status report of the daemon at `path`, asked again at each
+    reply, that names no engine of process `pid`, holds no dead bytes, and
+    whose grants equal `live_bytes()` (read at each report: a reserve that
+    waited may be granted meanwhile); AssertionError with the numbers of the
+    last report once `within_s` seconds have passed since `exited`
+    (time.monotonic() at the process's exit)."""
+    while True:
+        report = read_status(path, HANG_S)
+        pids = [engine["pid"] for engine in report["engines"]]
+        expected = live_bytes()
+        if pid not in pids and report["dead"] == 0 and report["granted"] == expected:
+            return report
+        elapsed = time.monotonic() - exited
+        if elapsed > within_s:
+            raise AssertionError(
+                f"{elapsed:.2f} s after pid {pid} exited the ledger names pids {pids} and holds "
+                f"{report['granted'] + report['dead']} bytes ({report['dead']} dead) for the live engines' {expected}")
+
+
+# -- hostile peers -----------------------------------------------------------------
+def check_uid_refused(served: ServedDaemon) -> None:
+    """`served` was told to serve uids other than this process's: an engine
+    of this uid is refused with a reason naming the socket, this uid and
+    the uids served; an observer asking status is refused too; and, once
+    the daemon is stopped (its ledger read with no loop beside), the ledger
+    holds no engine and no byte."""
+    uid, allowed = os.geteuid(), sorted(served.daemon.allowed_uids)
+    try:
+        client = BudgetClient(served.path, timeout=HANG_S)
+    except BudgetUnavailableError as refused:
+        message = str(refused)
+        wanted = (served.path, f"uid {uid} is not among", str(allowed))
+        if not all(words in message for words in wanted):
+            raise AssertionError(f"the refusal of uid {uid} does not name {wanted}: {message}") from None
+    else:
+        with client:
+            held = ledger_held(client)
+        raise AssertionError(f"the daemon at {served.path}, told to serve uids {allowed}, served uid {uid}: "
+                             f"its engine joined and held {held[0]} bytes with {held[1]} open tickets")
+    try:
+        report = read_status(served.path, HANG_S)
+    except BudgetUnavailableError as refused:
+        if "refused" not in str(refused):
+            raise AssertionError(f"the observer of uid {uid} was not told it was refused: {refused}") from None
+    else:
+        raise AssertionError(f"the daemon at {served.path}, told to serve uids {allowed}, reported to uid {uid}: "
+                             f"{len(report['engines'])} engines, {report['granted']} bytes granted")
+    served.stop()
+    ledger = served.daemon.ledger
+    if ledger.status() or ledger.granted:
+        raise AssertionError(f"refusing uid {uid} left {len(ledger.status())} engines and {ledger.granted} bytes "
+                             "granted in the ledger")
