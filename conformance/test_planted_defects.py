@@ -20,17 +20,34 @@ test_planted_catalogue.py holds the two to each other), and carries
 sanity test runs with the suite's other tests. Each runs on the host driver
 and on each CUDA device (`device`): every defect is made of the driver
 protocol's own steps.
+
+The shared KV budget's defects run where its proofs run, on the host: a
+daemon serving the host device from a thread here, engines of this process
+or children of the fork server holding memfd chunks. Their checks are the
+budget's contract tests' own (extkv.testing.budget,
+extkv.testing.ledger_machine); the sanity runs of the ledger's machine and
+of the SIGKILL check at every protocol step are those contract tests
+(conformance/test_budget_ledger.py, test_budget_kill.py), the cheaper
+ones run here too.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
+import os
+import re
 import socket
 import threading
 
 import pytest
 import torch
+from hypothesis import HealthCheck, Phase, settings
+from hypothesis.stateful import run_state_machine_as_test
 
+from extkv.budget.client import BudgetClient
+from extkv.budget.daemon import BudgetDaemon
+from extkv.budget.driver import BudgetedDriver
 from extkv.cache import ExtensibleKVCache
 from extkv.connector import SegmentExportConnector
 from extkv.errors import OutOfMemoryError
@@ -38,6 +55,19 @@ from extkv.layout import FullAttentionSpec, KVCacheGroupSpec, KVCacheLayout, bui
 from extkv.peer import import_segments
 from extkv.tensor import ExtensibleTensor
 from extkv.testing import planted
+from extkv.testing.budget import (
+    CHILD_BLOCKS,
+    HANG_S,
+    KILL_SETTLES_S,
+    CoveredCreates,
+    check_ledger_holds,
+    check_uid_refused,
+    child_stopped_at,
+    footprint,
+    ledger_settles,
+    served_daemon,
+    sigkill,
+)
 from extkv.testing.checks import (
     check_all_equal,
     check_committed_blocks_mapped,
@@ -51,12 +81,14 @@ from extkv.testing.checks import (
 from extkv.testing.choices import SeededChoices
 from extkv.testing.configs import config_for, fill_segments
 from extkv.testing.interrupts import run_in_child
+from extkv.testing.ledger_machine import BUDGET as MACHINE_BUDGET
+from extkv.testing.ledger_machine import ledger_machine
 from extkv.testing.modelled_cache import ModelledCache
 from extkv.testing.models import CacheModel, ContentMismatch, LeakFound, check_cache_blocks
 from extkv.testing.machines import CACHE_MACHINE_CASES
 from extkv.testing.stress import OPERATIONS, StressTally, walk
 from extkv.testing.stress.faults import fault_attempt
-from extkv.vmm import PoisoningDriver, driver_for
+from extkv.vmm import HostDriver, PoisoningDriver, driver_for
 from extkv.vmm.base import NO_ACCESS, READ_ONLY, READ_WRITE
 from extkv.vmm.wrapping import WrappingDriver
 
@@ -627,3 +659,137 @@ def test_the_interrupt_run_flags_operations_a_signal_can_stop_half_way(device):
     code, tally = run_in_child(device, inside_target=1000, seed=SEED, defect="signals-not-deferred")
     assert code != 0 or (tally is not None and tally["problem_count"] > 0), (
         f"no problem found in {tally and tally['steps']} steps, {tally and tally['inside']} interrupts inside extkv")
+
+
+# -- the shared KV budget --------------------------------------------------------------------
+BUDGET_LAYOUT = KVCacheLayout.LBHNC
+
+
+@contextlib.contextmanager
+def budgeted_cache_over(make_driver):
+    """(a client of a served daemon, a `CoveredCreates` over the host driver
+    under it, a cache over `make_driver(covered, client)`); no `budget=`:
+    the driver asks the daemon itself, or fails to. The cache is freed on
+    the way out."""
+    with served_daemon(1 << 30) as served, BudgetClient(served.path, timeout=HANG_S) as client:
+        covered = CoveredCreates(HostDriver(), client)
+        cache = ExtensibleKVCache(config_for("full", BUDGET_LAYOUT), make_driver(covered, client), BUDGET_LAYOUT)
+        try:
+            yield client, covered, cache
+        finally:
+            cache.free()
+
+
+@pytest.mark.invariant(5)
+@pytest.mark.planted_defect("budget-create-without-grant")
+def test_a_create_without_a_grant_is_flagged_by_the_covering_grant_check():
+    broken = lambda covered, client: make("budget-create-without-grant", covered)(client)  # noqa: E731
+    with budgeted_cache_over(broken) as (_, covered, cache):
+        with pytest.raises(AssertionError, match=r"^a create of \d+ bytes with 0 bytes of open grants, "
+                                                 r"0 of them created already$") as raised:
+            cache.commit(100)
+        size = int(re.search(r"\d+", str(raised.value)).group())
+        assert size > 0 and size % covered.granularity == 0 and covered.creates == 0, (size, covered.creates)
+
+
+@pytest.mark.invariant(5)
+@pytest.mark.planted_defect("release-not-returned")
+def test_a_release_never_returned_is_flagged_by_the_ledger_check():
+    broken = lambda covered, client: make("release-not-returned", covered)(client)  # noqa: E731
+    with budgeted_cache_over(broken) as (client, _, cache):
+        cache.commit(100)
+        check_ledger_holds(client, cache.physical_bytes, "after commit 100")  # nothing is wrong yet
+        committed = cache.physical_bytes
+        cache.release_physical()
+        assert committed > 0 and cache.physical_bytes == 0, (committed, cache.physical_bytes)
+        with pytest.raises(AssertionError, match=rf"^after release: the ledger holds {committed} bytes and 0 open "
+                                                 rf"tickets for an engine whose chunks hold 0 bytes$"):
+            check_ledger_holds(client, cache.physical_bytes, "after release")
+
+
+@pytest.mark.invariant(5)
+def test_the_grant_and_ledger_checks_pass_on_the_real_budgeted_driver():
+    with budgeted_cache_over(BudgetedDriver) as (client, covered, cache):
+        cache.commit(100)
+        check_ledger_holds(client, cache.physical_bytes, "after commit 100")
+        cache.release_physical()
+        check_ledger_holds(client, cache.physical_bytes, "after release")
+        assert covered.creates > 0 and covered.mapped == 0, (covered.creates, covered.mapped)
+
+
+#: Each ledger defect, and what the ledger's machine says of it: its first
+#: line (the assertion's own explanation and Hypothesis's steps follow).
+LEDGER_DEFECTS = {
+    "admission-forgets-dead-bytes": rf"^a reserve of \d+ bytes by engine '\w' was granted, but its grant \d+ and cap "
+                                    rf"\d+, and all grants and dead bytes \d+ \(dead [1-9]\d*\) of the budget "
+                                    rf"{MACHINE_BUDGET}, leave no room for it(\n|$)",
+    "reclaim-below-floor": r"^a reclaim of \d+ bytes from engine '\w', which holds \d+ bytes with a floor of [1-9]\d*: "
+                           r"it would hold \d+, below its floor(\n|$)",
+}
+
+
+#: The ledger machine's search over a broken ledger: derandomized whatever
+#: profile the run loads, so that every run meets the same failure first,
+#: with the CI profile's steps (extkv.testing.harness_hooks) and up to
+#: 300 runs of them; not shrunk, so the first failure is what is reported.
+#: Measured on the host (Hypothesis 6.170): the first failure is run 10 of
+#: admission-forgets-dead-bytes and run 119 of reclaim-below-floor (1.6 s).
+LEDGER_DEFECT_SEARCH = settings(derandomize=True, database=None, max_examples=300, stateful_step_count=20,
+                                deadline=None, phases=(Phase.explicit, Phase.generate), report_multiple_bugs=False,
+                                suppress_health_check=[HealthCheck.too_slow])
+
+
+@pytest.mark.invariant(5)
+@pytest.mark.parametrize("name, flagged", [planted_param(name, flagged) for name, flagged in LEDGER_DEFECTS.items()])
+def test_a_broken_ledger_is_flagged_by_the_ledger_machine(name, flagged):
+    """The machine of conformance/test_budget_ledger.py (which the real
+    ledger passes) over the broken one: its first failure, in numbers."""
+    with pytest.raises(AssertionError, match=flagged):
+        run_state_machine_as_test(ledger_machine(make(name, HostDriver())), settings=LEDGER_DEFECT_SEARCH)
+
+
+@contextlib.contextmanager
+def killed_child(make_daemon):
+    """A daemon of `make_daemon` with one child engine stopped once its
+    commits were confirmed, then SIGKILLed: yields (the served daemon, the
+    child's pid, its exit's time.monotonic(), the bytes it held)."""
+    held = footprint(CHILD_BLOCKS)
+    with served_daemon(2 * held, make_daemon=make_daemon) as served:
+        with child_stopped_at(served.path, "confirmed") as (child, replies):
+            assert replies.recv() == "confirmed"
+            yield served, child.pid, sigkill(child), held
+
+
+@pytest.mark.invariant(5)
+@pytest.mark.planted_defect("dead-lease-kept")
+def test_a_dead_lease_kept_is_flagged_by_the_sigkill_check():
+    with killed_child(make("dead-lease-kept", HostDriver())) as (served, pid, exited, held):
+        with pytest.raises(AssertionError, match=rf"^(\d+\.\d\d) s after pid {pid} exited the ledger names pids "
+                                                 rf"\[{pid}\] and holds {held} bytes \({held} dead\) for the live "
+                                                 rf"engines' 0$") as raised:
+            ledger_settles(served.path, pid, lambda: 0, exited)
+    assert float(re.search(r"[\d.]+", str(raised.value)).group()) >= KILL_SETTLES_S
+
+
+@pytest.mark.invariant(5)
+def test_the_sigkill_check_passes_on_the_real_daemon():
+    with killed_child(BudgetDaemon) as (served, pid, exited, _):
+        report = ledger_settles(served.path, pid, lambda: 0, exited)
+    assert (report["engines"], report["granted"], report["dead"]) == ([], 0, 0), report
+
+
+@pytest.mark.invariant(5, 6)
+@pytest.mark.planted_defect("uid-unchecked")
+def test_a_daemon_serving_every_uid_is_flagged_by_the_refusal_check():
+    uid, other = os.geteuid(), os.geteuid() + 1
+    with served_daemon(1000, allowed_uids=[other], make_daemon=make("uid-unchecked", HostDriver())) as served:
+        with pytest.raises(AssertionError, match=rf"^the daemon at {re.escape(served.path)}, told to serve uids "
+                                                 rf"\[{other}\], served uid {uid}: its engine joined and held 0 bytes "
+                                                 rf"with 0 open tickets$"):
+            check_uid_refused(served)
+
+
+@pytest.mark.invariant(5, 6)
+def test_the_refusal_check_passes_on_the_real_daemon():
+    with served_daemon(1000, allowed_uids=[os.geteuid() + 1]) as served:
+        check_uid_refused(served)

@@ -19,6 +19,13 @@ commit-ahead counts slips in one place. Nothing
 here knows the device kind: each defect is made of the driver protocol's
 own steps, so it runs on the host driver and on each CUDA device alike.
 
+The shared KV budget's defects are its real parts with one step broken: a
+`BudgetedDriver` that asks nothing or tells nothing of what it released,
+a `Ledger` that admits past dead bytes or asks engines below their floor,
+a `BudgetDaemon` that keeps a dead lease's bytes for good or serves every
+uid. Their checks (extkv.testing.budget, extkv.testing.ledger_machine)
+are those the budget's contract tests run over the real parts.
+
 Each defect is data, in `DEFECTS`: a name, what it breaks, the checks that
 must flag it, and how to make it around a real driver. A defect that keeps
 memory past a free (a leak) also remembers what it kept, and `give_back()`
@@ -40,6 +47,9 @@ from typing import Callable, Iterable, Iterator
 
 from .. import deferred_signals
 from ..ahead import CommitAhead
+from ..budget.daemon import BudgetDaemon
+from ..budget.driver import BudgetedDriver
+from ..budget.ledger import Ledger
 from ..cache import ExtensibleKVCache
 from ..tensor import ExtensibleTensor
 from ..vmm import Driver, PoisoningDriver
@@ -312,6 +322,108 @@ class StopsWorkerOnAwakeRecommit(ExtensibleKVCache):
             self.commit_ahead(ahead.window_blocks, max_blocks=ahead.max_blocks, step_blocks=ahead.step_blocks)
 
 
+# -- the shared KV budget ---------------------------------------------------------------
+class CreatesWithoutGrant(BudgetedDriver):
+    """Asks the budget nothing: its admission reserves no bytes and its
+    creates look for no reservation, so every chunk is created without a
+    grant (and, created outside any admission, is never returned)."""
+
+    def admit(self, size: int, chunks: int = 1):
+        return self.inner.admit(size, chunks)
+
+    def _create(self, size: int) -> Chunk:
+        return self.inner._create(size)
+
+
+class _ForgetsReturned:
+    """A budget client that forwards every call but `returned`, which it drops."""
+
+    def __init__(self, client):
+        self.client = client
+
+    def __getattr__(self, name: str):
+        return getattr(self.client, name)
+
+    def returned(self, nbytes: int, lease: int | None = None) -> None:
+        pass
+
+
+class ReleasesUnreturned(BudgetedDriver):
+    """Never tells the budget what it released: the `returned` of each
+    release is dropped, so the ledger keeps counting bytes no chunk holds."""
+
+    def __init__(self, inner: Driver, client):
+        super().__init__(inner, _ForgetsReturned(client))
+
+
+class AdmitsPastDeadBytes(Ledger):
+    """Counts no dead bytes when it admits a reserve: what an engine that
+    died held, which may still be in memory, is granted again at once."""
+
+    def __init__(self, budget: int):
+        super().__init__(budget)
+        self._admitting = False
+
+    @property
+    def dead(self) -> int:
+        return 0 if self._admitting else Ledger.dead.fget(self)
+
+    def reserve(self, engine: str, nbytes: int, now: float):
+        self._admitting = True
+        try:
+            return super().reserve(engine, nbytes, now)
+        finally:
+            self._admitting = False
+
+
+class ReclaimsBelowFloor(Ledger):
+    """Plans reclaims as if no engine had a floor: an engine may be asked
+    to give back bytes below it."""
+
+    def _reclaim_plan(self, asker, nbytes, waiter):
+        floors = {name: record.floor for name, record in self._engines.items()}
+        for record in self._engines.values():
+            record.floor = 0
+        try:
+            return super()._reclaim_plan(asker, nbytes, waiter)
+        finally:
+            for name, floor in floors.items():
+                self._engines[name].floor = floor
+
+
+class IgnoresOutsideReadings(Ledger):
+    """Takes no outside reading of a dead lease: its dead bytes stay
+    counted however gone its memory is."""
+
+    def seen_gone(self, engine: str, outside_bytes: int, now: float) -> None:
+        pass
+
+
+class KeepsDeadLeases(BudgetDaemon):
+    """A daemon whose ledger is an `IgnoresOutsideReadings`: what an engine
+    held when it died stays counted for good, never granted again."""
+
+    def __init__(self, device, budget: int, **options):
+        super().__init__(device, budget, **options)
+        self.ledger = IgnoresOutsideReadings(budget)
+
+
+class _EveryUid(frozenset):
+    """Uids that hold every uid."""
+
+    def __contains__(self, uid: object) -> bool:
+        return True
+
+
+class ServesEveryUid(BudgetDaemon):
+    """Reads each peer's uid from the kernel, and finds every uid among
+    those it serves: another user's process joins and is served."""
+
+    def __init__(self, device, budget: int, **options):
+        super().__init__(device, budget, **options)
+        self.allowed_uids = _EveryUid(self.allowed_uids)
+
+
 @contextlib.contextmanager
 def signals_not_deferred() -> Iterator[None]:
     """While entered, extkv's operations run with signal handlers free to
@@ -330,7 +442,10 @@ def signals_not_deferred() -> Iterator[None]:
 @dataclass(frozen=True)
 class Defect:
     """One planted defect: `make(real)` builds it around the real driver
-    `real` (a driver, or for a tensor defect a callable of the tensor's size)."""
+    `real`: a driver; for a tensor defect a callable of the tensor's size;
+    for a budgeted driver's, a callable of the budget client; a budget
+    ledger's or daemon's defect has no driver to break and is the class to
+    build in place of the real one (its `make` ignores `real`)."""
 
     name: str
     breaks: str
@@ -345,6 +460,10 @@ def _tensor_over(cls: type[ExtensibleTensor]) -> Callable[[Driver], Callable[[in
 
 def _cache_over(cls: type[ExtensibleKVCache]) -> Callable[[Driver], Callable[..., ExtensibleKVCache]]:
     return lambda real: lambda config, layout: cls(config, real, layout)
+
+
+def _budgeted_over(cls: type[BudgetedDriver]) -> Callable[[Driver], Callable[..., BudgetedDriver]]:
+    return lambda real: lambda client: cls(real, client)
 
 
 DEFECTS: dict[str, Defect] = {
@@ -444,6 +563,42 @@ DEFECTS: dict[str, Defect] = {
             "an interrupted operation leaves the object consistent and leaks nothing (invariant 6)",
             ("interrupts.run_interrupted",),
             lambda real: signals_not_deferred(),
+        ),
+        Defect(
+            "budget-create-without-grant",
+            "no physical create without a covering grant of the shared budget (invariant 5)",
+            ("testing.budget.CoveredCreates: open grants read from the daemon at each create",),
+            _budgeted_over(CreatesWithoutGrant),
+        ),
+        Defect(
+            "release-not-returned",
+            "the budget's ledger holds exactly what an engine's chunks hold (invariant 5)",
+            ("testing.budget.check_ledger_holds",),
+            _budgeted_over(ReleasesUnreturned),
+        ),
+        Defect(
+            "admission-forgets-dead-bytes",
+            "grants and dead leases' bytes stay within the budget (invariant 5)",
+            ("testing.ledger_machine.LedgerMachine: a reserve granted exactly when it fits",),
+            lambda real: AdmitsPastDeadBytes,
+        ),
+        Defect(
+            "reclaim-below-floor",
+            "no engine is asked to give back bytes below its floor (invariant 5)",
+            ("testing.ledger_machine.LedgerMachine: every reclaim leaves its engine at or above its floor",),
+            lambda real: ReclaimsBelowFloor,
+        ),
+        Defect(
+            "dead-lease-kept",
+            "a killed engine's bytes are granted again once seen gone, within 2 s of its exit (invariant 5)",
+            ("testing.budget.ledger_settles: the ledger after a SIGKILL",),
+            lambda real: KeepsDeadLeases,
+        ),
+        Defect(
+            "uid-unchecked",
+            "another uid is refused before anything it sends is read, and changes nothing (invariants 5 and 6)",
+            ("testing.budget.check_uid_refused",),
+            lambda real: ServesEveryUid,
         ),
     )
 }
