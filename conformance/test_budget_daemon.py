@@ -138,6 +138,7 @@ def closed_by_peer(sock: socket.socket) -> bool:
 
 
 # -- accounting ------------------------------------------------------------------
+@pytest.mark.budget_proof("ledger")
 def test_reserves_past_the_budget_are_denied_naming_the_numbers(serve, clients):
     served = serve()
     first = clients(served.path, floor=600)  # at its floor: never asked to reclaim
@@ -156,6 +157,7 @@ def test_reserves_past_the_budget_are_denied_naming_the_numbers(serve, clients):
         second.reserve(1)
 
 
+@pytest.mark.budget_proof("ledger")
 def test_confirm_cancel_and_returned_move_grant_and_held(serve, clients):
     served = serve()
     engine = clients(served.path)
@@ -170,6 +172,7 @@ def test_confirm_cancel_and_returned_move_grant_and_held(serve, clients):
     assert engine.report()["granted"] == 200
 
 
+@pytest.mark.budget_proof("reclaim")
 @pytest.mark.long  # waits out the ledger's reclaim deadline once
 def test_a_reclaim_ignored_is_denied_at_the_deadline_and_one_answered_makes_room(serve, clients):
     """The holder (800 of 1000) is above its share once the asker wants 300:
@@ -266,6 +269,7 @@ def child_engine(socket_path: str, nbytes: int):
         replies.close()
 
 
+@pytest.mark.budget_proof("SIGKILL")
 def test_a_sigkilled_engine_s_bytes_return_once_its_memory_is_seen_gone(serve, clients):
     granule = HostDriver().granularity
     served = serve(budget=4 * granule)
@@ -288,6 +292,7 @@ def pids_of(report: dict) -> list[int]:
     return [engine["pid"] for engine in report["engines"]]
 
 
+@pytest.mark.budget_proof("SIGKILL")
 def test_a_closed_lease_stays_counted_while_its_memory_is_still_held(serve, clients):
     granule = HostDriver().granularity
     served = serve(budget=4 * granule)
@@ -306,6 +311,7 @@ def test_a_closed_lease_stays_counted_while_its_memory_is_still_held(serve, clie
         other.cancel(other.reserve(4 * granule))
 
 
+@pytest.mark.budget_proof("SIGKILL")
 def test_a_forked_child_does_not_keep_its_parent_s_lease(serve):
     """The engine forks a child that outlives it: the child's copy of the
     connection must not keep the lease alive once the engine is killed."""
@@ -349,6 +355,7 @@ MALFORMED = {
 }
 
 
+@pytest.mark.budget_proof("hostile peers")
 @pytest.mark.invariant(5, 6)
 @pytest.mark.parametrize("case", sorted(MALFORMED))
 @pytest.mark.parametrize("joined", [True, False], ids=["after hello", "before hello"])
@@ -368,6 +375,7 @@ def test_malformed_input_is_answered_and_dropped_and_changes_nothing_else(serve,
     assert bystander.reserve(600) > 0, "the bystander is served on"
 
 
+@pytest.mark.budget_proof("hostile peers")
 @pytest.mark.invariant(5, 6)
 def test_a_request_before_hello_is_dropped(serve):
     served = serve()
@@ -379,6 +387,7 @@ def test_a_request_before_hello_is_dropped(serve):
     assert read_status(served.path)["granted"] == 0
 
 
+@pytest.mark.budget_proof("hostile peers")
 @pytest.mark.invariant(5, 6)
 def test_an_unknown_ticket_or_reclaim_is_refused_and_the_connection_kept(serve, clients):
     served = serve()
@@ -401,11 +410,13 @@ def test_an_unknown_ticket_or_reclaim_is_refused_and_the_connection_kept(serve, 
     engine.confirm(ticket, 100)
 
 
+@pytest.mark.budget_proof("hostile peers")
 @pytest.mark.invariant(5, 6)
 def test_another_uid_is_refused_before_anything_it_sends_is_read(serve):
     check_uid_refused(serve(allowed_uids=[os.geteuid() + 1]))
 
 
+@pytest.mark.budget_proof("hostile peers")
 def test_a_silent_engine_holds_up_no_other(serve, clients):
     served = serve()
     with raw_connection(served.path) as stalled:
@@ -415,6 +426,7 @@ def test_a_silent_engine_holds_up_no_other(serve, clients):
         engine.cancel(engine.reserve(10))
 
 
+@pytest.mark.budget_proof("grants")
 def test_reserve_fails_closed_once_the_daemon_is_gone(serve, clients):
     served = serve()
     engine = clients(served.path)
@@ -430,6 +442,7 @@ def test_reserve_fails_closed_once_the_daemon_is_gone(serve, clients):
         BudgetClient(served.path, timeout=HANG_S)
 
 
+@pytest.mark.budget_proof("hostile peers")
 @pytest.mark.invariant(5, 6)
 def test_a_stale_socket_is_replaced_only_once_connect_is_refused(run_dir, serve):
     os.makedirs(run_dir, mode=0o700)
@@ -450,6 +463,7 @@ def test_a_stale_socket_is_replaced_only_once_connect_is_refused(run_dir, serve)
     read_status(served.path, HANG_S)
 
 
+@pytest.mark.budget_proof("hostile peers")
 @pytest.mark.invariant(5, 6)
 def test_a_live_daemon_with_a_full_backlog_is_not_replaced_and_does_not_block_the_start(run_dir):
     os.makedirs(run_dir, mode=0o700)
@@ -501,6 +515,7 @@ def plant(kind: str, path: str) -> str:
     return kind
 
 
+@pytest.mark.budget_proof("hostile peers")
 @pytest.mark.invariant(5, 6)
 @pytest.mark.parametrize("kind", ["a regular file", "a FIFO", "a symlink", "a directory"])
 def test_a_file_planted_at_the_socket_path_is_refused_without_blocking(run_dir, kind):
@@ -516,6 +531,7 @@ def test_a_file_planted_at_the_socket_path_is_refused_without_blocking(run_dir, 
         "the lock was not given back with the refusal"
 
 
+@pytest.mark.budget_proof("hostile peers")
 @pytest.mark.invariant(5, 6)
 def test_the_run_directory_must_be_this_uid_s_alone(run_dir):
     os.makedirs(run_dir, mode=0o700)
@@ -540,6 +556,7 @@ def test_the_run_directory_must_be_this_uid_s_alone(run_dir):
     shutil.rmtree(run_dir + "-new")
 
 
+@pytest.mark.budget_proof("ledger")
 def test_the_daemon_imports_no_torch(run_dir):
     """The daemon starts fast and creates no CUDA context: nothing of it,
     nor the client, imports torch."""
@@ -561,6 +578,7 @@ def test_the_daemon_imports_no_torch(run_dir):
 
 
 # -- the command line ------------------------------------------------------------
+@pytest.mark.budget_proof("ledger")
 def test_budget_status_prints_the_budget_and_each_engine(serve, clients, capsys):
     granule = HostDriver().granularity
     served = serve(budget=8 * granule)

@@ -34,7 +34,7 @@ from extkv.testing.readings import InjectedReadingsDriver
 from extkv.vmm import HostDriver
 from extkv.vmm.faults import FaultInjectingDriver
 
-pytestmark = pytest.mark.invariant(5)
+pytestmark = [pytest.mark.invariant(5), pytest.mark.budget_proof("grants")]
 
 LAYOUT = KVCacheLayout.LBHNC
 #: Seconds a client waits for the daemon.

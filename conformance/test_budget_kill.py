@@ -38,7 +38,7 @@ from extkv.testing.budget import (
 from extkv.testing.configs import config_for
 from extkv.vmm import HostDriver
 
-pytestmark = pytest.mark.invariant(5)
+pytestmark = [pytest.mark.invariant(5), pytest.mark.budget_proof("SIGKILL")]
 
 #: The live engine's blocks.
 LIVE_BLOCKS = 40

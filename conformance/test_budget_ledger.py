@@ -31,7 +31,7 @@ from extkv.budget.ledger import (
 from extkv.errors import BudgetProtocolError
 from extkv.testing.ledger_machine import ledger_machine, snapshot
 
-pytestmark = pytest.mark.invariant(5)
+pytestmark = [pytest.mark.invariant(5), pytest.mark.budget_proof("ledger")]
 
 GiB = 1 << 30
 

@@ -23,7 +23,7 @@ from extkv.testing.budget import served_daemon
 from extkv.testing.children import fork_server
 from extkv.vmm import HostDriver
 
-pytestmark = pytest.mark.invariant(5)
+pytestmark = [pytest.mark.invariant(5), pytest.mark.budget_proof("ledger")]
 
 #: Safety net against a hang, never a synchronization.
 HANG_S = 60

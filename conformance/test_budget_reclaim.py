@@ -25,6 +25,8 @@ from extkv.testing.checks import check_unchanged, snapshot
 from extkv.testing.configs import config_for
 from extkv.vmm import HostDriver
 
+pytestmark = pytest.mark.budget_proof("reclaim")
+
 #: Seconds a client waits for the daemon.
 TIMEOUT_S = 60
 #: A granule of 4 blocks per layer (a block of a layer is 16 KiB), so block

@@ -43,7 +43,7 @@ from extkv.testing.checks import check_unchanged, snapshot
 from extkv.testing.configs import config_for
 from extkv.vmm import HostDriver
 
-pytestmark = pytest.mark.invariant(5)
+pytestmark = [pytest.mark.invariant(5), pytest.mark.budget_proof("SIGKILL")]
 
 #: Safety net against a hang, never a synchronization.
 HANG_S = 60

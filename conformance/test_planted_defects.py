@@ -681,6 +681,7 @@ def budgeted_cache_over(make_driver):
 
 
 @pytest.mark.invariant(5)
+@pytest.mark.budget_proof("grants")
 @pytest.mark.planted_defect("budget-create-without-grant")
 def test_a_create_without_a_grant_is_flagged_by_the_covering_grant_check():
     broken = lambda covered, client: make("budget-create-without-grant", covered)(client)  # noqa: E731
@@ -693,6 +694,7 @@ def test_a_create_without_a_grant_is_flagged_by_the_covering_grant_check():
 
 
 @pytest.mark.invariant(5)
+@pytest.mark.budget_proof("grants")
 @pytest.mark.planted_defect("release-not-returned")
 def test_a_release_never_returned_is_flagged_by_the_ledger_check():
     broken = lambda covered, client: make("release-not-returned", covered)(client)  # noqa: E731
@@ -708,6 +710,7 @@ def test_a_release_never_returned_is_flagged_by_the_ledger_check():
 
 
 @pytest.mark.invariant(5)
+@pytest.mark.budget_proof("grants")
 def test_the_grant_and_ledger_checks_pass_on_the_real_budgeted_driver():
     with budgeted_cache_over(BudgetedDriver) as (client, covered, cache):
         cache.commit(100)
@@ -717,14 +720,15 @@ def test_the_grant_and_ledger_checks_pass_on_the_real_budgeted_driver():
         assert covered.creates > 0 and covered.mapped == 0, (covered.creates, covered.mapped)
 
 
-#: Each ledger defect, and what the ledger's machine says of it: its first
-#: line (the assertion's own explanation and Hypothesis's steps follow).
+#: Each ledger defect, the budget's proof it undoes, and what the ledger's
+#: machine says of it: its first line (the assertion's own explanation and
+#: Hypothesis's steps follow).
 LEDGER_DEFECTS = {
-    "admission-forgets-dead-bytes": rf"^a reserve of \d+ bytes by engine '\w' was granted, but its grant \d+ and cap "
+    "admission-forgets-dead-bytes": ("ledger", rf"^a reserve of \d+ bytes by engine '\w' was granted, but its grant \d+ and cap "
                                     rf"\d+, and all grants and dead bytes \d+ \(dead [1-9]\d*\) of the budget "
-                                    rf"{MACHINE_BUDGET}, leave no room for it(\n|$)",
-    "reclaim-below-floor": r"^a reclaim of \d+ bytes from engine '\w', which holds \d+ bytes with a floor of [1-9]\d*: "
-                           r"it would hold \d+, below its floor(\n|$)",
+                                    rf"{MACHINE_BUDGET}, leave no room for it(\n|$)"),
+    "reclaim-below-floor": ("reclaim", r"^a reclaim of \d+ bytes from engine '\w', which holds \d+ bytes with a floor "
+                                       r"of [1-9]\d*: it would hold \d+, below its floor(\n|$)"),
 }
 
 
@@ -740,7 +744,10 @@ LEDGER_DEFECT_SEARCH = settings(derandomize=True, database=None, max_examples=30
 
 
 @pytest.mark.invariant(5)
-@pytest.mark.parametrize("name, flagged", [planted_param(name, flagged) for name, flagged in LEDGER_DEFECTS.items()])
+@pytest.mark.parametrize("name, flagged", [
+    pytest.param(name, flagged, id=name, marks=[pytest.mark.planted_defect(name), pytest.mark.budget_proof(proof)])
+    for name, (proof, flagged) in LEDGER_DEFECTS.items()
+])
 def test_a_broken_ledger_is_flagged_by_the_ledger_machine(name, flagged):
     """The machine of conformance/test_budget_ledger.py (which the real
     ledger passes) over the broken one: its first failure, in numbers."""
@@ -761,6 +768,7 @@ def killed_child(make_daemon):
 
 
 @pytest.mark.invariant(5)
+@pytest.mark.budget_proof("SIGKILL")
 @pytest.mark.planted_defect("dead-lease-kept")
 def test_a_dead_lease_kept_is_flagged_by_the_sigkill_check():
     with killed_child(make("dead-lease-kept", HostDriver())) as (served, pid, exited, held):
@@ -772,6 +780,7 @@ def test_a_dead_lease_kept_is_flagged_by_the_sigkill_check():
 
 
 @pytest.mark.invariant(5)
+@pytest.mark.budget_proof("SIGKILL")
 def test_the_sigkill_check_passes_on_the_real_daemon():
     with killed_child(BudgetDaemon) as (served, pid, exited, _):
         report = ledger_settles(served.path, pid, lambda: 0, exited)
@@ -779,6 +788,7 @@ def test_the_sigkill_check_passes_on_the_real_daemon():
 
 
 @pytest.mark.invariant(5, 6)
+@pytest.mark.budget_proof("hostile peers")
 @pytest.mark.planted_defect("uid-unchecked")
 def test_a_daemon_serving_every_uid_is_flagged_by_the_refusal_check():
     uid, other = os.geteuid(), os.geteuid() + 1
@@ -790,6 +800,7 @@ def test_a_daemon_serving_every_uid_is_flagged_by_the_refusal_check():
 
 
 @pytest.mark.invariant(5, 6)
+@pytest.mark.budget_proof("hostile peers")
 def test_the_refusal_check_passes_on_the_real_daemon():
     with served_daemon(1000, allowed_uids=[os.geteuid() + 1]) as served:
         check_uid_refused(served)

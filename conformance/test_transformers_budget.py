@@ -40,6 +40,8 @@ from extkv.testing.checks import check_unchanged, snapshot
 from extkv.vmm import HostDriver
 from extkv.vmm.faults import FaultInjectingDriver
 
+pytestmark = pytest.mark.budget_proof("reclaim")
+
 #: Seconds a client waits for the daemon.
 TIMEOUT_S = 60
 BUDGET = 4 << 20

@@ -27,12 +27,12 @@ import pytest
 
 from extkv.check.report import load_check
 from extkv.check.run import closing_lines, plan, workers
-from extkv.check.verdict import run_verdict
+from extkv.check.verdict import front_lines, run_verdict
 from extkv.runs.machine import machine_section
 from extkv.runs.rundir import RunDirectoryInUse, prepare_run_directory, run_directory
 from extkv.testing import exclusive as exclusive_locks
 from extkv.testing.facts import machine_facts
-from extkv.testing.invariants import DEVICE_KINDS, INVARIANTS
+from extkv.testing.invariants import BUDGET_PROOFS, DEVICE_KINDS, INVARIANTS
 
 pytest_plugins = ["pytester"]
 
@@ -206,6 +206,110 @@ def test_an_interrupted_step_certifies_nothing_and_its_stopped_test_is_no_failur
     ended = run_verdict(check, {**run, "interrupted": "SIGTERM"})
     assert ended[-1] == "INTERRUPTED by SIGTERM: nothing certified; 7 passed, 1 interrupted, 0 skipped in 104 s"
     assert not any("failed" in line for line in lines + ended), lines + ended
+
+
+def budget_tests(outcomes: dict[str, str] | None = None) -> dict[str, dict]:
+    """Per budget proof, two tests of it and one planted defect it catches,
+    on the host, as the harness records them; `outcomes` overrides some by
+    key (`test_grants_1`, `test_grants_planted`)."""
+    tests = {}
+    for proof in BUDGET_PROOFS:
+        for key, planted in ((f"test_{proof}_1", None), (f"test_{proof}_2", None), (f"test_{proof}_planted", proof)):
+            tests[key] = {**record("host", [5], (outcomes or {}).get(key, "passed"), planted), "budget_proof": proof}
+    return tests
+
+
+def whole_run(budget: dict[str, dict], **options) -> dict:
+    """Every invariant proven on the host and the H200, beside `budget`'s
+    tests, every record carrying `budget_proof` as the harness writes it."""
+    tests = {key: {**test, "budget_proof": None} for key, test in (full("host", "host") | full(H200, "cuda")).items()}
+    return merged(tests | budget, **options)
+
+
+ALL_PROVEN = "ledger, grants, SIGKILL, reclaim, hostile peers"
+
+
+def test_a_run_proving_every_budget_proof_has_its_line_and_is_certified():
+    lines = run_verdict(whole_run(budget_tests()), RUN)
+    budget = f"shared KV budget: {ALL_PROVEN} proven (10 tests), 5 of 5 planted defects caught"
+    assert lines[-2:-1] == [budget] and lines[-3] == "the checks caught 5 of 5 planted defects", lines
+    assert lines[-1].startswith("CERTIFIED cuda:0 NVIDIA H200"), lines[-1]
+    front = front_lines(whole_run(budget_tests()), RUN)
+    assert front[0].startswith("**Check: CERTIFIED ") and f"- {budget}" in front, front
+
+
+def test_a_budget_proof_with_a_failed_test_is_not_proven_and_the_run_not_certified():
+    lines = run_verdict(whole_run(budget_tests({"test_grants_2": "failed"})), RUN)
+    assert ("shared KV budget: NOT PROVEN: grants (1 failed); ledger, SIGKILL, reclaim, hostile peers proven "
+            "(8 tests), 5 of 5 planted defects caught") in lines, lines
+    assert lines[-1].startswith("NOT CERTIFIED ") and "shared KV budget: grants not proven" in lines[-1], lines[-1]
+
+
+def test_a_budget_proof_whose_planted_defect_is_missed_or_absent_is_not_proven():
+    missed = run_verdict(whole_run(budget_tests({"test_SIGKILL_planted": "failed"})), RUN)
+    assert ("shared KV budget: NOT PROVEN: SIGKILL (1 planted defect missed); ledger, grants, reclaim, hostile peers "
+            "proven (8 tests), 4 of 5 planted defects caught") in missed, missed
+    assert "shared KV budget: SIGKILL not proven" in missed[-1], missed[-1]
+    skipped = {"test_reclaim_1": "skipped", "test_reclaim_2": "skipped", "test_reclaim_planted": "skipped"}
+    absent = run_verdict(whole_run(budget_tests(skipped)), RUN)
+    assert ("shared KV budget: NOT PROVEN: reclaim (no passing test, no planted defect caught); ledger, grants, "
+            "SIGKILL, hostile peers proven (8 tests), 4 of 4 planted defects caught") in absent, absent
+    assert absent[-1].startswith("NOT CERTIFIED ") and "reclaim not proven" in absent[-1], absent[-1]
+    nothing = run_verdict(whole_run({}), RUN)
+    assert nothing[-2].startswith("shared KV budget: NOT PROVEN: ledger (no passing test, no planted defect caught); "), nothing
+    assert nothing[-2].endswith(", 0 of 0 planted defects caught") and " proven (" not in nothing[-2], nothing[-2]
+
+
+def test_results_from_before_budget_proofs_have_no_budget_line_and_a_narrowed_run_counts_only():
+    older = run_verdict(merged(full("host", "host") | full(H200, "cuda")), RUN)
+    assert not any(line.startswith("shared KV budget") for line in older) and older[-1].startswith("CERTIFIED"), older
+    narrowed = run_verdict(whole_run(budget_tests({"test_grants_2": "failed"}),
+                                     selection={"args": ["conformance"], "keyword": "budget"}), RUN)
+    assert "shared KV budget: 9 passed, 1 failed; 5 of 5 planted defects caught" in narrowed, narrowed
+    assert narrowed[-1].startswith("partial run: nothing certified (narrowed by -k budget)"), narrowed[-1]
+
+
+BUDGET_MARKED = '''
+import pytest
+
+@pytest.mark.invariant(5)
+@pytest.mark.budget_proof("grants")
+def test_proves_grants():
+    pass
+
+@pytest.mark.invariant(5)
+@pytest.mark.budget_proof("SIGKILL")
+@pytest.mark.planted_defect("dead-lease-kept")
+def test_catches_a_dead_lease():
+    pass
+
+@pytest.mark.invariant(5)
+def test_proves_no_budget_proof():
+    pass
+'''
+
+
+def test_a_budget_proof_rides_from_its_marker_into_the_results_and_the_verdict(pytester, tmp_path):
+    pytester.makepyfile(test_budget=BUDGET_MARKED)
+    result = pytester.runpytest_inprocess("-p", "extkv.testing.harness", "--extkv", "-p", "no:cacheprovider",
+                                          f"--extkv-report-dir={tmp_path}", "--extkv-report-step=check-host")
+    result.assert_outcomes(passed=3)
+    check = load_check(tmp_path)
+    carried = {key.split("::")[1]: (test["budget_proof"], test["planted_defect"]) for key, test in check["tests"].items()}
+    assert carried == {"test_proves_grants": ("grants", None), "test_catches_a_dead_lease": ("SIGKILL", "dead-lease-kept"),
+                       "test_proves_no_budget_proof": (None, None)}, carried
+    line = next(line for line in run_verdict(check, None) if line.startswith("shared KV budget"))
+    assert line == ("shared KV budget: NOT PROVEN: ledger (no passing test, no planted defect caught); grants (no planted "
+                    "defect caught); SIGKILL (no passing test); reclaim (no passing test, no planted defect caught); "
+                    "hostile peers (no passing test, no planted defect caught), 1 of 1 planted defects caught"), line
+
+
+def test_a_budget_proof_the_table_does_not_know_is_refused_at_collection(pytester):
+    pytester.makepyfile(test_unknown="import pytest\n\n@pytest.mark.budget_proof('speed')\ndef test_fast():\n    pass\n")
+    result = pytester.runpytest_inprocess("-p", "extkv.testing.harness", "--extkv", "-p", "no:cacheprovider")
+    assert result.ret == pytest.ExitCode.USAGE_ERROR, result.outlines
+    result.stderr.fnmatch_lines(["*test_fast: write @pytest.mark.budget_proof(name) with name one of ['ledger', *"
+                                 "got *speed*"])
 
 
 def clean_env() -> dict[str, str]:

@@ -17,6 +17,14 @@ ended (`interrupted` in check-run.json), whose last line says so. `extkv check` 
 CERTIFIED run; the report's front page shows the same lines, the run's
 first (`front_lines`).
 
+The shared KV budget has a line of its own beside the devices' and the
+planted defects' (`budget_proofs`): each of its proofs
+(extkv.testing.invariants.BUDGET_PROOFS) is proven when a test carrying
+it (`budget_proof`) passed, none failed or was interrupted, and a planted
+defect of it was caught with none missed; a proof short of that reads NOT
+PROVEN and the run is not certified. Results written before tests carried
+the proof (no `budget_proof` in their records) have no such line.
+
 Everything here reads the merged results (extkv.check.report.load_check)
 and `check-run.json` (what `extkv check` ran: the steps and their targets,
 the wall time); nothing is measured here.
@@ -28,7 +36,7 @@ from collections import Counter
 from dataclasses import dataclass, field
 
 from ..runs.results import FINISHED_STATUSES, INTERRUPTED_STATUS
-from ..testing.invariants import DEVICE_KINDS, number_ranges
+from ..testing.invariants import BUDGET_PROOFS, DEVICE_KINDS, number_ranges
 
 #: Options that narrow what a pytest run selects or stop it early, as the
 #: harness records them (`selection` in each results file).
@@ -167,9 +175,81 @@ def planted_counts(check: dict) -> tuple[int, int]:
     return sum(r["outcome"] == "passed" for r in ran), len(ran)
 
 
+@dataclass
+class BudgetProof:
+    """The tests of one of the shared KV budget's proofs: those that prove
+    it, and the planted defects that its checks must catch."""
+
+    name: str
+    passed: int = 0
+    failed: int = 0        # failed or errored
+    interrupted: int = 0
+    caught: int = 0        # planted defects of it whose test passed
+    missed: int = 0        # ... whose test failed or errored
+    planted: int = 0       # ... that ran
+
+    def problems(self) -> list[str]:
+        """Why this proof is not proven; [] when it is."""
+        found = [f"{self.failed} failed"] if self.failed else []
+        if self.missed:
+            found.append(f"{self.missed} planted defect{'s' if self.missed > 1 else ''} missed")
+        if self.interrupted:
+            found.append(f"{self.interrupted} interrupted")
+        if not self.passed:
+            found.append("no passing test")
+        if not self.caught and not self.missed:
+            found.append("no planted defect caught")
+        return found
+
+
+def budget_proofs(check: dict) -> list[BudgetProof] | None:
+    """One per proof of BUDGET_PROOFS, in its order, counted from the tests
+    that carry it; None for results whose records carry no `budget_proof`."""
+    tests = check["tests"].values()
+    if not any("budget_proof" in record for record in tests):
+        return None
+    proofs = {name: BudgetProof(name) for name in BUDGET_PROOFS}
+    for record in tests:
+        proof, outcome = proofs.get(record.get("budget_proof")), record["outcome"]
+        if proof is None or outcome == "skipped":
+            continue
+        if record["planted_defect"]:
+            proof.planted += 1
+            proof.caught += outcome == "passed"
+            proof.missed += outcome in ("failed", "error")
+        else:
+            proof.passed += outcome == "passed"
+            proof.failed += outcome in ("failed", "error")
+        proof.interrupted += outcome == "interrupted"
+    return list(proofs.values())
+
+
+def budget_line(proofs: list[BudgetProof], narrowed: bool) -> str:
+    """`shared KV budget: ledger, grants proven (12 tests), 3 of 3 planted
+    defects caught`, or what is not proven and why; for a narrowed run,
+    the counts alone."""
+    caught, planted = sum(proof.caught for proof in proofs), sum(proof.planted for proof in proofs)
+    defects = f"{caught} of {planted} planted defects caught"
+    if narrowed:
+        failed = sum(proof.failed for proof in proofs)
+        return (f"shared KV budget: {sum(proof.passed for proof in proofs)} passed"
+                + (f", {failed} failed" if failed else "") + f"; {defects}")
+    proven = [proof for proof in proofs if not proof.problems()]
+    unproven = [proof for proof in proofs if proof.problems()]
+    parts = []
+    if unproven:
+        why = [f"{proof.name} ({', '.join(proof.problems())})" for proof in unproven]
+        parts.append("NOT PROVEN: " + "; ".join(why))
+    if proven:
+        tests = sum(proof.passed for proof in proven)
+        parts.append(f"{', '.join(proof.name for proof in proven)} proven ({tests} tests)")
+    return f"shared KV budget: {'; '.join(parts)}, {defects}"
+
+
 def run_verdict(check: dict, run: dict | None) -> list[str]:
-    """The verdict lines, the run's last: one per device, then the run's.
-    `run`: check-run.json (targets per step, wall seconds), or None."""
+    """The verdict lines, the run's last: one per device, the planted
+    defects', the shared KV budget's, then the run's. `run`:
+    check-run.json (targets per step, wall seconds), or None."""
     verdicts = device_verdicts(check)
     totals = Counter(record["outcome"] for record in check["tests"].values())
     failed = totals["failed"] + totals["error"]
@@ -183,10 +263,16 @@ def run_verdict(check: dict, run: dict | None) -> list[str]:
     caught, planted = planted_counts(check)
     if planted:
         lines.append(f"the checks caught {caught} of {planted} planted defects")
+    proofs = budget_proofs(check)
+    if proofs is not None:
+        lines.append(budget_line(proofs, bool(narrowed)))
     if run is not None and run.get("interrupted"):
         lines.append(f"INTERRUPTED by {run['interrupted']}: nothing certified; {counts}")
         return lines
     problems = other_failures(check, verdicts, run)
+    unproven = [proof.name for proof in proofs or [] if proof.problems()]
+    if unproven:
+        problems.append(f"shared KV budget: {', '.join(unproven)} not proven")
     if narrowed:
         lines.append(f"partial run: nothing certified (narrowed by {', '.join(narrowed)}); {counts}")
         return lines
@@ -206,7 +292,8 @@ def run_verdict(check: dict, run: dict | None) -> list[str]:
 
 def front_lines(check: dict, run: dict | None) -> list[str]:
     """The check on a report's front page: the run's verdict line first, in
-    bold, then each device's and the planted defects'."""
+    bold, then each device's, the planted defects' and the shared KV
+    budget's."""
     lines = run_verdict(check, run)
     return [f"**Check: {lines[-1]}**", ""] + [f"- {line}" for line in lines[:-1]]
 

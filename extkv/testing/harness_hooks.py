@@ -39,6 +39,11 @@ initialized CUDA yet when `start` pins.
   H200)`: in an xdist worker `cuda:0` is the worker's pinned GPU) or `host`,
   its xdist worker and any planted defect on its report's user_properties,
   which extkv.testing.record folds into the run's results.
+- `@pytest.mark.budget_proof(name)` names which of the shared KV budget's
+  proofs (extkv.testing.invariants.BUDGET_PROOFS) a test proves, beside
+  its invariants; the name is checked at collection and rides on the
+  report's user_properties as a planted defect does, so that the verdict
+  prints the budget's line (extkv.check.verdict).
 - `@pytest.mark.harness` marks a test of extkv's own checking, reporting or
   tooling rather than of the cache: it proves no invariant, and the counts
   per invariant (read from `invariant` markers alone) leave it out. Such
@@ -80,8 +85,10 @@ from .configs import CAPACITY, CASE_IDS, CASES, config_for
 from .facts import cuda_device_count, machine_facts, no_cuda_reason
 from . import exclusive as exclusive_locks
 from .gpus import gpu_for_worker, pin_this_worker, visible_gpu_ids
+from .invariants import BUDGET_PROOFS
 from .invariants import INVARIANTS as INVARIANT_TABLE
 from .record import (
+    BUDGET_PROOF_PROPERTY,
     DEVICE_PROPERTY,
     HOST_LABEL,
     INVARIANTS_PROPERTY,
@@ -104,6 +111,8 @@ MARKERS = {
     "runs last, and with --extkv-lock-dir alone (extkv.testing.exclusive)",
     "planted_defect(name)": "plants a defect in a broken implementation; the check under test must flag it",
     "invariant(n, ...)": "proves invariant(s) n (1-8, docs/guarantees.md); counted per device",
+    "budget_proof(name)": "proves one of the shared KV budget's promises (extkv.testing.invariants.BUDGET_PROOFS): "
+    "counted in the verdict's budget line",
     "harness": "checks extkv's own checking, reporting or command-line tooling (verdicts, reports, the harness, "
     "docs/guarantees.md, the README commands), not an invariant of the cache; counted under no invariant",
 }
@@ -248,6 +257,17 @@ def _invariants_of(item) -> list[int]:
     return sorted(numbers)
 
 
+def _budget_proof_of(item) -> str | None:
+    """The budget proof `item` carries (its closest `budget_proof` marker), checked against BUDGET_PROOFS."""
+    marker = item.get_closest_marker("budget_proof")
+    if marker is None:
+        return None
+    if len(marker.args) != 1 or marker.kwargs or marker.args[0] not in BUDGET_PROOFS:
+        raise pytest.UsageError(f"{item.nodeid}: write @pytest.mark.budget_proof(name) with name one of "
+                                f"{list(BUDGET_PROOFS)}, got {marker}")
+    return marker.args[0]
+
+
 def _needs_cuda(item) -> bool:
     return any(item.get_closest_marker(name) for name in ("gpu", "cuda_graphs", *GPU_FEATURE_MARKERS))
 
@@ -354,6 +374,9 @@ def pytest_collection_modifyitems(config, items):
         planted = item.get_closest_marker("planted_defect")
         if planted is not None:
             item.user_properties.append((PLANTED_PROPERTY, planted.args[0] if planted.args else item.name))
+        proof = _budget_proof_of(item)
+        if proof is not None:
+            item.user_properties.append((BUDGET_PROOF_PROPERTY, proof))
         if item.get_closest_marker("stress") and not config.getoption("--extkv-stress"):
             item.add_marker(pytest.mark.skip(reason="stress test: run with --extkv-stress"))
         if _needs_cuda(item) and gpus == 0:

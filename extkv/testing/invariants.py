@@ -1,4 +1,4 @@
-"""The eight invariants extkv certifies, and which kind of device can prove which.
+"""The eight invariants extkv certifies, which kind of device can prove which, and the shared KV budget's proofs.
 
 Theory of operation
 -------------------
@@ -13,6 +13,12 @@ it: the host driver has no CUDA graphs to replay.
 `docs/guarantees.md` states each invariant in full, with the test modules
 that prove it; meta/test_invariants_doc.py holds that page to this table.
 Device kinds are a driver's `kind` (extkv.vmm: `host`, `cuda`).
+
+The shared KV budget (extkv.budget, docs/budget.md) has a certificate line
+of its own, beside the devices': each of its promises, `BUDGET_PROOFS`, is
+proven by the tests that carry `@pytest.mark.budget_proof(name)` (besides
+the invariants they prove) and by a planted defect of it that the suite
+catches (extkv.check.verdict).
 
 Nothing here imports pytest, so a report renders without the test extra.
 """
@@ -75,6 +81,18 @@ class DeviceKind:
 DEVICE_KINDS: dict[str, DeviceKind] = {
     "host": DeviceKind("host", "host driver", {2: "needs a GPU: the host driver has no CUDA graphs"}),
     "cuda": DeviceKind("cuda", "CUDA driver", {}),
+}
+
+
+#: The shared KV budget's proofs, in the order its certificate line names
+#: them: each a promise, in a few words.
+BUDGET_PROOFS: dict[str, str] = {
+    "ledger": "the engines' grants and dead leases' bytes stay within the budget, on the ledger and read from outside",
+    "grants": "no physical create without a covering grant; the ledger holds what each engine's chunks hold",
+    "SIGKILL": "an engine that dies counts until its memory is seen gone, and within 2 s of a SIGKILL no longer",
+    "reclaim": "engines give memory back when asked, never below their floor, and keep their live blocks",
+    "hostile peers": "another uid, malformed input, unknown tickets, stale sockets and planted files are refused "
+                     "and change nothing else",
 }
 
 

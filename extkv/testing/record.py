@@ -9,7 +9,8 @@ active. Every report of every test folds into one record per nodeid as it
 arrives; under xdist the controlling process receives every worker's
 reports, user_properties included, so it alone writes files. A test's
 device, invariants and planted defect ride on its user_properties from
-collection on (extkv.testing.harness). A test whose worker crashed has none:
+collection on (extkv.testing.harness), and so does the shared KV budget's
+proof it carries (`budget_proof`). A test whose worker crashed has none:
 xdist reports it from the controller, and its device is read from its
 nodeid (`[cuda:1-...]`) or is the run's own device.
 
@@ -43,6 +44,7 @@ INVARIANTS_PROPERTY = "extkv_invariants"
 DEVICE_PROPERTY = "extkv_device"
 WORKER_PROPERTY = "extkv_worker"
 PLANTED_PROPERTY = "extkv_planted_defect"
+BUDGET_PROOF_PROPERTY = "extkv_budget_proof"
 #: Label of everything that runs on the host driver or needs no device.
 HOST_LABEL = "host"
 #: Format tag of the `<step>.json` files written here.
@@ -109,6 +111,7 @@ class RunRecord:
                 or device_of_nodeid(report.nodeid, machine_facts()["gpus"], self.default_device),
                 "worker": properties.get(WORKER_PROPERTY),
                 "planted_defect": properties.get(PLANTED_PROPERTY),
+                "budget_proof": properties.get(BUDGET_PROOF_PROPERTY),
                 "duration_s": 0.0,
                 "skip_reason": None,
                 "message": None,
