@@ -14,8 +14,9 @@ against a hang.
   give back is told to no one. (A shrink is a release, then a commit of
   the smaller prefix, which asks the budget: it fails closed too.)
 - Restarted on the same socket, it is rejoined by each engine with what its
-  cache holds: the ledger holds each cache's physical bytes, and growth
-  within the budget works again.
+  cache holds: the ledger holds each cache's physical bytes
+  (extkv.testing.budget's check_ledger_holds_each_cache, which the planted
+  rejoin-holds-nothing must fail), and growth within the budget works again.
 - Restarted with a budget below what the engines hold, it counts all of it,
   says so in `extkv budget status`, and denies growth until they give back.
 - A client that hangs up on a daemon that stalls rejoins it once it
@@ -38,12 +39,12 @@ import pytest
 from extkv import ExtensibleKVCache, KVCacheLayout
 from extkv.budget.client import BudgetClient, read_status, status_lines
 from extkv.errors import BudgetDeniedError, BudgetUnavailableError
-from extkv.testing.budget import daemon_process
+from extkv.testing.budget import check_ledger_holds_each_cache, daemon_process
 from extkv.testing.checks import check_unchanged, snapshot
 from extkv.testing.configs import config_for
 from extkv.vmm import HostDriver
 
-pytestmark = [pytest.mark.invariant(5), pytest.mark.budget_proof("SIGKILL")]
+pytestmark = [pytest.mark.invariant(5), pytest.mark.budget_proof("restart")]
 
 #: Safety net against a hang, never a synchronization.
 HANG_S = 60
@@ -88,20 +89,6 @@ def shrink_to(cache: ExtensibleKVCache, nbytes: int) -> None:
     cache.commit(cache.blocks_within(nbytes), shrink=True)
 
 
-def check_the_ledger_holds_each_cache(path: str, engines: list[tuple[BudgetClient, ExtensibleKVCache]]) -> dict:
-    """The daemon's report, once it shows, per engine, a live lease holding
-    exactly its cache's physical bytes, with no ticket open."""
-    report = read_status(path, HANG_S)
-    by_name = {engine["engine"]: engine for engine in report["engines"]}
-    assert len(by_name) == len(engines), report
-    for client, cache in engines:
-        mine = by_name[client.report()["asker"]]
-        assert (mine["lease"], mine["held"], mine["open_tickets"]) == ("live", cache.physical_bytes, 0), (
-            f"{mine} for a cache of {cache.physical_bytes} bytes")
-    assert report["granted"] == sum(cache.physical_bytes for _, cache in engines), report
-    return report
-
-
 def status_fields(path: str) -> list[dict[str, str]]:
     """`extkv budget status`'s lines, each as its name=value pairs."""
     return [dict(pair.split("=", 1) for pair in line.split()) for line in status_lines(read_status(path, HANG_S))]
@@ -113,7 +100,7 @@ def test_growth_fails_closed_while_the_daemon_is_down_and_engines_rejoin_it_rest
         first, second = engines(path), engines(path)
         grow_to(first[1], 4 * MiB)
         grow_to(second[1], 6 * MiB)
-        check_the_ledger_holds_each_cache(path, [first, second])
+        check_ledger_holds_each_cache(path, [first, second])
         first[1].buffer.segment_view(0)[:4096].fill_(7)
     # SIGKILLed: the caches hold what they held, and nothing grants more.
     before = snapshot(first[1])
@@ -133,10 +120,10 @@ def test_growth_fails_closed_while_the_daemon_is_down_and_engines_rejoin_it_rest
         assert daemon.path == path
         for client, _ in (first, second):
             assert client.wait_available(HANG_S), f"{client} did not rejoin within {HANG_S} s"
-        check_the_ledger_holds_each_cache(path, [first, second])
+        check_ledger_holds_each_cache(path, [first, second])
         grow_to(first[1], 8 * MiB)
         second[1].recommit()  # 8 + 6 of 16: granted again
-        report = check_the_ledger_holds_each_cache(path, [first, second])
+        report = check_ledger_holds_each_cache(path, [first, second])
         assert report["granted"] == 14 * MiB
 
 
@@ -151,7 +138,7 @@ def test_a_rejoin_holding_more_than_the_budget_is_counted_and_growth_denied_unti
     with daemon_process(run_dir, 8 * MiB) as daemon:
         for client, _ in (first, second):
             assert client.wait_available(HANG_S), f"{client} did not rejoin within {HANG_S} s"
-        check_the_ledger_holds_each_cache(daemon.path, [first, second])
+        check_ledger_holds_each_cache(daemon.path, [first, second])
         budget_line, *engine_lines = status_fields(daemon.path)
         assert (budget_line["granted"], budget_line["over_budget"], budget_line["free"]) == (
             str(14 * MiB), str(6 * MiB), "0"), budget_line
@@ -164,11 +151,11 @@ def test_a_rejoin_holding_more_than_the_budget_is_counted_and_growth_denied_unti
         with pytest.raises(BudgetDeniedError, match=f"budget {8 * MiB}, granted {14 * MiB}"):
             grow_to(second[1], 6 * MiB)
         check_unchanged(second[1], before)
-        check_the_ledger_holds_each_cache(daemon.path, [first, second])
+        check_ledger_holds_each_cache(daemon.path, [first, second])
 
         shrink_to(first[1], 2 * MiB)  # 2 + 4 of 8
         grow_to(second[1], 6 * MiB)
-        check_the_ledger_holds_each_cache(daemon.path, [first, second])
+        check_ledger_holds_each_cache(daemon.path, [first, second])
         budget_line, *engine_lines = status_fields(daemon.path)
         assert budget_line["over_budget"] == "0" and {line["over_cap"] for line in engine_lines} == {"0"}
 
@@ -189,7 +176,7 @@ def test_a_client_that_hangs_up_on_a_stalled_daemon_rejoins_it_and_is_counted_on
             os.kill(daemon.pid, signal.SIGCONT)
         assert engine[0].wait_available(HANG_S), f"{engine[0]} did not rejoin within {HANG_S} s"
         wait_until_no_lease_is_dead(daemon.path)
-        check_the_ledger_holds_each_cache(daemon.path, [engine])
+        check_ledger_holds_each_cache(daemon.path, [engine])
         # A lease that claimed bytes it never created ends: it is read gone as
         # the first was, which takes the daemon's reading of its dead leases
         # again, now that the first is forgotten: the daemon serves on.
@@ -197,7 +184,7 @@ def test_a_client_that_hangs_up_on_a_stalled_daemon_rejoins_it_and_is_counted_on
             claimant.confirm(claimant.reserve(MiB), MiB)
         wait_until_no_lease_is_dead(daemon.path)
         grow_to(engine[1], 6 * MiB)
-        check_the_ledger_holds_each_cache(daemon.path, [engine])
+        check_ledger_holds_each_cache(daemon.path, [engine])
 
 
 def wait_until_no_lease_is_dead(path: str) -> None:
@@ -240,7 +227,7 @@ def test_a_forked_child_never_rejoins_on_its_parent_s_lease(run_dir, engines):
             with os.fdopen(outcome_read, "rb") as pipe:
                 outcome = pipe.read().decode()
             assert outcome == "False refused", f"the forked child: {outcome!r}"
-            report = check_the_ledger_holds_each_cache(daemon.path, [(client, cache)])
+            report = check_ledger_holds_each_cache(daemon.path, [(client, cache)])
             assert [engine["pid"] for engine in report["engines"]] == [os.getpid()], report
     finally:
         os.close(restarted_write)

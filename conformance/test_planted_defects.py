@@ -22,7 +22,8 @@ and on each CUDA device (`device`): every defect is made of the driver
 protocol's own steps.
 
 The shared KV budget's defects run where its proofs run, on the host: a
-daemon serving the host device from a thread here, engines of this process
+daemon serving the host device from a thread here (or, to be SIGKILLed
+and restarted, from a child of the fork server), engines of this process
 or children of the fork server holding memfd chunks. Their checks are the
 budget's contract tests' own (extkv.testing.budget,
 extkv.testing.ledger_machine); the sanity runs of the ledger's machine and
@@ -37,7 +38,9 @@ import contextlib
 import json
 import os
 import re
+import shutil
 import socket
+import tempfile
 import threading
 
 import pytest
@@ -61,8 +64,10 @@ from extkv.testing.budget import (
     KILL_SETTLES_S,
     CoveredCreates,
     check_ledger_holds,
+    check_ledger_holds_each_cache,
     check_uid_refused,
     child_stopped_at,
+    daemon_process,
     footprint,
     ledger_settles,
     served_daemon,
@@ -785,6 +790,49 @@ def test_the_sigkill_check_passes_on_the_real_daemon():
     with killed_child(BudgetDaemon) as (served, pid, exited, _):
         report = ledger_settles(served.path, pid, lambda: 0, exited)
     assert (report["engines"], report["granted"], report["dead"]) == ([], 0, 0), report
+
+
+@contextlib.contextmanager
+def rejoined_after_restart(make_driver):
+    """A cache over `make_driver(host driver, client)` grown under a daemon
+    serving from a child process, which is SIGKILLed and started again on
+    the same socket: yields (its socket, the client, the cache) once the
+    client rejoined it. The cache is freed and the client closed on the
+    way out."""
+    parent = tempfile.mkdtemp(prefix="extkv-budget-")  # short: an AF_UNIX address holds 107 bytes
+    run_dir = os.path.join(parent, "run")
+    with contextlib.ExitStack() as cleanup:
+        cleanup.callback(shutil.rmtree, parent, ignore_errors=True)
+        with daemon_process(run_dir, 1 << 30) as daemon:
+            client = cleanup.enter_context(BudgetClient(daemon.path, timeout=HANG_S))
+            driver = make_driver(HostDriver(), client)
+            cache = ExtensibleKVCache(config_for("full", BUDGET_LAYOUT), driver, BUDGET_LAYOUT)
+            cleanup.callback(cache.free)
+            cache.commit(100)
+        with daemon_process(run_dir, 1 << 30) as daemon:
+            assert client.wait_available(HANG_S), f"{client} did not rejoin within {HANG_S} s"
+            yield daemon.path, client, cache
+
+
+@pytest.mark.invariant(5)
+@pytest.mark.budget_proof("restart")
+@pytest.mark.planted_defect("rejoin-holds-nothing")
+def test_a_rejoin_holding_nothing_is_flagged_by_the_restart_check():
+    broken = lambda real, client: make("rejoin-holds-nothing", real)(client)  # noqa: E731
+    with rejoined_after_restart(broken) as (path, client, cache):
+        engine, held = client.report()["asker"], cache.physical_bytes
+        assert held > 0, held
+        with pytest.raises(AssertionError, match=rf"^engine {re.escape(engine)}: the ledger holds 0 bytes under a "
+                                                 rf"live lease with 0 open tickets for a cache of {held} bytes$"):
+            check_ledger_holds_each_cache(path, [(client, cache)])
+
+
+@pytest.mark.invariant(5)
+@pytest.mark.budget_proof("restart")
+def test_the_restart_check_passes_on_the_real_budgeted_driver():
+    with rejoined_after_restart(BudgetedDriver) as (path, client, cache):
+        report = check_ledger_holds_each_cache(path, [(client, cache)])
+        assert report["granted"] == cache.physical_bytes > 0, (report, cache.physical_bytes)
 
 
 @pytest.mark.invariant(5, 6)

@@ -226,13 +226,13 @@ def whole_run(budget: dict[str, dict], **options) -> dict:
     return merged(tests | budget, **options)
 
 
-ALL_PROVEN = "ledger, grants, SIGKILL, reclaim, hostile peers"
+ALL_PROVEN = "ledger, grants, SIGKILL, restart, reclaim, hostile peers"
 
 
 def test_a_run_proving_every_budget_proof_has_its_line_and_is_certified():
     lines = run_verdict(whole_run(budget_tests()), RUN)
-    budget = f"shared KV budget: {ALL_PROVEN} proven (10 tests), 5 of 5 planted defects caught"
-    assert lines[-2:-1] == [budget] and lines[-3] == "the checks caught 5 of 5 planted defects", lines
+    budget = f"shared KV budget: {ALL_PROVEN} proven (12 tests), 6 of 6 planted defects caught"
+    assert lines[-2:-1] == [budget] and lines[-3] == "the checks caught 6 of 6 planted defects", lines
     assert lines[-1].startswith("CERTIFIED cuda:0 NVIDIA H200"), lines[-1]
     front = front_lines(whole_run(budget_tests()), RUN)
     assert front[0].startswith("**Check: CERTIFIED ") and f"- {budget}" in front, front
@@ -240,20 +240,20 @@ def test_a_run_proving_every_budget_proof_has_its_line_and_is_certified():
 
 def test_a_budget_proof_with_a_failed_test_is_not_proven_and_the_run_not_certified():
     lines = run_verdict(whole_run(budget_tests({"test_grants_2": "failed"})), RUN)
-    assert ("shared KV budget: NOT PROVEN: grants (1 failed); ledger, SIGKILL, reclaim, hostile peers proven "
-            "(8 tests), 5 of 5 planted defects caught") in lines, lines
+    assert ("shared KV budget: NOT PROVEN: grants (1 failed); ledger, SIGKILL, restart, reclaim, hostile peers proven "
+            "(10 tests), 6 of 6 planted defects caught") in lines, lines
     assert lines[-1].startswith("NOT CERTIFIED ") and "shared KV budget: grants not proven" in lines[-1], lines[-1]
 
 
 def test_a_budget_proof_whose_planted_defect_is_missed_or_absent_is_not_proven():
     missed = run_verdict(whole_run(budget_tests({"test_SIGKILL_planted": "failed"})), RUN)
-    assert ("shared KV budget: NOT PROVEN: SIGKILL (1 planted defect missed); ledger, grants, reclaim, hostile peers "
-            "proven (8 tests), 4 of 5 planted defects caught") in missed, missed
+    assert ("shared KV budget: NOT PROVEN: SIGKILL (1 planted defect missed); ledger, grants, restart, reclaim, "
+            "hostile peers proven (10 tests), 5 of 6 planted defects caught") in missed, missed
     assert "shared KV budget: SIGKILL not proven" in missed[-1], missed[-1]
     skipped = {"test_reclaim_1": "skipped", "test_reclaim_2": "skipped", "test_reclaim_planted": "skipped"}
     absent = run_verdict(whole_run(budget_tests(skipped)), RUN)
     assert ("shared KV budget: NOT PROVEN: reclaim (no passing test, no planted defect caught); ledger, grants, "
-            "SIGKILL, hostile peers proven (8 tests), 4 of 4 planted defects caught") in absent, absent
+            "SIGKILL, restart, hostile peers proven (10 tests), 5 of 5 planted defects caught") in absent, absent
     assert absent[-1].startswith("NOT CERTIFIED ") and "reclaim not proven" in absent[-1], absent[-1]
     nothing = run_verdict(whole_run({}), RUN)
     assert nothing[-2].startswith("shared KV budget: NOT PROVEN: ledger (no passing test, no planted defect caught); "), nothing
@@ -265,7 +265,7 @@ def test_results_from_before_budget_proofs_have_no_budget_line_and_a_narrowed_ru
     assert not any(line.startswith("shared KV budget") for line in older) and older[-1].startswith("CERTIFIED"), older
     narrowed = run_verdict(whole_run(budget_tests({"test_grants_2": "failed"}),
                                      selection={"args": ["conformance"], "keyword": "budget"}), RUN)
-    assert "shared KV budget: 9 passed, 1 failed; 5 of 5 planted defects caught" in narrowed, narrowed
+    assert "shared KV budget: 11 passed, 1 failed; 6 of 6 planted defects caught" in narrowed, narrowed
     assert narrowed[-1].startswith("partial run: nothing certified (narrowed by -k budget)"), narrowed[-1]
 
 
@@ -300,7 +300,8 @@ def test_a_budget_proof_rides_from_its_marker_into_the_results_and_the_verdict(p
                        "test_proves_no_budget_proof": (None, None)}, carried
     line = next(line for line in run_verdict(check, None) if line.startswith("shared KV budget"))
     assert line == ("shared KV budget: NOT PROVEN: ledger (no passing test, no planted defect caught); grants (no planted "
-                    "defect caught); SIGKILL (no passing test); reclaim (no passing test, no planted defect caught); "
+                    "defect caught); SIGKILL (no passing test); restart (no passing test, no planted defect caught); "
+                    "reclaim (no passing test, no planted defect caught); "
                     "hostile peers (no passing test, no planted defect caught), 1 of 1 planted defects caught"), line
 
 

@@ -31,6 +31,9 @@ test_budget_*.py) and the planted defects that must fail them
   its stop is a driver step (`StopsAt`, under the budgeted driver, so it
   sees each create and release where the budget asked for it) or the
   reclaim handler itself, so no sleep orders anything.
+- `check_ledger_holds_each_cache`: the daemon's ledger holds a live lease
+  per engine, exactly its cache's physical bytes; a daemon that restarted
+  (`daemon_process`) holds that once each engine rejoined it.
 - `check_uid_refused`: a daemon told to serve other uids refuses this one
   before anything it sends is read, and nothing of it reaches the ledger.
 
@@ -338,6 +341,27 @@ def ledger_settles(path: str, pid: int, live_bytes: Callable[[], int], exited: f
             raise AssertionError(
                 f"{elapsed:.2f} s after pid {pid} exited the ledger names pids {pids} and holds "
                 f"{report['granted'] + report['dead']} bytes ({report['dead']} dead) for the live engines' {expected}")
+
+
+# -- a daemon that restarted -------------------------------------------------------
+def check_ledger_holds_each_cache(path: str, engines) -> dict:
+    """The status report of the daemon at `path`, once it shows one live
+    lease per engine of `engines` ((client, cache) pairs) and no other,
+    each holding exactly its cache's physical bytes with no ticket open,
+    and grants that add up to the caches' bytes."""
+    report = read_status(path, HANG_S)
+    by_name = {engine["engine"]: engine for engine in report["engines"]}
+    expected = {client.report()["asker"]: cache.physical_bytes for client, cache in engines}
+    if set(by_name) != set(expected):
+        raise AssertionError(f"the ledger names engines {sorted(by_name)}, expected {sorted(expected)}")
+    for name, physical_bytes in expected.items():
+        mine = by_name[name]
+        if (mine["lease"], mine["held"], mine["open_tickets"]) != ("live", physical_bytes, 0):
+            raise AssertionError(f"engine {name}: the ledger holds {mine['held']} bytes under a {mine['lease']} lease "
+                                 f"with {mine['open_tickets']} open tickets for a cache of {physical_bytes} bytes")
+    if report["granted"] != sum(expected.values()):
+        raise AssertionError(f"the ledger grants {report['granted']} bytes for caches of {sum(expected.values())} bytes")
+    return report
 
 
 # -- hostile peers -----------------------------------------------------------------

@@ -90,6 +90,8 @@ BUDGET_PROOFS: dict[str, str] = {
     "ledger": "the engines' grants and dead leases' bytes stay within the budget, on the ledger and read from outside",
     "grants": "no physical create without a covering grant; the ledger holds what each engine's chunks hold",
     "SIGKILL": "an engine that dies counts until its memory is seen gone, and within 2 s of a SIGKILL no longer",
+    "restart": "while the daemon is down growth fails closed; restarted, its ledger is what the engines hold as they "
+               "rejoin, past the budget too",
     "reclaim": "engines give memory back when asked, never below their floor, and keep their live blocks",
     "hostile peers": "another uid, malformed input, unknown tickets, stale sockets and planted files are refused "
                      "and change nothing else",

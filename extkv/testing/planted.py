@@ -20,10 +20,10 @@ here knows the device kind: each defect is made of the driver protocol's
 own steps, so it runs on the host driver and on each CUDA device alike.
 
 The shared KV budget's defects are its real parts with one step broken: a
-`BudgetedDriver` that asks nothing or tells nothing of what it released,
-a `Ledger` that admits past dead bytes or asks engines below their floor,
-a `BudgetDaemon` that keeps a dead lease's bytes for good or serves every
-uid. Their checks (extkv.testing.budget, extkv.testing.ledger_machine)
+`BudgetedDriver` that asks nothing, tells nothing of what it released, or
+rejoins a restarted daemon saying it holds nothing; a `Ledger` that admits
+past dead bytes or asks engines below their floor; a `BudgetDaemon` that
+keeps a dead lease's bytes for good or serves every uid. Their checks (extkv.testing.budget, extkv.testing.ledger_machine)
 are those the budget's contract tests run over the real parts.
 
 Each defect is data, in `DEFECTS`: a name, what it breaks, the checks that
@@ -356,6 +356,16 @@ class ReleasesUnreturned(BudgetedDriver):
         super().__init__(inner, _ForgetsReturned(client))
 
 
+class RejoinsHoldingNothing(BudgetedDriver):
+    """Tells its client it holds nothing: the hello with which the client
+    rejoins a daemon that restarted says 0 bytes, so the new ledger counts
+    none of the chunks this driver still maps."""
+
+    def held_bytes(self, lease: int) -> int:
+        super().held_bytes(lease)  # its releases name the new lease, as the real driver's do
+        return 0
+
+
 class AdmitsPastDeadBytes(Ledger):
     """Counts no dead bytes when it admits a reserve: what an engine that
     died held, which may still be in memory, is granted again at once."""
@@ -575,6 +585,12 @@ DEFECTS: dict[str, Defect] = {
             "the budget's ledger holds exactly what an engine's chunks hold (invariant 5)",
             ("testing.budget.check_ledger_holds",),
             _budgeted_over(ReleasesUnreturned),
+        ),
+        Defect(
+            "rejoin-holds-nothing",
+            "a restarted daemon's ledger holds what each engine's chunks hold once it rejoined (invariant 5)",
+            ("testing.budget.check_ledger_holds_each_cache: the ledger after the daemon's restart",),
+            _budgeted_over(RejoinsHoldingNothing),
         ),
         Defect(
             "admission-forgets-dead-bytes",
