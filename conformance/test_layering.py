@@ -88,6 +88,7 @@ LAYERS: list[set[str]] = [
     {"extkv.testing.stress"},
     {"extkv.runs.rundir", "extkv.runs", "extkv.runs.steps"},
     {"extkv.runs.results", "extkv.runs.commands", "extkv.runs.plots"},
+    {"extkv.check.features"},
     {"extkv.runs.machine", "extkv.check", "extkv.stress", "extkv.check.plots", "extkv.stress.plots", "extkv.check.verdict", "extkv.runs.portable"},
     {"extkv.check.report"},
     {"extkv.benchmarking.results"},

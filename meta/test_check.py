@@ -583,3 +583,44 @@ def test_a_parallel_run_without_a_lock_directory_keeps_its_exclusive_tests_alone
     result.assert_outcomes(passed=4)
     directory = next(line.split("LOCK DIR ")[1] for line in result.outlines if "LOCK DIR " in line)
     assert not Path(directory).exists(), f"the run's lock directory {directory} outlived it"
+
+
+def featured(outcome: str, feature: str, device: str = H200, skip_reason: str | None = None) -> dict:
+    return record(device, [3]) | {"outcome": outcome, "gpu_features": [feature], "skip_reason": skip_reason}
+
+
+def test_each_gpu_s_features_have_a_line_proven_not_supported_or_not_proven():
+    name = "cuda:0 NVIDIA H200 (driver 580.159.04, torch 2.11.0+cu130)"
+    both = {"test_rdma[cuda:0]": featured("passed", "gpudirect_rdma"), "test_dma_buf[cuda:0]": featured("passed", "dma_buf")}
+    lines = run_verdict(merged(full("host", "host") | full(H200, "cuda") | both), RUN)
+    assert f"{name}: GPUDirect RDMA with VMM proven (1 test); dma-buf export proven (1 test)" in lines, lines
+    assert lines[-1].startswith("CERTIFIED "), lines[-1]
+    lacking = "GPUDirect RDMA with VMM: not supported here (GPU 0: CU_DEVICE_ATTRIBUTE_GPU_DIRECT_RDMA_WITH_CUDA_VMM_SUPPORTED = 0)"
+    without = both | {"test_rdma[cuda:0]": featured("skipped", "gpudirect_rdma", skip_reason=lacking)}
+    lines = run_verdict(merged(full("host", "host") | full(H200, "cuda") | without), RUN)
+    assert f"{name}: {lacking}; dma-buf export proven (1 test)" in lines and lines[-1].startswith("CERTIFIED "), lines
+    broken = both | {"test_dma_buf[cuda:0]": featured("failed", "dma_buf")}
+    lines = run_verdict(merged(full("host", "host") | full(H200, "cuda") | broken), RUN)
+    assert f"{name}: GPUDirect RDMA with VMM proven (1 test); dma-buf export NOT PROVEN (1 failed)" in lines, lines
+    assert lines[-1].startswith("NOT CERTIFIED "), lines[-1]
+    older = run_verdict(merged(full("host", "host") | full(H200, "cuda")), RUN)
+    assert not any("GPUDirect" in line or "dma-buf" in line for line in older), older
+
+
+def test_a_feature_marker_reaches_the_run_s_records(pytester):
+    pytester.makeconftest("from extkv.testing import harness\n\ndef pytest_configure(config):\n    harness.activate(config)\n")
+    pytester.makepyfile(test_featured="""
+import pytest
+
+@pytest.mark.invariant(3)
+@pytest.mark.gpudirect_rdma
+def test_needs_rdma():
+    pass
+""")
+    result = pytester.runpytest_inprocess("-p", "no:randomly", f"--extkv-report-dir={pytester.path / 'out'}",
+                                          "--extkv-report-step=check-host", "--extkv-device=all")
+    assert result.ret == 0, result.stdout.str()
+    (document,) = [json.loads(path.read_text()) for path in (pytester.path / "out").glob("check-host.json")]
+    (test,) = document["tests"].values()
+    assert (test["outcome"], test["gpu_features"]) == ("skipped", ["gpudirect_rdma"]), test
+    assert test["skip_reason"].startswith("GPUDirect RDMA with VMM"), test["skip_reason"]

@@ -37,6 +37,7 @@ from dataclasses import dataclass, field
 
 from ..runs.results import FINISHED_STATUSES, INTERRUPTED_STATUS
 from ..testing.invariants import BUDGET_PROOFS, DEVICE_KINDS, number_ranges
+from .features import feature_lines
 
 #: Options that narrow what a pytest run selects or stop it early, as the
 #: harness records them (`selection` in each results file).
@@ -247,8 +248,9 @@ def budget_line(proofs: list[BudgetProof], narrowed: bool) -> str:
 
 
 def run_verdict(check: dict, run: dict | None) -> list[str]:
-    """The verdict lines, the run's last: one per device, the planted
-    defects', the shared KV budget's, then the run's. `run`:
+    """The verdict lines, the run's last: one per device, each GPU's
+    features' (extkv.check.features), the planted defects', the shared KV
+    budget's, then the run's. `run`:
     check-run.json (targets per step, wall seconds), or None."""
     verdicts = device_verdicts(check)
     totals = Counter(record["outcome"] for record in check["tests"].values())
@@ -260,6 +262,7 @@ def run_verdict(check: dict, run: dict | None) -> list[str]:
     narrowed = narrowed_by(check, run["targets"] if run is not None else None)
     # A narrowed run judges no device: each line is its counts alone.
     lines = [verdict.reading() if narrowed else verdict.line() for verdict in verdicts]
+    lines += feature_lines(check, [(verdict.label, verdict.name) for verdict in verdicts if verdict.kind != "host"])
     caught, planted = planted_counts(check)
     if planted:
         lines.append(f"the checks caught {caught} of {planted} planted defects")

@@ -85,11 +85,12 @@ from .configs import CAPACITY, CASE_IDS, CASES, config_for
 from .facts import cuda_device_count, machine_facts, no_cuda_reason
 from . import exclusive as exclusive_locks
 from .gpus import gpu_for_worker, pin_this_worker, visible_gpu_ids
-from .invariants import BUDGET_PROOFS
+from .invariants import BUDGET_PROOFS, GPU_FEATURES
 from .invariants import INVARIANTS as INVARIANT_TABLE
 from .record import (
     BUDGET_PROOF_PROPERTY,
     DEVICE_PROPERTY,
+    GPU_FEATURES_PROPERTY,
     HOST_LABEL,
     INVARIANTS_PROPERTY,
     PLANTED_PROPERTY,
@@ -116,10 +117,6 @@ MARKERS = {
     "harness": "checks extkv's own checking, reporting or command-line tooling (verdicts, reports, the harness, "
     "docs/guarantees.md, the README commands), not an invariant of the cache; counted under no invariant",
 }
-#: Features a GPU may lack, by the marker of a test that needs one (the
-#: marker is named as the feature in extkv.vmm.cuda.DEVICE_FEATURES and in
-#: each GPU's machine facts): what a skip calls it.
-GPU_FEATURE_MARKERS = {"gpudirect_rdma": "GPUDirect RDMA with VMM", "dma_buf": "dma-buf export"}
 #: The invariants by number, in a few words each.
 INVARIANTS = {number: invariant.words for number, invariant in INVARIANT_TABLE.items()}
 
@@ -269,14 +266,14 @@ def _budget_proof_of(item) -> str | None:
 
 
 def _needs_cuda(item) -> bool:
-    return any(item.get_closest_marker(name) for name in ("gpu", "cuda_graphs", *GPU_FEATURE_MARKERS))
+    return any(item.get_closest_marker(name) for name in ("gpu", "cuda_graphs", *GPU_FEATURES))
 
 
 def _what_needs(item) -> str:
     """The subject of a skip's `... a CUDA GPU`: what needs one."""
     if item.get_closest_marker("cuda_graphs"):
         return "CUDA graphs need"
-    feature = next((words for feature, words in GPU_FEATURE_MARKERS.items() if item.get_closest_marker(feature)), None)
+    feature = next((words for feature, words in GPU_FEATURES.items() if item.get_closest_marker(feature)), None)
     return f"{feature} needs" if feature else "needs"
 
 
@@ -285,7 +282,7 @@ def _lacking_feature(item, label: str, gpus: list[dict]) -> str | None:
     markers ask for; None where it has every one. `gpus`: the GPUs of
     `machine_facts()`."""
     offered = next((gpu for gpu in gpus if gpu["label"] == label), None)
-    for feature, words in GPU_FEATURE_MARKERS.items():
+    for feature, words in GPU_FEATURES.items():
         if not item.get_closest_marker(feature):
             continue
         if label == HOST_LABEL:
@@ -377,6 +374,9 @@ def pytest_collection_modifyitems(config, items):
         proof = _budget_proof_of(item)
         if proof is not None:
             item.user_properties.append((BUDGET_PROOF_PROPERTY, proof))
+        features = [feature for feature in GPU_FEATURES if item.get_closest_marker(feature)]
+        if features:
+            item.user_properties.append((GPU_FEATURES_PROPERTY, features))
         if item.get_closest_marker("stress") and not config.getoption("--extkv-stress"):
             item.add_marker(pytest.mark.skip(reason="stress test: run with --extkv-stress"))
         if _needs_cuda(item) and gpus == 0:

@@ -86,6 +86,14 @@ DEVICE_KINDS: dict[str, DeviceKind] = {
 
 #: The shared KV budget's proofs, in the order its certificate line names
 #: them: each a promise, in a few words.
+#: Features a GPU may lack, by the marker of a test that needs one (named
+#: as the feature in extkv.vmm.cuda.DEVICE_FEATURES and in each GPU's
+#: machine facts): what a skip and the certificate's line of each GPU call it.
+GPU_FEATURES: dict[str, str] = {
+    "gpudirect_rdma": "GPUDirect RDMA with VMM",
+    "dma_buf": "dma-buf export",
+}
+
 BUDGET_PROOFS: dict[str, str] = {
     "ledger": "the engines' grants and dead leases' bytes stay within the budget, on the ledger and read from outside",
     "grants": "no physical create without a covering grant; the ledger holds what each engine's chunks hold",

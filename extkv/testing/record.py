@@ -45,6 +45,7 @@ DEVICE_PROPERTY = "extkv_device"
 WORKER_PROPERTY = "extkv_worker"
 PLANTED_PROPERTY = "extkv_planted_defect"
 BUDGET_PROOF_PROPERTY = "extkv_budget_proof"
+GPU_FEATURES_PROPERTY = "extkv_gpu_features"
 #: Label of everything that runs on the host driver or needs no device.
 HOST_LABEL = "host"
 #: Format tag of the `<step>.json` files written here.
@@ -112,6 +113,7 @@ class RunRecord:
                 "worker": properties.get(WORKER_PROPERTY),
                 "planted_defect": properties.get(PLANTED_PROPERTY),
                 "budget_proof": properties.get(BUDGET_PROOF_PROPERTY),
+                "gpu_features": properties.get(GPU_FEATURES_PROPERTY, []),
                 "duration_s": 0.0,
                 "skip_reason": None,
                 "message": None,
