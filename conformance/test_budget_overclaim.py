@@ -12,70 +12,35 @@ agreeing. The ledger's own rule is checked number by number.
 
 from __future__ import annotations
 
-import contextlib
-
 import pytest
 
-from extkv.budget.client import BudgetClient, read_status
+from extkv.budget.client import BudgetClient
 from extkv.budget.ledger import Ledger
 from extkv.errors import BudgetDeniedError, BudgetProtocolError
-from extkv.testing.budget import served_daemon
-from extkv.testing.children import fork_server
+from extkv.testing.budget import (
+    CLAIM_HELD,
+    CLAIM_RETURNED,
+    HANG_S,
+    check_claimed_release_counted,
+    claiming_child,
+    served_daemon,
+)
 from extkv.vmm import HostDriver
 
 pytestmark = [pytest.mark.invariant(5), pytest.mark.budget_proof("ledger")]
 
-#: Safety net against a hang, never a synchronization.
-HANG_S = 60
-#: Granules the child holds, and those it claims to return.
-HELD, CLAIMED = 3, 2
-
-
-def engine_claiming(socket_path: str, honest: bool, replies) -> None:
-    """A child engine: holds HELD granules as chunks of one granule each,
-    then returns CLAIMED of them, releasing them first only if `honest`."""
-    driver = HostDriver()
-    granule = driver.granularity
-    client = BudgetClient(socket_path, timeout=HANG_S)
-    ticket = client.reserve(HELD * granule)
-    chunks = [driver.create(granule) for _ in range(HELD)]
-    client.confirm(ticket, HELD * granule)
-    if honest:
-        for chunk in chunks[:CLAIMED]:
-            driver.release(chunk)
-    client.returned(CLAIMED * granule)
-    replies.send("returned")
-    replies.recv()  # held until the test is done with it
-
-
-@contextlib.contextmanager
-def claiming_child(socket_path: str, honest: bool):
-    context = fork_server()
-    replies_in, replies = context.Pipe()
-    process = context.Process(target=engine_claiming, args=(socket_path, honest, replies), daemon=True)
-    process.start()
-    replies.close()
-    try:
-        assert replies_in.poll(HANG_S), f"the child engine did not return within {HANG_S} s"
-        assert replies_in.recv() == "returned"
-        yield process
-    finally:
-        process.kill()
-        process.join(HANG_S)
-        replies_in.close()
+#: The daemon's budget, in granules: room for what the child holds and one more.
+BUDGET_GRANULES = CLAIM_HELD + 1
 
 
 @pytest.mark.parametrize("honest", [False, True], ids=["claims a release it did not make", "honest"])
 def test_the_outside_reading_decides_a_claimed_release(honest):
     granule = HostDriver().granularity
-    with served_daemon(4 * granule) as served, claiming_child(served.path, honest) as child:
-        (engine,) = read_status(served.path, HANG_S)["engines"]
-        kept = HELD - (CLAIMED if honest else 0)
-        assert (engine["pid"], engine["held"], engine["outside"]) == (child.pid, kept * granule, kept * granule), (
-            f"{'an honest' if honest else 'a false'} claim of {CLAIMED} of {HELD} granules: the ledger holds "
-            f"{engine['held']} bytes, the process {engine['outside']}")
+    kept = CLAIM_HELD - (CLAIM_RETURNED if honest else 0)
+    with served_daemon(BUDGET_GRANULES * granule) as served, claiming_child(served.path, honest) as child:
+        check_claimed_release_counted(served, child.pid, kept * granule)
         with BudgetClient(served.path, timeout=HANG_S) as other:
-            free = 4 - kept
+            free = BUDGET_GRANULES - kept
             other.cancel(other.reserve(free * granule))
             with pytest.raises(BudgetDeniedError):
                 other.reserve((free + 1) * granule)

@@ -36,6 +36,11 @@ test_budget_*.py) and the planted defects that must fail them
   (`daemon_process`) holds that once each engine rejoined it.
 - `check_uid_refused`: a daemon told to serve other uids refuses this one
   before anything it sends is read, and nothing of it reaches the ledger.
+- `check_claimed_release_counted`: after an engine claimed to return bytes
+  it still holds, the daemon's ledger holds what its process holds, as
+  read from outside. Its child engine (`claiming_child`) holds
+  CLAIM_HELD granules, returns CLAIM_RETURNED of them, releasing them first
+  only if honest, says so on a pipe and waits there for its SIGKILL.
 
 Every check raises AssertionError naming the numbers it found.
 """
@@ -397,3 +402,64 @@ def check_uid_refused(served: ServedDaemon) -> None:
     if ledger.status() or ledger.granted:
         raise AssertionError(f"refusing uid {uid} left {len(ledger.status())} engines and {ledger.granted} bytes "
                              "granted in the ledger")
+
+
+#: Granules the claiming child engine holds, and those it says it returned.
+CLAIM_HELD, CLAIM_RETURNED = 3, 2
+#: What the claiming child says once its `returned` was answered.
+RETURNED = "returned"
+
+
+def engine_claiming(socket_path: str, honest: bool, replies) -> None:
+    """A child engine: holds CLAIM_HELD granules as chunks of one granule
+    each, then returns CLAIM_RETURNED of them, releasing them first only if
+    `honest`, says so and waits for its SIGKILL."""
+    driver = HostDriver()
+    granule = driver.granularity
+    client = BudgetClient(socket_path, timeout=HANG_S)
+    ticket = client.reserve(CLAIM_HELD * granule)
+    chunks = [driver.create(granule) for _ in range(CLAIM_HELD)]
+    client.confirm(ticket, CLAIM_HELD * granule)
+    if honest:
+        for chunk in chunks[:CLAIM_RETURNED]:
+            driver.release(chunk)
+    # The daemon reads the process from outside as it takes the claim, before it serves another message.
+    client.returned(CLAIM_RETURNED * granule)
+    replies.send(RETURNED)
+    while True:
+        signal.pause()
+
+
+@contextlib.contextmanager
+def claiming_child(socket_path: str, honest: bool):
+    """A child engine (`engine_claiming`) of the daemon at `socket_path`,
+    once its `returned` was answered: yields the process, killed and reaped
+    on the way out."""
+    context = fork_server()
+    replies, replies_out = context.Pipe(duplex=False)
+    process = context.Process(target=engine_claiming, args=(socket_path, honest, replies_out), daemon=True)
+    process.start()
+    replies_out.close()
+    try:
+        assert replies.poll(HANG_S), f"the child engine did not return within {HANG_S} s"
+        assert replies.recv() == RETURNED
+        yield process
+    finally:
+        process.kill()
+        process.join(HANG_S)
+        replies.close()
+
+
+def check_claimed_release_counted(served: ServedDaemon, pid: int, kept_bytes: int) -> dict:
+    """The engine of process `pid`, the only one of `served`, kept
+    `kept_bytes` of what it claimed to return (all it claimed, if it lied):
+    the ledger holds exactly those, and the outside reading of its process
+    shows them. Returns the engine's line of the status report."""
+    engines = read_status(served.path, HANG_S)["engines"]
+    if [engine["pid"] for engine in engines] != [pid]:
+        raise AssertionError(f"the ledger names pids {[engine['pid'] for engine in engines]}, expected [{pid}]")
+    (engine,) = engines
+    if (engine["held"], engine["outside"]) != (kept_bytes, kept_bytes):
+        raise AssertionError(f"the ledger holds {engine['held']} bytes for pid {pid}, whose process holds "
+                             f"{engine['outside']} bytes read from outside and kept {kept_bytes} past its claimed release")
+    return engine
