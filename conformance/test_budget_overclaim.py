@@ -27,7 +27,7 @@ from extkv.testing.budget import (
 )
 from extkv.vmm import HostDriver
 
-pytestmark = [pytest.mark.invariant(5), pytest.mark.budget_proof("ledger")]
+pytestmark = [pytest.mark.invariant(5), pytest.mark.budget_proof("hostile peers")]
 
 #: The daemon's budget, in granules: room for what the child holds and one more.
 BUDGET_GRANULES = CLAIM_HELD + 1

@@ -102,7 +102,7 @@ BUDGET_PROOFS: dict[str, str] = {
                "rejoin, past the budget too",
     "reclaim": "engines give memory back when asked, never below their floor, and keep their live blocks",
     "hostile peers": "another uid, malformed input, unknown tickets, stale sockets and planted files are refused "
-                     "and change nothing else",
+                     "and change nothing else; a release an engine claims and did not make stays counted",
 }
 
 
