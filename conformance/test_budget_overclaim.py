@@ -5,7 +5,9 @@ them under a real daemon (extkv.testing.budget), then sends `returned` for
 bytes it still holds. The daemon reads the process's chunks from outside
 (its memfd pages, on the host driver, which reads the engine's chunks
 alone) as it takes the claim, and counts what it reads: the ledger holds
-every byte the child still maps, and another engine is refused them. An
+every byte the child still maps (extkv.testing.budget's
+check_claimed_release_counted, which the planted claimed-release-believed
+must fail), and another engine is refused them. An
 honest release of the same bytes is taken at its word, the reading
 agreeing. The ledger's own rule is checked number by number.
 """

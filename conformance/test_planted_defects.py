@@ -60,13 +60,17 @@ from extkv.tensor import ExtensibleTensor
 from extkv.testing import planted
 from extkv.testing.budget import (
     CHILD_BLOCKS,
+    CLAIM_HELD,
+    CLAIM_RETURNED,
     HANG_S,
     KILL_SETTLES_S,
     CoveredCreates,
+    check_claimed_release_counted,
     check_ledger_holds,
     check_ledger_holds_each_cache,
     check_uid_refused,
     child_stopped_at,
+    claiming_child,
     daemon_process,
     footprint,
     ledger_settles,
@@ -852,3 +856,33 @@ def test_a_daemon_serving_every_uid_is_flagged_by_the_refusal_check():
 def test_the_refusal_check_passes_on_the_real_daemon():
     with served_daemon(1000, allowed_uids=[os.geteuid() + 1]) as served:
         check_uid_refused(served)
+
+
+@contextlib.contextmanager
+def lying_child(make_daemon):
+    """A daemon of `make_daemon` with one child engine that said it returned
+    CLAIM_RETURNED of its CLAIM_HELD granules and released none: yields
+    (the served daemon, the child's pid, the bytes it kept, those it claimed)."""
+    granule = HostDriver().granularity
+    with served_daemon((CLAIM_HELD + 1) * granule, make_daemon=make_daemon) as served:
+        with claiming_child(served.path, honest=False) as child:
+            yield served, child.pid, CLAIM_HELD * granule, CLAIM_RETURNED * granule
+
+
+@pytest.mark.invariant(5)
+@pytest.mark.budget_proof("hostile peers")
+@pytest.mark.planted_defect("claimed-release-believed")
+def test_a_claimed_release_believed_is_flagged_by_the_claimed_release_check():
+    with lying_child(make("claimed-release-believed", HostDriver())) as (served, pid, kept, claimed):
+        with pytest.raises(AssertionError, match=rf"^the ledger holds {kept - claimed} bytes for pid {pid}, whose "
+                                                 rf"process holds {kept} bytes read from outside and kept {kept} "
+                                                 rf"past its claimed release$"):
+            check_claimed_release_counted(served, pid, kept)
+
+
+@pytest.mark.invariant(5)
+@pytest.mark.budget_proof("hostile peers")
+def test_the_claimed_release_check_passes_on_the_real_daemon():
+    with lying_child(BudgetDaemon) as (served, pid, kept, _):
+        engine = check_claimed_release_counted(served, pid, kept)
+    assert engine["grant"] == kept > 0, engine

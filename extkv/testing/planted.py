@@ -23,7 +23,8 @@ The shared KV budget's defects are its real parts with one step broken: a
 `BudgetedDriver` that asks nothing, tells nothing of what it released, or
 rejoins a restarted daemon saying it holds nothing; a `Ledger` that admits
 past dead bytes or asks engines below their floor; a `BudgetDaemon` that
-keeps a dead lease's bytes for good or serves every uid. Their checks (extkv.testing.budget, extkv.testing.ledger_machine)
+keeps a dead lease's bytes for good, serves every uid or believes a release
+an engine claims but did not make. Their checks (extkv.testing.budget, extkv.testing.ledger_machine)
 are those the budget's contract tests run over the real parts.
 
 Each defect is data, in `DEFECTS`: a name, what it breaks, the checks that
@@ -418,6 +419,23 @@ class KeepsDeadLeases(BudgetDaemon):
         self.ledger = IgnoresOutsideReadings(budget)
 
 
+class IgnoresReadingsOfLiveEngines(Ledger):
+    """Takes no outside reading of a live engine: a release it claims is
+    believed however much of its memory the reading still shows."""
+
+    def outside_reading(self, engine: str, nbytes: int, now: float) -> int:
+        return 0
+
+
+class BelievesClaimedReleases(BudgetDaemon):
+    """A daemon whose ledger is an `IgnoresReadingsOfLiveEngines`: bytes an
+    engine says it returned are granted again while it still maps them."""
+
+    def __init__(self, device, budget: int, **options):
+        super().__init__(device, budget, **options)
+        self.ledger = IgnoresReadingsOfLiveEngines(budget)
+
+
 class _EveryUid(frozenset):
     """Uids that hold every uid."""
 
@@ -615,6 +633,12 @@ DEFECTS: dict[str, Defect] = {
             "another uid is refused before anything it sends is read, and changes nothing (invariants 5 and 6)",
             ("testing.budget.check_uid_refused",),
             lambda real: ServesEveryUid,
+        ),
+        Defect(
+            "claimed-release-believed",
+            "a release an engine claims but did not make stays counted, as the outside reading shows (invariant 5)",
+            ("testing.budget.check_claimed_release_counted",),
+            lambda real: BelievesClaimedReleases,
         ),
     )
 }
