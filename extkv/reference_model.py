@@ -463,16 +463,8 @@ class ReferenceModelRunner:
     def _top_freeing(kv_cache: ExtensibleKVCache, keep_bytes: int) -> int | None:
         """The largest block count, at least 1 and at most the committed
         ones, whose footprint is at most `keep_bytes`; None if there is none."""
-        low, high = 1, kv_cache.num_committed_blocks
-        if high < 1 or kv_cache.physical_bytes_for(low) > keep_bytes:
-            return None
-        while low < high:  # the footprint grows with the block count
-            middle = (low + high + 1) // 2
-            if kv_cache.physical_bytes_for(middle) <= keep_bytes:
-                low = middle
-            else:
-                high = middle - 1
-        return low
+        count = min(kv_cache.blocks_within(keep_bytes), kv_cache.num_committed_blocks)
+        return count if count >= 1 else None
 
     def _moves_below(self, new_top: int) -> dict[int, int]:
         """Each live block's id once the cache holds `new_top` blocks: those

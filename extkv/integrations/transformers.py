@@ -238,16 +238,8 @@ def _head_geometry(text_config) -> tuple[int, int]:
 def _largest_count_within(kv_cache: ExtensibleKVCache, least: int, keep_bytes: int) -> int | None:
     """The largest block count from `least` to the committed ones whose
     footprint is at most `keep_bytes`; None if there is none."""
-    low, high = least, kv_cache.num_committed_blocks
-    if high < low or kv_cache.physical_bytes_for(low) > keep_bytes:
-        return None
-    while low < high:  # the footprint grows with the block count
-        middle = (low + high + 1) // 2
-        if kv_cache.physical_bytes_for(middle) <= keep_bytes:
-            low = middle
-        else:
-            high = middle - 1
-    return low
+    count = min(kv_cache.blocks_within(keep_bytes), kv_cache.num_committed_blocks)
+    return count if count >= least else None
 
 
 def _reclaims_answered_by(cache: "ExtensibleCache") -> Callable[[int], int]:
