@@ -36,7 +36,6 @@ import socket
 import struct
 import subprocess
 import sys
-import tempfile
 import threading
 import time
 
@@ -49,7 +48,7 @@ from extkv.budget.listener import DaemonRunningError
 from extkv.budget.device import HostDevice
 from extkv.budget.protocol import MAX_REQUEST_BYTES, PROTOCOL
 from extkv.errors import BudgetDeniedError, BudgetProtocolError, BudgetUnavailableError, OutOfMemoryError
-from extkv.testing.budget import ServedDaemon, check_uid_refused
+from extkv.testing.budget import ServedDaemon, check_uid_refused, short_run_dir
 from extkv.testing.children import fork_server
 from extkv.vmm import HostDriver
 from extkv.wire import encode_message, receive_message, send_message
@@ -65,10 +64,8 @@ BUDGET = 1000
 # -- the daemon and its engines ------------------------------------------------
 @pytest.fixture
 def run_dir():
-    # Short: an AF_UNIX address holds 107 bytes, and pytest's tmp_path is long.
-    parent = tempfile.mkdtemp(prefix="extkv-budget-")
-    yield os.path.join(parent, "run")
-    shutil.rmtree(parent, ignore_errors=True)
+    with short_run_dir() as run_dir:
+        yield run_dir
 
 
 @pytest.fixture

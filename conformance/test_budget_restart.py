@@ -29,9 +29,7 @@ from __future__ import annotations
 
 import os
 import re
-import shutil
 import signal
-import tempfile
 import time
 
 import pytest
@@ -39,7 +37,7 @@ import pytest
 from extkv import ExtensibleKVCache, KVCacheLayout
 from extkv.budget.client import BudgetClient, read_status, status_lines
 from extkv.errors import BudgetDeniedError, BudgetUnavailableError
-from extkv.testing.budget import check_ledger_holds_each_cache, daemon_process
+from extkv.testing.budget import check_ledger_holds_each_cache, daemon_process, short_run_dir
 from extkv.testing.checks import check_unchanged, snapshot
 from extkv.testing.configs import config_for
 from extkv.vmm import HostDriver
@@ -58,10 +56,8 @@ LAYOUT = KVCacheLayout.BLHNC
 
 @pytest.fixture
 def run_dir():
-    # Short: an AF_UNIX address holds 107 bytes, and pytest's tmp_path is long.
-    parent = tempfile.mkdtemp(prefix="extkv-budget-")
-    yield os.path.join(parent, "run")
-    shutil.rmtree(parent, ignore_errors=True)
+    with short_run_dir() as run_dir:
+        yield run_dir
 
 
 @pytest.fixture

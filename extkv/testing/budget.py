@@ -106,15 +106,24 @@ class ServedDaemon:
 @contextlib.contextmanager
 def served_daemon(budget: int, allowed_uids=None,
                   make_daemon: Callable[..., BudgetDaemon] = BudgetDaemon) -> Iterator[ServedDaemon]:
-    parent = tempfile.mkdtemp(prefix="extkv-budget-")
-    served = ServedDaemon(os.path.join(parent, "run"), budget, allowed_uids, make_daemon)
-    try:
-        yield served
-    finally:
+    with short_run_dir() as run_dir:
+        served = ServedDaemon(run_dir, budget, allowed_uids, make_daemon)
         try:
-            served.stop()
+            yield served
         finally:
-            shutil.rmtree(parent, ignore_errors=True)
+            served.stop()
+
+
+@contextlib.contextmanager
+def short_run_dir() -> Iterator[str]:
+    """A daemon's run directory, not made yet, in a new directory of the
+    temp dir, removed on the way out. Short: an AF_UNIX address holds 107
+    bytes, and pytest's tmp_path is long."""
+    parent = tempfile.mkdtemp(prefix="extkv-budget-")
+    try:
+        yield os.path.join(parent, "run")
+    finally:
+        shutil.rmtree(parent, ignore_errors=True)
 
 
 def _serve_in_child(run_dir: str, budget: int, ready) -> None:
