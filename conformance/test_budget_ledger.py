@@ -338,6 +338,34 @@ def test_a_reserve_waiting_on_an_engine_that_dies_waits_for_its_bytes_seen_gone(
     assert ledger.reserve("b", 50, 1.02).verdict == Verdict.GRANTED and ledger.expire(RECLAIM_DEADLINE_S) == []
 
 
+def test_an_engine_whose_own_reserve_waits_is_never_asked():
+    """A waits, inside a commit that holds its cache's lock, so it could not
+    shrink: when another engine's death leaves A above its share of what
+    remains, C's reserve does not ask A, and is denied at once."""
+    ledger = joined(400, ("a", dict(held=200)), ("b", dict(held=200, floor=50, weight=0.5)), ("c", {}))
+    assert [(r.engine, r.nbytes) for r in ledger.reserve("a", 50, 0.0).reclaims] == [("b", 50)]
+    ledger.leave("b", 0.1)  # b's 200 bytes are dead until seen gone; a waits on for them
+    denied = ledger.reserve("c", 50, 0.2)  # shares of the 200 left: a 150, c 50; a is 50 above its share
+    assert denied.verdict == Verdict.DENIED and "can give back 0" in denied.reason, denied
+    assert engine(ledger, "a").reclaim_pending_bytes == 0
+
+
+def test_an_engine_asked_to_give_back_may_not_begin_a_wait():
+    """B, asked for 5 bytes, reserves before it answers (its commit was
+    under way): waiting, it would hold its cache's lock and never answer, so
+    the reserve is denied at once and changes nothing; once it answered it
+    may wait as any engine."""
+    ledger = joined(100, ("a", {}), ("b", dict(held=40)), ("c", dict(held=60)))
+    asked = ledger.reserve("a", 30, 0.0)  # shares of demands 30, 40, 60: 30, 35, 35
+    assert sorted((r.engine, r.nbytes) for r in asked.reclaims) == [("b", 5), ("c", 25)]
+    before = snapshot(ledger)
+    denied = ledger.reserve("b", 10, 0.1)  # 100 + 10 > 100: it would wait on c's reclaim
+    assert denied.verdict == Verdict.DENIED and "not answered a reclaim of 5 bytes" in denied.reason, denied
+    assert snapshot(ledger) == before
+    ledger.cannot("b", 0.2)
+    assert ledger.reserve("b", 10, 0.2).verdict == Verdict.WAIT
+
+
 def test_a_late_answer_is_no_error():
     ledger = joined(100, ("a", dict(held=70)), ("b", {}))
     ledger.reserve("b", 50, 0.0)

@@ -24,6 +24,14 @@ ends the reclaim, and is a reason to run the reserve again: the same
 engine asking the same bytes continues its wait, asking no engine twice.
 If those engines cannot cover it, it is *denied* at once, with the
 numbers; at the deadline `expire` denies it, naming who did not answer.
+
+An engine whose own reserve waits is never asked: it waits inside a
+commit, holding its cache's lock, so its reclaim handler cannot shrink
+until the wait ends, and two engines each asked for the other's wait
+would both miss the deadline. For the same reason an engine asked to give
+back, which has not answered, may not begin a wait: a reserve of its that
+does not fit is denied at once, and it answers its reclaim. So no engine
+is ever both waiting and asked, and no wait waits on a waiter.
 A reserve already waiting when an engine it waits on dies waits on for
 the dead bytes (they come back once seen gone, below), to its deadline.
 
@@ -430,6 +438,10 @@ class Ledger:
                                     f"{self.granted}, dead {self.dead}; {need} must come back and engines above their "
                                     f"fair shares and floors can give back {need - short}"
                                     + (f" (not asking again: {', '.join(unasked)})" if unasked else ""))
+        if waiter is None and engine in self._reclaims:
+            return self._deny(None, f"engine {engine!r} asked {nbytes} bytes, which do not fit, while it has "
+                                    f"not answered a reclaim of {self._reclaims[engine].nbytes} bytes: it may "
+                                    f"not wait until it answers")
         if waiter is None:
             wait, waiter = self._new_id(), _Waiter(engine, nbytes, now + RECLAIM_DEADLINE_S)
             self._waiters[wait] = waiter
@@ -598,12 +610,15 @@ class Ledger:
         need = self.granted + self.dead + nbytes - self.budget - sum(reclaim.nbytes for reclaim in relied)
         done = (waiter.answered | waiter.ignored) if waiter else set()
         shares = self._shares({asker: nbytes})
+        waiting = {other.engine for other in self._waiters.values()}
         # An engine gives what it holds above its share, but never held bytes
-        # below its floor: its open tickets may yet be cancelled.
+        # below its floor: its open tickets may yet be cancelled. One whose
+        # own reserve waits cannot shrink until that wait ends.
         offers = sorted(
             (-min(record.held - record.floor, record.grant - shares[name]), name)
             for name, record in self._engines.items()
             if record.lease is _LIVE and name != asker and name not in self._reclaims and name not in done
+            and name not in waiting
         )
         asked = []
         for minus_excess, name in offers:

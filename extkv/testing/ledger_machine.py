@@ -11,8 +11,9 @@ exactly when it fits the budget and the engine's cap, no engine above its
 cap (where joins brought more than either, as engines rejoining a daemon
 that restarted do, never more than they brought, falling as they give
 back), nothing held below zero, unique tickets, every reclaim asked of a
-live engine above its floor and the reclaims pending enough for what a
-waiting reserve needs, and the ledger's numbers per engine equal to the
+live engine above its floor and never of an engine whose own reserve
+waits, no wait begun by an engine asked to give back, the reclaims
+pending enough for what a waiting reserve needs, and the ledger's numbers per engine equal to the
 model's. Answers to reclaims run the waiting reserves again, as the daemon
 does.
 
@@ -107,6 +108,7 @@ class LedgerMachine(RuleBasedStateMachine):
 
     def reserve_and_check(self, name: str, nbytes: int) -> Decision:
         before, mine = snapshot(self.ledger), self.model[name]
+        asked_of_it = {s.engine: s.reclaim_pending_bytes for s in self.ledger.status()}.get(name, 0)
         decision = self.ledger.reserve(name, nbytes, self.now)
         fits = mine.grant + nbytes <= mine.cap and self.total() + nbytes <= BUDGET
         assert (decision.verdict == Verdict.GRANTED) == fits, (
@@ -125,10 +127,19 @@ class LedgerMachine(RuleBasedStateMachine):
             self.waiting.discard((name, nbytes))
         else:
             was_waiting = (name, nbytes) in self.waiting
+            # A waiting engine holds its cache's lock inside a commit: it
+            # cannot shrink, so it is never asked, and one asked may not wait.
+            assert was_waiting or not asked_of_it, (
+                f"engine {name!r} began a wait for {nbytes} bytes while a reclaim of {asked_of_it} bytes asked of "
+                f"it was unanswered: waiting, it could not answer")
+            waiters = {engine for engine, _ in self.waiting}
             self.waiting.add((name, nbytes))
             for reclaim in decision.reclaims:
                 target = self.model[reclaim.engine]
                 assert reclaim.engine != name and target.live, f"a reclaim for {name!r} asks {reclaim.engine!r}"
+                assert reclaim.engine not in waiters, (
+                    f"a reclaim for engine {name!r} asks engine {reclaim.engine!r}, whose own reserve waits: it "
+                    f"cannot shrink until that wait ends")
                 assert 0 < reclaim.nbytes <= target.held - target.floor, (
                     f"a reclaim of {reclaim.nbytes} bytes from engine {reclaim.engine!r}, which holds {target.held} "
                     f"bytes with a floor of {target.floor}: it would hold {target.held - reclaim.nbytes}, below its floor")
@@ -183,6 +194,17 @@ class LedgerMachine(RuleBasedStateMachine):
         name = min(statuses, key=lambda s: (s.grant / s.weight, s.engine)).engine
         free = max(0, BUDGET - self.total())
         self.reserve_and_confirm(data, name, free + data.draw(st.integers(1, 100)))
+
+    @precondition(lambda self: any(s.reclaim_pending_bytes for s in self.ledger.status()))
+    @rule(data=st.data())
+    def asked_engine_grows(self, data):
+        """An engine asked to give back reserves past what is free before it
+        answers, as one whose commit was under way when the reclaim came."""
+        name = data.draw(st.sampled_from([s.engine for s in self.ledger.status() if s.reclaim_pending_bytes]))
+        free = max(0, BUDGET - self.total())
+        # A little past what is free: the reclaims already pending for
+        # others could cover it, so a ledger that let it wait would.
+        self.reserve_and_confirm(data, name, free + data.draw(st.integers(1, 20)))
 
     def reserve_and_confirm(self, data, name: str, nbytes: int) -> None:
         decision = self.reserve_and_check(name, nbytes)

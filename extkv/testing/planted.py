@@ -402,6 +402,20 @@ class ReclaimsBelowFloor(Ledger):
                 self._engines[name].floor = floor
 
 
+class WaitsWhileAsked(Ledger):
+    """Lets an engine that was asked to give back, and has not answered,
+    begin a wait of its own: waiting inside a commit, it holds its cache's
+    lock and cannot answer, and the wait that asked it misses its deadline."""
+
+    def reserve(self, engine: str, nbytes: int, now: float):
+        asked = self._reclaims.pop(engine, None) if isinstance(engine, str) else None
+        try:
+            return super().reserve(engine, nbytes, now)
+        finally:
+            if asked is not None:
+                self._reclaims[engine] = asked
+
+
 class IgnoresOutsideReadings(Ledger):
     """Takes no outside reading of a dead lease: its dead bytes stay
     counted however gone its memory is."""
@@ -621,6 +635,12 @@ DEFECTS: dict[str, Defect] = {
             "no engine is asked to give back bytes below its floor (invariant 5)",
             ("testing.ledger_machine.LedgerMachine: every reclaim leaves its engine at or above its floor",),
             lambda real: ReclaimsBelowFloor,
+        ),
+        Defect(
+            "wait-while-asked",
+            "no engine is both asked to give back and waiting on its own reserve (invariant 5)",
+            ("testing.ledger_machine.LedgerMachine: no wait begun by an engine asked to give back",),
+            lambda real: WaitsWhileAsked,
         ),
         Defect(
             "dead-lease-kept",
