@@ -22,6 +22,8 @@ against a hang.
 - A client that hangs up on a daemon that stalls rejoins it once it
   answers, and the lease it ended is not counted beside the new one; nor
   is a lease of the same process that claimed bytes it never created.
+- An engine slow to rejoin (stopped as the daemon restarts) is counted from
+  the restart, at what its process holds, so no other engine is granted it.
 - A forked child never rejoins on its parent's lease.
 """
 
@@ -36,8 +38,20 @@ import pytest
 
 from extkv import ExtensibleKVCache, KVCacheLayout
 from extkv.budget.client import BudgetClient, read_status, status_lines
+from extkv.budget.daemon import BudgetDaemon
+from extkv.budget.device import HostDevice
+from extkv.budget.journal import journal_path, start_time
+from extkv.budget.journal import write as write_journal
+from extkv.budget.protocol import socket_path
 from extkv.errors import BudgetDeniedError, BudgetUnavailableError
-from extkv.testing.budget import check_ledger_holds_each_cache, daemon_process, short_run_dir
+from extkv.testing.budget import (
+    CHILD_BLOCKS,
+    check_ledger_holds_each_cache,
+    child_stopped_at,
+    daemon_process,
+    footprint,
+    short_run_dir,
+)
 from extkv.testing.checks import check_unchanged, snapshot
 from extkv.testing.configs import config_for
 from extkv.vmm import HostDriver
@@ -181,6 +195,68 @@ def test_a_client_that_hangs_up_on_a_stalled_daemon_rejoins_it_and_is_counted_on
         wait_until_no_lease_is_dead(daemon.path)
         grow_to(engine[1], 6 * MiB)
         check_ledger_holds_each_cache(daemon.path, [engine])
+
+
+def test_an_engine_slow_to_rejoin_is_counted_from_the_restart(run_dir, engines):
+    """B, a child engine holding 16 MiB, is stopped (SIGSTOP) as the daemon
+    restarts, so it cannot rejoin: the new daemon counts what B's process
+    holds from its start, and A, which rejoined, is not granted those bytes.
+    Once B goes on, it rejoins with them and nothing else stays counted."""
+    held = footprint(CHILD_BLOCKS)
+    with daemon_process(run_dir, held + 6 * MiB) as daemon:
+        path = daemon.path
+        first = engines(path)
+        grow_to(first[1], 2 * MiB)
+        with child_stopped_at(path, "confirmed") as (child, replies):
+            assert replies.recv() == "confirmed"
+            os.kill(child.pid, signal.SIGSTOP)
+            try:
+                daemon.kill()
+                with daemon_process(run_dir, held + 6 * MiB) as restarted:
+                    assert first[0].wait_available(HANG_S), f"{first[0]} did not rejoin within {HANG_S} s"
+                    before = snapshot(first[1])
+                    with pytest.raises(BudgetDeniedError, match=f"budget {held + 6 * MiB}, granted {2 * MiB}, dead "
+                                                                f"{held}; {2 * MiB} must come back"):
+                        grow_to(first[1], 8 * MiB)
+                    check_unchanged(first[1], before)
+                    grow_to(first[1], 6 * MiB)  # what B's bytes leave
+                    os.kill(child.pid, signal.SIGCONT)
+                    wait_until_no_lease_is_dead(restarted.path)
+                    report = read_status(restarted.path, HANG_S)
+                    holds = sorted((engine["pid"], engine["held"]) for engine in report["engines"])
+                    assert holds == sorted([(os.getpid(), 6 * MiB), (child.pid, held)]), report
+                    assert (report["granted"], report["dead"]) == (held + 6 * MiB, 0), report
+            finally:
+                os.kill(child.pid, signal.SIGCONT)
+
+
+@pytest.mark.parametrize("journal", ["another process", "a FIFO", "not JSON"])
+def test_a_journal_naming_no_live_engine_counts_nothing(run_dir, journal):
+    """What the restarted daemon reads of its predecessor's engines can only
+    add counted bytes: a pid whose start time differs (another process took
+    it), a FIFO planted at the journal's path (refused without opening it:
+    the start does not block) and a file that is no journal count nothing,
+    and the last two are logged."""
+    lines: list[str] = []
+    path = socket_path(run_dir, "host")
+    os.makedirs(run_dir, mode=0o700, exist_ok=True)
+    cache = ExtensibleKVCache(config_for("full", LAYOUT), HostDriver(), LAYOUT)
+    try:
+        cache.commit(cache.blocks_within(2 * MiB))  # this process holds chunks: listed as itself, it would count
+        where = journal_path(path)
+        if journal == "another process":
+            write_journal(where, {os.getpid(): start_time(os.getpid()) + 1})
+        elif journal == "a FIFO":
+            os.mkfifo(where)
+        else:
+            with open(where, "w") as planted:
+                planted.write("{")
+        with BudgetDaemon(HostDevice(), 16 * MiB, run_dir=run_dir, log=lines.append) as daemon:
+            assert (daemon.ledger.dead, daemon.ledger.status()) == (0, []), daemon.ledger.status()
+        ignored = [line for line in lines if line.endswith(": ignored")]
+        assert len(ignored) == (journal != "another process"), lines
+    finally:
+        cache.free()
 
 
 def wait_until_no_lease_is_dead(path: str) -> None:

@@ -40,7 +40,7 @@ LAYERS: list[set[str]] = [
     {"extkv.vmm.primitives", "extkv.vmm.pressure"},
     {"extkv.tensor", "extkv.layout_types", "extkv.sizing", "extkv.usage", "extkv.wire"},
     {"extkv.budget", "extkv.budget.ledger"},
-    {"extkv.budget.protocol", "extkv.budget.device", "extkv.budget.listener"},
+    {"extkv.budget.protocol", "extkv.budget.device", "extkv.budget.listener", "extkv.budget.journal"},
     {"extkv.budget.daemon", "extkv.budget.client"},
     {"extkv.budget.driver"},
     {"extkv.layout", "extkv.peer"},

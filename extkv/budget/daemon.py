@@ -50,7 +50,15 @@ A daemon that restarts starts with an empty ledger, and engines rebuild it:
 each client rejoins, saying in `hello` what its engine holds now, and the
 ledger counts those bytes even past the budget or the engine's cap
 (extkv.budget.ledger's `join`), since they exist; growth past either is
-denied until engines give back, and the log names the excess.
+denied until engines give back, and the log names the excess. Engines
+rejoin in their own time, so the daemon also counts, from its start, every
+process its predecessor counted (extkv.budget.journal) at its outside
+reading, as a dead lease (`Ledger.found`): the bytes of an engine that has
+not rejoined yet are never granted to another. As the process rejoins, the
+dead lease falls to its reading less what its live leases hold, to 0 on
+the host; a GPU's reading counts the whole process, so there the found
+lease is forgotten once the process has a live lease again, whose hello
+says what it holds.
 
 Nothing here imports torch, and no CUDA context is ever created: a GPU is
 read through NVML.
@@ -71,6 +79,7 @@ from typing import Callable
 from .. import validate
 from ..errors import BudgetProtocolError
 from ..wire import MessageBuffer, encode_message, peer_credentials
+from . import journal
 from .device import HostDevice, NvmlDevice
 from .ledger import Lease, Ledger, ReclaimIgnored, ReserveDenied, Verdict
 from .listener import ClaimedSocket, claim_socket
@@ -147,6 +156,9 @@ class BudgetDaemon:
         self._engines: dict[str, _Connection] = {}
         self._waits: dict[int, _Waiting] = {}
         self._dead: dict[str, tuple[int, int | None]] = {}  # engine -> (pid, pidfd)
+        self._found: set[str] = set()  # dead leases of processes found at the start (`Ledger.found`)
+        self._journal = journal.journal_path(self.socket_path)
+        self._journaled: dict[int, int] = {}  # pid -> start time, as the journal lists them
         self._serial = 0
         self._next_expire = 0.0
         self._deadlines: list[float] = []  # a heap of the waits' deadlines, so the loop wakes at each
@@ -158,6 +170,48 @@ class BudgetDaemon:
         self._claimed = claim_socket(self.socket_path, backlog=BACKLOG, log=self._log)
         self._selector.register(self._claimed.listener, selectors.EVENT_READ, "listener")
         self._selector.register(self._wake_reader, selectors.EVENT_READ, "wake")
+        self._count_found_processes(time.monotonic())
+        self._write_journal()
+
+    def _count_found_processes(self, now: float) -> None:
+        """Count what each live process of the predecessor's journal holds,
+        until it rejoins or its memory goes (see the theory)."""
+        processes, ignored = journal.processes_to_count(self._journal)
+        if ignored:
+            self._log(ignored)
+        for pid, started in processes.items():
+            try:
+                pidfd = os.pidfd_open(pid)
+            except OSError:
+                continue  # gone since it was read
+            # Read after the pidfd is open: a process given the pid since then fails this.
+            reading = self.device.read_process(pid) if journal.start_time(pid) == started else 0
+            if not reading:
+                if reading is None:
+                    self._log(f"process {pid}, an engine of the daemon before, cannot be read: not counted")
+                os.close(pidfd)
+                continue
+            engine = f"{pid}.found"
+            self.ledger.found(engine, pid=pid, uid=os.stat(f"/proc/{pid}").st_uid, nbytes=reading, now=now)
+            self._dead[engine], self._next_dead_poll = (pid, pidfd), now
+            self._found.add(engine)
+            self._log(f"process {pid}, an engine of the daemon before, holds {reading} bytes: counted until it "
+                      "rejoins or its memory goes")
+
+    def _write_journal(self) -> None:
+        """Rewrite the journal if the processes the ledger counts changed."""
+        counted = {status.pid for status in self.ledger.status()}
+        processes = {pid: self._journaled[pid] if pid in self._journaled else journal.start_time(pid)
+                     for pid in counted}
+        processes = {pid: started for pid, started in processes.items() if started is not None}
+        if processes == self._journaled:
+            return
+        try:
+            journal.write(self._journal, processes)
+        except OSError as error:
+            self._log(f"the journal {self._journal} cannot be written: {error}")
+            return
+        self._journaled = processes
 
     def stop(self) -> None:
         """Make `serve_forever` return; safe from any thread or a signal handler."""
@@ -294,7 +348,10 @@ class BudgetDaemon:
             connection.pidfd = os.pidfd_open(connection.pid)
         except OSError:
             connection.pidfd = None  # gone already: its lease ends with the connection it left
+        if any(pid == connection.pid for pid, _ in self._dead.values()):
+            self._read_dead_leases(now)  # its rejoin settles its dead leases before anything it asks next
         self._reply(connection, {"op": "ok", "id": message["id"]})
+        self._write_journal()
         (status,) = [status for status in self.ledger.status() if status.engine == engine]
         past = "".join([f"; {status.over_cap} bytes past its cap" if status.over_cap else "",
                         f"; the engines are {self.ledger.over_budget} bytes past the budget, growth is denied until "
@@ -450,16 +507,21 @@ class BudgetDaemon:
             # The process reads as all it holds; what it holds under a live
             # lease of its own (a client that rejoined, a second client) is
             # counted there, not left to the dead one.
-            live = sum(status.held for status in statuses if status.pid == pid and status.lease is Lease.LIVE)
-            remaining = reading - live
+            live = [status.held for status in statuses if status.pid == pid and status.lease is Lease.LIVE]
+            remaining = reading - sum(live)
+            if engine in self._found and live and not self.device.reads_chunks_only:
+                remaining = 0  # rejoined: its hello says what it holds, which the reading cannot tell apart
             self.ledger.seen_gone(engine, remaining, now)
             if remaining <= 0:  # the ledger forgot the lease at it: so does the loop
                 del self._dead[engine]
+                self._found.discard(engine)
                 if pidfd is not None:
                     os.close(pidfd)
-                self._log(f"engine {engine} (pid {pid}): its memory is seen gone")
+                self._log(f"engine {engine} (pid {pid}): its memory is seen gone"
+                          + (", or counted under the lease it rejoined with" if live else ""))
         self._next_dead_poll = now + DEAD_LEASE_POLL_S
         if self.ledger.dead < dead:
+            self._write_journal()
             self._retry_waits(now)
 
     def _expire(self, now: float) -> None:
@@ -529,6 +591,7 @@ class BudgetDaemon:
         elif connection.pidfd is not None:
             os.close(connection.pidfd)
         self._log(f"engine {engine} (pid {connection.pid}): lease ended, {why}")
+        self._write_journal()
         self._retry_waits(now)
 
     def _close_socket(self, connection: _Connection) -> None:

@@ -49,7 +49,10 @@ An engine that rejoins a daemon that restarted joins with the bytes it
 holds (`join`'s `held`). They exist, so they are counted even where they
 take the engines past the budget (`over_budget`) or the engine past its
 cap (`over_cap`): nothing is granted past either until returns make room,
-and engines above their shares are asked to give back as usual.
+and engines above their shares are asked to give back as usual. Until an
+engine rejoins, what its process holds is counted as a dead lease's
+bytes (`found`, from the outside reading when the daemon starts), so the
+others are not granted it meanwhile.
 
 Nothing here reads a clock or does I/O: time is the caller's `now`, in
 seconds of one monotonic clock. What each call may do in each state of a
@@ -151,6 +154,7 @@ class _Call:
 #: dead lease whose bytes are all gone becomes absent (`Ledger._settle`).
 _CALLS: dict[str, _Call] = {
     "join": _Call(frozenset({_ABSENT}), frozenset(), _LIVE),
+    "found": _Call(frozenset({_ABSENT}), frozenset(), _DEAD),
     "reserve": _Call(frozenset({_LIVE}), frozenset(), _LIVE),
     "confirm": _Call(frozenset({_LIVE}), frozenset({_OPEN, _EXPIRED}), _LIVE),
     "cancel": _Call(frozenset({_LIVE}), frozenset({_OPEN, _EXPIRED}), _LIVE),
@@ -409,6 +413,19 @@ class Ledger:
             raise BudgetProtocolError(f"floor must be <= {self.budget - floors} bytes, what the budget of "
                                       f"{self.budget} leaves beside the other floors ({floors}), got {floor}")
         self._engines[engine] = _Engine(pid, uid, floor, cap, weight, held, lease=_CALLS["join"].lease_after)
+
+    def found(self, engine: str, *, pid: int, uid: int, nbytes: int, now: float) -> None:
+        """A process found holding `nbytes` (its outside reading) as the
+        daemon starts, whose engine has not rejoined: they count as a dead
+        lease's bytes until `seen_gone` lowers them (as the process rejoins
+        with what it holds, or its memory goes). 0 bytes: nothing to count."""
+        self._require("found", engine)
+        pid, uid = _integer("pid", pid, minimum=1, what="a process id"), _integer("uid", uid, what="a user id")
+        nbytes = _integer("nbytes", nbytes)
+        _real("now", now)
+        self._engines[engine] = _Engine(pid, uid, 0, self.budget, 1.0, 0, lease=_CALLS["found"].lease_after,
+                                        dead=nbytes)
+        self._settle(engine)
 
     def reserve(self, engine: str, nbytes: int, now: float) -> Decision:
         record = self._record("reserve", engine)

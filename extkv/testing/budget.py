@@ -362,17 +362,27 @@ def check_ledger_holds_each_cache(path: str, engines) -> dict:
     """The status report of the daemon at `path`, once it shows one live
     lease per engine of `engines` ((client, cache) pairs) and no other,
     each holding exactly its cache's physical bytes with no ticket open,
-    and grants that add up to the caches' bytes."""
-    report = read_status(path, HANG_S)
-    by_name = {engine["engine"]: engine for engine in report["engines"]}
+    and grants that add up to the caches' bytes. A daemon that restarted
+    counts the processes it found as dead leases until their engines
+    rejoin: those are asked about again, at the daemon's pace, for up to
+    KILL_SETTLES_S, as a killed engine's are."""
     expected = {client.report()["asker"]: cache.physical_bytes for client, cache in engines}
-    if set(by_name) != set(expected):
-        raise AssertionError(f"the ledger names engines {sorted(by_name)}, expected {sorted(expected)}")
+    end = time.monotonic() + KILL_SETTLES_S
+    while True:
+        report = read_status(path, HANG_S)
+        by_name = {engine["engine"]: engine for engine in report["engines"]}
+        settling = [name for name in by_name if name not in expected and by_name[name]["lease"] == "dead"]
+        if not settling or time.monotonic() >= end:
+            break
     for name, physical_bytes in expected.items():
-        mine = by_name[name]
-        if (mine["lease"], mine["held"], mine["open_tickets"]) != ("live", physical_bytes, 0):
+        mine = by_name.get(name)
+        if mine is not None and (mine["lease"], mine["held"], mine["open_tickets"]) != ("live", physical_bytes, 0):
             raise AssertionError(f"engine {name}: the ledger holds {mine['held']} bytes under a {mine['lease']} lease "
                                  f"with {mine['open_tickets']} open tickets for a cache of {physical_bytes} bytes")
+    if set(by_name) != set(expected):
+        dead = {name: by_name[name]["dead"] for name in by_name if by_name[name]["lease"] == "dead"}
+        raise AssertionError(f"the ledger names engines {sorted(by_name)}, expected {sorted(expected)}"
+                             + (f"; dead leases' bytes {dead}" if dead else ""))
     if report["granted"] != sum(expected.values()):
         raise AssertionError(f"the ledger grants {report['granted']} bytes for caches of {sum(expected.values())} bytes")
     return report

@@ -177,6 +177,18 @@ class LedgerMachine(RuleBasedStateMachine):
         self.model[name] = ModelEngine(floor, cap, held=held, ceiling=max(cap, held))
         self.ceiling = max(self.ceiling, self.total())
 
+    @precondition(lambda self: len(self.model) < len(NAMES))
+    @rule(data=st.data())
+    def found(self, data):
+        """A restarted daemon finds a process holding bytes before its
+        engine rejoins: dead bytes, counted whatever room is left."""
+        name = data.draw(st.sampled_from([name for name in NAMES if name not in self.model]))
+        nbytes = data.draw(HELD_BYTES)
+        self.ledger.found(name, pid=1, uid=1, nbytes=nbytes, now=self.now)
+        self.model[name] = ModelEngine(0, BUDGET, live=False, dead=nbytes)
+        self.forget_if_gone(name)
+        self.ceiling = max(self.ceiling, self.total())
+
     @precondition(lambda self: self.names(live=True))
     @rule(data=st.data())
     def reserve(self, data):
@@ -326,6 +338,8 @@ class LedgerMachine(RuleBasedStateMachine):
                       (lambda name=name: ledger.reserve(name, 0, now), "nbytes must be an int >= 1"),
                       (lambda name=name: ledger.confirm(name, 10**9, 0, now), "never issued"),
                       (lambda name=name: ledger.seen_gone(name, 0, now), "is live, expected dead"),
+                      (lambda name=name: ledger.found(name, pid=1, uid=1, nbytes=1, now=now),
+                       "found: engine .* is live, expected absent"),
                       (lambda name=name: ledger.join(name, pid=1, uid=1, floor=0, cap=None, weight=1.0, now=now),
                        "join: engine .* is live, expected absent")]
             calls += [(lambda name=name, ticket=ticket, nbytes=nbytes: ledger.confirm(name, ticket, nbytes + 1, now),
