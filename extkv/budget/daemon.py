@@ -191,8 +191,13 @@ class BudgetDaemon:
                     self._log(f"process {pid}, an engine of the daemon before, cannot be read: not counted")
                 os.close(pidfd)
                 continue
+            try:
+                uid = os.stat(f"/proc/{pid}").st_uid
+            except OSError:  # gone since it was read: its memory with it
+                os.close(pidfd)
+                continue
             engine = f"{pid}.found"
-            self.ledger.found(engine, pid=pid, uid=os.stat(f"/proc/{pid}").st_uid, nbytes=reading, now=now)
+            self.ledger.found(engine, pid=pid, uid=uid, nbytes=reading, now=now)
             self._dead[engine], self._next_dead_poll = (pid, pidfd), now
             self._found.add(engine)
             self._log(f"process {pid}, an engine of the daemon before, holds {reading} bytes: counted until it "
