@@ -8,7 +8,8 @@ over every such file the process still reaches, each file once: through an
 open descriptor (`/proc/PID/fd`) or through a mapping whose descriptor was
 closed (`/proc/PID/maps`, the file stat'ed through `/proc/PID/map_files`). A
 mapping left behind after its chunk was released holds the pages as surely
-as an open descriptor does.
+as an open descriptor does. `host_chunks(pid)` gives the same reading
+file by file, so that readings taken apart in time can be matched.
 
 `pid` is "self" for this process (extkv.vmm.witness's reading) or another
 process's id (the budget daemon's outside reading of an engine), which the
@@ -48,6 +49,13 @@ def open_chunk_fds(pid: int | str = "self") -> list[int]:
 def host_chunk_bytes(pid: int | str = "self") -> int:
     """Bytes of pages the kernel holds for the extkv memfds process `pid`
     reaches by descriptor or by mapping, each file counted once."""
+    return sum(host_chunks(pid).values())
+
+
+def host_chunks(pid: int | str = "self") -> dict[tuple[int, int], int]:
+    """The extkv memfds process `pid` reaches by descriptor or by mapping,
+    by file ((device, inode)), each with the bytes of pages the kernel
+    holds for it (`host_chunk_bytes` is their sum)."""
     held: dict[tuple[int, int], int] = {}
     for fd in open_chunk_fds(pid):
         try:
@@ -72,7 +80,9 @@ def host_chunk_bytes(pid: int | str = "self") -> int:
             # CAP_SYS_ADMIN): the mapped extent is what it holds at least.
             start, end = (int(part, 16) for part in span.split("-"))
             mapped_extent[key] = mapped_extent.get(key, 0) + end - start
-    return sum(held.values()) + sum(mapped_extent.values())
+    for key, extent in mapped_extent.items():
+        held[key] = held.get(key, 0) + extent
+    return held
 
 
 def _memfd_mapping_lines(pid: int | str) -> list[bytes]:
