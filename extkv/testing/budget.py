@@ -15,6 +15,8 @@ STOP_WAIT_S, closes the daemon and removes the directory.
 `daemon_process(run_dir, budget)` serves from a child process of the fork
 server (extkv.testing.children) instead, so that a test can SIGKILL the
 daemon, as a crash would end it, and start another on the same socket.
+Given `log_path`, the child appends each of the daemon's log lines to that
+file as it logs it, one write a line, so a SIGKILL loses none of them.
 
 The checks live here so that the contract tests (conformance/
 test_budget_*.py) and the planted defects that must fail them
@@ -126,11 +128,14 @@ def short_run_dir() -> Iterator[str]:
         shutil.rmtree(parent, ignore_errors=True)
 
 
-def _serve_in_child(run_dir: str, budget: int, ready) -> None:
+def _serve_in_child(run_dir: str, budget: int, ready, log_path: str | None = None) -> None:
     """A daemon child's life: start, say where it listens (or why it could
-    not), serve until killed."""
+    not), serve until killed; its log lines appended to `log_path`, if given."""
     try:
-        daemon = BudgetDaemon(HostDevice(), budget, run_dir=run_dir)
+        # Line-buffered: each line is written as it is logged.
+        log_file = None if log_path is None else open(log_path, "a", buffering=1)
+        log = None if log_file is None else (lambda line: log_file.write(line + "\n"))
+        daemon = BudgetDaemon(HostDevice(), budget, run_dir=run_dir, log=log)
         daemon.start()
     except Exception as error:  # noqa: BLE001 - handed to the parent, which raises it
         ready.send(("failed", f"{type(error).__name__}: {error}"))
@@ -141,12 +146,14 @@ def _serve_in_child(run_dir: str, budget: int, ready) -> None:
 
 
 class DaemonProcess:
-    """A daemon serving from a child process: `path` its socket, `pid` the child's."""
+    """A daemon serving from a child process: `path` its socket, `pid` the
+    child's; its log lines appended to `log_path`, if given."""
 
-    def __init__(self, run_dir: str, budget: int):
+    def __init__(self, run_dir: str, budget: int, log_path: str | None = None):
         context = fork_server()
         ready, ready_in_child = context.Pipe(duplex=False)
-        self.process = context.Process(target=_serve_in_child, args=(run_dir, budget, ready_in_child), daemon=True)
+        self.process = context.Process(target=_serve_in_child, args=(run_dir, budget, ready_in_child, log_path),
+                                       daemon=True)
         self.process.start()
         self.pid = self.process.pid
         ready_in_child.close()
@@ -178,9 +185,10 @@ class DaemonProcess:
 
 
 @contextlib.contextmanager
-def daemon_process(run_dir: str, budget: int) -> Iterator[DaemonProcess]:
-    """A DaemonProcess of `budget` bytes in `run_dir`, killed on the way out."""
-    served = DaemonProcess(run_dir, budget)
+def daemon_process(run_dir: str, budget: int, log_path: str | None = None) -> Iterator[DaemonProcess]:
+    """A DaemonProcess of `budget` bytes in `run_dir` (logging to
+    `log_path`, if given), killed on the way out."""
+    served = DaemonProcess(run_dir, budget, log_path)
     try:
         yield served
     finally:
