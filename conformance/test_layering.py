@@ -82,7 +82,7 @@ LAYERS: list[set[str]] = [
      "extkv.testing.stress.reclaim"},
     {"extkv.testing.stress.bounds", "extkv.testing.stress.child", "extkv.testing.stress.faultable"},
     {"extkv.testing.stress.walk", "extkv.testing.stress.faults", "extkv.testing.stress.pressure", "extkv.testing.stress.ahead",
-     "extkv.testing.stress.threads", "extkv.testing.stress.crashes"},
+     "extkv.testing.stress.threads", "extkv.testing.stress.crashes", "extkv.testing.stress.budget"},
     {"extkv.testing.stress.under_pressure", "extkv.testing.stress.processes", "extkv.testing.stress.warm_up",
      "extkv.testing.stress.__main__"},
     {"extkv.testing.stress"},

@@ -26,7 +26,7 @@ work, lowest first:
   modes (`enumerate_faults`).
 - `child`: a child process running this package, spoken to by lines;
   `__main__` is what the child runs (`python -m extkv.testing.stress
-  walk|pressure|crash-child ...`).
+  walk|pressure|crash-child|budget-engine ...`).
 - `pressure`: the pressure process, holding and freeing real memory as told
   (`PressureProcess`); `under_pressure`: real out-of-memory episodes and the
   walk beside the pressure (`meet_real_out_of_memory`,
@@ -39,6 +39,9 @@ work, lowest first:
   `reclaim`: whether the memory a gone child held came back.
 - `processes`: several walks in child processes on one device
   (`run_walk_processes`).
+- `budget`: engine processes sharing one KV budget through SIGKILLs of
+  engines and of the daemon, read from outside by a 10 ms sampler
+  (`share_one_budget`, `OutsideSampler`).
 - `warm_up`: the workloads' kernels, run once before any usage is compared;
   imported here, so that its registration holds wherever a workload runs.
 
@@ -50,6 +53,7 @@ from __future__ import annotations
 from . import warm_up  # noqa: F401  (registers the workloads' warm-up)
 from .ahead import decode_beside_commit_ahead
 from .base import HOST_STRESS_GRANULE, stress_driver, warmed_probe
+from .budget import BUDGET_STRESS_BYTES, BudgetStressResult, OutsideSampler, share_one_budget
 from .bounds import Floor, share_of_bound
 from .crashes import crash_once
 from .faultable import OPERATIONS
@@ -63,13 +67,16 @@ from .under_pressure import meet_real_out_of_memory, walk_under_pressure
 from .walk import FULL_CHECK_EVERY, WALK_EPISODE_OPERATIONS, run_walk, walk, walked_through
 
 __all__ = [
+    "BUDGET_STRESS_BYTES",
     "FULL_CHECK_EVERY",
     "HOST_STRESS_GRANULE",
     "LEAST_THREAD_ROUNDS",
     "OPERATIONS",
     "WALK_EPISODE_OPERATIONS",
+    "BudgetStressResult",
     "Floor",
     "MemoryTimeline",
+    "OutsideSampler",
     "PressureProcess",
     "StressTally",
     "crash_once",
@@ -79,6 +86,7 @@ __all__ = [
     "run_walk",
     "run_walk_processes",
     "share_of_bound",
+    "share_one_budget",
     "stress_driver",
     "thread_rounds",
     "walk",

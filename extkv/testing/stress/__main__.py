@@ -1,5 +1,5 @@
 """The child processes of stress runs: `python -m extkv.testing.stress
-walk|pressure|crash-child ...`.
+walk|pressure|crash-child|budget-engine ...`.
 
 - `walk`: one endurance walk (extkv.testing.stress.walk); prints its tally
   as JSON on its last line, and exits 1 when the walk failed.
@@ -7,6 +7,10 @@ walk|pressure|crash-child ...`.
   stdin what memory to hold and free.
 - `crash-child`: the crash child (extkv.testing.stress.crashes): commits,
   defragments and exports until it is killed.
+- `budget-engine`: an engine under a shared budget
+  (extkv.testing.stress.budget): says `ready`, waits at its gate, joins
+  the daemon and runs random operations until told `stop`, reporting its
+  tally as it goes.
 """
 
 from __future__ import annotations
@@ -21,6 +25,7 @@ import torch
 
 from ...layout import KVCacheLayout
 from .base import warmed_probe
+from .budget import ENGINE_BLOCKS, budget_engine_main
 from .crashes import crash_child_main
 from .pressure import pressure_main
 from .tally import StressTally
@@ -49,8 +54,19 @@ def main(argv: list[str] | None = None) -> int:
     crash_command = commands.add_parser("crash-child", help="commit, defragment and export until killed")
     crash_command.add_argument("--device", default="cpu")
     crash_command.add_argument("--seed", type=int, default=0)
+    engine_command = commands.add_parser("budget-engine", help="an engine under a shared budget, spoken to by lines")
+    engine_command.add_argument("--socket", required=True, help="the budget daemon's socket")
+    engine_command.add_argument("--seed", type=int, default=0)
+    engine_command.add_argument("--floor", type=int, default=0, help="bytes")
+    engine_command.add_argument("--weight", type=float, default=1.0)
+    engine_command.add_argument("--layout", default="LBHNC", choices=[layout.name for layout in KVCacheLayout])
+    engine_command.add_argument("--capacity", type=int, default=ENGINE_BLOCKS, help="blocks")
+    engine_command.add_argument("--gate", default=None, help="a FIFO: join once its writing end opened and closed")
     args = parser.parse_args(argv)
     torch.set_num_threads(int(os.environ.get("EXTKV_TORCH_THREADS", "1")))
+    if args.command == "budget-engine":
+        return budget_engine_main(args.socket, args.seed, args.floor, args.weight, KVCacheLayout[args.layout],
+                                  args.capacity, args.gate)
     device = torch.device(args.device)
     if args.command == "pressure":
         pressure_main(device)
