@@ -2,8 +2,8 @@
 short and with fixed seeds, so that every change meets it in CI: the seeded
 endurance walk and the Hypothesis endurance machine on each case of
 CACHE_MACHINE_CASES, the whole fault enumeration of one case, real memory
-pressure from a second process, threads, a crash, and several processes on
-one device. The workloads are extkv.testing.stress's; the nightly run gives
+pressure from a second process, threads, a crash, several processes on
+one device, and engine processes sharing one KV budget through SIGKILLs. The workloads are extkv.testing.stress's; the nightly run gives
 them minutes where these give them seconds.
 
 Where a workload has a deadline, these give it one already spent: a
@@ -11,7 +11,7 @@ deadline is a floor for the workload's least episode (one whole pressure
 episode, a walk through every kind of operation, two thread rounds, a
 pressure cycle walked through), so a spent one must still run that least,
 exactly, and say that the bound was too short. That is the nightly suite's
-shortest bound, met here in a second.
+shortest bound, met here in a second (the shared budget's: a few).
 """
 
 from __future__ import annotations
@@ -25,7 +25,9 @@ from hypothesis.stateful import run_state_machine_as_test
 from extkv import KVCacheLayout
 from extkv.testing.exclusive import Inconclusive
 from extkv.testing.machines import CACHE_MACHINE_CASES, endurance_machine
+from extkv.testing.stress.budget import ENGINES, HOST_ONLY, LEAST_DAEMON_KILLS, LEAST_ENGINE_KILLS, LEAST_SAMPLES
 from extkv.testing.stress import (
+    BUDGET_STRESS_BYTES,
     HOST_STRESS_GRANULE,
     LEAST_THREAD_ROUNDS,
     OPERATIONS,
@@ -38,6 +40,7 @@ from extkv.testing.stress import (
     meet_real_out_of_memory,
     run_walk,
     run_walk_processes,
+    share_one_budget,
     stress_driver,
     thread_rounds,
     walk_under_pressure,
@@ -210,3 +213,31 @@ def test_several_processes_on_one_device(device):
     assert tally.events["walk processes sharing the device"] == 2 and len(tally.seeds) == 2
     assert sum(tally.operations.values()) >= 2 * PROCESS_WALK_STEPS
     assert sorted(short["ran"] for short in tally.short_bounds) == [f"{PROCESS_WALK_STEPS} steps (the least it was given)"] * 2, tally.short_bounds
+
+
+@pytest.mark.invariant(5)
+@pytest.mark.long
+def test_engines_sharing_one_budget_through_sigkills(device):
+    """Eight engine processes start at once on one 16 MiB budget and
+    commit, shrink, release, recommit and defragment preserving contents,
+    answering reclaims, while engines and the daemon are SIGKILLed (a spent
+    deadline: the least, two engines and one daemon) and a 10 ms sampler
+    reads their chunks from outside: never more than the budget and a
+    granule per engine together, no create the ledger granted out of
+    memory, no reclaim answered late, and once they end the ledger and
+    their chunks are gone (extkv.testing.stress.share_one_budget raises,
+    naming the numbers, where one of these fails)."""
+    if device.type != "cpu":
+        pytest.skip(HOST_ONLY)
+    tally = StressTally()
+    result = share_one_budget(tally, SEED, until=time.monotonic())
+    no_failures(tally)
+    assert (result.engine_kills, result.daemon_kills) == (LEAST_ENGINE_KILLS, LEAST_DAEMON_KILLS), result
+    assert result.engine_starts == ENGINES + LEAST_ENGINE_KILLS and result.samples >= LEAST_SAMPLES, result
+    assert result.bound == BUDGET_STRESS_BYTES + ENGINES * HOST_STRESS_GRANULE
+    assert result.sampled_max <= result.bound, result
+    assert (result.out_of_memory_inside_budget, result.reclaims_late, result.leaks) == (0, 0, []), result
+    assert result.operations > 0 and result.starts_spread_s is not None, result
+    assert tally.checks["the ledger holds nothing once every engine ended"] == 1, dict(tally.checks)
+    assert tally.checks["no process reaches a chunk an ended engine held"] == 1, dict(tally.checks)
+    assert [short["workload"] for short in tally.short_bounds] == ["engines sharing one budget"], tally.short_bounds
