@@ -64,7 +64,8 @@ TIMEOUT_SLACK_S = 300.0
 #: enumeration, a least number of crashes), then the workloads that run for
 #: whatever time is left.
 MODULE_ORDER = (
-    "test_faults", "test_crash", "test_pressure", "test_threads", "test_processes", "test_ahead", "test_endurance",
+    "test_faults", "test_crash", "test_pressure", "test_threads", "test_processes", "test_budget", "test_ahead",
+    "test_endurance",
 )
 
 _SCHEDULE = pytest.StashKey[list]()
