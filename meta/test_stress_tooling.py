@@ -1,15 +1,21 @@
 """The stress workloads' own machinery, beside the scenarios that
 conformance/test_stress_ci.py runs on the cache: how a walk under memory
 pressure waits for the pressure process, how walk processes that die are
-pooled into the tally, how a deadline's share and floor are reckoned, and
-how the stress report names a bound too short. None of it proves an
-invariant of the cache: it keeps the stress runs honest."""
+pooled into the tally, how a deadline's share and floor are reckoned, how
+the stress report names a bound too short, and the budget stress's outside
+sampler, engine child and daemon log. None of it proves an invariant of
+the cache: it keeps the stress runs honest."""
 
 from __future__ import annotations
 
+import collections
 import errno
 import json
+import os
 import random
+import subprocess
+import sys
+import threading
 import time
 
 import pytest
@@ -27,6 +33,18 @@ from extkv.testing.stress.under_pressure import (
 )
 from extkv.testing.stress.child import ChildProcess
 from extkv.testing.stress.walk import out_of_memory_waiter
+from extkv.testing.stress.budget import (
+    BUDGET_STRESS_BYTES,
+    EngineChild,
+    OutsideSampler,
+    _daemon_log_counts,
+    consistent_bytes,
+    read_chunks,
+)
+from extkv.budget.client import BudgetClient, read_status
+from extkv.budget.ledger import RECLAIM_DEADLINE_S
+from extkv.errors import BudgetDeniedError
+from extkv.testing.budget import claiming_child, daemon_process, served_daemon, short_run_dir
 from extkv.testing.configs import config_for
 from extkv.vmm import HostDriver
 
@@ -151,3 +169,190 @@ def test_a_closed_child_still_answers_its_pid():
     with ChildProcess(["crash-child", "--device", "cpu", "--seed", "1"]) as child:
         pid = child.pid
     assert child.pid == pid > 0
+
+
+# -- the budget stress's tooling (extkv.testing.stress.budget) --------------------------
+#: A process that holds one extkv chunk of CHUNK bytes (a memfd named as
+#: extkv names its chunks) until its stdin closes: a reading known exactly.
+HOLD_A_CHUNK = """
+import os, sys
+fd = os.memfd_create("extkv-chunk")
+os.posix_fallocate(fd, 0, int(sys.argv[1]))
+print("held", flush=True)
+sys.stdin.read()
+"""
+#: Safety net against a hang, never a synchronization.
+HANG_S = 60
+
+
+def test_the_outside_sampler_keeps_the_largest_sample_and_counts_each():
+    """Two known processes: a child holding one chunk of 3 granules and
+    this process holding two of one granule, then releasing them. The
+    sampler reads each once a pass and every pass past the first is a
+    sample; its maximum is the five granules both held, and stays so once
+    this process released two, which its latest sample shows."""
+    granule = HOST_STRESS_GRANULE
+    holder = subprocess.Popen([sys.executable, "-c", HOLD_A_CHUNK, str(3 * granule)], stdin=subprocess.PIPE,
+                              stdout=subprocess.PIPE, text=True)
+    driver = HostDriver(granule)
+    mine = [driver.create(granule) for _ in range(2)]
+    reads: collections.Counter = collections.Counter()
+
+    def counted(pid: int):
+        reads[pid] += 1
+        return read_chunks(pid)
+
+    sampler = OutsideSampler(read=counted)
+    try:
+        assert holder.stdout.readline() == "held\n"
+        sampler.watch(holder.pid)
+        sampler.watch(os.getpid())
+        sampler.start()
+        assert sampler.wait_samples(3, HANG_S)
+        assert (sampler.max_bytes, sampler.last_bytes) == (5 * granule, 5 * granule), (sampler.max_bytes, sampler.last_bytes)
+        while mine:
+            driver.release(mine.pop())
+        # Two samples on, the latest pass began after the releases.
+        assert sampler.wait_samples(sampler.samples + 2, HANG_S)
+        assert (sampler.max_bytes, sampler.last_bytes) == (5 * granule, 3 * granule), (sampler.max_bytes, sampler.last_bytes)
+    finally:
+        sampler.stop()
+        for chunk in mine:
+            driver.release(chunk)
+        holder.stdin.close()
+        holder.wait(HANG_S)
+        holder.stdout.close()
+    passes = sampler.samples + 1  # the first pass is no sample: it has none before it
+    assert reads == {holder.pid: passes, os.getpid(): passes}, (dict(reads), sampler.samples)
+    assert sampler.max_plain_bytes == 5 * granule
+
+
+def test_a_sample_counts_only_the_chunks_two_passes_in_a_row_read_in_one_process():
+    """A chunk released between two passes (pid 1's inode 11), one created
+    between them (inode 12), one read in another process the second time
+    (inode 40) count nothing; one read smaller the second time counts the
+    smaller reading."""
+    first = {1: {(0, 10): 4, (0, 11): 4}, 2: {(0, 20): 8}, 3: {(0, 40): 4}}
+    second = {1: {(0, 10): 4, (0, 12): 4}, 2: {(0, 20): 6}, 4: {(0, 40): 4}}
+    assert consistent_bytes(first, second) == 4 + 6
+
+
+def test_a_budget_engine_child_waits_at_its_gate_and_speaks_by_lines():
+    """An engine child says `ready`, passes its gate only once the gate's
+    writing end opened, reports a tally when it joined, answers a command
+    it does not know with an error line, and at `stop` frees its cache,
+    sends its last tally (which holds that check) and `stopped`, and exits
+    0; the ledger then holds nothing of it."""
+    with served_daemon(BUDGET_STRESS_BYTES) as served, short_run_dir() as run_dir:
+        os.makedirs(os.path.dirname(run_dir), exist_ok=True)
+        gate = os.path.join(os.path.dirname(run_dir), "gate")
+        os.mkfifo(gate, 0o600)
+        with ChildProcess(["budget-engine", "--socket", served.path, "--seed", str(SEED), "--gate", gate]) as child:
+            engine = EngineChild(child, child.pid, SEED, 0, 1.0, KVCacheLayout.LBHNC)
+            assert child.line() == "ready"
+            opened = time.monotonic()
+            os.close(os.open(gate, os.O_WRONLY | os.O_NONBLOCK))
+            joined = child.line()
+            engine.read_lines([joined])
+            assert joined.startswith("tally ") and engine.info["gate_passed_at"] >= opened, (joined, opened)
+            # Each command is read before a step, so at least one step runs
+            # between the two: a growth, the only operation an empty cache has.
+            child.send("frobnicate")
+            child.send("stop")
+            lines = [child.line()]
+            while lines[-1] != "stopped":
+                lines.append(child.line())
+            engine.read_lines(lines)
+            assert child.wait() == 0, child.stderr()
+        assert engine.problems == [
+            f"engine {engine.pid} said \"error: unknown command 'frobnicate', expected stop or quit\""
+        ], engine.problems
+        assert engine.failures() == engine.problems and engine.tally.failures == [], engine.tally.failures
+        assert engine.tally.operations["commit (grow)"] >= 1, dict(engine.tally.operations)
+        assert engine.tally.checks["no chunk left in the engine's process after free"] == 1, dict(engine.tally.checks)
+        deadline = time.monotonic() + HANG_S
+        while read_status(served.path, HANG_S)["engines"]:
+            assert time.monotonic() < deadline, read_status(served.path, HANG_S)
+
+
+def test_an_engine_counts_its_last_tally_and_the_failures_said_after_it():
+    """What the parent reads of an engine that was killed: its latest tally
+    line (not its first), the `failed` lines that no later tally holds, and
+    every line that is no part of the protocol."""
+    first, last = StressTally(), StressTally()
+    first.operations["commit (grow)"] = 1
+    last.operations["commit (grow)"] = 5
+    last.fail(AssertionError("x"))
+
+    def tally_line(tally: StressTally) -> str:
+        return "tally " + json.dumps({"tally": tally.to_json(), "engine": {"pid": 7}})
+
+    engine = EngineChild(None, 7, SEED, 0, 1.0, KVCacheLayout.LBHNC)
+    engine.read_lines(["ready", tally_line(first), "failed x", tally_line(last), "failed y", "bogus"])
+    assert engine.tally.operations == {"commit (grow)": 5}, engine.tally.operations
+    assert engine.failures() == ["failed y", "engine 7 said 'bogus'"], engine.failures()
+
+
+def test_the_daemon_log_counts_reclaims_past_their_deadline_and_contradicted_releases():
+    """From a real daemon's log: a holder that hears a reclaim and answers
+    nothing makes one reclaim past its deadline and one reserve denied at
+    its deadline (waited out once); an engine that claims a release it did
+    not make, one release the outside reading contradicted."""
+    with served_daemon(1000) as served:
+        holder, asker = BudgetClient(served.path, timeout=HANG_S), BudgetClient(served.path, timeout=HANG_S)
+        answer = threading.Event()
+
+        def stubborn(target: int) -> int:
+            answer.wait(HANG_S)
+            return 0
+
+        try:
+            holder.confirm(holder.reserve(800), 800)
+            holder.on_reclaim(stubborn)
+            started = time.monotonic()
+            with pytest.raises(BudgetDeniedError):
+                asker.reserve(300)
+            assert time.monotonic() - started >= RECLAIM_DEADLINE_S * 0.99
+        finally:
+            answer.set()
+            holder.close()
+            asker.close()
+    assert _daemon_log_counts("\n".join(served.log)) == {
+        "reclaims_late": 1, "reserves_denied_at_deadline": 1, "rejoins_past_budget": 0, "most_past_budget": 0,
+        "releases_contradicted": 0,
+    }, served.log
+    with served_daemon(BUDGET_STRESS_BYTES) as served:
+        with claiming_child(served.path, honest=False):
+            # The claim reached the daemon before the child said so, not
+            # necessarily before the daemon took it: its log line says when.
+            deadline = time.monotonic() + HANG_S
+            while not any("still holds" in line for line in served.log):
+                assert time.monotonic() < deadline, served.log
+                threading.Event().wait(0.01)
+    assert _daemon_log_counts("\n".join(served.log))["releases_contradicted"] == 1, served.log
+
+
+def test_the_daemon_log_file_keeps_every_daemon_and_counts_a_rejoin_past_the_budget():
+    """Two daemons in turn on one socket, their lines in one file: the first
+    SIGKILLed while an engine holds 4 MiB, the second started with a budget
+    of 2 MiB, which the engine's rejoin takes 2 MiB past."""
+    mib = 1 << 20
+    with short_run_dir() as run_dir:
+        log = os.path.join(os.path.dirname(run_dir), "daemon.log")
+        os.makedirs(os.path.dirname(run_dir), exist_ok=True)
+        with daemon_process(run_dir, 16 * mib, log) as daemon:
+            client = BudgetClient(daemon.path, timeout=HANG_S)
+            layout = KVCacheLayout.BLHNC
+            cache = ExtensibleKVCache(config_for("full", layout), HostDriver(), layout, budget=client)
+            cache.commit(cache.blocks_within(4 * mib))
+        try:
+            with daemon_process(run_dir, 2 * mib, log):
+                assert client.wait_available(HANG_S)
+        finally:
+            cache.free()
+            client.close()
+        with open(log) as lines:
+            text = lines.read()
+    assert text.count(" joined: ") == 2, text
+    assert _daemon_log_counts(text)["rejoins_past_budget"] == 1, text
+    assert _daemon_log_counts(text)["most_past_budget"] == 2 * mib, text
