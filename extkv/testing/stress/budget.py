@@ -60,9 +60,10 @@ sends its last tally. Then the ledger must hold nothing (no engine, no
 grant, no dead byte) within LEAK_SETTLES_S, and no process may reach any
 chunk an ended engine (killed or stopped) held when last sampled. From the
 daemon's logs: reclaims that went past their deadline (`reclaims_ignored`,
-must be none), reserves denied at theirs, rejoins that took the engines
-past the budget (a restarted daemon that granted before every engine
-rejoined) and releases the outside reading contradicted. All of it goes
+must be none), reserves denied at theirs, engines a restarted daemon
+counted from its predecessor's journal before they rejoined, rejoins that
+took the engines past the budget and releases the outside reading
+contradicted. All of it goes
 into the `StressTally` and a `BudgetStressResult`; once everything is
 stopped, a bound broken raises AssertionError naming its numbers.
 """
@@ -584,6 +585,8 @@ class BudgetStressResult:
     rejoins_past_budget: int = 0
     most_past_budget: int = 0
     releases_contradicted: int = 0
+    #: Engine processes a restarted daemon counted from its predecessor's journal until they rejoined.
+    found_at_restarts: int = 0
     leaks: list = field(default_factory=list)
     #: Seconds from the first of the engines started at once to pass the
     #: gate to the last, and from the first to join to the last.
@@ -617,6 +620,7 @@ def _daemon_log_counts(text: str) -> dict[str, int]:
         "rejoins_past_budget": len(past),
         "most_past_budget": max(past, default=0),
         "releases_contradicted": len(re.findall(r"counted as held$", text, re.M)),
+        "found_at_restarts": len(re.findall(r"^process \d+, an engine of the daemon before, holds \d+ bytes", text, re.M)),
     }
 
 
@@ -759,6 +763,7 @@ class _Run:
         pooled.events["reserves denied at their deadline (daemon log)"] += result.reserves_denied_at_deadline
         pooled.events["rejoins past the budget (daemon log)"] += result.rejoins_past_budget
         pooled.events["releases the outside reading contradicted (daemon log)"] += result.releases_contradicted
+        pooled.events["engines a restarted daemon counted before they rejoined (daemon log)"] += result.found_at_restarts
         pooled.leaks += result.leaks
         pooled.settings["budget stress"] = asdict(result)
         self.tally.add(pooled)
