@@ -17,7 +17,9 @@ several engines runs it, and reads it from outside:
   touched is time taken from the steps. Its reclaim handler shrinks the
   cache from the top. Its loop commits, shrinks (`commit(n, shrink=True)`),
   releases, recommits, writes blocks and defragments preserving contents,
-  drawn among the operations that have something to do, each step under
+  drawn among the operations that have something to do (while its lease
+  is down, neither a shrink nor a release: it serves on with what it holds,
+  which the restarted daemon must then count), each step under
   the engine's lock, which the handler takes too. Between two steps the
   loop yields the lock to a handler that waits for it (an event, not the
   lock's luck: a thread that releases a lock and takes it again at once
@@ -347,13 +349,16 @@ class _Engine:
         return self.cache.buffer.segment_view(segment)[block * stride:(block + 1) * stride]
 
     def possible(self, name: str) -> bool:
-        """Whether operation `name` has something to do in the cache's state."""
-        asleep, committed = self.cache.is_asleep, self.cache.num_committed_blocks
+        """Whether operation `name` has something to do in the cache's state.
+        While its lease is down the engine serves on with what it holds: it
+        neither shrinks (the regrowth would fail closed, leaving it nothing)
+        nor releases, so what it holds meets the restarted daemon."""
+        asleep, committed, up = self.cache.is_asleep, self.cache.num_committed_blocks, self.client.available
         return {
             "commit (grow)": asleep or committed < self.capacity,
-            "commit (shrink)": self.cache.physical_bytes > 0 or committed > 0,
+            "commit (shrink)": up and (self.cache.physical_bytes > 0 or committed > 0),
             "commit (defragment, preserving)": not asleep and committed > 0,
-            "release_physical": self.cache.physical_bytes > 0,
+            "release_physical": up and self.cache.physical_bytes > 0,
             "recommit": asleep,
             "write a block": not asleep and committed > 0,
         }[name]
