@@ -471,6 +471,8 @@ def budget_engine_main(socket_path: str, seed: int, floor: int, weight: float, l
     `ready`, waits at `gate` (a FIFO) if given, joins the daemon at
     `socket_path` and runs random operations until told `stop` (or
     `quit`), reporting its tally as it goes; returns its exit status."""
+    if capacity < 4:  # a growth draws up to a quarter of it, at least one block
+        raise ValueError(f"capacity must be at least 4 blocks, got {capacity!r}")
     rng = random.Random(seed)
     tally = StressTally(seeds=[seed])
 
