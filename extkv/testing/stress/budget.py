@@ -35,6 +35,7 @@ several engines runs it, and reads it from outside:
   FIFO (the *gate*) for reading, and waits on it; once all have, one open
   and close of its writing end wakes every one of them, and they connect,
   join and grow together, as engines starting at once on one device do.
+  The kills begin once each has said it joined.
 - Until the deadline (a floor: `Floor`, for LEAST_ENGINE_KILLS,
   LEAST_DAEMON_KILLS and LEAST_SAMPLES), every KILL_GAP_S it SIGKILLs an
   engine (and starts another in its place, with draws of its own) or the
@@ -674,6 +675,13 @@ class _Run:
             raise AssertionError(f"engine {engine.pid} said {said!r}, expected {READY!r}: {engine.child.command}")
         self.sampler.watch(engine.pid)
 
+    def joined(self, engine: EngineChild) -> None:
+        said = engine.child.line()
+        engine.read_lines([said])
+        if "joined_at" not in engine.info:
+            raise AssertionError(f"engine {engine.pid} said {said!r}, expected its tally once it joined: "
+                                 f"{engine.child.command}")
+
     def open_gate(self) -> None:
         """Wake every engine waiting at the gate at once."""
         os.close(os.open(self.gate, os.O_WRONLY | os.O_NONBLOCK))
@@ -804,6 +812,8 @@ def share_one_budget(tally: StressTally, seed: int, *, engines: int = ENGINES, u
                 run.ready(engine)
             run.sampler.start()
             run.open_gate()
+            for engine in first:  # each says so once it joined: no kill lands before every start
+                run.joined(engine)
             tally.events["engines started at once, through one gate"] += engines
             floor = Floor(until, lambda: run.result.engine_kills >= LEAST_ENGINE_KILLS
                           and run.result.daemon_kills >= LEAST_DAEMON_KILLS and run.sampler.samples >= LEAST_SAMPLES)
