@@ -11,7 +11,7 @@ processes whose leases it counts (`<device key>.engines`: each process's
 pid and its start time, which tells a process from a later one given the
 same pid), rewritten whenever that list changes. A daemon starting on the
 same path reads it back (`processes_to_count`): every process of it that
-still lives is counted at its outside reading, as a dead lease is, until
+still lives, with the same start time, is counted at its outside reading, as a dead lease is, until
 the process rejoins with what it holds or its memory is seen gone
 (extkv.budget.daemon).
 
@@ -31,7 +31,7 @@ import stat
 
 def journal_path(socket_path: str) -> str:
     """The journal beside the socket `<run dir>/<key>.sock`: `<run dir>/<key>.engines`."""
-    return socket_path[: -len(".sock")] + ".engines" if socket_path.endswith(".sock") else socket_path + ".engines"
+    return os.path.splitext(socket_path)[0] + ".engines"
 
 
 def start_time(pid: int) -> int | None:
@@ -55,9 +55,10 @@ def write(path: str, processes: dict[int, int]) -> None:
 
 
 def processes_to_count(path: str) -> tuple[dict[int, int], str | None]:
-    """The journal's processes that still live as the same processes (pid ->
-    start time), and why the journal was ignored, if it was (None when it
-    was read, or there was none)."""
+    """The journal's processes (pid -> start time), and why the journal was
+    ignored, if it was (None when it was read, or there was none). Whether
+    each still lives as the same process is the reader's to check, once it
+    holds the process (a pidfd), so that no later process passes for it."""
     try:
         found = os.lstat(path)
     except FileNotFoundError:
@@ -70,4 +71,4 @@ def processes_to_count(path: str) -> tuple[dict[int, int], str | None]:
         processes = {int(pid): int(started) for pid, started in listed}
     except (OSError, ValueError, KeyError, TypeError) as error:
         return {}, f"{path} cannot be read as a journal ({type(error).__name__}: {error}): ignored"
-    return {pid: started for pid, started in processes.items() if start_time(pid) == started}, None
+    return processes, None
