@@ -48,7 +48,7 @@ from extkv.budget.listener import DaemonRunningError
 from extkv.budget.device import HostDevice
 from extkv.budget.protocol import MAX_REQUEST_BYTES, PROTOCOL
 from extkv.errors import BudgetDeniedError, BudgetProtocolError, BudgetUnavailableError, OutOfMemoryError
-from extkv.testing.budget import ServedDaemon, check_uid_refused, short_run_dir
+from extkv.testing.budget import ServedDaemon, check_uid_refused, daemon_process, short_run_dir
 from extkv.testing.children import fork_server
 from extkv.vmm import HostDriver
 from extkv.wire import encode_message, receive_message, send_message
@@ -411,6 +411,27 @@ def test_an_unknown_ticket_or_reclaim_is_refused_and_the_connection_kept(serve, 
 @pytest.mark.invariant(5, 6)
 def test_another_uid_is_refused_before_anything_it_sends_is_read(serve):
     check_uid_refused(serve(allowed_uids=[os.geteuid() + 1]))
+
+
+@pytest.mark.budget_proof("hostile peers")
+@pytest.mark.invariant(5, 6)
+def test_an_engine_gone_before_the_answer_to_its_hello_leaves_the_daemon_serving(run_dir, clients):
+    """A hello read after its sender hung up: the answer cannot be sent, the
+    lease ends as it begins, and the daemon goes on serving. The daemon is
+    stopped (SIGSTOP) while the peer sends and closes, so it reads the hello
+    only once nobody can take the answer."""
+    with daemon_process(run_dir, BUDGET) as daemon:
+        os.kill(daemon.pid, signal.SIGSTOP)
+        try:
+            with raw_connection(daemon.path) as sock:
+                send_message(sock, {"op": "hello", "id": 0, "protocol": PROTOCOL, "floor": 0, "cap": None,
+                                    "weight": 1.0, "held": 0})
+        finally:
+            os.kill(daemon.pid, signal.SIGCONT)
+        report = wait_for_status(daemon.path, lambda report: not report["engines"], "the hung-up engine's lease to end")
+        assert report["granted"] == 0, report
+        engine = clients(daemon.path)
+        assert engine.reserve(600) > 0, "an engine joining after it is served"
 
 
 @pytest.mark.budget_proof("hostile peers")

@@ -355,14 +355,16 @@ class BudgetDaemon:
             connection.pidfd = None  # gone already: its lease ends with the connection it left
         if any(pid == connection.pid for pid, _ in self._dead.values()):
             self._read_dead_leases(now)  # its rejoin settles its dead leases before anything it asks next
-        self._reply(connection, {"op": "ok", "id": message["id"]})
-        self._write_journal()
         (status,) = [status for status in self.ledger.status() if status.engine == engine]
         past = "".join([f"; {status.over_cap} bytes past its cap" if status.over_cap else "",
                         f"; the engines are {self.ledger.over_budget} bytes past the budget, growth is denied until "
                         "they give back" if self.ledger.over_budget else ""])
         self._log(f"engine {engine} joined: floor {message['floor']}, cap {message['cap']}, weight {message['weight']}, "
                   f"holding {message['held']} bytes{past}")
+        # The answer may find the peer gone: its lease then ends here, so the
+        # ledger is read above, while the engine is certainly in it.
+        self._reply(connection, {"op": "ok", "id": message["id"]})
+        self._write_journal()
 
     def _on_reserve(self, connection: _Connection, message: dict, now: float) -> None:
         if connection.waiting is None:
