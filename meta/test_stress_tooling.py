@@ -347,8 +347,13 @@ def test_the_daemon_log_file_keeps_every_daemon_and_counts_a_rejoin_past_the_bud
             cache = ExtensibleKVCache(config_for("full", layout), HostDriver(), layout, budget=client)
             cache.commit(cache.blocks_within(4 * mib))
         try:
-            with daemon_process(run_dir, 2 * mib, log):
-                assert client.wait_available(HANG_S)
+            with daemon_process(run_dir, 2 * mib, log) as restarted:
+                # The client may not yet have read the first daemon's end, so
+                # it may still say it is connected: wait for the new ledger.
+                end = time.monotonic() + HANG_S
+                while not any(engine["pid"] == os.getpid() and engine["lease"] == "live"
+                              for engine in read_status(restarted.path, HANG_S)["engines"]):
+                    assert time.monotonic() < end, f"the engine did not rejoin within {HANG_S} s"
         finally:
             cache.free()
             client.close()
