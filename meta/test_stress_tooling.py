@@ -33,14 +33,9 @@ from extkv.testing.stress.under_pressure import (
 )
 from extkv.testing.stress.child import ChildProcess
 from extkv.testing.stress.walk import out_of_memory_waiter
-from extkv.testing.stress.budget import (
-    BUDGET_STRESS_BYTES,
-    EngineChild,
-    OutsideSampler,
-    _daemon_log_counts,
-    consistent_bytes,
-    read_chunks,
-)
+from extkv.testing.stress.budget import BUDGET_STRESS_BYTES, _daemon_log_counts
+from extkv.testing.stress.budget_engine import EngineChild
+from extkv.testing.stress.budget_sampler import OutsideSampler, consistent_bytes, read_chunks
 from extkv.budget.client import BudgetClient, read_status
 from extkv.budget.ledger import RECLAIM_DEADLINE_S
 from extkv.errors import BudgetDeniedError
@@ -171,7 +166,7 @@ def test_a_closed_child_still_answers_its_pid():
     assert child.pid == pid > 0
 
 
-# -- the budget stress's tooling (extkv.testing.stress.budget) --------------------------
+# -- the budget stress's tooling (extkv.testing.stress.budget*) -------------------------
 #: A process that holds one extkv chunk of CHUNK bytes (a memfd named as
 #: extkv names its chunks) until its stdin closes: a reading known exactly.
 HOLD_A_CHUNK = """

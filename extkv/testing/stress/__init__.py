@@ -39,9 +39,12 @@ work, lowest first:
   `reclaim`: whether the memory a gone child held came back.
 - `processes`: several walks in child processes on one device
   (`run_walk_processes`).
-- `budget`: engine processes sharing one KV budget through SIGKILLs of
-  engines and of the daemon, read from outside by a 10 ms sampler
-  (`share_one_budget`, `OutsideSampler`).
+- `budget_sampler`: what several processes hold together, read from
+  outside every 10 ms (`OutsideSampler`); `budget_engine`: an engine
+  child under a shared KV budget, spoken to by lines; `budget_result`:
+  what a budget stress run found (`BudgetStressResult`); `budget`: engine
+  processes sharing one KV budget through SIGKILLs of engines and of the
+  daemon (`share_one_budget`).
 - `warm_up`: the workloads' kernels, run once before any usage is compared;
   imported here, so that its registration holds wherever a workload runs.
 
@@ -53,7 +56,9 @@ from __future__ import annotations
 from . import warm_up  # noqa: F401  (registers the workloads' warm-up)
 from .ahead import decode_beside_commit_ahead
 from .base import HOST_STRESS_GRANULE, stress_driver, warmed_probe
-from .budget import BUDGET_STRESS_BYTES, BudgetStressResult, OutsideSampler, share_one_budget
+from .budget import BUDGET_STRESS_BYTES, share_one_budget
+from .budget_result import BudgetStressResult
+from .budget_sampler import OutsideSampler
 from .bounds import Floor, share_of_bound
 from .crashes import crash_once
 from .faultable import OPERATIONS

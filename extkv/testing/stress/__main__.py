@@ -8,7 +8,7 @@ walk|pressure|crash-child|budget-engine ...`.
 - `crash-child`: the crash child (extkv.testing.stress.crashes): commits,
   defragments and exports until it is killed.
 - `budget-engine`: an engine under a shared budget
-  (extkv.testing.stress.budget): says `ready`, waits at its gate, joins
+  (extkv.testing.stress.budget_engine): says `ready`, waits at its gate, joins
   the daemon and runs random operations until told `stop`, reporting its
   tally as it goes.
 """
@@ -25,7 +25,7 @@ import torch
 
 from ...layout import KVCacheLayout
 from .base import warmed_probe
-from .budget import ENGINE_BLOCKS, budget_engine_main
+from .budget_engine import ENGINE_BLOCKS, budget_engine_main
 from .crashes import crash_child_main
 from .pressure import pressure_main
 from .tally import StressTally
