@@ -48,7 +48,7 @@ from extkv.budget.listener import DaemonRunningError
 from extkv.budget.device import HostDevice
 from extkv.budget.protocol import MAX_REQUEST_BYTES, PROTOCOL
 from extkv.errors import BudgetDeniedError, BudgetProtocolError, BudgetUnavailableError, OutOfMemoryError
-from extkv.testing.budget import ServedDaemon, check_uid_refused, daemon_process, short_run_dir
+from extkv.testing.budget import ServedDaemon, check_uid_refused, daemon_process, short_run_dir, wait_for_status
 from extkv.testing.children import fork_server
 from extkv.vmm import HostDriver
 from extkv.wire import encode_message, receive_message, send_message
@@ -96,15 +96,6 @@ def clients():
 
 def engines_of(report: dict) -> dict[str, dict]:
     return {engine["engine"]: engine for engine in report["engines"]}
-
-
-def wait_for_status(path: str, condition, what: str) -> dict:
-    """The first status report that meets `condition`, asked again at each
-    reply (the daemon's own pace), within HANG_S."""
-    end = time.monotonic() + HANG_S
-    while not condition(report := read_status(path, HANG_S)):
-        assert time.monotonic() < end, f"{what} not within {HANG_S} s; the last report: {report}"
-    return report
 
 
 def without_id(report: dict) -> dict:

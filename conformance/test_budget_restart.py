@@ -32,7 +32,6 @@ from __future__ import annotations
 import os
 import re
 import signal
-import time
 
 import pytest
 
@@ -51,6 +50,7 @@ from extkv.testing.budget import (
     daemon_process,
     footprint,
     short_run_dir,
+    wait_for_status,
 )
 from extkv.testing.checks import check_unchanged, snapshot
 from extkv.testing.configs import config_for
@@ -262,9 +262,8 @@ def test_a_journal_naming_no_live_engine_counts_nothing(run_dir, journal):
 def wait_until_no_lease_is_dead(path: str) -> None:
     """Asked again at each reply, the daemon's own pace (it reads its dead
     leases every DEAD_LEASE_POLL_S), within HANG_S."""
-    end = time.monotonic() + HANG_S
-    while (report := read_status(path, HANG_S))["dead"] or any(e["lease"] != "live" for e in report["engines"]):
-        assert time.monotonic() < end, f"a lease that ended still counted after {HANG_S} s: {report}"
+    wait_for_status(path, lambda report: not report["dead"] and all(e["lease"] == "live" for e in report["engines"]),
+                    "a lease that ended still counted")
 
 
 def test_a_forked_child_never_rejoins_on_its_parent_s_lease(run_dir, engines):

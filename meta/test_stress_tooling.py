@@ -36,10 +36,10 @@ from extkv.testing.stress.walk import out_of_memory_waiter
 from extkv.testing.stress.budget import BUDGET_STRESS_BYTES, _daemon_log_counts
 from extkv.testing.stress.budget_engine import EngineChild
 from extkv.testing.stress.budget_sampler import OutsideSampler, consistent_bytes, read_chunks
-from extkv.budget.client import BudgetClient, read_status
+from extkv.budget.client import BudgetClient
 from extkv.budget.ledger import RECLAIM_DEADLINE_S
 from extkv.errors import BudgetDeniedError
-from extkv.testing.budget import claiming_child, daemon_process, served_daemon, short_run_dir
+from extkv.testing.budget import claiming_child, daemon_process, served_daemon, short_run_dir, wait_for_status
 from extkv.testing.configs import config_for
 from extkv.vmm import HostDriver
 
@@ -265,9 +265,7 @@ def test_a_budget_engine_child_waits_at_its_gate_and_speaks_by_lines():
         assert engine.failures() == engine.problems and engine.tally.failures == [], engine.tally.failures
         assert engine.tally.operations["commit (grow)"] >= 1, dict(engine.tally.operations)
         assert engine.tally.checks["no chunk left in the engine's process after free"] == 1, dict(engine.tally.checks)
-        deadline = time.monotonic() + HANG_S
-        while read_status(served.path, HANG_S)["engines"]:
-            assert time.monotonic() < deadline, read_status(served.path, HANG_S)
+        wait_for_status(served.path, lambda report: not report["engines"], "the stopped engine's lease to end")
 
 
 def test_an_engine_counts_its_last_tally_and_the_failures_said_after_it():
@@ -345,10 +343,9 @@ def test_the_daemon_log_file_keeps_every_daemon_and_counts_a_rejoin_past_the_bud
             with daemon_process(run_dir, 2 * mib, log) as restarted:
                 # The client may not yet have read the first daemon's end, so
                 # it may still say it is connected: wait for the new ledger.
-                end = time.monotonic() + HANG_S
-                while not any(engine["pid"] == os.getpid() and engine["lease"] == "live"
-                              for engine in read_status(restarted.path, HANG_S)["engines"]):
-                    assert time.monotonic() < end, f"the engine did not rejoin within {HANG_S} s"
+                wait_for_status(restarted.path, lambda report: any(
+                    engine["pid"] == os.getpid() and engine["lease"] == "live" for engine in report["engines"]),
+                    "the engine's rejoin")
         finally:
             cache.free()
             client.close()

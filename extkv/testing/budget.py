@@ -344,6 +344,17 @@ def sigkill(process) -> float:
     return time.monotonic()
 
 
+def wait_for_status(path: str, condition: Callable[[dict], bool], what: str, within_s: float = HANG_S) -> dict:
+    """The first status report of the daemon at `path` that meets
+    `condition`, asked again at each reply (the daemon's own pace);
+    AssertionError naming `what` and the last report after `within_s`."""
+    end = time.monotonic() + within_s
+    while not condition(report := read_status(path, HANG_S)):
+        if time.monotonic() >= end:
+            raise AssertionError(f"{what}: not within {within_s:g} s; the last report: {report}")
+    return report
+
+
 def ledger_settles(path: str, pid: int, live_bytes: Callable[[], int], exited: float,
                    within_s: float = KILL_SETTLES_S) -> dict:
     """The first status report of the daemon at `path`, asked again at each
