@@ -14,7 +14,10 @@ STOP_WAIT_S, closes the daemon and removes the directory.
 
 `daemon_process(run_dir, budget)` serves from a child process of the fork
 server (extkv.testing.children) instead, so that a test can SIGKILL the
-daemon, as a crash would end it, and start another on the same socket.
+daemon, as a crash would end it, and start another on the same socket; and
+so that the shared budget's bench (extkv.benchmarking.budget_bench) talks to
+a daemon in another process, as engines do, of the device `device` names
+(extkv.budget.device's `open_device`: "host", or a GPU's UUID).
 Given `log_path`, the child appends each of the daemon's log lines to that
 file as it logs it, one write a line, so a SIGKILL loses none of them.
 
@@ -60,7 +63,7 @@ from typing import Callable, Iterator
 
 from ..budget.client import BudgetClient, read_status
 from ..budget.daemon import BudgetDaemon
-from ..budget.device import HostDevice
+from ..budget.device import HostDevice, open_device
 from ..cache import ExtensibleKVCache
 from ..errors import BudgetUnavailableError
 from ..layout import KVCacheLayout
@@ -128,14 +131,14 @@ def short_run_dir() -> Iterator[str]:
         shutil.rmtree(parent, ignore_errors=True)
 
 
-def _serve_in_child(run_dir: str, budget: int, ready, log_path: str | None = None) -> None:
+def _serve_in_child(run_dir: str, budget: int, ready, log_path: str | None = None, device: str = "host") -> None:
     """A daemon child's life: start, say where it listens (or why it could
     not), serve until killed; its log lines appended to `log_path`, if given."""
     try:
         # Line-buffered: each line is written as it is logged.
         log_file = None if log_path is None else open(log_path, "a", buffering=1)
         log = None if log_file is None else (lambda line: log_file.write(line + "\n"))
-        daemon = BudgetDaemon(HostDevice(), budget, run_dir=run_dir, log=log)
+        daemon = BudgetDaemon(open_device(device), budget, run_dir=run_dir, log=log)
         daemon.start()
     except Exception as error:  # noqa: BLE001 - handed to the parent, which raises it
         ready.send(("failed", f"{type(error).__name__}: {error}"))
@@ -146,14 +149,15 @@ def _serve_in_child(run_dir: str, budget: int, ready, log_path: str | None = Non
 
 
 class DaemonProcess:
-    """A daemon serving from a child process: `path` its socket, `pid` the
-    child's; its log lines appended to `log_path`, if given."""
+    """A daemon of `device` ("host", or a GPU's UUID) serving from a child
+    process: `path` its socket, `pid` the child's; its log lines appended
+    to `log_path`, if given."""
 
-    def __init__(self, run_dir: str, budget: int, log_path: str | None = None):
+    def __init__(self, run_dir: str, budget: int, log_path: str | None = None, device: str = "host"):
         context = fork_server()
         ready, ready_in_child = context.Pipe(duplex=False)
-        self.process = context.Process(target=_serve_in_child, args=(run_dir, budget, ready_in_child, log_path),
-                                       daemon=True)
+        self.process = context.Process(target=_serve_in_child,
+                                       args=(run_dir, budget, ready_in_child, log_path, device), daemon=True)
         self.process.start()
         self.pid = self.process.pid
         ready_in_child.close()
@@ -185,10 +189,11 @@ class DaemonProcess:
 
 
 @contextlib.contextmanager
-def daemon_process(run_dir: str, budget: int, log_path: str | None = None) -> Iterator[DaemonProcess]:
-    """A DaemonProcess of `budget` bytes in `run_dir` (logging to
-    `log_path`, if given), killed on the way out."""
-    served = DaemonProcess(run_dir, budget, log_path)
+def daemon_process(run_dir: str, budget: int, log_path: str | None = None,
+                   device: str = "host") -> Iterator[DaemonProcess]:
+    """A DaemonProcess of `device` with `budget` bytes in `run_dir` (logging
+    to `log_path`, if given), killed on the way out."""
+    served = DaemonProcess(run_dir, budget, log_path, device)
     try:
         yield served
     finally:
