@@ -74,7 +74,7 @@ LAYERS: list[set[str]] = [
     {"extkv.benchmarking.store"},
     {"extkv.benchmarking.raw"},
     {"extkv.benchmarking.clocks"},
-    {"extkv.benchmarking.contenders", "extkv.benchmarking.growth_loop"},
+    {"extkv.benchmarking.contenders", "extkv.benchmarking.growth_loop", "extkv.benchmarking.budget_bench"},
     {"extkv.benchmarking.cases"},
     {"extkv.benchmarking.measure"},
     {"extkv.benchmarking.engine", "extkv.benchmarking.playback"},

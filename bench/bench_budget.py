@@ -1,0 +1,22 @@
+"""The shared KV budget's costs: a grant's round trip, what the budget adds
+to a commit, a reclaim from an idle engine (extkv.benchmarking.budget_bench),
+written to the run directory's bench_budget.json for the bench's report."""
+
+from __future__ import annotations
+
+import json
+
+from extkv.benchmarking import budget_bench
+from extkv.benchmarking.result_files import BUDGET_FILE
+
+
+def test_shared_budget(bench_run):
+    profile, device, run_dir = bench_run
+    result = budget_bench.run(device, profile, progress=lambda line: print(f"bench {line}", flush=True))
+    run_dir.mkdir(parents=True, exist_ok=True)
+    (run_dir / BUDGET_FILE).write_text(json.dumps(result, indent=1) + "\n")
+    setting = budget_bench.setting_for(profile)
+    assert len(result["grant"]["rounds"]) == setting.grant_rounds
+    assert [len(commit["budgeted_s"]) for commit in result["commits"]] == \
+        [setting.commit_rounds] * len(setting.commit_bytes)
+    assert len(result["reclaim"]["grant_s"]) == setting.reclaim_rounds
