@@ -94,6 +94,7 @@ LAYERS: list[set[str]] = [
     {"extkv.check.report"},
     {"extkv.benchmarking.results"},
     {"extkv.benchmarking.targets", "extkv.benchmarking.plots"},
+    {"extkv.benchmarking.budget_report"},
     {"extkv.benchmarking.report"},
     {"extkv.benchmarking.pool", "extkv.benchmarking.headline"},
     {"extkv.stress.report"},

@@ -14,14 +14,16 @@ missed over every size the run measured. A row without a target shows its
 ratios only. A run that judges nothing (extkv.benchmarking.report's
 `not_a_verdict`) shows the ratios alone, headed as not a verdict. Every
 figure is the bench section's (extkv.benchmarking.report), which follows
-with the method and every case.
+with the method and every case. Below the table, the shared KV budget's
+readings and verdicts, where its bench ran (extkv.benchmarking.budget_report).
 """
 
 from __future__ import annotations
 
 from pathlib import Path
 
-from .report import judged_rows, partial_reason, target_counts
+from .budget_report import budget_front
+from .report import budget_result, judged_rows, partial_reason, target_counts
 from .results import BenchRun, load, ratio
 from .sizes import size_label
 from .targets import TARGETS, TargetRow
@@ -114,10 +116,14 @@ def front_table(run: BenchRun, rows: list[TargetRow], judged: bool) -> list[str]
 def bench_front(run_dir: Path) -> list[str] | None:
     """The front page's bench lines for `run_dir`, or None where it has no bench results."""
     run = load(Path(run_dir))
-    if run is None:
-        return None
-    rows, scaling, withheld = judged_rows(Path(run_dir), run)
+    budget = budget_result(Path(run_dir), run)
+    budget_lines = budget_front(*budget) if budget is not None else []
     partial = partial_reason(Path(run_dir))
+    if run is None:
+        if not budget_lines:
+            return None
+        return [f"**{partial}: partial results.** " + budget_lines[0], *budget_lines[1:]] if partial else budget_lines
+    rows, scaling, withheld = judged_rows(Path(run_dir), run)
     facts = run.facts
     device = facts.get("device_description", {}).get("device", facts.get("device", "?"))
     where = f"profile {facts['profile']} on {device}, headline {size_label(facts['headline_bytes'])}" \
@@ -134,4 +140,4 @@ def bench_front(run_dir: Path) -> list[str] | None:
     lines += ["", "extkv's time over the contender's, least round of each, at the headline size; a column per "
               "geometry (segments per commit); in parentheses where the target does not apply to the case"
               + ("; the verdict counts every size measured." if withheld is None else "."), ""]
-    return lines + front_table(run, rows, judged=withheld is None)
+    return lines + front_table(run, rows, judged=withheld is None) + ([""] + budget_lines if budget_lines else [])

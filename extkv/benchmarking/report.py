@@ -30,6 +30,10 @@ harness's record of the run (HARNESS_STEP) says pytest took them
 shows each ratio alone (extkv.benchmarking.targets.readings_only): no
 target met or missed, no count of them.
 
+The shared KV budget's bench (extkv.benchmarking.budget_report) follows
+the targets, judged or withheld as the cases are; a run that measured no
+case (`-k budget`) is judged by its own profile and the run's selection.
+
 The section opens with the readings a reader decides on, and ends with how
 they were measured; `bench_front` is the short table of the report's front
 page (extkv.benchmarking.headline).
@@ -41,10 +45,11 @@ import statistics
 from pathlib import Path
 
 from ..runs.results import FINISHED_STATUSES, load_results, narrowing
+from .budget_report import budget_section
 from .decode_report import decode_section
 from .growth_report import growth_section
 from .plots import plot
-from .result_files import DECODE_FILE, GROWTH_FILE, HARNESS_STEP
+from .result_files import BUDGET_FILE, DECODE_FILE, GROWTH_FILE, HARNESS_STEP
 from .results import BenchRun, CaseResult, Entry, carryover, load, ratio, read_json_object
 from .sizes import size_label
 from .targets import ScalingRow, TargetRow, evaluate, evaluate_scaling, fewest_calls_reason, readings_only
@@ -366,24 +371,38 @@ def target_counts(rows: list[TargetRow]) -> str:
     return f"{met} met, {missed} missed, {len(rows) - met - missed} not measured"
 
 
+def budget_result(run_dir: Path, run: BenchRun | None) -> tuple[dict, str | None] | None:
+    """The shared budget's bench result in `run_dir` and why it judges
+    nothing (None: it judges), as `run`'s cases are judged, or, where no
+    case was measured, by its own profile; None where it did not run."""
+    path = Path(run_dir) / BUDGET_FILE
+    if not path.exists():
+        return None
+    result = read_json_object(path)
+    return result, not_a_verdict(Path(run_dir), run.facts if run is not None else {"profile": result["profile"]})
+
+
 def bench_section(run_dir: Path) -> str | None:
     """Markdown for the bench results in `run_dir` (plots written beside it), or None when there are none."""
     run = load(Path(run_dir))
+    budget = budget_result(Path(run_dir), run)
+    budget_lines = budget_section(*budget) if budget is not None else []
     decode_lines = _decode_lines(Path(run_dir))
     partial = partial_reason(Path(run_dir))
     heading = "## Benchmarks" + (f" ({partial}: partial results)" if partial else "")
     if run is None:
         if partial:
             return "\n".join([heading, "", f"**{partial} before any case's results were written: nothing "
-                               "measured.**", "", *decode_lines])
-        return "\n".join([heading, "", *decode_lines]) if decode_lines else None
+                               "measured.**", "", *budget_lines, *decode_lines])
+        found = budget_lines + decode_lines
+        return "\n".join([heading, "", *found]) if found else None
     rows, scaling, withheld = judged_rows(Path(run_dir), run)
     tag = " (partial)" if partial else ""
     counts = "readings only, not a verdict" if withheld else target_counts(rows)
     lines = [heading, "", *_partial_lines(run, partial), *_withheld_lines(withheld),
              f"### {_HEADLINE_HEADING}{tag}", "", *_headline_table(run, rows, scaling), "",
              f"### Targets ({'partial: ' if partial else ''}{counts})", "",
-             *_targets_table(rows, run.facts["granularity"], withheld is None), "",
+             *_targets_table(rows, run.facts["granularity"], withheld is None), "", *budget_lines,
              *_carryover_lines(rows, run.facts["granularity"])]
     paths, why_not = plot(run, run_dir)
     lines += [f"### Scaling{tag}", ""]

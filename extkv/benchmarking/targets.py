@@ -22,17 +22,31 @@ and the odd-numbered rounds alone, and on the earlier and the later half
 of the rounds (`halves`); where two halves of one run disagree, the verdict
 says so, naming both readings.
 
+`BUDGET_TARGETS` hold the shared KV budget's bench
+(extkv.benchmarking.budget_bench) to the issue's bounds, one row each: a
+grant's round trip (reserve + confirm against a daemon in another process)
+at p99 within 100 us, the least p99 over rounds; the cost the budget adds
+to a commit of 256 MiB or more within 2%, the ratio of the budgeted
+commit's least round to the unbudgeted one's; and a reclaim from an idle
+engine within 100 ms past that engine's unmap and release, the least
+reserve-to-grant less the least unmap and release alone. A commit below
+256 MiB is shown, not judged. `evaluate_budget` reads the bench's JSON
+alone, so a report needs no torch.
+
 A run that judges nothing (a smoke run, a narrowed one: see
-extkv.benchmarking.report) shows its rows through `readings_only`: each
-ratio alone, no verdict, nothing said of halves or of the raw sequence
-alone, which exist only to qualify a verdict.
+extkv.benchmarking.report) shows its rows through `readings_only` (the
+budget's through `budget_readings_only`): each ratio alone, no verdict,
+nothing said of halves or of the raw sequence alone, which exist only to
+qualify a verdict.
 """
 
 from __future__ import annotations
 
+import statistics
 from dataclasses import dataclass, replace
 
 from .results import BenchRun, CaseResult, Entry, ratio
+from .sizes import size_label
 
 MiB = 1 << 20
 
@@ -359,3 +373,130 @@ def readings_only(rows: list[TargetRow], scaling: list[ScalingRow]) -> tuple[lis
         for row in scaling
     ]
     return shown_rows, shown_scaling
+
+
+# -- the shared KV budget ---------------------------------------------------------------------
+@dataclass(frozen=True)
+class BudgetTarget:
+    """A reading of the budget's bench (`reading`: "grant_p99" in seconds,
+    "commit_ratio" budgeted over unbudgeted, "reclaim_past_release" in
+    seconds) at most `bound`; a commit only of `min_bytes` or more."""
+
+    key: str
+    name: str
+    what: str
+    reading: str
+    bound: float
+    min_bytes: int = 0
+
+    def shown(self, value: float) -> str:
+        """"1.004x" (three decimals: two would print a 1.024x miss as the
+        bound); a time in us or ms."""
+        if self.reading == "commit_ratio":
+            return f"{value:.3f}x"
+        return f"{value * 1e6:.0f} us" if abs(value) < 1e-3 else f"{value * 1e3:.2f} ms"
+
+    def bound_words(self) -> str:
+        if self.reading == "commit_ratio":
+            return f"<= {self.bound:g}x"
+        bound = f"{self.bound * 1e6:g} us" if self.bound < 1e-3 else f"{self.bound * 1e3:g} ms"
+        return f"<= {bound}" + (" past unmap + release" if self.reading == "reclaim_past_release" else "")
+
+    def verdict(self, value: float) -> tuple[bool, str]:
+        """(met, words) for a reading."""
+        shown = self.shown(value)
+        if value <= self.bound:
+            return True, f"met: {shown}"
+        if self.reading == "commit_ratio":
+            return False, f"missed by {(value - self.bound) * 100:.1f} points: {shown}"
+        over = (value / self.bound - 1) * 100
+        return False, f"missed by {over:.0f}%: {shown}" if over >= 1 else f"missed by {over:.1f}%: {shown}"
+
+
+BUDGET_TARGETS: list[BudgetTarget] = [
+    BudgetTarget("budget-grant", "grant round trip (reserve + confirm)",
+                 "a reserve and its confirm against a daemon in another process within 100 us at p99 (the least "
+                 "p99 over rounds)", "grant_p99", 100e-6),
+    BudgetTarget("budget-commit", "a commit through the budget against the same commit unbudgeted",
+                 "the budget adds at most 2% to a commit of 256 MiB or more (budgeted over unbudgeted, ratio of "
+                 "minima over interleaved rounds)", "commit_ratio", 1.02, min_bytes=256 * MiB),
+    BudgetTarget("budget-reclaim", "reclaim from an idle engine, past its unmap + release",
+                 "a busy engine's reserve granted within 100 ms plus the idle engine's unmap and release, which "
+                 "another process holding the bytes answers by shrinking (least reserve-to-grant less the least "
+                 "unmap + release measured alone)", "reclaim_past_release", 0.1),
+]
+
+
+@dataclass
+class BudgetRow:
+    """One reading of the budget's bench: `value` the one judged (None:
+    not measured), `median` its counterpart over medians, `met` None where
+    nothing is judged, `words` the verdict or why there is none."""
+
+    target: BudgetTarget
+    label: str
+    value: float | None
+    median: float | None
+    met: bool | None
+    words: str
+    #: What the reading is made of, in the report's words.
+    parts: str = ""
+
+
+def _ms(seconds: float) -> str:
+    return f"{seconds * 1e3:.2f} ms"
+
+
+def evaluate_budget(result: dict) -> list[BudgetRow]:
+    """The rows of a result of `budget_bench.run`, one per reading; a
+    reading with no rounds is not measured."""
+    grant, reclaim = BUDGET_TARGETS[0], BUDGET_TARGETS[2]
+    rows = []
+    rounds = result["grant"]["rounds"]
+    label = size_label(result["grant"]["bytes"])
+    if rounds:
+        p99s, p50s = [r["p99_s"] for r in rounds], [r["p50_s"] for r in rounds]
+        value = min(p99s)
+        rows.append(BudgetRow(grant, label, value, statistics.median(p99s), *grant.verdict(value),
+                              parts=f"p50 {grant.shown(min(p50s))} at least; {len(rounds)} rounds of "
+                                    f"{rounds[0]['samples']}, p99 {grant.shown(min(p99s))} to "
+                                    f"{grant.shown(max(p99s))}"))
+    else:
+        rows.append(BudgetRow(grant, label, None, None, None, "not measured (no rounds)"))
+    for commit in result["commits"]:
+        target = BUDGET_TARGETS[1]
+        label = size_label(commit["bytes"])
+        budgeted, plain = commit["budgeted_s"], commit["unbudgeted_s"]
+        if not budgeted or not plain:
+            rows.append(BudgetRow(target, label, None, None, None, "not measured (no rounds)"))
+            continue
+        value = min(budgeted) / min(plain)
+        median = statistics.median(budgeted) / statistics.median(plain)
+        parts = (f"budgeted {_ms(min(budgeted))} / unbudgeted {_ms(min(plain))} (min), "
+                 f"{_ms(statistics.median(budgeted))} / {_ms(statistics.median(plain))} (median), "
+                 f"{len(budgeted)} rounds")
+        if commit["bytes"] < target.min_bytes:
+            rows.append(BudgetRow(target, label, value, median, None,
+                                  f"{target.shown(value)}, not judged: the target is for commits of "
+                                  f"{size_label(target.min_bytes)} or more", parts))
+        else:
+            rows.append(BudgetRow(target, label, value, median, *target.verdict(value), parts))
+    label = size_label(result["reclaim"]["bytes"])
+    granted, alone = result["reclaim"]["grant_s"], result["reclaim"]["alone_s"]
+    if granted and alone:
+        value = min(granted) - min(alone)
+        median = statistics.median(granted) - statistics.median(alone)
+        inside = result["reclaim"]["handler_shrink_s"]
+        parts = (f"reserve to grant {_ms(min(granted))}, unmap + release alone {_ms(min(alone))} (min; medians "
+                 f"{_ms(statistics.median(granted))}, {_ms(statistics.median(alone))}); the shrink inside the "
+                 f"handler {_ms(min(inside))}; {len(granted)} rounds")
+        rows.append(BudgetRow(reclaim, label, value, median, *reclaim.verdict(value), parts))
+    else:
+        rows.append(BudgetRow(reclaim, label, None, None, None, "not measured (no rounds)"))
+    return rows
+
+
+def budget_readings_only(rows: list[BudgetRow]) -> list[BudgetRow]:
+    """`rows` of a run that judges nothing: each reading alone, `met` None."""
+    return [replace(row, met=None, words=row.words if row.value is None or row.met is None
+                    else f"{row.target.shown(row.value)}, not judged") for row in rows]

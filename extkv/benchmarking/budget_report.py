@@ -1,0 +1,88 @@
+"""The shared KV budget's bench as Markdown: its readings against their targets.
+
+Theory of operation
+-------------------
+extkv.benchmarking.budget_bench measures a grant's round trip, the cost
+the budget adds to a commit and a reclaim from an idle engine, and leaves
+one JSON object per run; extkv.benchmarking.targets judges each reading
+(`evaluate_budget`). `budget_section` writes the bench section's part: how
+it was measured, then a row per reading with its figure, the median beside
+it, the bound and the verdict, and what the figure is made of.
+`budget_front` is its short table for the report's front page. A run that
+judges nothing (extkv.benchmarking.report's `not_a_verdict`: a smoke run,
+a narrowed one) shows each reading alone, headed as not a verdict. Only
+the JSON is read, so a report renders it without importing torch.
+"""
+
+from __future__ import annotations
+
+from .targets import BUDGET_TARGETS, BudgetRow, budget_readings_only, evaluate_budget
+
+HEADING = "### The shared KV budget"
+
+
+def budget_rows(result: dict, judged: bool) -> list[BudgetRow]:
+    """The rows of `result`, readings only unless `judged`."""
+    rows = evaluate_budget(result)
+    return rows if judged else budget_readings_only(rows)
+
+
+def budget_counts(rows: list[BudgetRow]) -> str:
+    """`2 met, 1 missed` (and how many were not measured)."""
+    met = sum(1 for row in rows if row.met)
+    missed = sum(1 for row in rows if row.met is False)
+    absent = sum(1 for row in rows if row.value is None)
+    return f"{met} met, {missed} missed" + (f", {absent} not measured" if absent else "")
+
+
+def _value(row: BudgetRow, value: float | None) -> str:
+    return "-" if value is None else row.target.shown(value)
+
+
+def _mark(row: BudgetRow) -> str:
+    """`met`, `MISSED`, `not measured`, or `not judged` (a run that judges
+    nothing, a commit below the target's size)."""
+    if row.value is None:
+        return "not measured"
+    return {True: "met", False: "MISSED", None: "not judged"}[row.met]
+
+
+def budget_section(result: dict, withheld: str | None) -> list[str]:
+    """Markdown lines for a result of `budget_bench.run`; `withheld`: why
+    the run judges nothing (None: it judges)."""
+    rows = budget_rows(result, withheld is None)
+    s = result["setting"]
+    counts = "readings only, not a verdict" if withheld else budget_counts(rows)
+    lines = [
+        f"{HEADING} ({counts})",
+        "",
+        *([f"**Not a verdict: {withheld}.** Readings only; no target is judged by them.", ""] if withheld else []),
+        f"Profile {result['profile']} on {result['device']} (torch {result['torch']}), the budget daemon serving "
+        f"{result['daemon_device']} from a process of its own; caches of {result['geometry_what']}. Grant round trip: "
+        f"reserve + confirm of one granule, {s['grant_rounds']} rounds of {s['grant_samples']}. Commit: `commit(N)` "
+        f"on a cache just made, to the device's synchronize, budgeted and unbudgeted in Williams-design order over "
+        f"{s['commit_rounds']} rounds. Reclaim: the budget exactly what an idle engine (a process of its own) holds; "
+        f"a busy engine with that floor reserves it all, and the idle engine's `on_reclaim` shrinks to nothing; "
+        f"interleaved over {s['reclaim_rounds']} rounds with the same shrink of an unbudgeted cache alone.",
+        "",
+        "| reading | size | value | median | bound | verdict | made of |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for row in rows:
+        lines.append(f"| {row.target.name} | {row.label} | {_value(row, row.value)} | {_value(row, row.median)} | "
+                     f"{row.target.bound_words()} | {row.words} | {row.parts} |")
+    lines += ["", *(f"- *{target.name}*: {target.what}." for target in BUDGET_TARGETS), ""]
+    return lines
+
+
+def budget_front(result: dict, withheld: str | None) -> list[str]:
+    """The front page's lines for the budget's bench."""
+    rows = budget_rows(result, withheld is None)
+    head = ("**Shared KV budget: not a verdict.** Readings only" if withheld
+            else f"**Shared KV budget: targets {budget_counts(rows)}**")
+    lines = [f"{head} (profile {result['profile']} on {result['device']}):", "",
+             "| reading | size | value | bound | verdict |", "|---|---|---|---|---|"]
+    for row in rows:
+        lines.append(f"| {row.target.name} | {row.label} | {_value(row, row.value)} | {row.target.bound_words()} | "
+                     f"{_mark(row)} |")
+    return lines
