@@ -56,7 +56,7 @@ LAYERS: list[set[str]] = [
      "extkv.testing.work", "extkv.testing.invariants"},
     {"extkv.testing.model_warm_up"},
     {"extkv.testing.facts", "extkv.testing.children", "extkv.testing.ctrl_c", "extkv.testing.ledger_machine"},
-    {"extkv.testing.record", "extkv.testing.exclusive", "extkv.testing.budget"},
+    {"extkv.testing.record", "extkv.testing.exclusive", "extkv.testing.budget", "extkv.testing.second_run"},
     {"extkv.testing.models", "extkv.testing.choices"},
     {"extkv.testing.modelled_cache"},
     {"extkv.testing.machines"},

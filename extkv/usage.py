@@ -36,6 +36,12 @@ class UsageProbe:
         self.source: str = self._witness.source
 
     @property
+    def lazy_growth_step(self) -> int:
+        """Bytes by which a reading may grow with nothing allocated, once per
+        process and kernel, as the device loads code (0: never)."""
+        return self._witness.lazy_growth_step
+
+    @property
     def per_process(self) -> bool:
         """Whether a reading counts this process alone."""
         return self._witness.per_process

@@ -125,10 +125,11 @@ def activate(config) -> None:
         raise pytest.UsageError(
             "the extkv harness plugin is not loaded (extkv is not installed here): run pytest with -p extkv.testing.harness"
         )
-    from . import harness_hooks
+    from . import harness_hooks, second_run
 
     config.stash[_ACTIVE] = True
     config.pluginmanager.register(harness_hooks, "extkv-harness")
+    config.pluginmanager.register(second_run, "extkv-second-run")
     harness_hooks.start(config)
 
 

@@ -363,7 +363,7 @@ class Driver(abc.ABC):
     @abc.abstractmethod
     def usage_witness(self):
         """What reads this device's physical usage from outside extkv
-        (extkv.vmm.witness): `source`, `per_process` and `read()`."""
+        (extkv.vmm.witness): `source`, `per_process`, `lazy_growth_step` and `read()`."""
 
     @abc.abstractmethod
     def describe(self) -> dict[str, str]:

@@ -1,0 +1,108 @@
+"""The second run of a test whose only failure is its context's own growth
+(extkv.testing.second_run), shown on the host with ContextGrowth raised by
+hand: there, nothing grows by itself, so the checks never raise it."""
+
+from __future__ import annotations
+
+import xml.etree.ElementTree as ElementTree
+
+import pytest
+
+pytest_plugins = ["pytester"]
+pytestmark = pytest.mark.harness
+
+#: Each test counts its runs in a file of its own, then fails as its name says.
+TESTS = '''
+import pathlib
+import pytest
+from extkv.testing.checks import ContextGrowth
+
+STEP = 2 << 20
+
+
+def runs(name):
+    path = pathlib.Path(name + ".runs")
+    count = int(path.read_text()) + 1 if path.exists() else 1
+    path.write_text(str(count))
+    return count
+
+
+def test_grows_on_its_first_run_only():
+    if runs("first_only") == 1:
+        raise ContextGrowth("test leaked: 0 -> 2097152 bytes", STEP)
+
+
+def test_grows_at_every_run():
+    runs("every")
+    raise ContextGrowth("test leaked: 0 -> 2097152 bytes", STEP)
+
+
+def test_fails_otherwise():
+    runs("otherwise")
+    assert 1 == 2
+
+
+@pytest.fixture
+def leak_check_growing_once():
+    yield
+    if runs("teardown") == 1:
+        raise ContextGrowth("test leaked: 0 -> 4194304 bytes", 2 * STEP)
+
+
+def test_whose_teardown_grows_once(leak_check_growing_once):
+    pass
+
+
+@pytest.fixture
+def failing_teardown():
+    yield
+    raise AssertionError("live chunks {} -> {'cuda:0': 1}")
+
+
+def test_grows_and_fails_its_teardown_too(failing_teardown):
+    runs("both")
+    raise ContextGrowth("test leaked: 0 -> 2097152 bytes", STEP)
+
+
+def test_passes():
+    runs("passes")
+'''
+
+
+def test_only_a_test_whose_every_failure_is_context_growth_runs_again(pytester):
+    pytester.makepyfile(test_growth=TESTS)
+    junit = pytester.path / "junit.xml"
+    result = pytester.runpytest_inprocess("-p", "extkv.testing.harness", "--extkv", "-p", "no:cacheprovider",
+                                          f"--junitxml={junit}")
+    runs = {path.stem: int(path.read_text()) for path in pytester.path.glob("*.runs")}
+    assert runs == {"first_only": 2, "every": 2, "otherwise": 1, "teardown": 2, "both": 1, "passes": 1}, runs
+    result.assert_outcomes(passed=3, failed=3, errors=1)
+    second = {case.get("name"): [p.get("value") for p in case.iter("property") if p.get("name") == "second_run"]
+              for case in ElementTree.parse(junit).iter("testcase")}
+    assert second == {"test_grows_on_its_first_run_only": ["2097152"], "test_grows_at_every_run": ["2097152"],
+                      "test_fails_otherwise": [], "test_whose_teardown_grows_once": ["4194304"],
+                      "test_grows_and_fails_its_teardown_too": [], "test_passes": []}, second
+    # The failure shown is the second run's, once.
+    assert result.stdout.str().count("test leaked: 0 -> 2097152 bytes") >= 1
+    result.stdout.fnmatch_lines(["FAILED *test_grows_at_every_run*"])
+
+
+def test_a_reading_above_by_whole_steps_is_context_growth_only_where_the_context_grows_by_itself():
+    import torch
+
+    from extkv.testing.checks import ContextGrowth, usage_mismatch
+    from extkv.usage import UsageProbe
+
+    host = UsageProbe("cpu")
+    assert host.lazy_growth_step == 0
+    assert type(usage_mismatch(host, "host", 2 << 20)) is AssertionError
+    if not torch.cuda.is_available():
+        pytest.skip("the rest needs a CUDA GPU: torch.cuda.is_available() is False")
+    gpu = UsageProbe("cuda:0")
+    step = gpu.lazy_growth_step
+    assert step == 2 << 20, step
+    kinds = {excess: type(usage_mismatch(gpu, "gpu", excess)).__name__ for excess in (step, 3 * step, step // 2, -step)}
+    assert kinds == {step: "ContextGrowth", 3 * step: "ContextGrowth", step // 2: "AssertionError",
+                     -step: "AssertionError"}, kinds
+    assert usage_mismatch(gpu, "gpu", 3 * step).excess == 3 * step
+    assert issubclass(ContextGrowth, AssertionError)
