@@ -208,14 +208,18 @@ class ContextGrowth(AssertionError):
         self.excess = excess
 
 
+def may_be_context_growth(probe: UsageProbe, excess: int) -> bool:
+    """Whether a reading `excess` bytes above what extkv maps is whole steps
+    of the growth `probe`'s device context takes by itself."""
+    step = probe.lazy_growth_step
+    return bool(step) and excess > 0 and excess % step == 0
+
+
 def usage_mismatch(probe: UsageProbe, message: str, excess: int) -> AssertionError:
     """The error for a reading `excess` bytes off what extkv maps: a
-    ContextGrowth where the excess is whole steps of the context's own
-    growth, else a plain AssertionError."""
-    step = probe.lazy_growth_step
-    if step and excess > 0 and excess % step == 0:
-        return ContextGrowth(message, excess)
-    return AssertionError(message)
+    ContextGrowth where it may be the context's own growth, else a plain
+    AssertionError."""
+    return ContextGrowth(message, excess) if may_be_context_growth(probe, excess) else AssertionError(message)
 
 
 def check_usage_matches(probe: UsageProbe, baseline: int, tensors: list[ExtensibleTensor]) -> None:

@@ -81,7 +81,7 @@ from ..layout import KVCacheConfig, KVCacheLayout
 from ..tensor import ExtensibleTensor
 from ..usage import UsageProbe, open_chunk_fds
 from ..vmm.cuda import DEVICE_FEATURES
-from .checks import ContextGrowth, usage_mismatch, warm_up_kernels
+from .checks import ContextGrowth, may_be_context_growth, warm_up_kernels
 from . import model_warm_up  # noqa: F401  (registers the reference decoder's warm-up)
 from .configs import CAPACITY, CASE_IDS, CASES, config_for
 from .facts import cuda_device_count, machine_facts, no_cuda_reason
@@ -552,7 +552,7 @@ def no_leaks(request):
     if len(open_chunk_fds()) != fds:
         problems.append(f"open chunk memfds {fds} -> {len(open_chunk_fds())}")
     bookkeeping_clean = not problems
-    grown = []
+    excesses: list[tuple[UsageProbe, int]] = []
     for d, start in before.items():
         probe = _probe(d)
         end = probe.read_outside_torch()
@@ -561,10 +561,10 @@ def no_leaks(request):
         tolerance = 0 if d.type == "cpu" else vmm.driver_for(d).granularity
         if abs(end - start) >= max(tolerance, 1):
             problems.append(f"{probe.source} on {d}: {start} -> {end} bytes")
-            grown.append(usage_mismatch(probe, "", end - start))
+            excesses.append((probe, end - start))
     if problems:
         message = "test leaked: " + "; ".join(problems)
-        if bookkeeping_clean and grown and all(isinstance(error, ContextGrowth) for error in grown):
+        if bookkeeping_clean and all(may_be_context_growth(probe, excess) for probe, excess in excesses):
             __tracebackhide__ = True
-            raise ContextGrowth(message, sum(error.excess for error in grown))
+            raise ContextGrowth(message, sum(excess for _, excess in excesses))
         pytest.fail(message, pytrace=False)
