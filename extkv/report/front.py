@@ -7,11 +7,12 @@ every benchmark case, how the rounds were run) is for checking that
 decision. So the report opens with `front_page`: what ran (the extkv build,
 its commit, the devices), then under `## Verdict` each run the directory
 holds, its verdict first: the check's certificate line and each device's
-verdict (extkv.check.verdict), the benchmarks' targets met and missed
-with the table of extkv against each contender
-(extkv.benchmarking.headline), the stress run's verdict
-(extkv.stress.report). A run that judges nothing (a smoke or narrowed
-run) says so there, and shows its readings only. The sections follow it:
+verdict (extkv.check.verdict), the stress run's verdict
+(extkv.stress.report), then the benchmarks' targets met and missed with
+the table of extkv against each contender and the shared budget's
+readings (extkv.benchmarking.headline): the one-line verdicts before the
+tables, so all of them fit the first screen. A run that judges nothing (a
+smoke or narrowed run) says so there, and shows its readings only. The sections follow it:
 the machine, then each run's detail, each ending in how it was measured.
 """
 
@@ -43,7 +44,7 @@ def front_page(run_dir: Path, facts: dict | None, check: dict | None) -> str:
     parts = []
     if check is not None:
         parts.append(front_lines(check, check["run"]))
-    for found in (bench_front(run_dir), stress_front(run_dir)):
+    for found in (stress_front(run_dir), bench_front(run_dir)):
         if found is not None:
             parts.append(found)
     for part in parts:
