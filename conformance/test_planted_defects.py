@@ -890,3 +890,26 @@ def test_the_claimed_release_check_passes_on_the_real_daemon():
     with lying_child(BudgetDaemon) as (served, pid, kept, _):
         engine = check_claimed_release_counted(served, pid, kept)
     assert engine["grant"] == kept > 0, engine
+
+
+@pytest.mark.invariant(5)
+@pytest.mark.budget_proof("reclaim")
+@pytest.mark.planted_defect("finished-generation-kept")
+def test_an_idle_engine_keeping_its_finished_generation_is_flagged_by_the_burst_check():
+    """The two engines of conformance/test_transformers_budget.py (which the
+    real ExtensibleCache passes), each caching into the planted one: A's
+    first burst finds B holding only its null block and passes; B's, the
+    second, is denied A's finished generation and stops far below the
+    budget less A's floor, and the check says so, in numbers."""
+    pytest.importorskip("transformers", reason="transformers is not installed: the engines generate with it")
+    from extkv.testing import generating_engines as engines
+
+    with pytest.raises(AssertionError, match=r"^burst 2 \(engine B, \d+ new tokens\): its cache peaked at \d+ bytes, "
+                                             rf"below \d+: the budget {engines.BUDGET} less engine A's floor "
+                                             rf"{engines.FLOORS['A']} less one growth step \d+; engine A held ([1-9]\d*) "
+                                             r"bytes before the burst and \1 after; the burst stopped at "
+                                             r"BudgetDeniedError: .*") as raised:
+        engines.alternating_bursts("finished-generation-kept")
+    peak, least = map(int, re.search(r"peaked at (\d+) bytes, below (\d+)", str(raised.value)).groups())
+    assert 0 < peak < least < engines.BUDGET, (peak, least)
+    print(raised.value)

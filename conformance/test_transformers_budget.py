@@ -13,6 +13,16 @@ declared finished is given back whole, and so is one whose shrink could not
 map its tokens' blocks again; the cache then refuses updates until
 `reset()`. After each, the daemon's ledger holds exactly the cache's
 physical bytes.
+
+Then a real workload (extkv.testing.generating_engines): two engine
+processes of the same model, each with its own cache and floor under one
+budget, bursting in turn; each burst reaches the budget less the idle
+engine's floor, taking the idle engine's finished generation whole, and
+generates DynamicCache's tokens.
+
+Host only: every test here builds its cache over the host driver and its
+daemon over the host device (extkv.testing.budget's `served_daemon`), as
+the budget's other proofs do.
 """
 
 from __future__ import annotations
@@ -37,6 +47,7 @@ from extkv.errors import BudgetDeniedError
 from extkv.integrations.transformers import ExtensibleCache
 from extkv.testing.budget import served_daemon
 from extkv.testing.checks import check_unchanged, snapshot
+from extkv.testing import generating_engines
 from extkv.vmm import HostDriver
 from extkv.vmm.faults import FaultInjectingDriver
 
@@ -45,33 +56,20 @@ pytestmark = pytest.mark.budget_proof("reclaim")
 #: Seconds a client waits for the daemon.
 TIMEOUT_S = 60
 BUDGET = 4 << 20
-#: A granule of one page: with this model a block of a layer is 4 KiB, so
-#: on 4 KiB pages every block is a granule of every layer.
-GRANULE = os.sysconf("SC_PAGE_SIZE")
-BATCH = 2
-PROMPT = 12
 NEW_TOKENS = 60
-#: A tiny Llama (2 layers, 2 KV heads of 16); no eos, so every generation runs its length.
-CONFIG = {
-    "vocab_size": 256,
-    "hidden_size": 64,
-    "intermediate_size": 128,
-    "num_hidden_layers": 2,
-    "num_attention_heads": 4,
-    "num_key_value_heads": 2,
-    "max_position_embeddings": 512,
-    "bos_token_id": 0,
-    "eos_token_id": None,
-    "pad_token_id": 0,
-}
+#: A granule of one page, so that block counts, not granules, decide the footprint.
+GRANULE = generating_engines.GRANULE
+BATCH = generating_engines.BATCH
+PROMPT = generating_engines.PROMPT
+#: The tiny Llama, seeded as the two engines' is; no eos, so every generation runs its length.
+CONFIG = generating_engines.TINY_LLAMA
 #: Logits of the two caches differ by rounding only.
 LOGITS = {"rtol": 1e-4, "atol": 1e-4}
 
 
 @pytest.fixture(scope="module")
 def model():
-    torch.manual_seed(0)
-    return transformers.LlamaForCausalLM(transformers.LlamaConfig(**CONFIG)).eval()
+    return generating_engines.tiny_llama()
 
 
 @pytest.fixture(scope="module")
@@ -310,3 +308,26 @@ def test_a_margin_shrink_whose_regrowth_fails_gives_the_cache_back_and_it_refuse
         cache.reset()
         expect_same_generation(greedy(model, ids, cache, NEW_TOKENS), expected, "a new generation after reset()")
         assert held(client) == cache.physical_bytes
+
+
+@pytest.mark.invariant(5)
+@pytest.mark.invariant(7)
+def test_two_engines_alternating_bursts_each_reach_the_budget_less_the_other_s_floor():
+    """Engines A and B, processes of their own with floors of their own,
+    burst A, B, A, B; the idle one holds its finished generation (at first,
+    B, only its fresh cache). Each burst's peak is at least the budget less
+    the idle engine's floor less one growth step (derived from the cache's
+    own footprints) and at most the budget; the idle engine's finished
+    generation went whole (every burst after the first needed its bytes);
+    each burst's tokens are DynamicCache's; at every quiescent point the
+    ledger holds each cache's bytes, and at the end nothing
+    (extkv.testing.generating_engines, which checks all of it as it goes)."""
+    bursts = generating_engines.alternating_bursts()
+    assert [(burst.number, burst.engine) for burst in bursts] == list(enumerate(generating_engines.BURSTS, 1))
+    for burst in bursts:
+        print(f"burst {burst.number}: engine {burst.engine}, {burst.new_tokens} new tokens, peak {burst.peak} bytes "
+              f"(at least {burst.least}, at most {generating_engines.BUDGET}); the idle engine held "
+              f"{burst.idle_before} bytes before, {burst.idle_after} after")
+        if burst.number > 1:
+            assert burst.idle_after == 0 < burst.idle_before, f"burst {burst.number}: the idle engine's finished " \
+                f"generation of {burst.idle_before} bytes was not given back whole: it holds {burst.idle_after}"

@@ -39,6 +39,8 @@ test_budget_*.py) and the planted defects that must fail them
 - `check_ledger_holds_each_cache`: the daemon's ledger holds a live lease
   per engine, exactly its cache's physical bytes; a daemon that restarted
   (`daemon_process`) holds that once each engine rejoined it.
+  `check_ledger_holds_engines` checks the same of engines in other
+  processes, from the bytes each says its caches hold.
 - `check_uid_refused`: a daemon told to serve other uids refuses this one
   before anything it sends is read, and nothing of it reaches the ledger.
 - `check_claimed_release_counted`: after an engine claimed to return bytes
@@ -390,7 +392,14 @@ def check_ledger_holds_each_cache(path: str, engines) -> dict:
     counts the processes it found as dead leases until their engines
     rejoin: those are asked about again, at the daemon's pace, for up to
     KILL_SETTLES_S, as a killed engine's are."""
-    expected = {client.report()["asker"]: cache.physical_bytes for client, cache in engines}
+    return check_ledger_holds_engines(path, {client.report()["asker"]: cache.physical_bytes for client, cache in engines})
+
+
+def check_ledger_holds_engines(path: str, expected: dict[str, int]) -> dict:
+    """`check_ledger_holds_each_cache` for engines named by the daemon's
+    names for them (a client's `report()["asker"]`), each with the physical
+    bytes its caches hold (`expected`): for engines in other processes,
+    each read at a quiescent point of its own."""
     end = time.monotonic() + KILL_SETTLES_S
     while True:
         report = read_status(path, HANG_S)

@@ -24,8 +24,11 @@ The shared KV budget's defects are its real parts with one step broken: a
 rejoins a restarted daemon saying it holds nothing; a `Ledger` that admits
 past dead bytes or asks engines below their floor; a `BudgetDaemon` that
 keeps a dead lease's bytes for good, serves every uid or believes a release
-an engine claims but did not make. Their checks (extkv.testing.budget, extkv.testing.ledger_machine)
-are those the budget's contract tests run over the real parts.
+an engine claims but did not make; a transformers `ExtensibleCache` that
+keeps a finished generation it should give back. Their checks
+(extkv.testing.budget, extkv.testing.ledger_machine,
+extkv.testing.generating_engines) are those the budget's contract tests
+run over the real parts.
 
 Each defect is data, in `DEFECTS`: a name, what it breaks, the checks that
 must flag it, and how to make it around a real driver. A defect that keeps
@@ -43,6 +46,7 @@ holds it where `staged_driver()` finds it for the length of the run.
 from __future__ import annotations
 
 import contextlib
+import functools
 from dataclasses import dataclass
 from typing import Callable, Iterable, Iterator
 
@@ -466,6 +470,37 @@ class ServesEveryUid(BudgetDaemon):
         self.allowed_uids = _EveryUid(self.allowed_uids)
 
 
+@functools.cache
+def keeps_finished_generations() -> type:
+    """`KeepsFinishedGenerations`: an ExtensibleCache that answers every
+    reclaim `cannot` while its generation is finished, where the real one
+    gives a finished generation back whole; an engine idling so keeps the
+    memory another engine's burst needs. Built at the first call: the
+    integration (extkv.integrations.transformers) imports transformers,
+    which the rest of this module does without."""
+    from ..integrations.transformers import ExtensibleCache
+
+    class KeepsFinishedGenerations(ExtensibleCache):
+        #: Between `finish_generation()` and `reset()`.
+        finished = False
+
+        def finish_generation(self) -> None:
+            with self.lock:
+                super().finish_generation()
+                self.finished = True
+
+        def reset(self) -> None:
+            with self.lock:
+                super().reset()
+                self.finished = False
+
+        def on_reclaim(self, target_bytes: int) -> int:
+            with self.lock:
+                return 0 if self.finished else super().on_reclaim(target_bytes)
+
+    return KeepsFinishedGenerations
+
+
 @contextlib.contextmanager
 def signals_not_deferred() -> Iterator[None]:
     """While entered, extkv's operations run with signal handlers free to
@@ -659,6 +694,13 @@ DEFECTS: dict[str, Defect] = {
             "a release an engine claims but did not make stays counted, as the outside reading shows (invariant 5)",
             ("testing.budget.check_claimed_release_counted",),
             lambda real: BelievesClaimedReleases,
+        ),
+        Defect(
+            "finished-generation-kept",
+            "an engine idling with a finished generation gives it back whole when another needs the room, so each of "
+            "two engines reaches the budget less the other's floor (invariant 5)",
+            ("testing.generating_engines.check_burst: a burst's peak against the budget less the idle engine's floor",),
+            lambda real: keeps_finished_generations(),
         ),
     )
 }
