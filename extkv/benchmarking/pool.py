@@ -17,7 +17,8 @@ module does.
 
 A pooled directory holds what a run's does (`bench_cases.json`,
 `bench.json`, `machine.json`), so `extkv report` renders it like any run;
-its facts name the runs pooled. Each is written anew (rundir.write_text),
+its facts name the runs pooled. The decode, growth-loop and shared-budget
+benches are not pooled: their readings stay in each run's own report. Each is written anew (rundir.write_text),
 replacing any entry of its name rather than writing through it, and the
 first run's machine.json is read as a results file, never copied blind.
 
