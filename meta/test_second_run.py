@@ -8,6 +8,9 @@ import xml.etree.ElementTree as ElementTree
 
 import pytest
 
+from extkv.check.report import check_section, load_check
+from extkv.testing.record import SECOND_RUN_PROPERTY
+
 pytest_plugins = ["pytester"]
 pytestmark = pytest.mark.harness
 
@@ -69,22 +72,38 @@ def test_passes():
 '''
 
 
-def test_only_a_test_whose_every_failure_is_context_growth_runs_again(pytester):
+def test_only_a_test_whose_every_failure_is_context_growth_runs_again(pytester, tmp_path):
     pytester.makepyfile(test_growth=TESTS)
     junit = pytester.path / "junit.xml"
     result = pytester.runpytest_inprocess("-p", "extkv.testing.harness", "--extkv", "-p", "no:cacheprovider",
-                                          f"--junitxml={junit}")
+                                          f"--junitxml={junit}", f"--extkv-report-dir={tmp_path}",
+                                          "--extkv-report-step=check-host")
     runs = {path.stem: int(path.read_text()) for path in pytester.path.glob("*.runs")}
     assert runs == {"first_only": 2, "every": 2, "otherwise": 1, "teardown": 2, "both": 1, "passes": 1}, runs
     result.assert_outcomes(passed=3, failed=3, errors=1)
-    second = {case.get("name"): [p.get("value") for p in case.iter("property") if p.get("name") == "second_run"]
+    twice = {"test_grows_on_its_first_run_only": 2 << 20, "test_grows_at_every_run": 2 << 20,
+             "test_whose_teardown_grows_once": 4 << 20}
+    second = {case.get("name"): [p.get("value") for p in case.iter("property") if p.get("name") == SECOND_RUN_PROPERTY]
               for case in ElementTree.parse(junit).iter("testcase")}
-    assert second == {"test_grows_on_its_first_run_only": ["2097152"], "test_grows_at_every_run": ["2097152"],
-                      "test_fails_otherwise": [], "test_whose_teardown_grows_once": ["4194304"],
-                      "test_grows_and_fails_its_teardown_too": [], "test_passes": []}, second
-    # The failure shown is the second run's, once.
-    assert result.stdout.str().count("test leaked: 0 -> 2097152 bytes") >= 1
-    result.stdout.fnmatch_lines(["FAILED *test_grows_at_every_run*"])
+    assert second == {name: [str(twice[name])] if name in twice else [] for name in second} and len(second) == 6, second
+    result.stdout.fnmatch_lines(["*_ test_grows_at_every_run _*", "E *ContextGrowth: test leaked: 0 -> 2097152 bytes",
+                                 "FAILED test_growth.py::test_grows_at_every_run - *"])
+    check = load_check(tmp_path)
+    recorded = {key.split("::")[1]: (test["second_run"], test["outcome"]) for key, test in check["tests"].items()
+                if test["second_run"]}
+    assert recorded == {"test_grows_on_its_first_run_only": (2 << 20, "passed"),
+                        "test_grows_at_every_run": (2 << 20, "failed"),
+                        "test_whose_teardown_grows_once": (4 << 20, "passed")}, recorded
+    section = check_section(check, [], None).splitlines()
+    listed = section[section.index("### Tests run twice") + 4:][:3]
+    assert listed == [
+        "- `test_growth.py::test_grows_on_its_first_run_only` (host): the first run read 2097152 bytes above its "
+        "baseline; the second passed",
+        "- `test_growth.py::test_grows_at_every_run` (host): the first run read 2097152 bytes above its baseline; "
+        "the second failed",
+        "- `test_growth.py::test_whose_teardown_grows_once` (host): the first run read 4194304 bytes above its "
+        "baseline; the second passed",
+    ], section
 
 
 def test_a_reading_above_by_whole_steps_is_context_growth_only_where_the_context_grows_by_itself():

@@ -269,6 +269,15 @@ def check_section(check: dict, timelines: list[tuple[Timeline, str | None]], plo
     ] or ["none"]
     for step, document in check["steps"].items():
         lines += [f"- collection error in `{step}`: `{e['nodeid']}`: {e['message']}" for e in document["collection_errors"]]
+    twice = {key: record for key, record in tests.items() if record.get("second_run")}
+    lines += ["", "### Tests run twice", "",
+              "A GPU test whose only failure was usage above its baseline by whole steps of the context's own "
+              "growth (CUDA loading a kernel's code), extkv's bookkeeping clean, ran once more; the second run "
+              "is its outcome.", ""]
+    lines += [
+        f"- `{key}` ({record['device']}): the first run read {record['second_run']} bytes above its baseline; "
+        f"the second {record['outcome']}" for key, record in twice.items()
+    ] or ["none"]
     reasons = Counter(record["skip_reason"] for record in tests.values() if record["outcome"] == "skipped")
     lines += ["", "### Skips", ""]
     if reasons:

@@ -46,6 +46,9 @@ WORKER_PROPERTY = "extkv_worker"
 PLANTED_PROPERTY = "extkv_planted_defect"
 BUDGET_PROOF_PROPERTY = "extkv_budget_proof"
 GPU_FEATURES_PROPERTY = "extkv_gpu_features"
+#: The bytes a test's first run read above its baseline, where it ran twice
+#: (extkv.testing.second_run); on the reports of its second run only.
+SECOND_RUN_PROPERTY = "extkv_second_run"
 #: Label of everything that runs on the host driver or needs no device.
 HOST_LABEL = "host"
 #: Format tag of the `<step>.json` files written here.
@@ -114,11 +117,14 @@ class RunRecord:
                 "planted_defect": properties.get(PLANTED_PROPERTY),
                 "budget_proof": properties.get(BUDGET_PROOF_PROPERTY),
                 "gpu_features": properties.get(GPU_FEATURES_PROPERTY, []),
+                "second_run": None,
                 "duration_s": 0.0,
                 "skip_reason": None,
                 "message": None,
             }
         record["duration_s"] = round(record["duration_s"] + report.duration, 6)
+        if properties.get(SECOND_RUN_PROPERTY):
+            record["second_run"] = properties[SECOND_RUN_PROPERTY]
         if report.failed:
             if record["outcome"] != "failed":
                 record["outcome"] = "failed" if report.when in ("call", "???") else "error"

@@ -21,9 +21,10 @@ lazily), and the leak check only when extkv's own bookkeeping (live
 reservations, chunks, memfds) is clean. A test whose failures are all
 ContextGrowth runs once more, in the same process, and its second run is
 its outcome: the verdict depends on what the test does, not on which test
-a run's order put first. Its reports carry `second_run` (the bytes the
-first run read above the baseline) in their user_properties, and so the
-run's junit. A defect that leaks at every run (the planted
+a run's order put first. Its second run's reports carry the bytes the
+first run read above the baseline (record.SECOND_RUN_PROPERTY) in their
+user_properties, so in the run's junit and results, and the check's
+report lists every test that ran twice. A defect that leaks at every run (the planted
 `chunk-kept-uncounted`) fails both runs.
 
 What two runs cannot see: memory taken once per process, outside extkv's
@@ -38,9 +39,7 @@ import pytest
 from _pytest.runner import runtestprotocol
 
 from .checks import ContextGrowth
-
-#: The user property naming a test that ran twice, and its first run's excess bytes.
-SECOND_RUN_PROPERTY = "second_run"
+from .record import SECOND_RUN_PROPERTY
 
 _GREW = pytest.StashKey[int]()
 _OTHER_FAILURE = pytest.StashKey[bool]()
