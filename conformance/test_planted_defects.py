@@ -97,7 +97,7 @@ from extkv.testing.models import CacheModel, ContentMismatch, LeakFound, check_c
 from extkv.testing.machines import CACHE_MACHINE_CASES
 from extkv.testing.stress import OPERATIONS, StressTally, walk
 from extkv.testing.stress.faults import fault_attempt
-from extkv.vmm import HostDriver, PoisoningDriver, driver_for
+from extkv.vmm import HostDriver, PoisoningDriver, driver_for, finest_driver_for
 from extkv.vmm.base import NO_ACCESS, READ_ONLY, READ_WRITE
 from extkv.vmm.wrapping import WrappingDriver
 
@@ -905,11 +905,14 @@ def test_an_idle_engine_keeping_its_finished_generation_is_flagged_by_the_burst_
     from extkv.testing import generating_engines as engines
 
     with pytest.raises(AssertionError, match=r"^burst 2 \(engine B, \d+ new tokens\): its cache peaked at \d+ bytes, "
-                                             rf"below \d+: the budget {engines.BUDGET} less engine A's floor "
-                                             rf"{engines.FLOORS['A']} less one growth step \d+; engine A held ([1-9]\d*) "
-                                             r"bytes before the burst and \1 after; the burst stopped at "
-                                             r"BudgetDeniedError: .*") as raised:
+                                             r"below \d+: the budget \d+ less engine A's floor \d+ less one growth "
+                                             r"step \d+; engine A held ([1-9]\d*) bytes before the burst and \1 after; "
+                                             r"the burst stopped at BudgetDeniedError: .*") as raised:
         engines.alternating_bursts("finished-generation-kept")
-    peak, least = map(int, re.search(r"peaked at (\d+) bytes, below (\d+)", str(raised.value)).groups())
-    assert 0 < peak < least < engines.BUDGET, (peak, least)
+    peak, least, budget, floor, step = map(int, re.search(
+        r"peaked at (\d+) bytes, below (\d+): the budget (\d+) less engine A's floor (\d+) less one growth step (\d+)",
+        str(raised.value)).groups())
+    granule = finest_driver_for("cpu").granularity
+    assert (budget, floor) == (engines.BUDGET_STEPS * step, engines.FLOOR_GRANULES["A"] * granule), (budget, floor, step)
+    assert 0 < peak < least < budget, (peak, least, budget)
     print(raised.value)

@@ -18,11 +18,14 @@ Then a real workload (extkv.testing.generating_engines): two engine
 processes of the same model, each with its own cache and floor under one
 budget, bursting in turn; each burst reaches the budget less the idle
 engine's floor, taking the idle engine's finished generation whole, and
-generates DynamicCache's tokens.
+generates DynamicCache's tokens. It runs on each device of the harness's
+`device` (`host`, `cuda:N`): its sizes are counted in granules and growth
+steps, so on a GPU's 2 MiB granule the same blocks are 512 times the
+host's bytes, and its checks read what extkv maps and the daemon counts.
 
-Host only: every test here builds its cache over the host driver and its
-daemon over the host device (extkv.testing.budget's `served_daemon`), as
-the budget's other proofs do.
+The other tests here are host only: each builds its cache over the host
+driver and its daemon over the host device (extkv.testing.budget's
+`served_daemon`), as the budget's other proofs do.
 """
 
 from __future__ import annotations
@@ -58,7 +61,7 @@ TIMEOUT_S = 60
 BUDGET = 4 << 20
 NEW_TOKENS = 60
 #: A granule of one page, so that block counts, not granules, decide the footprint.
-GRANULE = generating_engines.GRANULE
+GRANULE = os.sysconf("SC_PAGE_SIZE")
 BATCH = generating_engines.BATCH
 PROMPT = generating_engines.PROMPT
 #: The tiny Llama, seeded as the two engines' is; no eos, so every generation runs its length.
@@ -69,7 +72,7 @@ LOGITS = {"rtol": 1e-4, "atol": 1e-4}
 
 @pytest.fixture(scope="module")
 def model():
-    return generating_engines.tiny_llama()
+    return generating_engines.tiny_llama(GRANULE, torch.device("cpu"))
 
 
 @pytest.fixture(scope="module")
@@ -312,7 +315,7 @@ def test_a_margin_shrink_whose_regrowth_fails_gives_the_cache_back_and_it_refuse
 
 @pytest.mark.invariant(5)
 @pytest.mark.invariant(7)
-def test_two_engines_alternating_bursts_each_reach_the_budget_less_the_other_s_floor():
+def test_two_engines_alternating_bursts_each_reach_the_budget_less_the_other_s_floor(device):
     """Engines A and B, processes of their own with floors of their own,
     burst A, B, A, B; the idle one holds its finished generation (at first,
     B, only its fresh cache). Each burst's peak is at least the budget less
@@ -321,12 +324,15 @@ def test_two_engines_alternating_bursts_each_reach_the_budget_less_the_other_s_f
     generation went whole (every burst after the first needed its bytes);
     each burst's tokens are DynamicCache's; at every quiescent point the
     ledger holds each cache's bytes, and at the end nothing
-    (extkv.testing.generating_engines, which checks all of it as it goes)."""
-    bursts = generating_engines.alternating_bursts()
+    (extkv.testing.generating_engines, which checks all of it as it goes).
+    The engines' processes make their models and CUDA contexts; this one
+    holds neither."""
+    sizes, bursts = generating_engines.alternating_bursts(device=device)
+    print(f"granule {sizes.granularity} bytes, growth step {sizes.step}, budget {sizes.budget}, floors {sizes.floors}")
     assert [(burst.number, burst.engine) for burst in bursts] == list(enumerate(generating_engines.BURSTS, 1))
     for burst in bursts:
         print(f"burst {burst.number}: engine {burst.engine}, {burst.new_tokens} new tokens, peak {burst.peak} bytes "
-              f"(at least {burst.least}, at most {generating_engines.BUDGET}); the idle engine held "
+              f"(at least {burst.least}, at most {burst.budget}); the idle engine held "
               f"{burst.idle_before} bytes before, {burst.idle_after} after")
         if burst.number > 1:
             assert burst.idle_after == 0 < burst.idle_before, f"burst {burst.number}: the idle engine's finished " \

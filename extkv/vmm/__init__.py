@@ -5,8 +5,10 @@ virtual memory), `cuda:N` the CUDA driver for device N, and a `Driver`
 instance (a host driver with another granularity, a fault injector) is used
 as given. `driver_for_import` picks the one that imports what another
 process's driver exported, from the kind, granularity and device identity
-that driver announced. Nothing above this package asks which kind of device
-it runs on: what differs between devices is a `Driver` method or property.
+that driver announced; `finest_driver_for` the driver whose granule is the
+smallest the device's memory allows (one page on the host). Nothing above
+this package asks which kind of device it runs on: what differs between
+devices is a `Driver` method or property.
 """
 
 from __future__ import annotations
@@ -111,6 +113,18 @@ def reduction_device(backend: str, reduces: Sequence[str], device: torch.device 
     return device
 
 
+def finest_driver_for(device: torch.device | str | int) -> Driver:
+    """The driver of `device` at the finest granule its memory allows: on
+    the host a driver of one page (the default host driver's 2 MiB stands
+    in for a GPU's granule), on a GPU its own, whose granule is CUDA's
+    minimum already. For work whose sizes are counted in granules, so that
+    the host's run stays small while a GPU's scales with its granule."""
+    device = canonical_device(device)
+    if device.type == "cpu":
+        return HostDriver(os.sysconf("SC_PAGE_SIZE"))
+    return driver_for(device)
+
+
 def driver_for_import(kind: str, granularity: int, device: dict, driver: Driver | None = None) -> Driver:
     """The driver that imports chunks another process's driver exported:
     that driver's `kind` ("host" or "cuda") and `granularity`, on the device
@@ -168,6 +182,7 @@ __all__ = [
     "device_memory_info",
     "driver_for",
     "driver_for_import",
+    "finest_driver_for",
     "live_chunks",
     "live_reservations",
     "reduction_device",
