@@ -45,12 +45,12 @@ from extkv import cli
 from extkv.budget.client import BudgetClient, read_status
 from extkv.budget.daemon import BudgetDaemon
 from extkv.budget.listener import DaemonRunningError
-from extkv.budget.device import HostDevice
+from extkv.budget.device import HostDevice, open_device
 from extkv.budget.protocol import MAX_REQUEST_BYTES, PROTOCOL
 from extkv.errors import BudgetDeniedError, BudgetProtocolError, BudgetUnavailableError, OutOfMemoryError
 from extkv.testing.budget import ServedDaemon, check_uid_refused, daemon_process, short_run_dir, wait_for_status
 from extkv.testing.children import fork_server
-from extkv.vmm import HostDriver
+from extkv.vmm import HostDriver, driver_for
 from extkv.wire import encode_message, receive_message, send_message
 
 pytestmark = pytest.mark.invariant(5)
@@ -607,3 +607,13 @@ def test_budget_status_prints_the_budget_and_each_engine(serve, clients, capsys)
     assert (theirs["held"], theirs["outside"], theirs["lease"], theirs["reclaim_pending"]) == (
         str(3 * granule), str(3 * granule), "live", "0"), theirs
     assert json.dumps(read_status(served.path))  # the report is plain JSON
+
+
+@pytest.mark.invariant(5)
+def test_a_driver_names_its_device_as_the_daemon_opens_it(device):
+    """`Driver.device_key()` is what `open_device` takes, and the device it
+    opens carries that key: a GPU by the UUID NVML writes ("GPU-..."),
+    which torch gives bare."""
+    key = driver_for(device).device_key()
+    assert open_device(key).key == key, key
+    assert key == "host" if device.type == "cpu" else key.startswith("GPU-"), key

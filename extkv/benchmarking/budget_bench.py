@@ -114,9 +114,8 @@ def setting_for(profile: str) -> Setting:
 
 
 def daemon_device(device: torch.device) -> str:
-    """What the daemon of `device` opens (extkv.budget.device's
-    `open_device`): its GPU's UUID, where the driver names one, else "host"."""
-    return driver_for(device).device_identity()["uuid"] or "host"
+    """What the daemon of `device` opens (extkv.budget.device's `open_device`)."""
+    return driver_for(device).device_key()
 
 
 def _blocks(geometry: str, nbytes: int) -> int:

@@ -200,16 +200,6 @@ def footprints(model, driver) -> list[int]:
         cache.free()
 
 
-def daemon_device(driver) -> str:
-    """What a daemon of `driver`'s device opens (extkv.budget.device's
-    `open_device`): its GPU's UUID, where the driver names one, else
-    "host". NVML names a GPU "GPU-<uuid>", torch by the bare UUID."""
-    uuid = driver.device_identity()["uuid"]
-    if uuid is None:
-        return "host"
-    return uuid if uuid.startswith("GPU-") else f"GPU-{uuid}"
-
-
 def generating_engine(device: torch.device, defect: str | None, commands, replies) -> None:
     """An engine's life on `device`: report its footprints, its granule and
     its daemon's device; join the daemon whose socket and floor the
@@ -235,7 +225,7 @@ def generating_engine(device: torch.device, defect: str | None, commands, replie
         if steps[0] != layers * granularity:
             raise ValueError(f"a fresh cache holds {steps[0]} bytes, expected its null block, one granule of "
                              f"{granularity} bytes in each of {layers} layers: a block of a layer is not one granule")
-        replies.send({"footprints": steps, "granularity": granularity, "daemon_device": daemon_device(inner)})
+        replies.send({"footprints": steps, "granularity": granularity, "daemon_device": inner.device_key()})
         command, socket_path, floor = commands.recv()
         if command != "join":
             raise ValueError(f"an engine's first command must be join, got {command!r}")

@@ -281,6 +281,16 @@ class Driver(abc.ABC):
         the GPU's `uuid` (None where the device has none)."""
         return {"type": self.device.type, "index": self.device.index, "uuid": None}
 
+    def device_key(self) -> str:
+        """The name services of a whole device know it by: "host" where it
+        has no UUID, else "GPU-<uuid>", as NVML and nvidia-smi write it
+        (torch gives the bare UUID); what the budget daemon's
+        `open_device` takes."""
+        uuid = self.device_identity()["uuid"]
+        if uuid is None:
+            return "host"
+        return uuid if uuid.startswith("GPU-") else f"GPU-{uuid}"
+
     # -- what an RDMA stack registers --------------------------------------------
     #: Whether chunks are created GPUDirect RDMA capable, so that a NIC can
     #: register them: True where the GPU supports it with VMM, False where
