@@ -19,13 +19,13 @@ them), there is nothing per process to read, and the caller says so.
 
 from __future__ import annotations
 
-import functools
 import os
 import time
 
 import torch
 
 from ... import vmm
+from ...vmm.witness import nvml, nvml_handle
 from ..models import LeakFound
 
 
@@ -81,23 +81,11 @@ def processes_reaching(memfds: set[tuple[int, int]]) -> dict[int, int]:
     return reaching
 
 
-@functools.lru_cache(maxsize=None)
-def nvml_handle(device: torch.device):
-    """NVML's handle for a CUDA device (by UUID: NVML numbers GPUs physically,
-    CUDA_VISIBLE_DEVICES renumbers them)."""
-    import pynvml
-
-    pynvml.nvmlInit()
-    uuid = str(torch.cuda.get_device_properties(device).uuid)
-    return pynvml.nvmlDeviceGetHandleByUUID(uuid if uuid.startswith("GPU-") else f"GPU-{uuid}")
-
-
 def nvml_process_used(device: torch.device, pid: int) -> int | None:
     """What NVML counts for process `pid` on the GPU; None when it lists no
     such process (gone, or hidden by a PID namespace)."""
-    import pynvml
-
-    for process in pynvml.nvmlDeviceGetComputeRunningProcesses(nvml_handle(device)):
+    handle = nvml_handle(vmm.driver_for(device).device.index)
+    for process in nvml().nvmlDeviceGetComputeRunningProcesses(handle):
         if process.pid == pid and isinstance(process.usedGpuMemory, int):
             return int(process.usedGpuMemory)
     return None
