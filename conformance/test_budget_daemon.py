@@ -609,11 +609,13 @@ def test_budget_status_prints_the_budget_and_each_engine(serve, clients, capsys)
     assert json.dumps(read_status(served.path))  # the report is plain JSON
 
 
+@pytest.mark.budget_proof("grants")
 @pytest.mark.invariant(5)
 def test_a_driver_names_its_device_as_the_daemon_opens_it(device):
     """`Driver.device_key()` is what `open_device` takes, and the device it
     opens carries that key: a GPU by the UUID NVML writes ("GPU-..."),
-    which torch gives bare."""
+    which torch gives bare. An engine's grants come from the daemon of the
+    device its driver creates on."""
     key = driver_for(device).device_key()
     assert open_device(key).key == key, key
     assert key == "host" if device.type == "cpu" else key.startswith("GPU-"), key
