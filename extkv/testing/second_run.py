@@ -44,6 +44,9 @@ from .record import SECOND_RUN_PROPERTY
 _GREW = pytest.StashKey[int]()
 _OTHER_FAILURE = pytest.StashKey[bool]()
 _SETUP_LOGGED = pytest.StashKey[bool]()
+#: Set while this module's protocol runs the item, which logs what it
+#: makes; a protocol of another plugin logs its own reports.
+_OURS = pytest.StashKey[bool]()
 
 
 @pytest.hookimpl(wrapper=True)
@@ -53,6 +56,8 @@ def pytest_runtest_makereport(item, call):
     the test knows it started; a second run's passing setup is not logged
     twice."""
     report = yield
+    if not item.stash.get(_OURS, False):
+        return report
     if call.when == "setup" and not (report.passed and item.stash.get(_SETUP_LOGGED, False)):
         item.stash[_SETUP_LOGGED] = True
         item.ihook.pytest_runtest_logreport(report=report)
@@ -68,6 +73,7 @@ def pytest_runtest_makereport(item, call):
 def pytest_runtest_protocol(item, nextitem):
     """pytest's own protocol (setup, call, teardown, each reported), with
     one more run where every failure of the first was ContextGrowth."""
+    item.stash[_OURS] = True
     item.ihook.pytest_runtest_logstart(nodeid=item.nodeid, location=item.location)
     reports = runtestprotocol(item, nextitem=nextitem, log=False)
     grew, other = item.stash.get(_GREW, 0), item.stash.get(_OTHER_FAILURE, False)
