@@ -9,6 +9,7 @@ import xml.etree.ElementTree as ElementTree
 import pytest
 
 from extkv.check.report import check_section, load_check
+from extkv.check.verdict import run_verdict
 from extkv.testing.record import SECOND_RUN_PROPERTY
 
 pytest_plugins = ["pytester"]
@@ -94,6 +95,8 @@ def test_only_a_test_whose_every_failure_is_context_growth_runs_again(pytester, 
     assert recorded == {"test_grows_on_its_first_run_only": (2 << 20, "passed"),
                         "test_grows_at_every_run": (2 << 20, "failed"),
                         "test_whose_teardown_grows_once": (4 << 20, "passed")}, recorded
+    assert "3 tests ran twice: the first run read only the context's own growth; the second is the outcome " \
+           "(the report lists them)" in run_verdict(check, None), run_verdict(check, None)
     section = check_section(check, [], None).splitlines()
     listed = section[section.index("### Tests run twice") + 4:][:3]
     assert listed == [

@@ -249,9 +249,9 @@ def budget_line(proofs: list[BudgetProof], narrowed: bool) -> str:
 
 def run_verdict(check: dict, run: dict | None) -> list[str]:
     """The verdict lines, the run's last: one per device, each GPU's
-    features' (extkv.check.features), the planted defects', the shared KV
-    budget's, then the run's. `run`:
-    check-run.json (targets per step, wall seconds), or None."""
+    features' (extkv.check.features), the planted defects', the tests run
+    twice (extkv.testing.second_run), the shared KV budget's, then the
+    run's. `run`: check-run.json (targets per step, wall seconds), or None."""
     verdicts = device_verdicts(check)
     totals = Counter(record["outcome"] for record in check["tests"].values())
     failed = totals["failed"] + totals["error"]
@@ -266,6 +266,10 @@ def run_verdict(check: dict, run: dict | None) -> list[str]:
     caught, planted = planted_counts(check)
     if planted:
         lines.append(f"the checks caught {caught} of {planted} planted defects")
+    twice = sum(1 for record in check["tests"].values() if record.get("second_run"))
+    if twice:
+        lines.append(f"{twice} {'test' if twice == 1 else 'tests'} ran twice: the first run read only the context's "
+                     "own growth; the second is the outcome (the report lists them)")
     proofs = budget_proofs(check)
     if proofs is not None:
         lines.append(budget_line(proofs, bool(narrowed)))
