@@ -256,27 +256,35 @@ def _idle_engine(socket_path: str, geometry: str, blocks: int, device: str, comm
         commands.send(("failed", traceback.format_exc()))
 
 
-class IdleEngine:
-    """The parent's side of `_idle_engine`: `ask(command)` returns its answer."""
+class EngineChild:
+    """The parent's side of an engine child, `target(*args, commands)` in a
+    process of the fork server: it says ("ready", value) once set up, then
+    answers each command sent on its pipe with (command, value), or
+    ("failed", traceback). `what` names it in errors ("the idle engine");
+    `ready` holds what it said when ready."""
 
-    def __init__(self, socket_path: str, geometry: str, blocks: int, device: torch.device):
+    def __init__(self, what: str, target: Callable, args: tuple):
         context = fork_server()
+        self.what = what
         self.commands, theirs = context.Pipe()
-        self.process = context.Process(target=_idle_engine, args=(socket_path, geometry, blocks, str(device), theirs),
-                                       daemon=True)
+        self.process = context.Process(target=target, args=(*args, theirs), daemon=True)
         self.process.start()
+        self.pid = self.process.pid
         theirs.close()
-        self._answer("ready")
+        try:
+            self.ready = self._answer("ready")
+        except BaseException:
+            self.kill()
+            raise
 
     def _answer(self, expected: str):
         if not self.commands.poll(HANG_S):
-            raise TimeoutError(f"the idle engine (pid {self.process.pid}) did not answer {expected!r} "
-                               f"within {HANG_S} s")
+            raise TimeoutError(f"{self.what} (pid {self.pid}) did not answer {expected!r} within {HANG_S} s")
         said, value = self.commands.recv()
         if said == "failed":
-            raise RuntimeError(f"the idle engine (pid {self.process.pid}) failed:\n{value}")
+            raise RuntimeError(f"{self.what} (pid {self.pid}) failed:\n{value}")
         if said != expected:
-            raise RuntimeError(f"the idle engine (pid {self.process.pid}) said {said!r}, expected {expected!r}")
+            raise RuntimeError(f"{self.what} (pid {self.pid}) said {said!r}, expected {expected!r}")
         return value
 
     def ask(self, command: str):
@@ -284,16 +292,21 @@ class IdleEngine:
         return self._answer(command)
 
     def close(self) -> None:
-        """Stop it (it frees its caches and ends its lease) and reap it; kill it if it does not stop."""
+        """Stop it (it frees what it holds and ends its lease) and reap it;
+        kill it if it does not stop."""
         try:
             if self.process.is_alive():
                 self.ask("stop")
         finally:
             self.process.join(HANG_S)
-            if self.process.exitcode is None:
-                self.process.kill()
-                self.process.join(HANG_S)
-            self.commands.close()
+            self.kill()
+
+    def kill(self) -> None:
+        """SIGKILL it if it still runs, and reap it. Idempotent."""
+        if self.process.exitcode is None:
+            self.process.kill()
+            self.process.join(HANG_S)
+        self.commands.close()
 
 
 def measure_reclaim(device: torch.device, setting: Setting, client_class: type[BudgetClient],
@@ -304,7 +317,7 @@ def measure_reclaim(device: torch.device, setting: Setting, client_class: type[B
     held = footprint(setting.geometry, blocks, device)
     times: dict[str, list[float]] = {"grant_s": [], "handler_shrink_s": [], "alone_s": []}
     with short_run_dir() as run_dir, daemon_process(run_dir, held, device=daemon_device(device)) as daemon:
-        idle = IdleEngine(daemon.path, setting.geometry, blocks, device)
+        idle = EngineChild("the idle engine", _idle_engine, (daemon.path, setting.geometry, blocks, str(device)))
         try:
             with client_class(daemon.path, floor=held, timeout=HANG_S) as busy:
                 def reclaim() -> tuple[float, float]:
