@@ -88,6 +88,7 @@ LAYERS: list[set[str]] = [
     {"extkv.testing.stress.under_pressure", "extkv.testing.stress.processes", "extkv.testing.stress.warm_up",
      "extkv.testing.stress.__main__", "extkv.testing.stress.budget"},
     {"extkv.testing.stress"},
+    {"extkv.benchmarking.budget_bursts"},
     {"extkv.runs.rundir", "extkv.runs", "extkv.runs.steps"},
     {"extkv.runs.results", "extkv.runs.commands", "extkv.runs.plots"},
     {"extkv.check.features"},
