@@ -4,8 +4,9 @@ Theory of operation
 -------------------
 extkv.benchmarking.budget_bench measures a grant's round trip, the cost
 the budget adds to a commit and a reclaim from an idle engine, and leaves
-one JSON object per run; extkv.benchmarking.targets judges each reading
-(`evaluate_budget`). `budget_section` writes the bench section's part: how
+one JSON object per run, with extkv.benchmarking.budget_bursts' two
+engines in alternating bursts under "bursts"; extkv.benchmarking.targets
+judges each reading (`evaluate_budget`). `budget_section` writes the bench section's part: how
 it was measured, then a row per reading with its figure, the median beside
 it, the bound and the verdict, and what the figure is made of.
 `budget_front` is its short table for the report's front page. A run that
@@ -16,7 +17,7 @@ the JSON is read, so a report renders it without importing torch.
 
 from __future__ import annotations
 
-from .targets import BUDGET_TARGETS, BudgetRow, budget_readings_only, evaluate_budget
+from .targets import BUDGET_TARGETS, BudgetRow, budget_readings_only, byte_words, evaluate_budget
 
 HEADING = "### The shared KV budget"
 
@@ -47,6 +48,26 @@ def _mark(row: BudgetRow) -> str:
     return {True: "met", False: "MISSED", None: "not judged"}[row.met]
 
 
+def bursts_words(bursts: dict | None) -> str:
+    """How the two engines' bursts were run, for the section's paragraph
+    ("" for a result without them)."""
+    if not bursts:
+        return ""
+    s = bursts["setting"]
+    floors = ", ".join(f"{name} {byte_words(floor)}" for name, floor in bursts["floors"].items())
+    return (f" Bursts: two engine processes, caches of {bursts['geometry_what']}, alternate {s['bursts']} bursts "
+            f"(A, B, ...) in each of {s['rounds']} rounds, budgeted and static in Williams-design order; a step "
+            f"appends {s['step_blocks']} block(s) of KV, writes and reads them back and runs {s['work_matmuls']} "
+            f"products of a {s['work_dim']}-square {s['work_dtype']} weight. Budgeted: a budget of "
+            f"{byte_words(bursts['budget_bytes'])}, floors {floors}; the busy engine grows through commit-ahead "
+            f"({s['ahead_blocks']} blocks ahead in steps of {s['ahead_step_blocks']}) until the budget denies a "
+            f"step's commit (a growth step: at most {byte_words(bursts['growth_bytes'])}), the idle one gives back "
+            f"all above its floor when asked. Static: each holds {byte_words(bursts['static_bytes'])}, committed up "
+            f"front. "
+            f"p99 over each burst's first {bursts['compared_steps']} steps, those a static half takes too; outside "
+            f"sums every 10 ms ({bursts['outside']}).")
+
+
 def budget_section(result: dict, withheld: str | None) -> list[str]:
     """Markdown lines for a result of `budget_bench.run`; `withheld`: why
     the run judges nothing (None: it judges)."""
@@ -63,7 +84,8 @@ def budget_section(result: dict, withheld: str | None) -> list[str]:
         f"on a cache just made, to the device's synchronize, budgeted and unbudgeted in Williams-design order over "
         f"{s['commit_rounds']} rounds. Reclaim: the budget exactly what an idle engine (a process of its own) holds; "
         f"a busy engine with that floor reserves it all, and the idle engine's `on_reclaim` shrinks to nothing; "
-        f"interleaved over {s['reclaim_rounds']} rounds with the same shrink of an unbudgeted cache alone.",
+        f"interleaved over {s['reclaim_rounds']} rounds with the same shrink of an unbudgeted cache alone."
+        + bursts_words(result.get("bursts")),
         "",
         "| reading | size | value | median | bound | verdict | made of |",
         "|---|---|---|---|---|---|---|",

@@ -30,8 +30,15 @@ to a commit of 256 MiB or more within 2%, the ratio of the budgeted
 commit's least round to the unbudgeted one's; and a reclaim from an idle
 engine within 100 ms past that engine's unmap and release, the least
 reserve-to-grant less the least unmap and release alone. A commit below
-256 MiB is shown, not judged. `evaluate_budget` reads the bench's JSON
-alone, so a report needs no torch.
+256 MiB is shown, not judged. Two engines in alternating bursts
+(extkv.benchmarking.budget_bursts) are one row with two numbers: each
+burst's busy engine must reach the budget less the idle one's floor, short
+by at most one growth step (the burst that fell shortest is named), and
+its p99 step be within 1.05x a static half's over the same steps (ratio
+of the least p99s over rounds); and the overshoot, the largest sum of the
+engines' bytes read from outside less the budget, must be 0. A result
+without bursts (an older file) shows both as not measured.
+`evaluate_budget` reads the bench's JSON alone, so a report needs no torch.
 
 A run that judges nothing (a smoke run, a narrowed one: see
 extkv.benchmarking.report) shows its rows through `readings_only` (the
@@ -376,11 +383,23 @@ def readings_only(rows: list[TargetRow], scaling: list[ScalingRow]) -> tuple[lis
 
 
 # -- the shared KV budget ---------------------------------------------------------------------
+#: Readings of the budget's bench that are ratios (shown as 1.004x).
+RATIO_READINGS = frozenset({"commit_ratio", "bursts_p99_ratio"})
+
+
+def byte_words(num_bytes: float) -> str:
+    """"0 B", "512 B", "8MiB": a byte count as the budget's rows show it."""
+    magnitude = abs(num_bytes)
+    shown = f"{magnitude:.0f} B" if magnitude < 1024 else size_label(int(magnitude))
+    return f"-{shown}" if num_bytes < 0 else shown
+
+
 @dataclass(frozen=True)
 class BudgetTarget:
     """A reading of the budget's bench (`reading`: "grant_p99" in seconds,
     "commit_ratio" budgeted over unbudgeted, "reclaim_past_release" in
-    seconds) at most `bound`; a commit only of `min_bytes` or more."""
+    seconds, "bursts_p99_ratio" budgeted over static, "overshoot_bytes" in
+    bytes) at most `bound`; a commit only of `min_bytes` or more."""
 
     key: str
     name: str
@@ -391,14 +410,20 @@ class BudgetTarget:
 
     def shown(self, value: float) -> str:
         """"1.004x" (three decimals: two would print a 1.024x miss as the
-        bound); a time in us or ms."""
-        if self.reading == "commit_ratio":
+        bound); a time in us or ms; bytes."""
+        if self.reading in RATIO_READINGS:
             return f"{value:.3f}x"
+        if self.reading == "overshoot_bytes":
+            return byte_words(value)
         return f"{value * 1e6:.0f} us" if abs(value) < 1e-3 else f"{value * 1e3:.2f} ms"
 
     def bound_words(self) -> str:
-        if self.reading == "commit_ratio":
+        if self.reading == "bursts_p99_ratio":
+            return f"<= {self.bound:g}x, reach >= budget - other's floor - a growth step"
+        if self.reading in RATIO_READINGS:
             return f"<= {self.bound:g}x"
+        if self.reading == "overshoot_bytes":
+            return f"<= {byte_words(self.bound)}"
         bound = f"{self.bound * 1e6:g} us" if self.bound < 1e-3 else f"{self.bound * 1e3:g} ms"
         return f"<= {bound}" + (" past unmap + release" if self.reading == "reclaim_past_release" else "")
 
@@ -407,8 +432,10 @@ class BudgetTarget:
         shown = self.shown(value)
         if value <= self.bound:
             return True, f"met: {shown}"
-        if self.reading == "commit_ratio":
+        if self.reading in RATIO_READINGS:
             return False, f"missed by {(value - self.bound) * 100:.1f} points: {shown}"
+        if self.reading == "overshoot_bytes":
+            return False, f"missed by {byte_words(value - self.bound)}: {shown} past the budget"
         over = (value / self.bound - 1) * 100
         return False, f"missed by {over:.0f}%: {shown}" if over >= 1 else f"missed by {over:.1f}%: {shown}"
 
@@ -424,6 +451,13 @@ BUDGET_TARGETS: list[BudgetTarget] = [
                  "a busy engine's reserve granted within 100 ms plus the idle engine's unmap and release, which "
                  "another process holding the bytes answers by shrinking (least reserve-to-grant less the least "
                  "unmap + release measured alone)", "reclaim_past_release", 0.1),
+    BudgetTarget("budget-bursts", "two engines, alternating bursts, against a static half each",
+                 "each burst's busy engine reaches at least the budget less the idle engine's floor less one "
+                 "growth step, and its p99 step is at most 1.05x that of an engine holding a static half of the "
+                 "budget, over the same steps (the least p99 over rounds of each)", "bursts_p99_ratio", 1.05),
+    BudgetTarget("budget-overshoot", "overshoot: the engines' bytes together past the budget",
+                 "none: the largest sum of both engines' bytes, read from outside them every 10 ms while the "
+                 "bursts ran, less the budget", "overshoot_bytes", 0),
 ]
 
 
@@ -493,6 +527,75 @@ def evaluate_budget(result: dict) -> list[BudgetRow]:
         rows.append(BudgetRow(reclaim, label, value, median, *reclaim.verdict(value), parts))
     else:
         rows.append(BudgetRow(reclaim, label, None, None, None, "not measured (no rounds)"))
+    return rows + _burst_rows(result.get("bursts"))
+
+
+def _least_reach(bursts: dict) -> tuple[dict, int] | None:
+    """The budgeted burst whose reach fell shortest of the budget less the
+    idle engine's floor, and that bound; None where no burst ran."""
+    floors, least = bursts["floors"], None
+    for measured in (rounds["budgeted"] for rounds in bursts["rounds"]):
+        for burst in measured["bursts"]:
+            other = next(name for name in floors if name != burst["engine"])
+            bound = bursts["budget_bytes"] - floors[other]
+            if least is None or bound - burst["reach_bytes"] > least[1] - least[0]["reach_bytes"]:
+                least = (burst, bound)
+    return least
+
+
+def _burst_rows(bursts: dict | None) -> list[BudgetRow]:
+    """The two-engine rows: the busy engine's reach and p99 step against a
+    static half (one verdict, both numbers in it), and the overshoot read
+    from outside."""
+    target, overshoot = BUDGET_TARGETS[3], BUDGET_TARGETS[4]
+    if not bursts:
+        return [BudgetRow(row_target, "-", None, None, None, "not measured (no bursts in this run)")
+                for row_target in (target, overshoot)]
+    label = size_label(bursts["budget_bytes"])
+    budgeted = [rounds["budgeted"] for rounds in bursts["rounds"]]
+    static = [rounds["static"] for rounds in bursts["rounds"]]
+    rows = []
+    b99 = [measured["p99_s"] for measured in budgeted if measured["p99_s"] is not None]
+    s99 = [measured["p99_s"] for measured in static if measured["p99_s"] is not None]
+    least = _least_reach(bursts)
+    if not b99 or not s99 or least is None:
+        rows.append(BudgetRow(target, label, None, None, None, "not measured (no steps)"))
+    else:
+        value, median = min(b99) / min(s99), statistics.median(b99) / statistics.median(s99)
+        ratio_met, ratio_words = target.verdict(value)
+        burst, bound = least
+        short, growth = bound - burst["reach_bytes"], bursts["growth_bytes"]
+        reach_met = short <= growth
+        reach = f"reach {byte_words(burst['reach_bytes'])} of {byte_words(bound)}"
+        if not reach_met:
+            reach += f", short by {byte_words(short)}, past a growth step ({byte_words(growth)})"
+        words = f"missed: {reach}; {ratio_words[len('met: '):]}" if ratio_met and not reach_met \
+            else f"{ratio_words}; {reach}"
+        slowest = max((took, index, burst_index, measured_round)
+                      for measured_round, measured in enumerate(budgeted)
+                      for burst_index, run in enumerate(measured["bursts"])
+                      for index, took in enumerate(run["steps_s"][:bursts["compared_steps"]]))
+        parts = (f"p99 step budgeted {_ms(min(b99))} / static {_ms(min(s99))} (least of {len(b99)} rounds; medians "
+                 f"{_ms(statistics.median(b99))} / {_ms(statistics.median(s99))}) over each burst's first "
+                 f"{bursts['compared_steps']} steps; slowest compared step {_ms(slowest[0])}, step "
+                 f"{slowest[1] + 1} of burst {slowest[2] + 1} in round {slowest[3] + 1}; least reach: engine "
+                 f"{burst['engine']} {byte_words(burst['reach_bytes'])} (the budget less the other's floor: "
+                 f"{byte_words(bound)}; a static half {byte_words(bursts['static_bytes'])})")
+        rows.append(BudgetRow(target, label, value, median, ratio_met and reach_met, words, parts))
+    samples = [measured["samples"] for measured in budgeted]
+    if not sum(samples):
+        rows.append(BudgetRow(overshoot, label, None, None, None, "not measured (no samples)"))
+        return rows
+    over = [max(0, measured["max_outside_bytes"] - bursts["budget_bytes"]) for measured in budgeted]
+    value = max(over)
+    largest = max(measured["max_outside_bytes"] for measured in budgeted)
+    plain = max(measured["max_plain_bytes"] for measured in budgeted)
+    static_largest = max((measured["max_outside_bytes"] for measured in static), default=0)
+    parts = (f"largest sum of both engines read from outside {byte_words(largest)} of a budget of "
+             f"{byte_words(bursts['budget_bytes'])} over {sum(samples)} samples in {len(budgeted)} rounds (plain "
+             f"sums of a pass at most {byte_words(plain)}; static halves at most {byte_words(static_largest)}); "
+             f"{bursts['outside']}")
+    rows.append(BudgetRow(overshoot, label, value, statistics.median(over), *overshoot.verdict(value), parts))
     return rows
 
 
