@@ -35,8 +35,9 @@ from extkv.testing.stress.child import ChildProcess
 from extkv.testing.stress.walk import out_of_memory_waiter
 from extkv.testing.stress.budget import BUDGET_STRESS_BYTES, _daemon_log_counts
 from extkv.testing.stress.budget_engine import EngineChild
-from extkv.testing.stress.budget_sampler import OutsideSampler, consistent_bytes, read_chunks
+from extkv.testing.stress.budget_sampler import OutsideSampler, consistent_bytes
 from extkv.budget.client import BudgetClient
+from extkv.budget.device import HostDevice
 from extkv.budget.ledger import RECLAIM_DEADLINE_S
 from extkv.errors import BudgetDeniedError
 from extkv.testing.budget import claiming_child, daemon_process, served_daemon, short_run_dir, wait_for_status
@@ -192,12 +193,13 @@ def test_the_outside_sampler_keeps_the_largest_sample_and_counts_each():
     driver = HostDriver(granule)
     mine = [driver.create(granule) for _ in range(2)]
     reads: collections.Counter = collections.Counter()
+    device = HostDevice()
 
-    def counted(pid: int):
-        reads[pid] += 1
-        return read_chunks(pid)
+    def counted(pids: list[int]):
+        reads.update(pids)
+        return device.read_pieces(pids)
 
-    sampler = OutsideSampler(read=counted)
+    sampler = OutsideSampler(counted)
     try:
         assert holder.stdout.readline() == "held\n"
         sampler.watch(holder.pid)
@@ -230,6 +232,16 @@ def test_a_sample_counts_only_the_chunks_two_passes_in_a_row_read_in_one_process
     first = {1: {(0, 10): 4, (0, 11): 4}, 2: {(0, 20): 8}, 3: {(0, 40): 4}}
     second = {1: {(0, 10): 4, (0, 12): 4}, 2: {(0, 20): 6}, 4: {(0, 40): 4}}
     assert consistent_bytes(first, second) == 4 + 6
+
+
+def test_a_sample_counts_a_whole_process_as_one_piece_less_its_baseline():
+    """Pieces as a GPU's NVML reads them, each process's whole reading keyed
+    by its pid: each counts the smaller of its two readings less the
+    baseline it was watched with (its context), and one read below its
+    baseline counts nothing rather than less."""
+    first = {1: {("process", 1): 600}, 2: {("process", 2): 520}, 3: {("process", 3): 450}}
+    second = {1: {("process", 1): 700}, 2: {("process", 2): 540}, 3: {("process", 3): 400}}
+    assert consistent_bytes(first, second, {1: 500, 2: 500, 3: 500}) == 100 + 20 + 0
 
 
 def test_a_budget_engine_child_waits_at_its_gate_and_speaks_by_lines():

@@ -56,20 +56,21 @@ import time
 from dataclasses import asdict
 
 from ...budget.client import read_status
+from ...budget.device import HostDevice, Pieces
 from ...layout import KVCacheLayout
 from ..budget import KILL_SETTLES_S, DaemonProcess, short_run_dir
 from .base import CHILD_TIMEOUT_S, HOST_STRESS_GRANULE
 from .bounds import Floor
 from .budget_engine import DENIED, ENGINE_BLOCKS, OUT_OF_MEMORY_INSIDE, READY, STOPPED, UNAVAILABLE, EngineChild
 from .budget_result import BudgetStressResult
-from .budget_sampler import Chunks, OutsideSampler
+from .budget_sampler import OutsideSampler
 from .child import ChildProcess
 from .reclaim import processes_reaching
 from .tally import StressTally
 
 # Handed on, so that every name of the budget stress can be taken from here.
 from .budget_engine import budget_engine_main  # noqa: F401
-from .budget_sampler import SAMPLE_EVERY_S, consistent_bytes, read_chunks  # noqa: F401
+from .budget_sampler import SAMPLE_EVERY_S, consistent_bytes  # noqa: F401
 
 #: The budget the engines share: 256 granules of HOST_STRESS_GRANULE, so
 #: that eight engines together ask far more than it while the whole run
@@ -128,12 +129,12 @@ class _Run:
         self.gate, self.log_path = os.path.join(directory, "gate"), os.path.join(directory, "daemon.log")
         os.mkfifo(self.gate, 0o600)
         self.result = BudgetStressResult(engines, budget, HOST_STRESS_GRANULE, budget + engines * HOST_STRESS_GRANULE)
-        self.sampler = OutsideSampler(bound=self.result.bound)
+        self.sampler = OutsideSampler(HostDevice().read_pieces, bound=self.result.bound)
         self.daemon: DaemonProcess | None = None
         self.path: str | None = None
         self.fleet: list[EngineChild] = []
         self.ended: list[EngineChild] = []
-        self.held_by_ended: Chunks = {}
+        self.held_by_ended: Pieces = {}
         self.restarts: list[float] = []  # time.monotonic() as each restarted daemon listened
         self.pause = threading.Event()  # never set: its wait paces the kills, it orders nothing
 
