@@ -33,10 +33,17 @@ from extkv.testing.stress.under_pressure import (
 )
 from extkv.testing.stress.child import ChildProcess
 from extkv.testing.stress.walk import out_of_memory_waiter
-from extkv.testing.stress.budget import BUDGET_STRESS_BYTES, _daemon_log_counts
-from extkv.testing.stress.budget_engine import EngineChild
-from extkv.testing.stress.budget_sampler import OutsideSampler, consistent_bytes, read_chunks
+from extkv.testing.stress.budget import (
+    BUDGET_STRESS_BYTES,
+    BUDGET_STRESS_GRANULES,
+    ENGINE_LAYOUTS,
+    ENGINES,
+    _daemon_log_counts,
+)
+from extkv.testing.stress.budget_engine import EngineChild, engine_blocks
+from extkv.testing.stress.budget_sampler import OutsideSampler, consistent_bytes
 from extkv.budget.client import BudgetClient
+from extkv.budget.device import HostDevice
 from extkv.budget.ledger import RECLAIM_DEADLINE_S
 from extkv.errors import BudgetDeniedError
 from extkv.testing.budget import claiming_child, daemon_process, served_daemon, short_run_dir, wait_for_status
@@ -192,12 +199,13 @@ def test_the_outside_sampler_keeps_the_largest_sample_and_counts_each():
     driver = HostDriver(granule)
     mine = [driver.create(granule) for _ in range(2)]
     reads: collections.Counter = collections.Counter()
+    device = HostDevice()
 
-    def counted(pid: int):
-        reads[pid] += 1
-        return read_chunks(pid)
+    def counted(pids: list[int]):
+        reads.update(pids)
+        return device.read_pieces(pids)
 
-    sampler = OutsideSampler(read=counted)
+    sampler = OutsideSampler(counted)
     try:
         assert holder.stdout.readline() == "held\n"
         sampler.watch(holder.pid)
@@ -230,6 +238,38 @@ def test_a_sample_counts_only_the_chunks_two_passes_in_a_row_read_in_one_process
     first = {1: {(0, 10): 4, (0, 11): 4}, 2: {(0, 20): 8}, 3: {(0, 40): 4}}
     second = {1: {(0, 10): 4, (0, 12): 4}, 2: {(0, 20): 6}, 4: {(0, 40): 4}}
     assert consistent_bytes(first, second) == 4 + 6
+
+
+def test_a_sample_counts_a_whole_process_as_one_piece_less_its_baseline():
+    """Pieces as a GPU's NVML reads them, each process's whole reading keyed
+    by its pid: each counts the smaller of its two readings less the
+    baseline it was watched with (its context), and one read below its
+    baseline counts nothing rather than less."""
+    first = {1: {("process", 1): 600}, 2: {("process", 2): 520}, 3: {("process", 3): 450}}
+    second = {1: {("process", 1): 700}, 2: {("process", 2): 540}, 3: {("process", 3): 400}}
+    assert consistent_bytes(first, second, {1: 500, 2: 500, 3: 500}) == 100 + 20 + 0
+
+
+def test_an_engine_spans_as_many_granules_at_a_gpu_granule_as_on_the_host():
+    """The budget stress counts its sizes in the driver's granules: at a
+    GPU's 2 MiB an engine's cache (either layout), committed whole, spans
+    exactly the granules it spans at HOST_STRESS_GRANULE: more than an
+    engine's share of the budget among eight, at most a quarter of it. A
+    granule the host's does not divide is refused, naming it."""
+    gpu_granule = 2 << 20
+    for layout in ENGINE_LAYOUTS:
+        spans = []
+        for granule in (HOST_STRESS_GRANULE, gpu_granule):
+            blocks = engine_blocks(granule)
+            cache = ExtensibleKVCache(config_for("full", layout, blocks), HostDriver(granule), layout)
+            try:
+                spans.append(cache.physical_bytes_for(blocks) / granule)
+            finally:
+                cache.free()
+        assert spans[0] == spans[1] and BUDGET_STRESS_GRANULES / ENGINES < spans[0] <= BUDGET_STRESS_GRANULES / 4, \
+            (layout.name, spans)
+    with pytest.raises(ValueError, match="granule must be a positive multiple of 65536 bytes, got 98304"):
+        engine_blocks(HOST_STRESS_GRANULE * 3 // 2)
 
 
 def test_a_budget_engine_child_waits_at_its_gate_and_speaks_by_lines():

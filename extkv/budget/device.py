@@ -25,6 +25,15 @@ cannot move the ledger by its word alone.
   context, torch's allocations), not the KV cache alone: it decides at the
   lease's end, never a live engine's claimed release.
 
+Each also reads several processes in one call (`read_pieces`), each
+process's reading in pieces that keep their identity from one reading to
+the next, so that readings taken apart in time can be matched (the budget
+stress's outside sampler, extkv.testing.stress.budget_sampler): on the
+host each memfd is a piece, keyed by its file, the processes read one
+after another; NVML reads no finer than a process, so there the piece is
+the process's whole reading, keyed by its pid, and all of them come from
+one listing of the GPU's processes (of each kind, compute and graphics).
+
 `open_device("host" | "cuda:N" | "GPU-<uuid>")` picks one. `cuda:N` counts
 as CUDA does under CUDA_VISIBLE_DEVICES (an entry of it a UUID or an NVML
 index) and in PCI bus order otherwise (CUDA_DEVICE_ORDER=PCI_BUS_ID, as
@@ -36,8 +45,17 @@ from __future__ import annotations
 
 import os
 import re
+from typing import Hashable, Iterable
 
-from ..memfds import host_chunk_bytes
+from ..memfds import host_chunks
+
+#: What a process holds, read from outside, piece by piece: bytes by a key
+#: that names the same piece in every reading (see the theory).
+Pieces = dict[Hashable, int]
+
+
+def _total(pieces: Pieces | None) -> int | None:
+    return None if pieces is None else sum(pieces.values())
 
 
 class HostDevice:
@@ -53,12 +71,21 @@ class HostDevice:
         """Bytes of extkv memfds process `pid` reaches; 0 for a process that
         is gone; None where the kernel will not say (another uid's, or an
         undumpable process)."""
-        try:
-            return host_chunk_bytes(pid)
-        except (FileNotFoundError, ProcessLookupError):
-            return 0
-        except PermissionError:
-            return None
+        return _total(self.read_pieces([pid])[pid])
+
+    def read_pieces(self, pids: Iterable[int]) -> dict[int, Pieces | None]:
+        """Per process of `pids`, read one after another: the extkv memfds
+        it reaches, by file ((device, inode), extkv.memfds.host_chunks); {}
+        for a process that is gone; None where the kernel will not say."""
+        pieces: dict[int, Pieces | None] = {}
+        for pid in pids:
+            try:
+                pieces[pid] = host_chunks(pid)
+            except (FileNotFoundError, ProcessLookupError):
+                pieces[pid] = {}
+            except PermissionError:
+                pieces[pid] = None
+        return pieces
 
     def __repr__(self) -> str:
         return "HostDevice()"
@@ -89,19 +116,28 @@ class NvmlDevice:
         """NVML's used memory of process `pid` on this GPU (compute and
         graphics), 0 where NVML lists no such process; None where NVML
         cannot list processes, or does not count their memory."""
+        return _total(self.read_pieces([pid])[pid])
+
+    def read_pieces(self, pids: Iterable[int]) -> dict[int, Pieces | None]:
+        """Per process of `pids`, from one listing of the GPU's processes
+        (compute and graphics): its used memory as one piece, keyed
+        ("process", pid); {} for a process NVML does not list; None for
+        every one where NVML cannot list processes, or does not count their
+        memory."""
         api = self._api
-        used = 0
+        used = dict.fromkeys(pids, 0)
         for listing in (api.nvmlDeviceGetComputeRunningProcesses, api.nvmlDeviceGetGraphicsRunningProcesses):
             try:
                 processes = listing(self._handle)
             except api.NVMLError:
-                return None
+                return dict.fromkeys(used)
             for process in processes:
-                if process.pid == pid:
+                if process.pid in used:
                     if not isinstance(process.usedGpuMemory, int):
-                        return None  # NVML_VALUE_NOT_AVAILABLE: the driver does not count per process
-                    used += process.usedGpuMemory
-        return used
+                        # NVML_VALUE_NOT_AVAILABLE: the driver does not count per process.
+                        return dict.fromkeys(used)
+                    used[process.pid] += process.usedGpuMemory
+        return {pid: {("process", pid): nbytes} if nbytes else {} for pid, nbytes in used.items()}
 
     def __repr__(self) -> str:
         return f"NvmlDevice({self.key})"

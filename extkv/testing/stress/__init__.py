@@ -41,7 +41,7 @@ work, lowest first:
   (`run_walk_processes`).
 - `budget_sampler`: what several processes hold together, read from
   outside every 10 ms (`OutsideSampler`); `budget_engine`: an engine
-  child under a shared KV budget, spoken to by lines; `budget_result`:
+  child on a device under a shared KV budget, spoken to by lines; `budget_result`:
   what a budget stress run found (`BudgetStressResult`); `budget`: engine
   processes sharing one KV budget through SIGKILLs of engines and of the
   daemon (`share_one_budget`).
@@ -56,7 +56,7 @@ from __future__ import annotations
 from . import warm_up  # noqa: F401  (registers the workloads' warm-up)
 from .ahead import decode_beside_commit_ahead
 from .base import HOST_STRESS_GRANULE, stress_driver, warmed_probe
-from .budget import BUDGET_STRESS_BYTES, share_one_budget
+from .budget import BUDGET_STRESS_BYTES, BUDGET_STRESS_GRANULES, OutsideUnreadable, share_one_budget
 from .budget_result import BudgetStressResult
 from .budget_sampler import OutsideSampler
 from .bounds import Floor, share_of_bound
@@ -73,6 +73,7 @@ from .walk import FULL_CHECK_EVERY, WALK_EPISODE_OPERATIONS, run_walk, walk, wal
 
 __all__ = [
     "BUDGET_STRESS_BYTES",
+    "BUDGET_STRESS_GRANULES",
     "FULL_CHECK_EVERY",
     "HOST_STRESS_GRANULE",
     "LEAST_THREAD_ROUNDS",
@@ -82,6 +83,7 @@ __all__ = [
     "Floor",
     "MemoryTimeline",
     "OutsideSampler",
+    "OutsideUnreadable",
     "PressureProcess",
     "StressTally",
     "crash_once",

@@ -7,7 +7,7 @@ walk|pressure|crash-child|budget-engine ...`.
   stdin what memory to hold and free.
 - `crash-child`: the crash child (extkv.testing.stress.crashes): commits,
   defragments and exports until it is killed.
-- `budget-engine`: an engine under a shared budget
+- `budget-engine`: an engine under a shared budget on a device
   (extkv.testing.stress.budget_engine): says `ready`, waits at its gate, joins
   the daemon and runs random operations until told `stop`, reporting its
   tally as it goes.
@@ -62,11 +62,12 @@ def main(argv: list[str] | None = None) -> int:
     engine_command.add_argument("--layout", default="LBHNC", choices=[layout.name for layout in KVCacheLayout])
     engine_command.add_argument("--capacity", type=int, default=ENGINE_BLOCKS, help="blocks")
     engine_command.add_argument("--gate", default=None, help="a FIFO: join once its writing end opened and closed")
+    engine_command.add_argument("--device", default="cpu")
     args = parser.parse_args(argv)
     torch.set_num_threads(int(os.environ.get("EXTKV_TORCH_THREADS", "1")))
     if args.command == "budget-engine":
         return budget_engine_main(args.socket, args.seed, args.floor, args.weight, KVCacheLayout[args.layout],
-                                  args.capacity, args.gate)
+                                  args.capacity, args.gate, args.device)
     device = torch.device(args.device)
     if args.command == "pressure":
         pressure_main(device)

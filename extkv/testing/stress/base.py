@@ -33,12 +33,17 @@ HOST_STRESS_GRANULE = 64 << 10
 CHILD_TIMEOUT_S = 120.0
 
 
+def plain_stress_driver(device: torch.device | str) -> Driver:
+    """The driver under a stress cache's poison: the host driver with
+    `HOST_STRESS_GRANULE`, or the device's CUDA driver."""
+    device = torch.device(device)
+    return HostDriver(HOST_STRESS_GRANULE) if device.type == "cpu" else driver_for(device)
+
+
 def stress_driver(device: torch.device | str) -> Driver:
     """What stress caches run on: poisoned memory (so zeroing is extkv's),
-    over the host driver with `HOST_STRESS_GRANULE` or the device's CUDA driver."""
-    device = torch.device(device)
-    inner = HostDriver(HOST_STRESS_GRANULE) if device.type == "cpu" else driver_for(device)
-    return PoisoningDriver(inner)
+    over `plain_stress_driver`."""
+    return PoisoningDriver(plain_stress_driver(device))
 
 
 def warmed_probe(device: torch.device | str) -> UsageProbe:

@@ -7,35 +7,62 @@ several engines runs it, and reads it from outside. Its parts are modules
 of their own: the engine child (extkv.testing.stress.budget_engine), the
 outside sampler (extkv.testing.stress.budget_sampler) and the result
 (extkv.testing.stress.budget_result); this module is the run that sets
-them to work:
+them to work, on one device (the host driver, or a GPU):
 
-- The daemon serves the host device from a child process
-  (extkv.testing.budget.DaemonProcess), its log lines appended to a file as
-  it logs them, so a SIGKILL loses none.
+- Sizes are counted in the granules of the device's stress driver
+  (extkv.testing.stress.base's `plain_stress_driver`), so that a GPU's run
+  is the host's scaled: a budget of BUDGET_STRESS_GRANULES granules (16 MiB
+  of HOST_STRESS_GRANULE on the host, 512 MiB of a GPU's 2 MiB), engines of
+  `engine_blocks(granule)` blocks (nearly a quarter of the budget), floors
+  of whole granules.
+- The daemon serves the device from a child process
+  (extkv.testing.budget.DaemonProcess) under the key its driver names
+  (`Driver.device_key()`: "host", or the GPU's "GPU-<uuid>", which the
+  daemon reads through NVML), its log lines appended to a file as it logs
+  them, so a SIGKILL loses none. The run reads the engines from outside
+  through the same device (extkv.budget.device's `open_device`), so nothing
+  here asks which kind of device it runs on.
 - Each engine is a child process (`python -m extkv.testing.stress
-  budget-engine ...`), with a seed, a floor, a weight and a layout drawn
-  from the run's seed and a cache of up to ENGINE_BLOCKS blocks (nearly a
-  quarter of the budget), reporting by lines.
-- The first engines all start at once: each says `ready` having opened a
-  FIFO (the *gate*) for reading, and waits on it; once all have, one open
-  and close of its writing end wakes every one of them, and they connect,
-  join and grow together, as engines starting at once on one device do.
-  The kills begin once each has said it joined.
+  budget-engine ...`) on the device, with a seed, a floor, a weight and a
+  layout drawn from the run's seed, reporting by lines. It says `ready`
+  having opened a FIFO (the *gate*) for reading, and waits on it: its
+  driver exists then (on a GPU, its CUDA context) and it has committed
+  nothing, so what the device reads of its process is its baseline, which
+  every sample of it subtracts (0 on the host; on a GPU its context and
+  torch's memory). A device that reads whole processes and reads a ready
+  engine's as 0 cannot see this machine's processes (a PID namespace hides
+  them from NVML): `OutsideUnreadable`. One open and close of the gate's
+  writing end wakes every engine waiting there.
+- The first engines all start at once: the gate opens once all said
+  `ready`, and they connect, join and grow together, as engines starting
+  at once on one device do. The kills begin once each has said it joined.
+  An engine started in a killed one's place passes the gate alone.
 - Until the deadline (a floor: `Floor`, for LEAST_ENGINE_KILLS,
   LEAST_DAEMON_KILLS and LEAST_SAMPLES), every KILL_GAP_S it SIGKILLs an
   engine (and starts another in its place, with draws of its own) or the
   daemon (and starts another on the same socket after a down time of up
   to DAEMON_DOWN_S; the clients rejoin by themselves).
 - An `OutsideSampler` thread makes a pass every SAMPLE_EVERY_S over every
-  live engine's process; a sample is at most what the engines held
-  together at one instant. Its maximum is held to the bound: the budget
-  plus one granule per engine. The plain sums' maximum is kept beside it,
-  for the record.
+  live engine's process; on the host a sample is at most what the engines
+  held together at one instant (on a GPU, as near to it as NVML reads:
+  extkv.testing.stress.budget_sampler). Its maximum is held to the bound:
+  the budget plus one granule per engine. A GPU's reading of an engine
+  less its baseline is its chunks alone while its context keeps its size:
+  the chunks are whole 2 MiB granules, so NVML's counting in 2 MiB steps
+  rounds nothing of them away, and the engine ran the torch kernels its
+  steps launch before `ready`; the granule an engine has in the bound also
+  holds one 2 MiB step of its context grown after all (a module CUDA
+  loaded lazily: extkv.vmm.witness's `lazy_growth_step`). The
+  plain sums' maximum is kept beside it, for the record.
 
 At the end every engine is told to stop. Then the ledger must hold
 nothing (no engine, no grant, no dead byte) within LEAK_SETTLES_S, and no
-process may reach any chunk an ended engine (killed or stopped) held when
-last sampled. From the daemon's logs: reclaims that went past their
+process may hold any piece an ended engine (killed or stopped) held when
+last sampled (`check_memory_gone`): on the host no process may reach its
+chunks; on a GPU, whose pieces are whole processes, NVML must list none
+of the ended engines, which it does once the driver tore the context
+down, in its own time after the exit (waited for up to CHILD_TIMEOUT_S, a
+net). From the daemon's logs: reclaims that went past their
 deadline (`reclaims_ignored`, must be none), reserves denied at theirs,
 engines a restarted daemon counted from its predecessor's journal before
 they rejoined, rejoins that took the engines past the budget and releases
@@ -55,26 +82,30 @@ import threading
 import time
 from dataclasses import asdict
 
+import torch
+
 from ...budget.client import read_status
+from ...budget.device import Pieces, open_device
 from ...layout import KVCacheLayout
 from ..budget import KILL_SETTLES_S, DaemonProcess, short_run_dir
-from .base import CHILD_TIMEOUT_S, HOST_STRESS_GRANULE
+from .base import CHILD_TIMEOUT_S, HOST_STRESS_GRANULE, plain_stress_driver
 from .bounds import Floor
-from .budget_engine import DENIED, ENGINE_BLOCKS, OUT_OF_MEMORY_INSIDE, READY, STOPPED, UNAVAILABLE, EngineChild
+from .budget_engine import DENIED, OUT_OF_MEMORY_INSIDE, READY, STOPPED, UNAVAILABLE, EngineChild, engine_blocks
 from .budget_result import BudgetStressResult
-from .budget_sampler import Chunks, OutsideSampler
+from .budget_sampler import OutsideSampler
 from .child import ChildProcess
-from .reclaim import processes_reaching
 from .tally import StressTally
 
 # Handed on, so that every name of the budget stress can be taken from here.
 from .budget_engine import budget_engine_main  # noqa: F401
-from .budget_sampler import SAMPLE_EVERY_S, consistent_bytes, read_chunks  # noqa: F401
+from .budget_sampler import SAMPLE_EVERY_S, consistent_bytes  # noqa: F401
 
-#: The budget the engines share: 256 granules of HOST_STRESS_GRANULE, so
-#: that eight engines together ask far more than it while the whole run
-#: holds a few tens of MiB.
-BUDGET_STRESS_BYTES = 16 << 20
+#: The budget the engines share, in granules of the device's stress driver:
+#: eight engines together ask far more than it, while the host's run holds
+#: a few tens of MiB.
+BUDGET_STRESS_GRANULES = 256
+#: The host's budget: BUDGET_STRESS_GRANULES of HOST_STRESS_GRANULE, 16 MiB.
+BUDGET_STRESS_BYTES = BUDGET_STRESS_GRANULES * HOST_STRESS_GRANULE
 #: Engines at once, and the most: the issue's "2 to 8 engine processes".
 ENGINES = 8
 MOST_ENGINES = 8
@@ -94,16 +125,19 @@ LEAST_ENGINE_KILLS = 2
 LEAST_DAEMON_KILLS = 1
 #: Samples the outside sampler takes at least, however short the share of time.
 LEAST_SAMPLES = 20
-#: Why a GPU runs none of it.
-HOST_ONLY = ("the budget stress reads each engine's chunks from outside, which on a GPU is NVML's per-process "
-             "reading: it counts each engine's CUDA context and torch's memory too, so its sum cannot be held to "
-             "the budget; it runs on the host driver")
 #: The issue's bound for the ledger to settle once engines end (the same as
 #: a killed engine's, extkv.testing.budget.KILL_SETTLES_S).
 LEAK_SETTLES_S = KILL_SETTLES_S
+#: How often the ended engines' memory is read again while it outlives them
+#: (a GPU's, until the driver tore their contexts down).
+LEAK_POLL_S = 0.05
 
 #: Failures an AssertionError of the run names, of all the tally holds.
 MOST_FAILURES_SAID = 10
+
+
+class OutsideUnreadable(Exception):
+    """The device cannot read the engines' processes from outside here."""
 
 
 def _daemon_log_counts(text: str) -> dict[str, int]:
@@ -122,34 +156,39 @@ def _daemon_log_counts(text: str) -> dict[str, int]:
 class _Run:
     """The parent's side of one run: the daemon, the engines, the sampler."""
 
-    def __init__(self, tally: StressTally, seed: int, engines: int, budget: int, run_dir: str):
-        self.tally, self.rng, self.engines, self.budget, self.run_dir = tally, random.Random(seed), engines, budget, run_dir
+    def __init__(self, tally: StressTally, seed: int, engines: int, device: torch.device, run_dir: str):
+        self.tally, self.rng, self.engines, self.device, self.run_dir = tally, random.Random(seed), engines, device, run_dir
+        driver = plain_stress_driver(device)
+        self.granule, self.key = driver.granularity, driver.device_key()
+        self.outside = open_device(self.key)
+        self.budget = BUDGET_STRESS_GRANULES * self.granule
         directory = os.path.dirname(run_dir)
         self.gate, self.log_path = os.path.join(directory, "gate"), os.path.join(directory, "daemon.log")
         os.mkfifo(self.gate, 0o600)
-        self.result = BudgetStressResult(engines, budget, HOST_STRESS_GRANULE, budget + engines * HOST_STRESS_GRANULE)
-        self.sampler = OutsideSampler(bound=self.result.bound)
+        self.result = BudgetStressResult(engines, self.budget, self.granule, self.budget + engines * self.granule)
+        self.sampler = OutsideSampler(self.outside.read_pieces, bound=self.result.bound)
         self.daemon: DaemonProcess | None = None
         self.path: str | None = None
         self.fleet: list[EngineChild] = []
         self.ended: list[EngineChild] = []
-        self.held_by_ended: Chunks = {}
+        self.held_by_ended: Pieces = {}
         self.restarts: list[float] = []  # time.monotonic() as each restarted daemon listened
-        self.pause = threading.Event()  # never set: its wait paces the kills, it orders nothing
+        self.pause = threading.Event()  # never set: its wait paces the kills and the leak's reads, it orders nothing
 
     def start_daemon(self) -> None:
-        self.daemon = DaemonProcess(self.run_dir, self.budget, self.log_path)
+        self.daemon = DaemonProcess(self.run_dir, self.budget, self.log_path, self.key)
         if self.path is not None and self.daemon.path != self.path:
             raise AssertionError(f"the restarted daemon listens at {self.daemon.path}, not at {self.path}")
         self.path = self.daemon.path
 
-    def new_engine(self, gated: bool) -> EngineChild:
+    def new_engine(self) -> EngineChild:
         seed = self.rng.randrange(1 << 31)
-        floor = HOST_STRESS_GRANULE * self.rng.randint(0, self.budget // (2 * MOST_ENGINES * HOST_STRESS_GRANULE))
+        floor = self.granule * self.rng.randint(0, BUDGET_STRESS_GRANULES // (2 * MOST_ENGINES))
         weight, layout = self.rng.choice(ENGINE_WEIGHTS), self.rng.choice(ENGINE_LAYOUTS)
         child = ChildProcess([
             "budget-engine", "--socket", self.path, "--seed", str(seed), "--floor", str(floor), "--weight", str(weight),
-            "--layout", layout.name, "--capacity", str(ENGINE_BLOCKS), *(["--gate", self.gate] if gated else []),
+            "--layout", layout.name, "--capacity", str(engine_blocks(self.granule)), "--device", str(self.device),
+            "--gate", self.gate,
         ])
         engine = EngineChild(child, child.pid, seed, floor, weight, layout)
         self.fleet.append(engine)
@@ -157,10 +196,16 @@ class _Run:
         return engine
 
     def ready(self, engine: EngineChild) -> None:
+        """Once it says so, watch the engine, less its baseline (see the module's theory)."""
         said = engine.child.line()
         if said != READY:
             raise AssertionError(f"engine {engine.pid} said {said!r}, expected {READY!r}: {engine.child.command}")
-        self.sampler.watch(engine.pid)
+        pieces = self.outside.read_pieces([engine.pid])[engine.pid]
+        if pieces is None or not pieces and not self.outside.reads_chunks_only:
+            raise OutsideUnreadable(
+                f"{self.outside.name} reads engine process {engine.pid}, ready, as {pieces!r}: it cannot see this "
+                "machine's processes (another uid's, a PID namespace, or no memory counted per process)")
+        self.sampler.watch(engine.pid, sum(pieces.values()))
 
     def joined(self, engine: EngineChild) -> None:
         said = engine.child.line()
@@ -192,7 +237,8 @@ class _Run:
         self.end(engine)
         self.result.engine_kills += 1
         self.tally.events["engine SIGKILLed, and another started in its place"] += 1
-        self.ready(self.new_engine(gated=False))
+        self.ready(self.new_engine())
+        self.open_gate()
 
     def kill_daemon(self) -> None:
         self.daemon.kill()
@@ -229,12 +275,33 @@ class _Run:
                     f"{report['dead']} dead")
                 return
 
-    def check_chunks_gone(self) -> None:
-        reaching = processes_reaching(set(self.held_by_ended))
-        if reaching:
-            self.result.leaks.append(f"processes {reaching} still reach chunks the ended engines held")
-        else:
-            self.tally.checks["no process reaches a chunk an ended engine held"] += 1
+    def check_memory_gone(self) -> None:
+        """No process holds a piece an ended engine held: every process of
+        this machine and every ended engine is read (see the module's
+        theory); where the device's memory outlives the process for a while,
+        read again until CHILD_TIMEOUT_S has passed."""
+        ended = {engine.pid for engine in self.ended}
+        deadline = time.monotonic() + (0 if self.outside.freed_at_exit else CHILD_TIMEOUT_S)
+        while True:
+            pids = ended | {int(name) for name in os.listdir("/proc") if name.isdigit()}
+            read = self.outside.read_pieces(sorted(pids))
+            unread = sorted(pid for pid in ended if read[pid] is None)
+            if unread:
+                self.result.leaks.append(f"{self.outside.name} cannot read the ended engines {unread}: their memory "
+                                         "is not seen gone")
+                return
+            # A process the kernel will not let this one read (another uid's) is passed over: this uid's
+            # memfds (mode 0600) reach it only if handed over, which nothing here does.
+            reaching = {pid: len(self.held_by_ended.keys() & pieces.keys()) for pid, pieces in read.items() if pieces}
+            reaching = {pid: count for pid, count in reaching.items() if count}
+            if not reaching:
+                self.tally.checks["no process reaches a chunk an ended engine held"] += 1
+                return
+            if time.monotonic() >= deadline:
+                self.result.leaks.append(f"processes {reaching} still hold pieces the ended engines held "
+                                         f"({self.outside.name}): pid -> pieces")
+                return
+            self.pause.wait(LEAK_POLL_S)
 
     def account(self) -> None:
         """Pool the engines' tallies and the daemon's log into the result and the tally."""
@@ -276,25 +343,24 @@ def _spread(times: list[float | None]) -> float | None:
     return None if None in times else round(max(times) - min(times), 4)
 
 
-def share_one_budget(tally: StressTally, seed: int, *, engines: int = ENGINES, until: float | None = None,
-                     budget: int = BUDGET_STRESS_BYTES) -> BudgetStressResult:
-    """`engines` engine processes sharing `budget` bytes through one daemon,
-    all started at once, SIGKILLed at random (engines and the daemon) until
-    `until` (time.monotonic(); a floor for the least episode, None: the
-    least alone), sampled from outside every SAMPLE_EVERY_S (see the
-    module's theory). Everything joins `tally`; AssertionError naming the
-    numbers where a bound broke."""
+def share_one_budget(tally: StressTally, seed: int, *, device: torch.device | str = "cpu", engines: int = ENGINES,
+                     until: float | None = None) -> BudgetStressResult:
+    """`engines` engine processes on `device` sharing BUDGET_STRESS_GRANULES
+    of its granules through one daemon, all started at once, SIGKILLed at
+    random (engines and the daemon) until `until` (time.monotonic(); a
+    floor for the least episode, None: the least alone), sampled from
+    outside every SAMPLE_EVERY_S (see the module's theory). Everything
+    joins `tally`; AssertionError naming the numbers where a bound broke,
+    OutsideUnreadable where the device cannot read the engines here."""
     if not 2 <= engines <= MOST_ENGINES:
         raise ValueError(f"engines must be 2 to {MOST_ENGINES}, got {engines!r}")
-    if budget < 2 * MOST_ENGINES * HOST_STRESS_GRANULE:
-        raise ValueError(f"budget must be at least {2 * MOST_ENGINES * HOST_STRESS_GRANULE} bytes, got {budget!r}")
     tally.seeds.append(seed)
     started = time.monotonic()
     with short_run_dir() as run_dir:
-        run = _Run(tally, seed, engines, budget, run_dir)
+        run = _Run(tally, seed, engines, torch.device(device), run_dir)
         try:
             run.start_daemon()
-            first = [run.new_engine(gated=True) for _ in range(engines)]
+            first = [run.new_engine() for _ in range(engines)]
             for engine in first:
                 run.ready(engine)
             run.sampler.start()
@@ -323,7 +389,7 @@ def share_one_budget(tally: StressTally, seed: int, *, engines: int = ENGINES, u
             run.result.starts_spread_s = _spread([engine.info.get("gate_passed_at") for engine in first])
             run.result.joins_spread_s = _spread([engine.info.get("joined_at") for engine in first])
             run.check_ledger_empty(time.monotonic())
-            run.check_chunks_gone()
+            run.check_memory_gone()
         finally:
             with contextlib.suppress(AssertionError):  # raised above already, if at all
                 run.sampler.stop()

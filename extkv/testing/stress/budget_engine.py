@@ -7,10 +7,13 @@ An engine (`python -m extkv.testing.stress budget-engine ...`, run by
 `budget_engine_main` in a child of extkv.testing.stress.child) is what the
 budget stress (extkv.testing.stress.budget) starts several of, kills and
 replaces. It joins the daemon with the floor and weight it is given and
-runs a cache of up to ENGINE_BLOCKS blocks over the budgeted host driver
-with HOST_STRESS_GRANULE, unpoisoned: zeroing over poison is the walk's
-to prove (extkv.testing.stress.walk), and here every byte touched is time
-taken from the steps. Its reclaim handler shrinks the cache from the top.
+runs a cache of up to the blocks it is given (`engine_blocks`: ENGINE_BLOCKS
+at HOST_STRESS_GRANULE, as many more as the driver's granule is larger)
+over its device's stress driver, budgeted and unpoisoned
+(extkv.testing.stress.base's `plain_stress_driver`: the host driver with
+HOST_STRESS_GRANULE, or the GPU's CUDA driver): zeroing over poison is the
+walk's to prove (extkv.testing.stress.walk), and here every byte touched is
+time taken from the steps. Its reclaim handler shrinks the cache from the top.
 Its loop commits, shrinks (`commit(n, shrink=True)`), releases,
 recommits, writes blocks and defragments preserving contents, drawn among
 the operations that have something to do (while its lease is down,
@@ -28,13 +31,24 @@ of memory inside the budget, a failure. Every block written must read as
 written after a preserving defragment, and a shrink must leave exactly
 the footprint of its blocks.
 
+Before it says anything it makes its driver (on a GPU, the CUDA context)
+and runs once, on scratch tensors of its blocks' sizes, the torch kernels
+its steps run on its blocks (fill, compare, reduce, read back), so that
+neither a kernel's module, which CUDA loads at its first launch, nor
+torch's first block of memory grows its process's reading from outside
+after its parent read its baseline there; the driver's own zeroing and
+copies are cuMemsetD8Async and cuMemcpyDtoDAsync, which load no module.
+It reads its own usage witness then (`Driver.usage_witness`), the
+baseline of its check at `stop`.
+
 It speaks by lines: `ready` once it opened its gate (a FIFO) for reading,
 before it waits there; a cumulative tally when it joined and every
 TALLY_EVERY_S after (so a killed engine's work up to its last line
 counts); a `failed` line at once for anything that is no budget outcome.
-Told `stop`, it frees its cache, checks that its own process holds no
-chunk any more, closes its lease, sends its last tally and says
-`stopped`. `EngineChild` is the parent's side: the engine's draws, its
+Told `stop`, it frees its cache, checks that its witness reads no more
+than its baseline (on a GPU, give or take one step of a module loaded
+lazily: the witness's `lazy_growth_step`), closes its lease, sends its
+last tally and says `stopped`. `EngineChild` is the parent's side: the engine's draws, its
 latest tally, and every failure it said that no later tally holds.
 """
 
@@ -51,23 +65,26 @@ import time
 from dataclasses import dataclass, field
 from typing import Callable
 
+import torch
+
 from ...budget.client import BudgetClient
 from ...cache import ExtensibleKVCache
 from ...errors import BudgetDeniedError, BudgetUnavailableError, OutOfMemoryError
-from ...layout import KVCacheLayout
-from ...memfds import host_chunk_bytes
-from ...vmm import HostDriver
+from ...layout import KVCacheLayout, kv_cache_segments
+from ...layout_types import KVCacheConfig
+from ...vmm import Driver
 from ..configs import config_for
 from ..models import ContentMismatch, LeakFound
-from .base import HOST_STRESS_GRANULE
+from .base import HOST_STRESS_GRANULE, plain_stress_driver
 from .child import ChildProcess
 from .tally import StressTally
 
-#: Blocks of an engine's cache ("full" config: 24 KiB a block, in 3
-#: segments under LBHNC): 3.875 MiB with its granules, nearly a quarter
-#: of the budget stress's (BUDGET_STRESS_BYTES) and twice an engine's share of it among eight, so that
-#: every engine can grow past its share and press the others. No multiple
-#: of the 8 blocks a granule holds, so LBHNC's segments share granules.
+#: Blocks of an engine's cache at HOST_STRESS_GRANULE ("full" config: 24
+#: KiB a block, in 3 segments under LBHNC): 3.875 MiB with its granules,
+#: nearly a quarter of the budget stress's (BUDGET_STRESS_GRANULES) and
+#: twice an engine's share of it among eight, so that every engine can
+#: grow past its share and press the others. No multiple of the 8 blocks
+#: a granule holds, so LBHNC's segments share granules.
 ENGINE_BLOCKS = 164
 #: The most an engine waits for a command between two steps. An engine
 #: alone, its daemon in a thread of its process, stepped every 3.4 ms (500
@@ -94,20 +111,41 @@ OUT_OF_MEMORY_INSIDE = "out of memory inside the budget (a create the ledger gra
 READY, TALLY, FAILED, STOPPED = "ready", "tally", "failed", "stopped"
 
 
-class _Engine:
-    """One engine process's cache, lock, reclaim handler and tally."""
+def engine_blocks(granule: int) -> int:
+    """Blocks of an engine's cache over a driver of `granule` bytes:
+    ENGINE_BLOCKS scaled from HOST_STRESS_GRANULE, so that the cache holds
+    as many granules on every device."""
+    if granule <= 0 or granule % HOST_STRESS_GRANULE:
+        raise ValueError(f"granule must be a positive multiple of {HOST_STRESS_GRANULE} bytes, got {granule!r}")
+    return ENGINE_BLOCKS * (granule // HOST_STRESS_GRANULE)
 
-    def __init__(self, client: BudgetClient, layout: KVCacheLayout, capacity: int, rng: random.Random,
-                 tally: StressTally, say: Callable[[str], None]):
+
+def _warm_up(driver: Driver, config: KVCacheConfig, layout: KVCacheLayout) -> None:
+    """Run once what a step runs on a block of each segment, on torch's
+    memory: see the module's theory."""
+    for stride in sorted(set(kv_cache_segments(config, layout)[1])):
+        scratch = torch.zeros(stride, dtype=torch.uint8, device=driver.device)
+        scratch.fill_(1)
+        if not scratch.eq(1).all():
+            raise AssertionError(f"the warm-up's {stride} bytes, filled with 1, read otherwise")
+    driver.synchronize()
+
+
+class _Engine:
+    """One engine process's cache, lock, reclaim handler and tally; `before`
+    is what `witness`, its driver's usage witness, read before the cache."""
+
+    def __init__(self, client: BudgetClient, driver: Driver, config: KVCacheConfig, layout: KVCacheLayout,
+                 witness, before: int, rng: random.Random, tally: StressTally, say: Callable[[str], None]):
         self.client, self.rng, self.tally, self.say = client, rng, tally, say
-        # The host driver unpoisoned: the walk proves zeroing over poison
-        # (extkv.testing.stress.walk), and here every byte touched is time
-        # the engines' steps take (4 MiB filled in 8 ms on the 2-core CI host).
-        self.cache = ExtensibleKVCache(config_for("full", layout, capacity), HostDriver(HOST_STRESS_GRANULE), layout,
-                                       budget=client)
+        # Unpoisoned: the walk proves zeroing over poison (extkv.testing.stress.walk),
+        # and here every byte touched is time the engines' steps take (4 MiB
+        # filled in 8 ms on the 2-core CI host).
+        self.cache = ExtensibleKVCache(config, driver, layout, budget=client)
+        self.witness, self.before = witness, before
         #: The blocks written since the last shrink or release, and the value of every byte.
         self.written: dict[int, int] = {}
-        self.capacity = capacity
+        self.capacity = config.num_blocks
         self.lock = threading.Lock()
         # A reclaim handler wants the lock: the loop waits for `idle` before its next step.
         self.wanted = threading.Event()
@@ -243,14 +281,15 @@ class _Engine:
             self.reclaim_slowest_s = max(self.reclaim_slowest_s, time.monotonic() - started)
 
     def stop(self) -> None:
-        """Free the cache (its chunks must be gone from this process) and end the lease."""
+        """Free the cache (its memory must be gone from this process) and end the lease."""
         self.client.on_reclaim(None)
         with self.lock:
             self.stopped = True
             self.cache.free()
-        left = host_chunk_bytes("self")
-        if left:
-            self.tally.fail(LeakFound(f"after free the engine's process still holds {left} bytes of chunks"))
+        left = self.witness.read() - self.before
+        if left > self.witness.lazy_growth_step:
+            self.tally.fail(LeakFound(f"after free the engine's process holds {left} bytes more than before its "
+                                      f"cache ({self.witness.source}; {self.witness.lazy_growth_step} bytes allowed)"))
         else:
             self.tally.checks["no chunk left in the engine's process after free"] += 1
         self.client.close()
@@ -278,11 +317,12 @@ class _Commands:
 
 
 def budget_engine_main(socket_path: str, seed: int, floor: int, weight: float, layout: KVCacheLayout,
-                       capacity: int, gate: str | None) -> int:
-    """An engine child (`python -m extkv.testing.stress budget-engine`): says
-    `ready`, waits at `gate` (a FIFO) if given, joins the daemon at
-    `socket_path` and runs random operations until told `stop` (or
-    `quit`), reporting its tally as it goes; returns its exit status."""
+                       capacity: int, gate: str | None, device: torch.device | str = "cpu") -> int:
+    """An engine child (`python -m extkv.testing.stress budget-engine`) on
+    `device`: makes its driver and warms it up, says `ready`, waits at
+    `gate` (a FIFO) if given, joins the daemon at `socket_path` and runs
+    random operations until told `stop` (or `quit`), reporting its tally as
+    it goes; returns its exit status."""
     if capacity < 4:  # a growth draws up to a quarter of it, at least one block
         raise ValueError(f"capacity must be at least 4 blocks, got {capacity!r}")
     rng = random.Random(seed)
@@ -291,6 +331,10 @@ def budget_engine_main(socket_path: str, seed: int, floor: int, weight: float, l
     def say(line: str) -> None:
         print(line, flush=True)
 
+    driver, config = plain_stress_driver(device), config_for("full", layout, capacity)
+    _warm_up(driver, config, layout)
+    witness = driver.usage_witness()
+    before = witness.read()
     gate_fd = None if gate is None else os.open(gate, os.O_RDONLY | os.O_NONBLOCK)
     say(READY)
     if gate_fd is not None:
@@ -313,7 +357,7 @@ def budget_engine_main(socket_path: str, seed: int, floor: int, weight: float, l
     try:
         client = BudgetClient(socket_path, floor=floor, weight=weight)
         info["joined_at"] = time.monotonic()
-        engine = _Engine(client, layout, capacity, rng, tally, say)
+        engine = _Engine(client, driver, config, layout, witness, before, rng, tally, say)
         report()
         next_report = time.monotonic() + TALLY_EVERY_S
         while True:

@@ -5,19 +5,36 @@ Theory of operation
 -------------------
 An `OutsideSampler` thread makes a pass every SAMPLE_EVERY_S over every
 watched process (in the budget stress, extkv.testing.stress.budget, every
-live engine's), reading its chunks file by file (`read_chunks`:
-extkv.memfds.host_chunks, what the budget daemon's own outside reading
-sums). A pass reads the processes one after another, so its plain sum may
-count one engine's chunks before it released them and another's created
-after, from the room the release made: more than was ever held at once.
-So a sample counts only the chunks two passes in a row both read in the
-same process, each at the smaller reading (`consistent_bytes`): a chunk
-lives one interval, so all of those lived at the instant between the
-passes, and the sample is at most what the processes held together then.
+live engine's), read through `read`: the budget device's `read_pieces`
+(extkv.budget.device), what the budget daemon's own outside reading sums.
+A reading comes in pieces that keep their identity from one pass to the
+next: on the host each chunk (memfd) a process reaches, read process after
+process; on a GPU each process's whole NVML reading, all of them from one
+listing.
+
+A pass reads the processes one after another, so its plain sum may count
+one engine's chunks before it released them and another's created after,
+from the room the release made: more than was ever held at once. So a
+sample counts only the pieces two passes in a row both read in the same
+process, each at the smaller reading (`consistent_bytes`): a chunk lives
+one interval, so on the host all of those lived at the instant between
+the passes, and the sample is at most what the processes held together
+then. A GPU's piece, a process's total, has no such identity: the smaller
+of its two readings is what it held at both, not between them, so an
+engine that gave bytes back and took as many again between two passes,
+while another engine held them meanwhile, could count them twice. One
+listing a pass keeps each pass's readings close to one instant, and the
+smaller of two passes drops what a single listing caught mid-transfer.
+
+Each process is watched with its baseline, what it held, read from
+outside, before it could take any of the budget (an engine's at `ready`):
+0 on the host, where only chunks count; on a GPU its CUDA context and
+torch's memory, which NVML counts with the KV cache. A process's part of a
+sample is its matched bytes less its baseline, never below 0.
+
 Its maximum is what the run holds to its bound; the plain sums' maximum
-is kept beside it, for the record, and each process's last reading is
-kept until it is forgotten, so the run can look for its chunks after it
-ended.
+is kept beside it, for the record, and each process's last pieces are kept
+until it is forgotten, so the run can look for them after it ended.
 """
 
 from __future__ import annotations
@@ -26,90 +43,92 @@ import threading
 import time
 from typing import Callable
 
-from ...memfds import host_chunks
+from ...budget.device import Pieces
 from .base import CHILD_TIMEOUT_S
 
 #: The outside sampler's period: the issue's 10 ms.
 SAMPLE_EVERY_S = 0.01
-#: What a process reaches: each extkv chunk's bytes, by file ((device,
-#: inode)), as extkv.memfds.host_chunks reads them.
-Chunks = dict[tuple[int, int], int]
+#: How the sampler reads the processes of a pass: a budget device's `read_pieces`.
+Read = Callable[[list[int]], dict[int, Pieces | None]]
 
 
-def consistent_bytes(first: dict[int, Chunks], second: dict[int, Chunks]) -> int:
-    """Bytes of the chunks both passes read in the same process, each at
-    the smaller of its two readings: all of them lived at once, between the
-    passes (see the module's theory)."""
+def consistent_bytes(first: dict[int, Pieces], second: dict[int, Pieces],
+                     baselines: dict[int, int] | None = None) -> int:
+    """Bytes of the pieces both passes read in the same process, each at
+    the smaller of its two readings, less each process's baseline (0 where
+    `baselines` names none), never below 0: all of them lived at once,
+    between the passes (see the module's theory)."""
+    baselines = baselines or {}
     total = 0
-    for pid, chunks in first.items():
+    for pid, pieces in first.items():
         again = second.get(pid, {})
-        total += sum(min(size, again[key]) for key, size in chunks.items() if key in again)
+        matched = sum(min(size, again[key]) for key, size in pieces.items() if key in again)
+        total += max(matched - baselines.get(pid, 0), 0)
     return total
 
 
-def read_chunks(pid: int) -> Chunks:
-    """The chunks process `pid` reaches, by file; none once it is gone."""
-    try:
-        return host_chunks(pid)
-    except (FileNotFoundError, ProcessLookupError):
-        return {}
-
-
 class OutsideSampler:
-    """Every `every_s`, a pass over the watched processes, each read from
+    """Every `every_s`, a pass over the watched processes, read from
     outside by `read`; each sample matches a pass with the one before it
     (see the module's theory): `samples` taken, `max_bytes` the largest
     consistent total, `max_plain_bytes` the largest plain sum of a pass,
     `last_bytes` the latest consistent total, `over` the samples above
     `bound` (if set) as (time.monotonic(), bytes)."""
 
-    def __init__(self, every_s: float = SAMPLE_EVERY_S, read: Callable[[int], Chunks] = read_chunks,
-                 bound: int | None = None):
+    def __init__(self, read: Read, every_s: float = SAMPLE_EVERY_S, bound: int | None = None):
         if not every_s > 0:
             raise ValueError(f"every_s must be > 0 seconds, got {every_s!r}")
         self.every_s, self._read, self.bound = every_s, read, bound
-        self._pids: set[int] = set()
+        self._baselines: dict[int, int] = {}
         self._lock = threading.Lock()
         self._sampled = threading.Condition(self._lock)
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
-        self._previous: dict[int, Chunks] = {}
+        self._previous: dict[int, Pieces] = {}
         self.passes = 0
         self.samples = 0
         self.max_bytes = 0
         self.max_plain_bytes = 0
         self.last_bytes = 0
         self.over: list[tuple[float, int]] = []
-        #: The chunks each watched process was last read holding, in the last two passes.
-        self.last: dict[int, Chunks] = {}
+        #: The pieces each watched process was last read holding, in the last two passes.
+        self.last: dict[int, Pieces] = {}
         self.error: BaseException | None = None
 
-    def watch(self, pid: int) -> None:
+    def watch(self, pid: int, baseline: int = 0) -> None:
+        """Read `pid` from the next pass on, less `baseline` bytes."""
         with self._lock:
-            self._pids.add(pid)
+            self._baselines[pid] = baseline
 
-    def forget(self, pid: int) -> Chunks:
-        """Stop reading `pid`; returns the chunks it was last read holding."""
+    def forget(self, pid: int) -> Pieces:
+        """Stop reading `pid`; returns the pieces it was last read holding."""
         with self._lock:
-            self._pids.discard(pid)
+            self._baselines.pop(pid, None)
             return self.last.pop(pid, {})
 
     def sample(self) -> int | None:
         """Take one pass; returns the consistent total it and the pass
         before it give (None for the first pass: no sample yet)."""
         with self._lock:
-            pids = sorted(self._pids)
-        chunks = {pid: self._read(pid) for pid in pids}
+            pids = sorted(self._baselines)
+        read = self._read(pids)
+        unread = [pid for pid in pids if read[pid] is None]
+        if unread:
+            raise OSError(f"processes {unread} cannot be read from outside (another uid's, or the device does not "
+                          "count memory per process)")
+        pieces: dict[int, Pieces] = {pid: read[pid] for pid in pids}
         with self._sampled:
-            previous, self._previous = self._previous, chunks
+            previous, self._previous = self._previous, pieces
+            baselines = dict(self._baselines)
             self.passes += 1
-            self.max_plain_bytes = max(self.max_plain_bytes, sum(sum(held.values()) for held in chunks.values()))
+            self.max_plain_bytes = max(self.max_plain_bytes, sum(
+                max(sum(held.values()) - baselines.get(pid, 0), 0) for pid, held in pieces.items()))
             for pid in pids:
-                if pid in self._pids:
-                    self.last[pid] = {**previous.get(pid, {}), **chunks[pid]}
+                if pid in self._baselines:
+                    self.last[pid] = {**previous.get(pid, {}), **pieces[pid]}
             if self.passes == 1:
                 return None
-            total = consistent_bytes(previous, chunks)
+            total = consistent_bytes(previous, pieces, baselines)
             self.samples += 1
             self.max_bytes = max(self.max_bytes, total)
             self.last_bytes = total
@@ -117,7 +136,6 @@ class OutsideSampler:
                 self.over.append((time.monotonic(), total))
             self._sampled.notify_all()
         return total
-
     def _run(self) -> None:
         try:
             while not self._stop.is_set():
