@@ -123,9 +123,6 @@ SETTLE_S = 2.0
 #: other engine's pool was spinning on, 28 to 36 ms steps where the step
 #: alone took 0.1 ms (the quick profile, host driver).
 ENGINE_THREADS = 1
-#: The single "chunk" each engine's outside reading is given to the sampler
-#: as: a total, matched pass to pass by the smaller reading.
-TOTAL = (0, 0)
 
 
 @dataclass(frozen=True)
@@ -368,25 +365,15 @@ def _burst_engine(socket_path: str, floor: int, setting: BurstSetting, device: s
 
 
 # -- the bench's side -----------------------------------------------------------------------------
-class _OutsideReader:
-    """Each engine's bytes as the device reads them from outside, less its baseline."""
-
-    def __init__(self, spec: str):
-        self.device = open_device(spec)
-        self.baselines: dict[int, int] = {}
-
-    def read(self, pid: int) -> int:
-        value = self.device.read_process(pid)
-        if value is None:
-            raise RuntimeError(f"{self.device!r} cannot read engine process {pid} from outside (another uid, an "
-                               "undumpable process, or no per-process reading): the overshoot needs it")
-        return value
-
-    def watch(self, pid: int) -> None:
-        self.baselines[pid] = self.read(pid)
-
-    def __call__(self, pid: int) -> dict[tuple[int, int], int]:
-        return {TOTAL: max(0, self.read(pid) - self.baselines[pid])}
+def _baselines(device, pids: list[int]) -> dict[int, int]:
+    """Each engine's bytes as `device` reads them from outside, before its
+    first cache: what every sample takes off its reading."""
+    read = device.read_pieces(pids)
+    unread = [pid for pid in pids if read[pid] is None]
+    if unread:
+        raise RuntimeError(f"{device!r} cannot read engine processes {unread} from outside (another uid, an "
+                           "undumpable process, or no per-process reading): the overshoot needs it")
+    return {pid: sum(read[pid].values()) for pid in pids}
 
 
 def _wait_for_an_empty_ledger(socket_path: str) -> None:
@@ -403,14 +390,14 @@ def _wait_for_an_empty_ledger(socket_path: str) -> None:
                                f"{report['dead']} dead")
 
 
-def _one_mode(engines: list[EngineChild], mode: str, setting: BurstSetting, reader: _OutsideReader,
+def _one_mode(engines: list[EngineChild], mode: str, setting: BurstSetting, outside, baselines: dict[int, int],
               compared_steps: int, socket_path: str) -> dict:
     """One mode's bursts, A, B, A, B, with the outside sampler running."""
     for engine in engines:
         engine.ask(mode)
-    sampler = OutsideSampler(SAMPLE_EVERY_S, read=reader, bound=setting.budget_bytes)
+    sampler = OutsideSampler(outside.read_pieces, SAMPLE_EVERY_S, bound=setting.budget_bytes)
     for engine in engines:
-        sampler.watch(engine.pid)
+        sampler.watch(engine.pid, baselines[engine.pid])
     sampler.start()
     bursts = []
     try:
@@ -444,7 +431,7 @@ def run(device: torch.device | str, profile: str, progress: Callable[[str], None
     device = torch.device(device)
     setting = setting_for(profile) if setting is None else setting
     spec = daemon_device(device)
-    reader = _OutsideReader(spec)
+    outside = open_device(spec)
     rounds = []
     with short_run_dir() as run_dir, daemon_process(run_dir, setting.budget_bytes, device=spec) as daemon:
         engines: list[EngineChild] = []
@@ -452,12 +439,12 @@ def run(device: torch.device | str, profile: str, progress: Callable[[str], None
             for name, floor in zip(ENGINES, setting.floors):
                 engines.append(EngineChild(f"burst engine {name}", _burst_engine,
                                            (daemon.path, floor, setting, str(device), client_class)))
-                reader.watch(engines[-1].pid)
+            baselines = _baselines(outside, [engine.pid for engine in engines])
             sizes = {name: engine.ready for name, engine in zip(ENGINES, engines)}
             compared_steps = sizes["A"]["static_blocks"] // setting.step_blocks
             for r in range(setting.rounds):
                 order = round_order(MODES, r)
-                measured = {mode: _one_mode(engines, mode, setting, reader, compared_steps, daemon.path)
+                measured = {mode: _one_mode(engines, mode, setting, outside, baselines, compared_steps, daemon.path)
                             for mode in order}
                 rounds.append({"order": order, **measured})
                 b, s = measured["budgeted"], measured["static"]
@@ -477,6 +464,6 @@ def run(device: torch.device | str, profile: str, progress: Callable[[str], None
             "budget_bytes": setting.budget_bytes, "floors": dict(zip(ENGINES, setting.floors)),
             "floor_held_bytes": {name: size["floor_held_bytes"] for name, size in sizes.items()},
             "static_bytes": sizes["A"]["static_bytes"], "growth_bytes": sizes["A"]["growth_bytes"],
-            "compared_steps": compared_steps, "outside": repr(reader.device),
-            "baselines": {name: reader.baselines[engine.pid] for name, engine in zip(ENGINES, engines)},
+            "compared_steps": compared_steps, "outside": repr(outside),
+            "baselines": {name: baselines[engine.pid] for name, engine in zip(ENGINES, engines)},
             "rounds": rounds}
