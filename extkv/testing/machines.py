@@ -10,8 +10,8 @@ with a `note()` naming the call so a failing example reads as a script; after
 every step the machine's invariant holds the object against the model, the
 driver's read-back and the usage probe.
 
-`tensor_machine` resizes, writes, defragments and releases segments, a
-release also with an unmap failing part way; without a known poison byte its
+`tensor_machine` resizes, writes, defragments, shrinks (keeping contents)
+and releases segments, a release also with an unmap failing part way; without a known poison byte its
 resizes always zero. `cache_machine` drives a `ModelledCache`
 (extkv.testing.modelled_cache): each rule is one of its operations, with
 arguments Hypothesis draws (`DrawnChoices`). `endurance_machine` adds the
@@ -42,6 +42,7 @@ from ..usage import UsageProbe
 from ..vmm import Driver, FaultInjectingDriver
 from .checks import (
     check_committed_blocks_mapped,
+    check_mapped_as_a_shrink_keeps,
     check_readback_matches_bookkeeping,
     check_usage_matches,
     read_back_granules,
@@ -115,6 +116,20 @@ def tensor_machine(driver: Driver, probe: UsageProbe, fresh_byte: int | None = N
             self.tensor.defragment_segment_(segment)
             one = readback_one_chunk_per_segment(self.tensor, self.model.sizes)[segment]
             assert one, f"segment {segment} spans several chunks after defragment_segment_, read back"
+
+        @precondition(lambda self: any(self.model.sizes))
+        @rule(data=st.data())
+        def shrink(self, data):
+            sizes = [data.draw(st.integers(0, size), label=f"size[{i}]") for i, size in enumerate(self.model.sizes)]
+            note(f"shrink_segments_({sizes})")
+            predicted = self.tensor.physical_bytes_after_shrink(sizes)
+            self.tensor.shrink_segments_(sizes)
+            # What stays mapped, checked before the model takes it from the driver.
+            read_back = read_back_granules(self.tensor)
+            check_mapped_as_a_shrink_keeps(self.tensor, sizes, read_back)
+            assert self.tensor.physical_bytes == predicted, (
+                f"physical_bytes {self.tensor.physical_bytes} after the shrink, physical_bytes_after_shrink said {predicted}")
+            self.model.shrink(sizes, frozenset(index // 2 for index, chunk in enumerate(read_back) if chunk is not None))
 
         @rule()
         def release(self):

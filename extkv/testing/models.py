@@ -107,6 +107,15 @@ class TensorModel:
             pieces.append(bytes(self.memory[index][low:high]))
         return b"".join(pieces)
 
+    def shrink(self, sizes: list[int], mapped: frozenset[int]) -> None:
+        """`shrink_segments_(sizes)`: the sizes drop, and the `mapped`
+        granules keep their bytes, the rest are gone. Which granules stay
+        depends on how the tensor cut its chunks, which the model does not
+        know: the caller reads them back from the driver, once it has
+        checked that each chunk left holds a kept byte."""
+        self.sizes = list(sizes)
+        self.memory = {index: data for index, data in self.memory.items() if index in mapped}
+
     def release(self, kept: frozenset[int] = frozenset()) -> None:
         """Nothing committed; the `kept` granules (a release that failed part
         way left them mapped) keep their bytes."""
