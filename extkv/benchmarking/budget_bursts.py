@@ -385,8 +385,9 @@ class _OutsideReader:
     def watch(self, pid: int) -> None:
         self.baselines[pid] = self.read(pid)
 
-    def __call__(self, pid: int) -> dict[tuple[int, int], int]:
-        return {TOTAL: max(0, self.read(pid) - self.baselines[pid])}
+    def __call__(self, pids: list[int]) -> dict[int, dict[tuple[int, int], int]]:
+        """One pass of the sampler (its `Read`): each engine's reading as one piece."""
+        return {pid: {TOTAL: max(0, self.read(pid) - self.baselines[pid])} for pid in pids}
 
 
 def _wait_for_an_empty_ledger(socket_path: str) -> None:
@@ -408,7 +409,7 @@ def _one_mode(engines: list[EngineChild], mode: str, setting: BurstSetting, read
     """One mode's bursts, A, B, A, B, with the outside sampler running."""
     for engine in engines:
         engine.ask(mode)
-    sampler = OutsideSampler(SAMPLE_EVERY_S, read=reader, bound=setting.budget_bytes)
+    sampler = OutsideSampler(reader, SAMPLE_EVERY_S, bound=setting.budget_bytes)
     for engine in engines:
         sampler.watch(engine.pid)
     sampler.start()
