@@ -23,7 +23,7 @@ from extkv import ExtensibleKVCache, KVCacheLayout
 from extkv.budget.client import BudgetClient
 from extkv.reference_model import ReferenceModelRunner, TinyDecoderConfig
 from extkv.testing.budget import served_daemon
-from extkv.testing.checks import check_unchanged, snapshot
+from extkv.testing.checks import check_committed_blocks_mapped, check_unchanged, snapshot
 from extkv.testing.configs import config_for
 from extkv.vmm import HostDriver
 
@@ -62,6 +62,8 @@ def fill_request(runner: ReferenceModelRunner, request_id: int) -> list[torch.Te
 
 
 def check_contents(runner: ReferenceModelRunner, written: dict[int, list[torch.Tensor]]) -> None:
+    # Read back from the driver first: a block a shrink left unmapped fails here, not as a fault of the read.
+    check_committed_blocks_mapped(runner.extensible_kv_cache)
     for request_id, layers in written.items():
         blocks = runner.request_blocks(request_id)
         for layer, (view, expected) in enumerate(zip(runner.kv_caches, layers)):
