@@ -464,7 +464,7 @@ class ExtensibleKVCache:
             with self._count_lock:
                 self._committed = num_blocks
         self._zeroed_through = min(self._zeroed_through, num_blocks)
-        self.buffer.shrink_segments_(self._sizes_for(0 if self._asleep else num_blocks))
+        self.buffer.shrink_segments_(self._kept_sizes(num_blocks))
         if defragment and not all(self.buffer.segments_backed_by_one_chunk(self.buffer.segment_sizes)):
             self.buffer.defragment_segments_()
         logger.debug("KV cache at %s after commit(%d, shrink=True, preserve_contents=True).", self, num_blocks)
@@ -483,7 +483,13 @@ class ExtensibleKVCache:
         return self._bytes_after_shrink(num_blocks)
 
     def _bytes_after_shrink(self, num_blocks: int) -> int:
-        return self.buffer.physical_bytes_after_shrink(self._sizes_for(0 if self._asleep else num_blocks))
+        return self.buffer.physical_bytes_after_shrink(self._kept_sizes(num_blocks))
+
+    def _kept_sizes(self, num_blocks: int) -> list[int]:
+        """Each segment's bytes a preserving shrink to `num_blocks` keeps:
+        its first `num_blocks` blocks as far as they are mapped (none while
+        asleep, or where the buffer was released under the cache)."""
+        return [min(num_blocks * stride, size) for stride, size in zip(self.segment_strides, self.buffer.segment_sizes)]
 
     @_operation
     def blocks_kept_within(self, num_bytes: int) -> int:
