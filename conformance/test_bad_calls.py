@@ -79,12 +79,28 @@ def test_numpy_bools_are_flags(cache):
         cache.commit(numpy.True_)
 
 
-def test_preserving_contents_contradicts_shrink(cache):
+def test_preserving_contents_alone_is_refused(cache):
     cache.commit(40)
     fill_segments(cache, seed=2)
     before = snapshot(cache)
-    with pytest.raises(ValueError, match="preserve_contents=True contradicts shrink=True"):
-        cache.commit(10, defragment=True, shrink=True, preserve_contents=True)
+    with pytest.raises(ValueError, match=r"preserve_contents=True only applies with shrink=True or defragment=True"):
+        cache.commit(10, preserve_contents=True)
+    check_unchanged(cache, before)
+
+
+@pytest.mark.parametrize("call, message", [
+    (lambda c: c.physical_bytes_after_shrink(41),
+     r"num_blocks must be an int >= 0 and <= 40 \(a block count, at most the committed ones\), got 41"),
+    (lambda c: c.physical_bytes_after_shrink(True), r"num_blocks must be an int >= 0 and <= 40 .*, got True"),
+    (lambda c: c.blocks_kept_within(-1), r"num_bytes must be an int >= 0 \(bytes\), got -1"),
+    (lambda c: c.blocks_kept_within(1.5), r"num_bytes must be an int >= 0 \(bytes\), got 1.5"),
+], ids=["after-shrink-past-the-count", "after-shrink-bool", "kept-within-negative", "kept-within-float"])
+def test_the_preserving_shrinks_sizes_refuse_bad_numbers(cache, call, message):
+    cache.commit(40)
+    fill_segments(cache, seed=4)
+    before = snapshot(cache)
+    with pytest.raises(ValueError, match=message):
+        call(cache)
     check_unchanged(cache, before)
 
 
@@ -94,7 +110,9 @@ FREED_CALLS = {
     "release_physical": lambda c: c.release_physical(),
     "recommit": lambda c: c.recommit(),
     "physical_bytes_for": lambda c: c.physical_bytes_for(1),
+    "physical_bytes_after_shrink": lambda c: c.physical_bytes_after_shrink(0),
     "blocks_within": lambda c: c.blocks_within(1 << 20),
+    "blocks_kept_within": lambda c: c.blocks_kept_within(1 << 20),
     "committable_blocks": lambda c: c.committable_blocks(),
     "committed_views": lambda c: c.committed_views(config_for("full", LAYOUT, CAPACITY), LAYOUT),
     "committed_kv_cache_tensors": lambda c: c.committed_kv_cache_tensors(config_for("full", LAYOUT, CAPACITY), LAYOUT, 1),

@@ -4,7 +4,8 @@ A cache given `budget=` (extkv.budget.driver.BudgetedDriver around the
 real host driver) reserves from a real daemon (extkv.testing.budget) before
 every create of a commit, a recommit, a commit-ahead step and a preserving
 defragment's scratch, confirms what it created and returns what it
-releases: at every quiescent point the daemon's ledger holds exactly the
+releases (a shrink keeping contents asks nothing and returns exactly the
+chunks it released): at every quiescent point the daemon's ledger holds exactly the
 cache's physical bytes. A counting wrapper under the budgeted driver reads
 the ledger at each create and finds a grant covering it (the checks are
 extkv.testing.budget's; conformance/test_planted_defects.py runs them over
@@ -60,6 +61,10 @@ def test_the_ledger_holds_exactly_the_cache_s_physical_bytes_through_its_life():
             ("commit 100", lambda: cache.commit(100)),
             ("commit 300", lambda: cache.commit(300)),
             ("shrink to 50", lambda: cache.commit(50, shrink=True)),
+            ("commit 400", lambda: cache.commit(400)),
+            ("preserving shrink to 90", lambda: cache.commit(90, shrink=True, preserve_contents=True)),
+            ("commit 200", lambda: cache.commit(200)),
+            ("shrink to 50", lambda: cache.commit(50, shrink=True)),
             ("preserving defragment", lambda: cache.commit(50, defragment=True, preserve_contents=True)),
             ("release", cache.release_physical),
             ("recommit", cache.recommit),
@@ -83,6 +88,28 @@ def test_no_physical_create_happens_without_a_covering_grant():
         assert cache.grown_blocks == 240
         check_ledger_holds(client, cache.physical_bytes, "after commit-ahead settled")
     assert counting.creates > 5, f"{counting.creates} creates: the test saw too few to prove anything"
+
+
+def test_a_preserving_shrink_returns_exactly_the_bytes_it_released_and_asks_for_nothing():
+    """The chunks it releases go back as any release's do (the host daemon
+    checks each return against the engine's memfd pages as it arrives), and
+    it creates nothing, so the budget is never asked."""
+    with budgeted_cache(1 << 30, lambda client: CoveredCreates(HostDriver(), client)) as (_, client, cache):
+        counting = cache.buffer.driver.inner
+        for n in (1, 100, 300, 700):
+            cache.commit(n)
+        for n in (650, 250, 37, 0):
+            held, _ = ledger_held(client)
+            physical, creates = cache.physical_bytes, counting.creates
+            cache.commit(n, shrink=True, preserve_contents=True)
+            released = physical - cache.physical_bytes
+            assert released > 0 or n == 650, f"the shrink to {n} released nothing"
+            now, open_tickets = ledger_held(client)
+            assert (held - now, open_tickets) == (released, 0), (
+                f"shrink to {n}: the ledger fell by {held - now} bytes with {open_tickets} open tickets; "
+                f"the shrink released {released}")
+            assert counting.creates == creates, f"the shrink to {n} created {counting.creates - creates} chunks"
+            check_ledger_holds(client, cache.physical_bytes, f"after the preserving shrink to {n}")
 
 
 def test_a_commit_the_budget_denies_raises_out_of_memory_and_changes_nothing():

@@ -4,8 +4,10 @@ A runner under a real daemon (extkv.testing.budget) over the host driver
 holds requests whose blocks carry a known pattern in every layer.
 `on_reclaim(target)` frees at least the target: free blocks first, then
 requests preempted newest first; the survivors' blocks move below the new
-top, their contents byte-identical in every layer, and the daemon's ledger
-holds exactly the cache's physical bytes. A target it cannot free is
+top, their contents byte-identical in every layer, the chunks holding the
+blocks below it stay mapped (a shrink keeping contents, which may keep a
+chunk straddling the top whole: the top is chosen past it), and the
+daemon's ledger holds exactly the cache's physical bytes. A target it cannot free is
 answered 0 with nothing changed. A full round: engine B's reserve waits,
 the daemon asks engine A, A's runner frees, B is granted.
 """
@@ -21,7 +23,7 @@ from extkv import ExtensibleKVCache, KVCacheLayout
 from extkv.budget.client import BudgetClient
 from extkv.reference_model import ReferenceModelRunner, TinyDecoderConfig
 from extkv.testing.budget import served_daemon
-from extkv.testing.checks import check_unchanged, snapshot
+from extkv.testing.checks import check_committed_blocks_mapped, check_unchanged, snapshot
 from extkv.testing.configs import config_for
 from extkv.vmm import HostDriver
 
@@ -60,6 +62,8 @@ def fill_request(runner: ReferenceModelRunner, request_id: int) -> list[torch.Te
 
 
 def check_contents(runner: ReferenceModelRunner, written: dict[int, list[torch.Tensor]]) -> None:
+    # Read back from the driver first: a block a shrink left unmapped fails here, not as a fault of the read.
+    check_committed_blocks_mapped(runner.extensible_kv_cache)
     for request_id, layers in written.items():
         blocks = runner.request_blocks(request_id)
         for layer, (view, expected) in enumerate(zip(runner.kv_caches, layers)):
@@ -94,8 +98,11 @@ def test_a_reclaim_frees_free_blocks_first_and_moves_live_ones_down_intact():
         kv_cache = runner.extensible_kv_cache
         # Keep 20 blocks, granules whole: 20-24 of request 3 move into the hole.
         before, target = kv_cache.physical_bytes, kv_cache.physical_bytes - kv_cache.physical_bytes_for(20)
+        chunks = kv_cache.buffer.mapped_chunks  # held: a freed object's id may be reused
         freed = runner.on_reclaim(target)
         assert freed == before - kv_cache.physical_bytes >= target, (freed, before, kv_cache.physical_bytes)
+        remapped = [m.first_granule for m in kv_cache.buffer.mapped_chunks if not any(m is c for c in chunks)]
+        assert remapped == [], f"chunks at granules {remapped} were mapped anew: the shrink did not keep the blocks below"
         assert runner.preempted == [] and runner.running_requests == [2, 3]
         assert kv_cache.num_committed_blocks == 20
         assert runner.request_blocks(2) == list(range(9, 17)), "a block below the top moved"
@@ -103,6 +110,30 @@ def test_a_reclaim_frees_free_blocks_first_and_moves_live_ones_down_intact():
         assert runner.request_blocks(3) == moved, "request 3's blocks above the top did not move into the hole"
         table = runner.block_tables([2, 3])
         assert table[1, :8].tolist() == moved and table[1, 8:].eq(runner.NULL_BLOCK).all()
+        check_contents(runner, written)
+        assert held(client) == kv_cache.physical_bytes
+
+
+@pytest.mark.invariant(1)
+@pytest.mark.invariant(5)
+def test_a_reclaim_below_a_chunk_straddling_the_top_still_frees_the_target():
+    """A shrink keeping contents keeps a chunk that holds a block below the
+    top whole: the top must be chosen by the footprint after such a shrink.
+    One commit mapped blocks 1-16 (granules 1-4 of every layer) as one chunk
+    per layer; keeping 5 blocks would keep that chunk, so the runner keeps 4."""
+    with served_daemon(1 << 30) as served, BudgetClient(served.path, timeout=TIMEOUT_S) as client, \
+            runner_under(client) as runner:
+        written = requests_with_holes(runner, {1: 16}, finished=[1])
+        written.update(requests_with_holes(runner, {2: 2}, finished=[]))
+        kv_cache = runner.extensible_kv_cache
+        before = kv_cache.physical_bytes
+        target = before - kv_cache.physical_bytes_for(5)
+        assert kv_cache.physical_bytes_after_shrink(5) == before, "no chunk straddles block 5: nothing to prove"
+        assert kv_cache.blocks_kept_within(before - target) == 4
+        freed = runner.on_reclaim(target)
+        assert freed == before - kv_cache.physical_bytes >= target, (freed, target, before, kv_cache.physical_bytes)
+        assert kv_cache.num_committed_blocks == 4 and kv_cache.physical_bytes == kv_cache.physical_bytes_for(4)
+        assert runner.preempted == [] and runner.request_blocks(2) == [1, 2]
         check_contents(runner, written)
         assert held(client) == kv_cache.physical_bytes
 

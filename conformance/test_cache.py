@@ -5,6 +5,9 @@ even when a test fails. Zeroing over poisoned memory is in test_zeroing."""
 
 from __future__ import annotations
 
+import os
+import signal
+
 import pytest
 import torch
 from hypothesis import given
@@ -21,7 +24,9 @@ from extkv.layout import (
     layer_spec_for_tensor,
 )
 from extkv.testing.checks import (
+    read_back_granules,
     check_all_equal,
+    check_mapped_as_a_shrink_keeps,
     check_readback_matches_bookkeeping,
     check_unchanged,
     check_usage_matches,
@@ -30,7 +35,7 @@ from extkv.testing.checks import (
 )
 from extkv.testing.configs import CAPACITY, GRANULE, config_for, fill_segments
 from extkv.testing.readings import InjectedReadingsDriver
-from extkv.vmm import driver_for
+from extkv.vmm import PoisoningDriver, driver_for, live_chunks
 
 @pytest.fixture
 def cache(case, build, device):
@@ -161,6 +166,174 @@ def test_shrink_remaps_to_exactly_physical_bytes_for(cache, usage):
         check_usage_matches(usage, baseline, [cache.buffer])
         for i in range(len(cache.segment_strides)):
             check_all_equal(cache.buffer.segment_view(i), 0, f"shrink to {n}: segment {i}")
+
+
+def footprint_read_back(kv_cache, num_blocks: int) -> tuple[int, int, int]:
+    """From the driver's read-back alone: the bytes of the chunks that hold
+    a byte of the first `num_blocks` blocks of some segment (what a
+    preserving shrink to `num_blocks` keeps mapped), the bytes of the
+    granules those bytes touch (the least it may), and how many chunks hold
+    none of them (what it releases)."""
+    buffer, g = kv_cache.buffer, kv_cache.buffer.granularity
+    kept = {index for offset, stride in zip(kv_cache.segment_offsets, kv_cache.segment_strides) if num_blocks
+            for index in range(offset // g, -(-(offset + num_blocks * stride) // g))}
+    read_back = read_back_granules(buffer)
+    granules_of: dict = {}
+    for index in range(len(read_back) // 2):
+        if read_back[2 * index] is not None:
+            granules_of.setdefault(read_back[2 * index], set()).add(index)
+    holding = [granules for granules in granules_of.values() if granules & kept]
+    return sum(len(granules) * g for granules in holding), len(kept) * g, len(granules_of) - len(holding)
+
+
+@pytest.mark.invariant(1, 3, 5)
+def test_a_preserving_shrink_keeps_every_byte_below_and_releases_every_chunk_above(case, build, device, usage):
+    """Grown in four commits (chunks straddle the shrinks' ends) over poison,
+    filled with a never-zero pattern, shrunk step by step: the kept blocks
+    hold their bytes at their addresses, the footprint is exactly the
+    chunks holding a kept byte as the driver reads them back, predicted by
+    physical_bytes_after_shrink, and what regrowth commits again reads zero."""
+    _, layout, config = case
+    baseline, kind = usage.read_outside_torch(), driver_for(device).kind
+    cache = build.cache(config, layout, device=PoisoningDriver(driver_for(device)))
+    for n in (1, 50, 200, CAPACITY):
+        cache.commit(n)
+    patterns = fill_segments(cache, seed=21)
+    pointers = [cache.buffer.segment_view(i).data_ptr() for i in range(len(patterns))]
+    for n in (CAPACITY - 1, 400, 137, 37, 1, 0):
+        predicted = cache.physical_bytes_after_shrink(n)
+        expected, least, dropped = footprint_read_back(cache, n)
+        assert predicted == expected, f"shrink to {n}: physical_bytes_after_shrink says {predicted}, the read-back {expected}"
+        assert least == cache.physical_bytes_for(n) <= predicted
+        chunks, releases = live_chunks[kind], cache.buffer.release_count
+        cache.commit(n, shrink=True, preserve_contents=True)
+        assert cache.num_committed_blocks == n and cache.buffer.segment_sizes == [n * s for s in cache.segment_strides]
+        assert cache.physical_bytes == predicted, f"shrink to {n}: {cache.physical_bytes} bytes mapped, predicted {predicted}"
+        assert live_chunks[kind] == chunks - dropped, f"shrink to {n}: {chunks - live_chunks[kind]} chunks released, {dropped} expected"
+        assert cache.buffer.release_count == releases + 1
+        check_mapped_as_a_shrink_keeps(cache.buffer, cache.buffer.segment_sizes)
+        check_readback_matches_bookkeeping(cache.buffer)
+        check_usage_matches(usage, baseline, [cache.buffer])
+        for i, (pattern, stride) in enumerate(zip(patterns, cache.segment_strides)):
+            view = cache.buffer.segment_view(i)
+            assert n == 0 or view.data_ptr() == pointers[i], f"segment {i} moved"
+            check_all_equal(view, pattern[: n * stride], f"shrink to {n}: segment {i}'s kept blocks")
+    assert cache.physical_bytes == 0
+    cache.commit(1)
+    patterns = fill_segments(cache, seed=22)
+    cache.commit(300)
+    fill_segments(cache, seed=23)  # what the shrink drops lies in the kept chunk too
+    cache.commit(100, shrink=True, preserve_contents=True)
+    cache.commit(CAPACITY)
+    for i, stride in enumerate(cache.segment_strides):
+        view = cache.buffer.segment_view(i)
+        check_all_equal(view[100 * stride :], 0, f"segment {i}'s blocks committed again after the shrink")
+    check_usage_matches(usage, baseline, [cache.buffer])
+
+
+@pytest.mark.invariant(1, 3, 5)
+def test_a_preserving_shrink_that_defragments_keeps_the_bytes_on_one_chunk_per_segment(case, build, device, usage):
+    baseline = usage.read_outside_torch()
+    cache = build.cache(case[2], case[1], device=device)
+    n = fragment(cache)
+    cache.commit(CAPACITY)
+    patterns = fill_segments(cache, seed=31)
+    target = max(n - 3, 1)
+    cache.commit(target, defragment=True, shrink=True, preserve_contents=True)
+    sizes = cache.buffer.segment_sizes
+    assert cache.num_committed_blocks == target and sizes == [target * s for s in cache.segment_strides]
+    assert readback_one_chunk_per_segment(cache.buffer, sizes) == [True] * len(sizes)
+    for i, (pattern, size) in enumerate(zip(patterns, sizes)):
+        check_all_equal(cache.buffer.segment_view(i), pattern[:size], f"segment {i}'s kept blocks")
+    check_mapped_as_a_shrink_keeps(cache.buffer, sizes)
+    check_readback_matches_bookkeeping(cache.buffer)
+    check_usage_matches(usage, baseline, [cache.buffer])
+
+
+@pytest.mark.invariant(1, 4, 5)
+def test_a_preserving_shrink_while_asleep_lowers_the_count_and_maps_nothing(build, device, usage):
+    """Asleep, nothing is mapped to keep: the count drops, the cache stays
+    asleep, and the wake maps the blocks kept, zeroed over poison, as any
+    wake. A shrink above the count is a growth, and wakes it as one."""
+    baseline = usage.read_outside_torch()
+    poisoned = PoisoningDriver(driver_for(device))
+    cache = build.cache(config_for("full", KVCacheLayout.LBHNC), KVCacheLayout.LBHNC, device=poisoned)
+    cache.commit(300)
+    fill_segments(cache, seed=41)
+    cache.release_physical()
+    creates = poisoned.poisoned_chunks
+    cache.commit(120, shrink=True, preserve_contents=True)
+    assert cache.is_asleep and cache.num_committed_blocks == 120 and cache.physical_bytes == 0
+    assert poisoned.poisoned_chunks == creates, "the shrink of a sleeping cache created memory"
+    check_usage_matches(usage, baseline, [cache.buffer])
+    cache.recommit()
+    assert not cache.is_asleep and cache.physical_bytes == cache.physical_bytes_for(120)
+    for i in range(len(cache.segment_strides)):
+        check_all_equal(cache.buffer.segment_view(i), 0, f"segment {i} woken after the shrink")
+    cache.release_physical()
+    cache.commit(200, shrink=True, preserve_contents=True)
+    assert not cache.is_asleep and cache.num_committed_blocks == 200
+    assert cache.physical_bytes == cache.physical_bytes_for(200)
+    for i in range(len(cache.segment_strides)):
+        check_all_equal(cache.buffer.segment_view(i), 0, f"segment {i} grown by the shrink above the count")
+    check_usage_matches(usage, baseline, [cache.buffer])
+
+
+@pytest.mark.invariant(1, 5)
+@pytest.mark.parametrize("step, call", [("unmap", 2), ("release", 1)])
+def test_a_preserving_shrink_failing_part_way_keeps_its_blocks_and_completes_when_called_again(build, device, usage, step, call):
+    baseline = usage.read_outside_torch()
+    faulty = FaultInjectingDriver(driver_for(device))
+    cache = build.cache_for("full", KVCacheLayout.LBHNC, device=faulty)
+    for n in (1, 100, 300, CAPACITY):
+        cache.commit(n)
+    patterns = fill_segments(cache, seed=51)
+    predicted = cache.physical_bytes_after_shrink(50)
+    faulty.fail_in(step, call)
+    with pytest.raises(DriverError, match="injected fault"):
+        cache.commit(50, shrink=True, preserve_contents=True)
+    assert cache.num_committed_blocks == 50 and cache.buffer.segment_sizes == [50 * s for s in cache.segment_strides]
+    check_readback_matches_bookkeeping(cache.buffer)
+    for i, (pattern, stride) in enumerate(zip(patterns, cache.segment_strides)):
+        check_all_equal(cache.buffer.segment_view(i), pattern[: 50 * stride], f"segment {i} after a failed shrink")
+    cache.commit(50, shrink=True, preserve_contents=True)
+    assert cache.physical_bytes == predicted
+    check_mapped_as_a_shrink_keeps(cache.buffer, cache.buffer.segment_sizes)
+    check_usage_matches(usage, baseline, [cache.buffer])
+
+
+@pytest.mark.invariant(6)
+def test_a_forked_childs_copy_refuses_a_preserving_shrink(build, device):
+    """A child's copy maps none of its parent's memory: the shrink is
+    refused there, naming why, and the parent's blocks are untouched."""
+    cache = build.cache_for("full", KVCacheLayout.LBHNC, device=device)
+    cache.commit(200)
+    patterns = fill_segments(cache, seed=61)
+    reading, writing = os.pipe()
+    child = os.fork()
+    if child == 0:
+        code = 1
+        try:
+            os.close(reading)
+            signal.alarm(10)  # a child stuck is a failure, not a hang
+            try:
+                cache.commit(100, shrink=True, preserve_contents=True)
+                answer = "the shrink ran"
+            except StateError as error:
+                answer = f"StateError: {error}"
+            os.write(writing, answer.encode())
+            code = 0
+        finally:
+            os._exit(code)
+    os.close(writing)
+    with os.fdopen(reading, "rb") as pipe:
+        answer = pipe.read().decode()
+    _, status = os.waitpid(child, 0)
+    assert os.waitstatus_to_exitcode(status) == 0, f"the child exited {os.waitstatus_to_exitcode(status)}: {answer}"
+    assert answer == "StateError: ExtensibleKVCache.commit() is not allowed on an inherited cache", answer
+    assert cache.num_committed_blocks == 200
+    for i, pattern in enumerate(patterns):
+        check_all_equal(cache.buffer.segment_view(i), pattern, f"the parent's segment {i}")
 
 
 def fragment(cache) -> int:
@@ -369,7 +542,7 @@ def test_invalid_calls_raise_and_change_nothing(cache):
     for call, message in [
         (lambda: cache.commit(-1), r"num_blocks must be an int >= 0 \(a block count\), got -1"),
         (lambda: cache.commit(2.5), r"num_blocks must be an int >= 0 \(a block count\), got 2.5"),
-        (lambda: cache.commit(30, preserve_contents=True), "only applies with defragment"),
+        (lambda: cache.commit(30, preserve_contents=True), "only applies with shrink=True or defragment=True"),
         (lambda: cache.commit(30, shrink="yes"), r"shrink must be a bool \(True or False\), got 'yes'"),
         (lambda: cache.physical_bytes_for(-3), "num_blocks must be an int >= 0"),
         (lambda: cache.blocks_within(1.5), "num_bytes must be an int"),

@@ -24,7 +24,13 @@ from extkv import KVCacheLayout
 from extkv.ahead import BackgroundGrowthError
 from extkv.errors import DriverError, StateError
 from extkv.reference_model import ReferenceModelRunner
-from extkv.testing.checks import check_all_equal, check_readback_matches_bookkeeping, check_usage_matches, warm_up_kernels
+from extkv.testing.checks import (
+    check_all_equal,
+    check_mapped_as_a_shrink_keeps,
+    check_readback_matches_bookkeeping,
+    check_usage_matches,
+    warm_up_kernels,
+)
 from extkv.testing.configs import config_for
 from extkv.vmm import FaultInjectingDriver, PoisoningDriver, driver_for
 from extkv.vmm.late import LateZeroingDriver
@@ -197,6 +203,51 @@ def test_blocks_a_stopped_worker_left_are_counted_later_and_a_shrink_releases_th
     cache.commit(400)  # past what was left: grows
     assert cache.grown_blocks == 400
     expect_zero_blocks(cache, 300, 400)
+
+
+def fill_blocks(cache, first: int, end: int, value) -> None:
+    """Every byte of blocks [first, end) of every segment, mapped: `value`,
+    or for None block b's own never-zero byte, b % 251 + 1."""
+    for segment, stride in enumerate(cache.segment_strides):
+        rows = cache.buffer.segment_view(segment)[first * stride : end * stride].view(end - first, stride)
+        if value is None:
+            rows.copy_((torch.arange(first, end, device=rows.device) % 251 + 1).to(torch.uint8)[:, None].expand_as(rows))
+        else:
+            rows.fill_(value)
+
+
+@pytest.mark.invariant(1, 3, 5)
+def test_a_preserving_shrink_beside_the_worker_keeps_the_blocks_and_releases_what_it_grew(build, poisoned, usage):
+    """The worker's blocks past the new count go with the rest of the chunks
+    holding no kept byte, the kept blocks hold their bytes, and the window
+    the worker grows again reads zero, over what its blocks held before."""
+    baseline = usage.read_outside_torch()
+    cache = cache_over(build, poisoned, committed=300)
+    cache.commit_ahead(200, step_blocks=64)
+    until(lambda: cache.grown_blocks == 500, f"grown {cache.grown_blocks} of 500")
+    assert cache.settle_commit_ahead(PATIENCE_S)
+    fill_blocks(cache, 0, 120, None)
+    fill_blocks(cache, 120, 500, 0x77)  # what the shrink drops, in kept chunks too
+    cache.commit_ahead(0)
+    predicted = cache.physical_bytes_after_shrink(120)
+    cache.commit(120, shrink=True, preserve_contents=True)
+    assert cache.num_committed_blocks == cache.grown_blocks == 120
+    assert cache.physical_bytes == predicted < cache.physical_bytes_for(500)
+    check_mapped_as_a_shrink_keeps(cache.buffer, cache.buffer.segment_sizes)
+    check_usage_matches(usage, baseline, [cache.buffer])
+    cache.commit_ahead(200, step_blocks=64)
+    cache.commit(200)
+    cache.commit(150, shrink=True, preserve_contents=True)  # the worker on: its blocks past 150 go too
+    until(lambda: cache.grown_blocks == 350, f"after the shrink: grown {cache.grown_blocks} of 350")
+    assert cache.settle_commit_ahead(PATIENCE_S) and cache.num_committed_blocks == 150
+    for segment, stride in enumerate(cache.segment_strides):
+        rows = cache.buffer.segment_view(segment)[: 120 * stride].view(120, stride)
+        wrong = int((rows != (torch.arange(120, device=rows.device) % 251 + 1).to(torch.uint8)[:, None]).any(dim=1).sum())
+        assert wrong == 0, f"segment {segment}: {wrong} of the 120 kept blocks changed"
+    expect_zero_blocks(cache, 120, 350)
+    check_readback_matches_bookkeeping(cache.buffer)
+    check_mapped_as_a_shrink_keeps(cache.buffer, cache.buffer.segment_sizes)
+    check_usage_matches(usage, baseline, [cache.buffer])
 
 
 @pytest.mark.invariant(4, 5)

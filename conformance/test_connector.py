@@ -444,9 +444,15 @@ def test_stale_registration_is_refused_until_restored(device, build, connector, 
         kv_cache.release_physical()
         kv_cache.recommit()
 
+    def shrink_keeping_contents():
+        mapped = kv_cache.buffer.mapped_chunks
+        kv_cache.commit(250, shrink=True, preserve_contents=True)
+        now = kv_cache.buffer.mapped_chunks
+        assert len(now) == len(mapped) and all(a is b for a, b in zip(now, mapped))  # the same chunks, smaller sizes
+
     sender, receiver = channel
     receiver.setblocking(False)
-    for change in (grow_within_the_mapped_chunks, release_and_recommit):
+    for change in (grow_within_the_mapped_chunks, release_and_recommit, shrink_keeping_contents):
         change()
         fill_segments(kv_cache, seed=7)
         fds = fd_count()

@@ -80,6 +80,7 @@ from extkv.testing.budget import (
 from extkv.testing.checks import (
     check_all_equal,
     check_committed_blocks_mapped,
+    check_mapped_as_a_shrink_keeps,
     check_mapped_read_only,
     check_readback_matches_bookkeeping,
     check_unchanged,
@@ -96,6 +97,7 @@ from extkv.testing.modelled_cache import ModelledCache
 from extkv.testing.models import CacheModel, ContentMismatch, LeakFound, check_cache_blocks
 from extkv.testing.machines import CACHE_MACHINE_CASES
 from extkv.testing.stress import OPERATIONS, StressTally, walk
+from extkv.testing.stress.threads import reader_beside_preserving_shrinks_in_child
 from extkv.testing.stress.faults import fault_attempt
 from extkv.vmm import HostDriver, PoisoningDriver, driver_for, finest_driver_for
 from extkv.vmm.base import NO_ACCESS, READ_ONLY, READ_WRITE
@@ -148,6 +150,83 @@ def test_zeroing_check_passes_over_poisoned_memory(device, build):
     tensor = build.tensor(4 * poisoned.granularity, device=poisoned)
     commit_and_recommit(tensor, poisoned.granularity + 100, lambda view: check_all_equal(view, 0, "new bytes"))
     assert poisoned.poisoned_chunks == 2
+
+
+# -- a shrink from the top, keeping contents ------------------------------------------------
+def shrink_then_regrow(tensor: ExtensibleTensor, check) -> None:
+    """Four granules committed at once, a never-zero byte in each; shrunk
+    keeping a granule and five bytes, then grown back to three granules
+    inside the chunk the shrink kept whole: `check` the bytes committed again."""
+    g = tensor.granularity
+    tensor.resize_segments_([4 * g], zero_new=True)
+    tensor.segment_view(0).fill_(0x3C)
+    tensor.shrink_segments_([g + 5])
+    assert tensor.num_physical_chunks == 1, "the shrink released the chunk it should have kept"
+    tensor.resize_segments_([3 * g], zero_new=True)
+    check(tensor.segment_view(0)[g + 5 :])
+
+
+@pytest.mark.invariant(1)
+@pytest.mark.planted_defect("zeroing-in-mapped-granules-skipped")
+def test_bytes_committed_again_inside_a_kept_chunk_unzeroed_are_flagged(device, build):
+    broken = make("zeroing-in-mapped-granules-skipped", driver_for(device))
+    g = broken.granularity
+    flagged = []
+
+    def check(view):
+        with pytest.raises(AssertionError, match=rf"^committed again: {2 * g - 5} of {2 * g - 5} bytes are not 0x00$"):
+            check_all_equal(view, 0, "committed again")
+        flagged.append(view.numel())
+
+    shrink_then_regrow(build.tensor(4 * g, device=broken), check)
+    assert flagged == [2 * g - 5]
+
+
+@pytest.mark.invariant(1)
+def test_bytes_committed_again_inside_a_kept_chunk_read_zero_on_the_real_driver(device, build):
+    tensor = build.tensor(4 * driver_for(device).granularity)
+    shrink_then_regrow(tensor, lambda view: check_all_equal(view, 0, "committed again"))
+
+
+def two_chunks_shrunk(tensor: ExtensibleTensor) -> list[int]:
+    """A granule, then three more, committed; shrunk keeping two granules
+    and five bytes (granules 0 to 2, in both chunks): the sizes kept."""
+    g = tensor.granularity
+    tensor.resize_segments_([g], zero_new=True)
+    tensor.resize_segments_([4 * g], zero_new=True)
+    sizes = [2 * g + 5]
+    tensor.shrink_segments_(sizes)
+    return sizes
+
+
+@pytest.mark.invariant(1, 3)
+@pytest.mark.planted_defect("preserving-shrink-releases-a-kept-chunk")
+def test_a_preserving_shrink_that_releases_a_kept_chunk_is_flagged_by_the_read_back(device, build):
+    tensor = build.tensor(4 * driver_for(device).granularity)
+    with make("preserving-shrink-releases-a-kept-chunk", None):
+        sizes = two_chunks_shrunk(tensor)
+    with pytest.raises(AssertionError, match=r"^2 of the 3 granules holding kept bytes read back unmapped after the "
+                                             r"shrink; first: granule 1$"):
+        check_mapped_as_a_shrink_keeps(tensor, sizes)
+
+
+@pytest.mark.invariant(1, 3)
+@pytest.mark.planted_defect("preserving-shrink-releases-a-kept-chunk")
+def test_a_preserving_shrink_that_releases_a_kept_chunk_kills_the_lock_free_reader(device):
+    """The reader beside the shrinks reads kept blocks a defective shrink
+    unmapped: on the host that read is a SIGSEGV of its process; on a GPU
+    an illegal-address fault, raised there. Either way no clean tally."""
+    code, counts = reader_beside_preserving_shrinks_in_child(
+        device, KVCacheLayout.LBHNC, seed=11, defect="preserving-shrink-releases-a-kept-chunk")
+    assert code != 0 or (counts is not None and (counts["problems"] or counts["wrong reads"])), (code, counts)
+
+
+@pytest.mark.invariant(1, 3)
+def test_a_preserving_shrink_keeps_every_kept_chunk_on_the_real_tensor(device, build):
+    tensor = build.tensor(4 * driver_for(device).granularity)
+    sizes = two_chunks_shrunk(tensor)
+    check_mapped_as_a_shrink_keeps(tensor, sizes)
+    assert tensor.num_physical_chunks == 2
 
 
 # -- mappings ---------------------------------------------------------------------------

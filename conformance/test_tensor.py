@@ -18,6 +18,7 @@ import torch
 from extkv import DriverError, ExtensibleTensor, FaultInjectingDriver, OutOfMemoryError, StateError
 from extkv.testing.checks import (
     check_all_equal,
+    check_mapped_as_a_shrink_keeps,
     check_readback_matches_bookkeeping,
     check_unchanged,
     check_usage_matches,
@@ -26,7 +27,7 @@ from extkv.testing.checks import (
 )
 from extkv.testing.children import fork_server
 from extkv.testing.work import python_instructions
-from extkv.vmm import HostDriver, driver_for, host_commits, live_chunks, live_reservations
+from extkv.vmm import HostDriver, PoisoningDriver, driver_for, host_commits, live_chunks, live_reservations
 from extkv.usage import open_chunk_fds
 
 
@@ -328,6 +329,12 @@ def test_invalid_calls_raise_and_change_nothing(build, granule):
         (lambda: t.segment_view(-1), IndexError, "segment index must be an int >= 0 and <= 1, got -1"),
         (lambda: t.segments_backed_by_one_chunk([1]), ValueError, "expected 2 segment size"),
         (lambda: t.segments_backed_by_one_chunk([0, 3 * granule]), ValueError, "capacity"),
+        (lambda: t.shrink_segments_([granule + 1, 10]), ValueError,
+         rf"sizes\[0\] = {granule + 1} would grow segment 0 from {granule} committed bytes; shrink_segments_ only shrinks"),
+        (lambda: t.shrink_segments_([granule]), ValueError, "expected 2 segment size"),
+        (lambda: t.shrink_segments_([granule, -1]), ValueError, r"sizes\[1\] must be an int >= 0, got -1"),
+        (lambda: t.shrink_segments_([granule, "5"]), ValueError, r"sizes\[1\]"),
+        (lambda: t.physical_bytes_after_shrink([granule, 11]), ValueError, "would grow segment 1 from 10"),
     ]
     for call, error, message in calls:
         with pytest.raises(error, match=message):
@@ -342,7 +349,8 @@ def test_freed_tensor_refuses_work_and_free_is_idempotent(device, granule):
     t.free()
     t.free()
     assert t.is_freed
-    for call in (lambda: t.resize_segments_([20]), t.full_view, lambda: t.segment_view(0), t.release_physical):
+    for call in (lambda: t.resize_segments_([20]), t.full_view, lambda: t.segment_view(0), t.release_physical,
+                 lambda: t.shrink_segments_([0]), lambda: t.physical_bytes_after_shrink([0])):
         with pytest.raises(StateError, match="freed ExtensibleTensor"):
             call()
 
@@ -411,6 +419,99 @@ def test_fault_in_release_is_retried_without_leaks(build, device, granule, usage
     t.release_physical()
     assert t.physical_bytes == 0
     check_usage_matches(usage, baseline, [t])
+
+
+# -- shrinking from the top, keeping contents -------------------------------------------
+def three_commits(t: ExtensibleTensor, granule: int) -> None:
+    """Grow both segments of a 7-granule tensor (capacities of 3.5
+    granules: they share granule 3) in three commits, then fill every
+    committed byte with a never-zero pattern: chunks of several granules,
+    one of them shared by the segments."""
+    capacity = t.segment_capacities[0]
+    for size in (granule // 2, 2 * granule + 100, capacity):
+        t.resize_segments_([size, size], zero_new=True)
+    for i in range(2):
+        t.segment_view(i).copy_(pattern(capacity, i, t.device))
+
+
+@pytest.mark.invariant(1, 3, 5)
+@pytest.mark.parametrize("halves", [(1, 2), (0, 3), (0, 0), (6, 6)],
+                         ids=["mid-chunk", "one-segment-emptied", "to-nothing", "inside-kept-chunks"])
+def test_shrink_segments_keeps_the_bytes_below_and_releases_every_chunk_holding_none(build, device, granule, usage, halves):
+    """Kept bytes stay, bit for bit, at their addresses; the chunks holding
+    a kept byte stay mapped whole, every other one is unmapped and released
+    (read back from the driver, and from outside extkv); a regrowth zeroes
+    the bytes that become committed again, over the pattern left in the
+    kept chunks and the poison of new ones."""
+    baseline, kind = usage.read_outside_torch(), driver_for(device).kind
+    poisoned = PoisoningDriver(driver_for(device))
+    capacity = 7 * granule // 2
+    t = build.tensor(2 * capacity, device=poisoned, segment_capacities=[capacity, capacity])
+    three_commits(t, granule)
+    # Half granules, and a few bytes more: new ends inside granules.
+    sizes = [half * granule // 2 + 37 * half for half in halves]
+    offsets = t.segment_offsets
+    kept = {g for offset, size in zip(offsets, sizes) if size for g in range(offset // granule, -(-(offset + size) // granule))}
+    before = t.mapped_chunks
+    stays = [m for m in before if kept & set(range(m.first_granule, m.end_granule))]
+    pointers = [t.segment_view(i).data_ptr() for i in range(2)]
+    chunks_alive, releases = live_chunks[kind], t.release_count
+    predicted = t.physical_bytes_after_shrink(sizes)
+    t.shrink_segments_(sizes)
+    assert t.segment_sizes == sizes
+    assert len(t.mapped_chunks) == len(stays) and all(a is b for a, b in zip(t.mapped_chunks, stays)), (
+        f"chunks (first granule, granules) kept: {[(m.first_granule, m.num_granules) for m in t.mapped_chunks]}, "
+        f"expected those holding kept granules {sorted(kept)}: {[(m.first_granule, m.num_granules) for m in stays]}")
+    assert t.physical_bytes == predicted == sum(m.chunk.size for m in stays), (t.physical_bytes, predicted)
+    assert t.physical_bytes >= len(kept) * granule
+    assert live_chunks[kind] == chunks_alive - (len(before) - len(stays))
+    assert t.release_count == releases + 1
+    check_mapped_as_a_shrink_keeps(t, sizes)
+    check_readback_matches_bookkeeping(t)
+    check_usage_matches(usage, baseline, [t])
+    for i, size in enumerate(sizes):
+        if size:
+            assert t.segment_view(i).data_ptr() == pointers[i]
+        check_all_equal(t.segment_view(i), pattern(capacity, i, device)[:size], f"segment {i}'s kept bytes")
+    t.resize_segments_([capacity, capacity], zero_new=True)
+    for i, size in enumerate(sizes):
+        view = t.segment_view(i)
+        check_all_equal(view[:size], pattern(capacity, i, device)[:size], f"segment {i}'s kept bytes after regrowth")
+        check_all_equal(view[size:], 0, f"segment {i}'s bytes committed again")
+    check_readback_matches_bookkeeping(t)
+    check_usage_matches(usage, baseline, [t])
+
+
+@pytest.mark.invariant(1, 5)
+@pytest.mark.parametrize("step, call", [("unmap", 2), ("release", 1), ("release", 2)])
+def test_a_shrink_failing_part_way_keeps_what_it_released_and_a_retry_finishes(build, device, granule, usage, step, call):
+    """One segment in four chunks, three of them above the kept bytes: they
+    go from the top down, so a failure leaves one gapless prefix mapped
+    (what the one-segment growth needs), the new size stands, the kept bytes
+    stay, and the same call again releases the rest."""
+    baseline = usage.read_outside_torch()
+    faulty = FaultInjectingDriver(driver_for(device))
+    t = build.tensor(8 * granule, device=faulty)
+    for size in (granule, 2 * granule, 4 * granule, 8 * granule):
+        t.resize_segments_([size], zero_new=True)
+    t.segment_view(0).copy_(pattern(8 * granule, 3, device))
+    assert t.num_physical_chunks == 4
+    faulty.fail_in(step, call)
+    with pytest.raises(DriverError, match=f"{step} \\(injected fault"):
+        t.shrink_segments_([granule - 1])
+    assert t.segment_sizes == [granule - 1]
+    mapped = [(m.first_granule, m.num_granules) for m in t.mapped_chunks]
+    assert mapped[0][0] == 0 and all(a + n == b for (a, n), (b, _) in zip(mapped, mapped[1:])), f"a gap: {mapped}"
+    assert t.num_physical_chunks == {("unmap", 2): 3, ("release", 1): 3, ("release", 2): 2}[(step, call)], mapped
+    check_readback_matches_bookkeeping(t)
+    check_all_equal(t.segment_view(0), pattern(granule - 1, 3, device), "the kept bytes after a failed shrink")
+    t.shrink_segments_([granule - 1])
+    assert [(m.first_granule, m.num_granules) for m in t.mapped_chunks] == [(0, 1)]
+    check_mapped_as_a_shrink_keeps(t, [granule - 1])
+    check_usage_matches(usage, baseline, [t])
+    t.resize_segments_([3 * granule], zero_new=True)
+    check_all_equal(t.segment_view(0)[granule - 1 :], 0, "bytes committed again after the retry")
+    check_readback_matches_bookkeeping(t)
 
 
 @pytest.mark.invariant(1)

@@ -13,6 +13,11 @@ operations of the round allow, whatever order they ran in:
   and recommit: every committed block is either its whole pattern or all
   zero, and the committed count is one the round asked for.
 
+Beside threads that grow the cache and shrink it keeping contents, a reader
+that takes no lock reads the blocks no shrink goes below, and finds them
+whole every time (in a child process: a read of memory a defective shrink
+unmapped is a signal there, not the end of the suite).
+
 Contents are compared as numbers (counts of mismatching rows), never printed.
 """
 
@@ -25,6 +30,7 @@ import pytest
 from extkv import KVCacheLayout
 from extkv.testing.checks import check_readback_matches_bookkeeping, check_usage_matches
 from extkv.testing.stress import StressTally, thread_rounds
+from extkv.testing.stress.threads import COMMITTER_CALLS, reader_beside_preserving_shrinks_in_child
 
 pytestmark = pytest.mark.invariant(7)
 
@@ -72,3 +78,12 @@ def test_threads_committing_one_tensor_map_each_granule_once(build, usage):
         check_readback_matches_bookkeeping(tensor)
         check_usage_matches(usage, baseline, [tensor])
         tensor.release_physical()
+
+
+@pytest.mark.parametrize("layout", [KVCacheLayout.LBHNC, KVCacheLayout.BLHNC], ids=lambda layout: layout.name)
+def test_a_reader_finds_the_kept_blocks_whole_while_threads_grow_and_shrink_keeping_contents(device, layout):
+    code, counts = reader_beside_preserving_shrinks_in_child(device, layout, seed=11)
+    assert code == 0 and counts is not None, f"the child exited with {code} and sent {counts}"
+    assert counts["problems"] == [], counts["problems"]
+    assert counts["wrong reads"] == 0, f"{counts['wrong reads']} of {counts['reads']} reads found a kept block changed"
+    assert counts["reads"] >= COMMITTER_CALLS and counts["preserving shrink"] > 0 and counts["grow"] > 0, counts

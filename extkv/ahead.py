@@ -54,7 +54,10 @@ How the other operations meet the worker:
 - shrink and defragment withdraw ready first; the blocks past committed
   are discarded with the rest of what they remap, then the window grows
   again (a defragmented prefix stays one chunk per segment; the blocks
-  the worker adds after it are chunks of their own).
+  the worker adds after it are chunks of their own). A shrink keeping
+  contents releases the worker's blocks with every other chunk holding no
+  kept byte; what the worker grows again past the new count is zeroed,
+  also where a kept chunk still maps it.
 - release_physical pauses the worker (ready 0); recommit maps the
   committed blocks and resumes it.
 - free and `commit_ahead(0)` stop and join the worker and synchronize the

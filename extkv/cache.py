@@ -17,7 +17,12 @@ The committed count only grows, except on request:
   re-run warmup while the cache holds live data.
 - `commit(n, shrink=True)` below the committed count remaps a smaller prefix:
   contents are discarded and the physical footprint becomes exactly
-  `physical_bytes_for(n)`.
+  `physical_bytes_for(n)`. With `preserve_contents=True` it shrinks from the
+  top instead (`ExtensibleTensor.shrink_segments_`): blocks [0, n) keep
+  their bytes and mappings, every chunk holding none of them is released,
+  and a chunk straddling a segment's new end stays whole
+  (`physical_bytes_after_shrink(n)`); what an engine answering a reclaim of
+  the shared budget uses, since it creates nothing and copies nothing.
 - `commit(n, defragment=True)` makes every segment one physical chunk (what
   RDMA registration needs). Like the reference, it discards contents; with
   `preserve_contents=True` it instead moves one segment at a time onto a single
@@ -127,7 +132,9 @@ _LEGAL_IN: dict[str, frozenset[_State]] = {
     "release_physical": frozenset({_State.LIVE}),
     "recommit": frozenset({_State.LIVE}),
     "physical_bytes_for": frozenset({_State.LIVE}),
+    "physical_bytes_after_shrink": frozenset({_State.LIVE}),
     "blocks_within": frozenset({_State.LIVE}),
+    "blocks_kept_within": frozenset({_State.LIVE}),
     "committable_blocks": frozenset({_State.LIVE}),
     "committed_views": frozenset({_State.LIVE}),
     "committed_kv_cache_tensors": frozenset({_State.LIVE}),
@@ -280,14 +287,30 @@ class ExtensibleKVCache:
         """Back the first `num_blocks` blocks (clamped to capacity); new blocks
         read as zero.
 
-        Grow-only unless `shrink`, which remaps a smaller prefix and discards
-        contents. `defragment` backs each segment with one chunk; it discards
-        contents unless `preserve_contents`, which moves one segment at a time
-        and keeps every byte. Flags must be bools; contradictory ones raise
-        before anything changes. A shrink or discarding defragment whose
-        release fails part way leaves no blocks committed; calling it again
-        completes it. With commit-ahead on, a plain commit of blocks the
-        worker has ready counts them without the reservation's lock.
+        Grow-only unless `shrink`, which drops the blocks from `num_blocks`
+        on, and those a commit-ahead worker grew past it. By default (the
+        reference's contract) a shrink remaps a smaller prefix: contents
+        are discarded and the footprint is exactly
+        `physical_bytes_for(num_blocks)`. With `preserve_contents`, blocks
+        [0, num_blocks) keep their bytes and stay mapped, and after a device
+        synchronize every chunk holding no byte of them is unmapped and
+        released; a chunk holding some stays mapped whole (an unmap takes
+        whole mappings), so the footprint is
+        `physical_bytes_after_shrink(num_blocks)`: `physical_bytes_for`
+        plus the rest of each chunk straddling a segment's new end. It
+        creates nothing; a later commit zeroes the blocks it commits again.
+        Asleep, it lowers the count and maps nothing (a recommit maps the
+        blocks kept, zeroed, as any wake).
+
+        `defragment` backs each segment with one chunk; it discards contents
+        unless `preserve_contents`, which moves one segment at a time and
+        keeps every byte. With `shrink` too, the preserving shrink runs
+        first, then the preserving defragment of what stays. Flags must be
+        bools; `preserve_contents` alone raises before anything changes. A
+        discarding shrink or defragment whose release fails part way leaves
+        no blocks committed, a preserving shrink `num_blocks`; calling it
+        again completes it. With commit-ahead on, a plain commit of blocks
+        the worker has ready counts them without the reservation's lock.
         """
         ahead = self._ahead
         if (ahead is not None and type(num_blocks) is int and 0 <= num_blocks <= ahead.ready and defragment is False
@@ -390,13 +413,10 @@ class ExtensibleKVCache:
         defragment = validate.flag("defragment", defragment)
         shrink = validate.flag("shrink", shrink)
         preserve_contents = validate.flag("preserve_contents", preserve_contents)
-        if preserve_contents and not defragment:
-            raise ValueError("preserve_contents=True only applies with defragment=True")
-        if preserve_contents and shrink:
-            raise ValueError(
-                "preserve_contents=True contradicts shrink=True: a shrink remaps a smaller prefix and "
-                "discards contents; shrink and defragment in two commits if that is what you want"
-            )
+        if preserve_contents and not (defragment or shrink):
+            raise ValueError("preserve_contents=True only applies with shrink=True or defragment=True")
+        if shrink and preserve_contents:
+            return self._preserving_shrink(num_blocks, defragment)
         # The prefix of `num_blocks`, and the blocks a commit-ahead worker
         # mapped past the committed ones: chunks of their own, which a
         # registration of the buffer covers.
@@ -427,6 +447,68 @@ class ExtensibleKVCache:
             self.buffer.defragment_segments_()
         if shrinking or fragmented:
             logger.debug("KV cache at %s after commit(%d).", self, num_blocks)
+
+    def _preserving_shrink(self, num_blocks: int, defragment: bool) -> None:
+        """`commit(n, shrink=True, preserve_contents=True)`, flags checked:
+        a count above the committed one is a plain commit first; then the
+        count drops and the buffer releases every chunk that holds no byte
+        of the first n blocks (the worker's blocks past n among them).
+        Count and sizes drop before any driver step, so a release that
+        fails part way leaves n blocks committed and mapped, and the same
+        call again releases the rest. Asleep, nothing is mapped to keep:
+        the count drops and the cache stays asleep. With `defragment`, the
+        preserving defragment of what stays follows."""
+        if num_blocks > self._committed:
+            self.commit(num_blocks)  # maps and zeroes, and wakes a sleeping cache, as any growth
+        else:
+            with self._count_lock:
+                self._committed = num_blocks
+        self._zeroed_through = min(self._zeroed_through, num_blocks)
+        self.buffer.shrink_segments_(self._kept_sizes(num_blocks))
+        if defragment and not all(self.buffer.segments_backed_by_one_chunk(self.buffer.segment_sizes)):
+            self.buffer.defragment_segments_()
+        logger.debug("KV cache at %s after commit(%d, shrink=True, preserve_contents=True).", self, num_blocks)
+
+    @_operation
+    def physical_bytes_after_shrink(self, num_blocks: int) -> int:
+        """Bytes mapped once `commit(num_blocks, shrink=True,
+        preserve_contents=True)` has run, for `num_blocks` at most the
+        committed ones, read from the chunks mapped now: the chunks holding
+        a byte of the first `num_blocks` blocks of some segment stay whole,
+        every other one goes. At least `physical_bytes_for(num_blocks)`,
+        and more by the rest of each chunk that straddles a segment's new
+        end; 0 while asleep."""
+        num_blocks = validate.integer("num_blocks", num_blocks, maximum=self._committed,
+                                      what="a block count, at most the committed ones")
+        return self._bytes_after_shrink(num_blocks)
+
+    def _bytes_after_shrink(self, num_blocks: int) -> int:
+        return self.buffer.physical_bytes_after_shrink(self._kept_sizes(num_blocks))
+
+    def _kept_sizes(self, num_blocks: int) -> list[int]:
+        """Each segment's bytes a preserving shrink to `num_blocks` keeps:
+        its first `num_blocks` blocks as far as they are mapped (none while
+        asleep, or where the buffer was released under the cache)."""
+        return [min(num_blocks * stride, size) for stride, size in zip(self.segment_strides, self.buffer.segment_sizes)]
+
+    @_operation
+    def blocks_kept_within(self, num_bytes: int) -> int:
+        """Most blocks, at most the committed ones, that a preserving shrink
+        to them leaves within `num_bytes` mapped: the largest n whose
+        `physical_bytes_after_shrink(n)` is at most `num_bytes` (0 keeps
+        nothing mapped, so there always is one). What an engine answering
+        a reclaim of the shared budget shrinks to."""
+        num_bytes = validate.integer("num_bytes", num_bytes, what="bytes")
+        # The footprint after a preserving shrink grows with n and is at
+        # least physical_bytes_for(n): bisect below what blocks_within allows.
+        low, high = 0, min(self.blocks_within(num_bytes), self._committed)
+        while low < high:
+            middle = (low + high + 1) // 2
+            if self._bytes_after_shrink(middle) <= num_bytes:
+                low = middle
+            else:
+                high = middle - 1
+        return low
 
     @property
     def grown_blocks(self) -> int:

@@ -24,12 +24,13 @@ through `extend_kv_cache` when they lie past the committed ones;
 `block_tables` builds decode's rows from it; `finish_request` frees them.
 Under a shared KV budget (`budget=`, extkv.budget) the daemon may ask the
 runner to give memory back: `on_reclaim(target_bytes)` picks the largest
-block count whose footprint frees the target, preempts requests, newest
-first, only while the live blocks do not fit below it, moves the live
-blocks above it onto free blocks below it, and shrinks. A shrink discards
-every block's contents, so the live blocks are staged in host memory (the
-device is short of memory precisely then) and written back at their new
-ids, every segment of each.
+block count whose footprint after a shrink keeping contents frees the
+target (`blocks_kept_within`: chunks straddling the new top stay whole),
+preempts requests, newest first, only while the live blocks do not fit
+below it, copies the live blocks above it onto free blocks below it on
+the device, every segment of each, and shrinks from the top keeping the
+blocks below (`commit(n, shrink=True, preserve_contents=True)`): nothing
+is staged in host memory, written back or created.
 
 Threads: every stage operation, the request bookkeeping and `on_reclaim`
 hold `lock` (re-entrant), so a reclaim from the budget client's thread
@@ -422,16 +423,19 @@ class ReferenceModelRunner:
         bytes freed, or 0 (nothing changed) where even keeping only the null
         block would not free that much, or the runner holds no live cache.
 
-        The new top is the largest block count whose footprint frees the
-        target. Requests are preempted, newest first (vLLM's scheduler
-        preempts from the end of its running queue), only while the live
-        blocks do not fit below the top; preempted ids go to `preempted`. The
-        live blocks above the top move onto the lowest free blocks below it,
-        each request's blocks updated; the shrink (`extend_kv_cache`)
-        discards contents, so every live block is staged in host memory and
-        written back at its new id, in every segment. Thread-safe: it holds
-        `lock`. The budget client calls it; the freed bytes reach the daemon
-        as the shrink's own `returned`."""
+        The new top is the largest block count whose footprint after a
+        preserving shrink frees the target (`blocks_kept_within`).
+        Requests are preempted, newest first (vLLM's scheduler preempts
+        from the end of its running queue), only while the live blocks do
+        not fit below the top; preempted ids go to `preempted`. The live
+        blocks above the top are copied on the device onto the lowest free
+        blocks below it, in every segment, each request's blocks updated;
+        then the shrink (`extend_kv_cache` with `preserve_contents`) keeps
+        every block below the top, so nothing is staged or written back.
+        A shrink that fails part way still keeps them, so the requests
+        survive it. Thread-safe: it holds `lock`. The budget client calls
+        it; the freed bytes reach the daemon as the shrink's own
+        `returned`."""
         target_bytes = validate.integer("target_bytes", target_bytes, what="bytes")
         with self.lock:
             kv_cache = self.extensible_kv_cache
@@ -446,24 +450,20 @@ class ReferenceModelRunner:
                 del self._requests[newest]
                 self.preempted.append(newest)
             moves = self._moves_below(new_top)
-            staged = self._stage_blocks(kv_cache, sorted(moves))
-            try:
-                extend_kv_cache(self, self.allocated_config, new_top)
-            except BaseException:
-                # The shrink released the contents; no request survives it.
-                self.preempted.extend(self._requests)
-                self._requests.clear()
-                raise
-            self._write_back(kv_cache, [moves[block] for block in sorted(moves)], staged)
+            self._move_blocks(kv_cache, {block: to for block, to in moves.items() if block != to})
             for blocks in self._requests.values():
                 blocks[:] = [moves[block] for block in blocks]
+            # The shrink synchronizes the device before it unmaps anything
+            # the copies read.
+            extend_kv_cache(self, self.allocated_config, new_top, preserve_contents=True)
             return before - kv_cache.physical_bytes
 
     @staticmethod
     def _top_freeing(kv_cache: ExtensibleKVCache, keep_bytes: int) -> int | None:
         """The largest block count, at least 1 and at most the committed
-        ones, whose footprint is at most `keep_bytes`; None if there is none."""
-        count = min(kv_cache.blocks_within(keep_bytes), kv_cache.num_committed_blocks)
+        ones, whose footprint after a preserving shrink is at most
+        `keep_bytes`; None if there is none."""
+        count = kv_cache.blocks_kept_within(keep_bytes) if keep_bytes >= 0 else 0
         return count if count >= 1 else None
 
     def _moves_below(self, new_top: int) -> dict[int, int]:
@@ -474,22 +474,17 @@ class ReferenceModelRunner:
         return {block: block if block < new_top else next(free) for block in live}
 
     @staticmethod
-    def _stage_blocks(kv_cache: ExtensibleKVCache, blocks: list[int]) -> list[torch.Tensor]:
-        """Host copies of `blocks`, one tensor (blocks, stride) per segment."""
-        index = torch.tensor(blocks, dtype=torch.int64)
-        staged = []
+    def _move_blocks(kv_cache: ExtensibleKVCache, moves: dict[int, int]) -> None:
+        """Copy each block of `moves` onto the block it maps to, in every
+        segment, on the device: one gather and one scatter per segment."""
+        if not moves:
+            return
+        sources, targets = zip(*sorted(moves.items()))
         for segment, stride in enumerate(kv_cache.segment_strides):
             rows = kv_cache.buffer.segment_view(segment).view(-1, stride)
-            staged.append(rows[index.to(rows.device)].to("cpu"))
-        return staged
-
-    @staticmethod
-    def _write_back(kv_cache: ExtensibleKVCache, blocks: list[int], staged: list[torch.Tensor]) -> None:
-        """Write `staged` (from `_stage_blocks`) at `blocks`, segment by segment."""
-        index = torch.tensor(blocks, dtype=torch.int64)
-        for segment, (stride, copies) in enumerate(zip(kv_cache.segment_strides, staged)):
-            rows = kv_cache.buffer.segment_view(segment).view(-1, stride)
-            rows[index.to(rows.device)] = copies.to(rows.device)
+            source = torch.tensor(sources, dtype=torch.int64, device=rows.device)
+            target = torch.tensor(targets, dtype=torch.int64, device=rows.device)
+            rows.index_copy_(0, target, rows.index_select(0, source))
 
     @_staged
     def free(self) -> None:

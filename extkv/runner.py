@@ -176,7 +176,8 @@ def ensure_kv_cache_blocks(runner: Runner, num_blocks: int) -> None:
         _check_live(kv_cache, "ensure_kv_cache_blocks").commit(num_blocks)
 
 
-def extend_kv_cache(runner: Runner, kv_cache_config: KVCacheConfig, num_blocks: int) -> None:
+def extend_kv_cache(runner: Runner, kv_cache_config: KVCacheConfig, num_blocks: int, *,
+                    preserve_contents: bool = False) -> None:
     """Commit the final size once post-warmup memory is known.
 
     Afterwards the runner matches one that allocated `num_blocks` up front
@@ -188,8 +189,13 @@ def extend_kv_cache(runner: Runner, kv_cache_config: KVCacheConfig, num_blocks: 
     becomes a copy of it with the committed `num_blocks` and the allocated
     tensors (see the module header). Arguments are checked before anything
     changes; a connector is unregistered before the commit remaps memory.
+    With `preserve_contents`, a shrink keeps the first `num_blocks` blocks'
+    bytes (`commit(..., shrink=True, preserve_contents=True)`), as does the
+    defragment a connector needs: what a runner answering a reclaim of the
+    shared budget passes.
     """
     _check_runner(runner, "extend_kv_cache")
+    preserve_contents = validate.flag("preserve_contents", preserve_contents)
     kv_cache = runner.extensible_kv_cache
     if kv_cache is None:
         raise StateError(
@@ -226,7 +232,7 @@ def extend_kv_cache(runner: Runner, kv_cache_config: KVCacheConfig, num_blocks: 
         # Warmup's transient peak beat the reserve, so it committed more than
         # the measured budget holds; the surplus holds only warmup garbage.
         logger.info("Shrinking the KV cache from %d to %d blocks.", kv_cache.num_committed_blocks, num_blocks)
-    kv_cache.commit(num_blocks, defragment=defragment, shrink=True)
+    kv_cache.commit(num_blocks, defragment=defragment, shrink=True, preserve_contents=preserve_contents)
     runner.kv_cache_config = replace(kv_cache_config, num_blocks=kv_cache.num_committed_blocks)
     views = kv_cache.committed_views(runner.kv_cache_config, layout, runner.kernel_block_sizes)
     if views is not None:

@@ -32,11 +32,12 @@ and reports the runs finished before it. Those stay mapped, recorded and
 accessible, and the committed sizes stay as they were, so the tensor is
 consistent and a retry maps only what is still missing. A one-segment
 tensor needs no planner while its mapped granules are one gapless prefix
-covering its committed bytes, as every change but one leaves them: a
-growth then maps at most one run, from where the mapping ends. The
-exception is a release that fails part way, which leaves the chunks above
-the failure mapped over a gap; while a gap remains, growth goes through
-the planner, which maps it.
+covering its committed bytes, as every change but one leaves them (a
+shrink keeping contents leaves it longer than the committed bytes, and
+releases from the top): a growth then maps at most one run, from where
+the mapping ends. The exception is a release that fails part way, which
+leaves the chunks above the failure mapped over a gap; while a gap
+remains, growth goes through the planner, which maps it.
 
 With `zero_new`, exactly the new logical bytes are zeroed on the current
 stream, interleaved with mapping: each run carries the new bytes below its
@@ -65,6 +66,12 @@ A segment that shares a chunk with its neighbour moves together with it.
 `release_physical` synchronizes the device, then unmaps each chunk and
 releases it at once; addresses stay reserved, so views and captured CUDA
 graphs keep valid pointers that read again once memory is recommitted.
+`shrink_segments_` is a release from the top that keeps what stays
+committed: the sizes drop first, then every chunk holding no byte below
+any segment's new size is unmapped and released, highest first. A chunk
+holding some stays mapped whole (an unmap takes whole mappings only), and
+a later growth zeroes the bytes of it that become committed again, as
+`zero_new` zeroes every new logical byte, mapped before or not.
 
 Cleanup that cannot be undone (releasing chunks a defragmentation replaced,
 unmapping and freeing its scratch reservation) is recorded before it is tried.
@@ -137,6 +144,8 @@ _LEGAL_IN: dict[str, frozenset[_State]] = {
     "resize_segments_": frozenset({_State.LIVE}),
     "grow_blocks_": frozenset({_State.LIVE}),
     "release_physical": frozenset({_State.LIVE}),
+    "shrink_segments_": frozenset({_State.LIVE}),
+    "physical_bytes_after_shrink": frozenset({_State.LIVE}),
     "full_view": frozenset({_State.LIVE}),
     "segment_view": frozenset({_State.LIVE}),
     "segments_backed_by_one_chunk": frozenset({_State.LIVE}),
@@ -475,10 +484,11 @@ class ExtensibleTensor:
         #: may hold it around several operations that must not interleave.
         self.lock = threading.RLock()
         #: Releases that unmapped something (`release_physical`, and every
-        #: shrink or discarding defragment of a cache, which go through it):
-        #: two readings differ once contents were dropped, even if memory
-        #: has been mapped again since. Code that keeps state about the
-        #: contents (the transformers cache) compares it.
+        #: shrink or discarding defragment of a cache, which go through it)
+        #: and shrinks of committed bytes (`shrink_segments_`): two readings
+        #: differ once contents were dropped, even if memory has been mapped
+        #: again since. Code that keeps state about the contents (the
+        #: transformers cache) compares it.
         self.release_count = 0
         self.size = size
         self.segment_capacities = capacities
@@ -727,7 +737,7 @@ class ExtensibleTensor:
                     f"driver; only free() is allowed, and it unmaps what the driver shows mapped"
                 )
 
-    def _validated_sizes(self, sizes: Sequence[int], *, grow_only: bool) -> list[int]:
+    def _validated_sizes(self, sizes: Sequence[int], *, grow_only: bool = False, shrink_only: bool = False) -> list[int]:
         try:
             sizes = list(sizes)
         except TypeError:
@@ -737,8 +747,9 @@ class ExtensibleTensor:
         # The common case in one pass, no message built: a commit checks
         # every segment, and naming each one would cost more than the check.
         floors = self._sizes if grow_only else self._no_sizes
-        for size, floor, capacity in zip(sizes, floors, self.segment_capacities):
-            if type(size) is not int or not floor <= size <= capacity:
+        ceilings = self._sizes if shrink_only else self.segment_capacities
+        for size, floor, ceiling in zip(sizes, floors, ceilings):
+            if type(size) is not int or not floor <= size <= ceiling:
                 break
         else:
             return sizes
@@ -750,7 +761,12 @@ class ExtensibleTensor:
             if grow_only and size < self._sizes[i]:
                 raise ValueError(
                     f"sizes[{i}] = {size} would shrink segment {i} from {self._sizes[i]} bytes; "
-                    "resize_segments_ only grows (release_physical, then grow, to shrink)"
+                    "resize_segments_ only grows (shrink_segments_, or release_physical then grow, to shrink)"
+                )
+            if shrink_only and size > self._sizes[i]:
+                raise ValueError(
+                    f"sizes[{i}] = {size} would grow segment {i} from {self._sizes[i]} committed bytes; "
+                    "shrink_segments_ only shrinks (resize_segments_ grows)"
                 )
             checked.append(size)
         return checked
@@ -844,7 +860,7 @@ class ExtensibleTensor:
     def segments_backed_by_one_chunk(self, sizes: Sequence[int]) -> list[bool]:
         """For each segment, whether its first `sizes[i]` bytes are mapped and
         all lie in one chunk (an empty prefix counts as backed)."""
-        sizes = self._validated_sizes(sizes, grow_only=False)
+        sizes = self._validated_sizes(sizes)
         return [self._backed_by_one_chunk(offset, size) for offset, size in zip(self.segment_offsets, sizes)]
 
     def _backed_by_one_chunk(self, offset: int, size: int) -> bool:
@@ -1021,6 +1037,79 @@ class ExtensibleTensor:
                     self._unreleased.release(mapped.chunk)  # kept for a retry if the driver refuses
             finally:
                 self._publish(removed=unmapped)
+
+    # -- shrink from the top, keeping contents ---------------------------------------
+    @_operation
+    def shrink_segments_(self, sizes: Sequence[int]) -> None:
+        """Shrink each segment to `sizes[i]` committed bytes (shrink-only),
+        keeping every byte below the new sizes mapped at its address.
+
+        After a synchronize, every chunk that holds no byte of any segment's
+        first `sizes[i]` bytes is unmapped and released; a chunk that holds
+        some stays mapped whole (an unmap takes whole mappings only), so the
+        mapped granules afterwards are exactly those of the chunks holding
+        kept bytes (`physical_bytes_after_shrink`). A later growth with
+        `zero_new` zeroes the bytes that become committed again, mapped or
+        not. The sizes change first: if a driver step fails part way, what
+        was released stays released and recorded, and a call with the same
+        sizes releases the rest.
+        """
+        sizes = self._validated_sizes(sizes, shrink_only=True)
+        if sizes != self._sizes:
+            # Committed bytes were dropped: readers of the count know their
+            # contents may be gone, as after a release.
+            self.release_count += 1
+            self._sizes = sizes
+        self._finish_cleanup()
+        dropped = self._chunks_holding_none_of(sizes)
+        if not dropped:
+            return
+        # Kernels still queued may touch these pages (see release_physical).
+        self._driver.synchronize()
+        unmapped: list[MappedChunk] = []
+        with self._driver.batch():
+            try:
+                # From the top down: a one-segment tensor keeps one gapless
+                # prefix mapped even when a step fails part way (its growth
+                # then needs no planner; see the module's theory).
+                for mapped in reversed(dropped):
+                    self._driver.unmap(mapped.address, mapped.chunk.size)
+                    unmapped.append(mapped)
+                    self._unreleased.release(mapped.chunk)  # kept for a retry if the driver refuses
+            finally:
+                self._publish(removed=unmapped)
+
+    @_operation
+    def physical_bytes_after_shrink(self, sizes: Sequence[int]) -> int:
+        """`physical_bytes` once `shrink_segments_(sizes)` has run: the bytes
+        of the mapped chunks that hold a byte of some segment's first
+        `sizes[i]` bytes (shrink-only sizes, as there)."""
+        sizes = self._validated_sizes(sizes, shrink_only=True)
+        dropped = self._chunks_holding_none_of(sizes)
+        return self.physical_bytes - sum(mapped.chunk.size for mapped in dropped)
+
+    def _chunks_holding_none_of(self, sizes: list[int]) -> list[MappedChunk]:
+        """The mapped chunks, in address order, that hold no byte of the
+        first `sizes[i]` bytes of any segment i: those lying wholly in a gap
+        between the granule spans those bytes need (or above the last). One
+        bisect per gap, then only the chunks inside it."""
+        mapping = self._mapping
+        kept: list[list[int]] = []  # granule spans [first, end), merged where they touch
+        for offset, size in zip(self.segment_offsets, sizes):
+            if size:
+                first, end = self._granule_span(offset, size)
+                if kept and first <= kept[-1][1]:
+                    kept[-1][1] = max(kept[-1][1], end)
+                else:
+                    kept.append([first, end])
+        dropped: list[MappedChunk] = []
+        low = 0
+        for first, end in [*kept, [mapping.end_granule, mapping.end_granule]]:
+            if first > low:
+                dropped += [mapped for mapped in mapping.overlapping(low, first)
+                            if mapped.first_granule >= low and mapped.end_granule <= first]
+            low = max(low, end)
+        return dropped
 
     def _unmap_scratch(self) -> None:
         while self._scratch_mappings:

@@ -35,8 +35,10 @@ cannot hold the next step's blocks:
   turned off and the engine idles, keeping all it grew (its sequences are
   finished, but an engine keeps its KV until someone needs the room): it
   gives back only when the daemon asks, and then everything above its
-  floor (`on_reclaim`: a shrink from the top to its floor's blocks). The
-  daemon asks once the other engine's growth no longer fits.
+  floor (`on_reclaim`: a shrink from the top to its floor's blocks,
+  keeping them as they are mapped: nothing is created or zeroed, so the
+  busy engine that waits on the reclaim waits for the unmaps and releases
+  alone). The daemon asks once the other engine's growth no longer fits.
 - *static*: no lease; the cache commits half the budget's blocks up front,
   and a burst takes steps until those are used.
 
@@ -231,7 +233,7 @@ class _Engine:
                 self._step(step * n, (step + 1) * n)
             synchronize(self.device)
             cache.commit_ahead(0)
-            cache.commit(n, shrink=True)
+            cache.commit(n, shrink=True, preserve_contents=True)
             synchronize(self.device)
         finally:
             cache.free()
@@ -267,14 +269,15 @@ class _Engine:
 
     def on_reclaim(self, target_bytes: int) -> int:
         """Idle: shrink to the floor's blocks, whatever the target (the
-        sequences are finished); busy (or between modes): 0, `cannot`."""
+        sequences are finished), keeping them mapped as they are; busy (or
+        between modes): 0, `cannot`."""
         with self.lock:
             cache = self.cache
             if self.busy or cache is None:
                 return 0
             before = cache.physical_bytes
             start = time.perf_counter()
-            cache.commit(self.floor_blocks, shrink=True)
+            cache.commit(self.floor_blocks, shrink=True, preserve_contents=True)
             synchronize(self.device)
             freed = before - cache.physical_bytes
             self.reclaims.append({"asked_bytes": target_bytes, "freed_bytes": freed,

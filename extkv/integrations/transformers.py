@@ -29,7 +29,9 @@ max_cache_len). Commits are driver calls (a block that starts a new granule
 maps and zeroes it), so with a margin they come at most once every `margin`
 tokens rather than at every block, for at most `margin` tokens of blocks
 committed past what the sequences hold. Steps between commits make no
-driver call.
+driver call. Under a shared budget each chunk of the margin is committed
+by a commit of its own, so that a reclaim can give it back a chunk at a
+time (below).
 
 Static shapes. Like StaticCache, each layer's `update` returns keys and values
 of shape (batch, kv heads, max_cache_len, head_dim) and `get_mask_sizes` says
@@ -93,37 +95,35 @@ registers a handler of its own that asks each cache's `on_reclaim`. What
 it gives, never a token of a generation that may go on:
 
 1. The margin: blocks committed past the chunks the sequences hold, which
-   no token occupies. The cache shrinks to the largest block count whose
-   footprint frees the target, never below those chunks (an empty cache
-   keeps its null block only); the chunks above the new top point at the
-   null block again and are committed anew when tokens reach them. A
-   shrink discards every block's contents (it remaps a smaller prefix), so
-   the blocks holding tokens (a prefix too: rows share positions) are
-   staged in host memory, where the device is short of memory precisely
-   then, and written back at the same ids.
+   no token occupies. The cache shrinks from the top, keeping contents
+   (`commit(n, shrink=True, preserve_contents=True)`), to the largest block
+   count whose footprint after such a shrink frees the target (a chunk
+   straddling the new top stays whole: `blocks_kept_within`), never below
+   those chunks (an empty cache keeps its null block only). The blocks
+   holding tokens (a prefix too: rows share positions) stay mapped as they
+   are: nothing is staged, copied or mapped again. Each chunk of the
+   margin was committed alone, so the shrink takes the margin a chunk at
+   a time (a physical chunk holding a kept block stays whole). The chunks
+   above the new top point at the null block again and are committed
+   anew, zeroed, when tokens reach them.
 2. A generation the caller declared done (`finish_generation()`): all of
    it, the null block included, since nothing will read it; no copy is
    made. The cache is then given back: an update raises StateError until
    `reset()`, which maps the null block again (asking the budget).
 3. Otherwise nothing: a target the margin cannot cover is answered 0,
    nothing changed (the daemon hears `cannot`), rather than a part of it,
-   which would leave the shrink's own regrowth short (below) and lose
-   every token. A single finished row cannot be freed: its blocks are
-   interleaved with the other rows' (a prefix shrink takes chunks of
-   every row), so the caller finishes a generation, not a row.
+   which the asker could not use. A single finished row cannot be freed:
+   its blocks are interleaved with the other rows' (a prefix shrink takes
+   chunks of every row), so the caller finishes a generation, not a row.
 
 `finish_generation()` refuses updates from then on, whether or not a
 reclaim came, so what the caller sees never depends on the daemon's
-timing. A margin shrink releases every block before it maps the smaller
-prefix again, and the daemon may grant the released bytes to the engine
-that waits before the regrowth asks for its own: where the daemon asked
-this engine alone, what it asked is at most what the shrink frees, so the
-regrowth fits; where it asked several, or a third engine grows in
-between, the regrowth waits for reclaims of others and is denied if they
-cannot cover it. Should the regrowth fail so (or the driver run out of
-memory), the tokens are gone: the cache is given back, as in 2, its next
-update raises StateError, and the error reaches the budget client, which
-warns and answers `cannot`.
+timing. A margin shrink creates nothing, so it never waits on the budget
+and never meets the driver's out-of-memory. A release that fails part way
+(a driver error) still keeps every token: the count drops before any
+chunk goes, the chunks above it point at the null block, and the error
+reaches the budget client, which warns and answers `cannot`; generation
+goes on.
 
 Threads. The budget client runs `on_reclaim` on a thread of its own,
 while a generate may be running on another. Every update (and
@@ -237,8 +237,9 @@ def _head_geometry(text_config) -> tuple[int, int]:
 
 def _largest_count_within(kv_cache: ExtensibleKVCache, least: int, keep_bytes: int) -> int | None:
     """The largest block count from `least` to the committed ones whose
-    footprint is at most `keep_bytes`; None if there is none."""
-    count = min(kv_cache.blocks_within(keep_bytes), kv_cache.num_committed_blocks)
+    footprint after a shrink keeping contents is at most `keep_bytes`
+    (`blocks_kept_within`); None if there is none."""
+    count = kv_cache.blocks_kept_within(keep_bytes) if keep_bytes >= 0 else -1
     return count if count >= least else None
 
 
@@ -441,6 +442,8 @@ class ExtensibleCache(Cache):
         with deferred_signals():
             self.kv_cache = ExtensibleKVCache(kv_cache_config, driver, LAYOUT, budget=budget)
             self._state = _State.LIVE
+        #: Whether the daemon of a shared budget asks this cache's `on_reclaim` (`_open_through` says why it matters).
+        self._reclaimed_by_budget = isinstance(self.kv_cache.buffer.driver, BudgetedDriver)
         #: The reservation's `release_count` when this cache last knew what its blocks hold.
         self._releases_seen = self.kv_cache.buffer.release_count
         try:
@@ -467,7 +470,7 @@ class ExtensibleCache(Cache):
             self._state = _State.FREED
             raise
         budgeted_driver = self.kv_cache.buffer.driver
-        if isinstance(budgeted_driver, BudgetedDriver):
+        if self._reclaimed_by_budget:
             budgeted_driver.client.on_reclaim(_reclaims_answered_by(self))
 
     def _rows_named(self, blocks: torch.Tensor) -> torch.Tensor:
@@ -641,13 +644,22 @@ class ExtensibleCache(Cache):
                 f"{self._blocks_for(self._open_chunks)}: it was shrunk under a live ExtensibleCache"
             )
         if end > self._open_chunks * self.block_size:
-            self._open_through(min(-(-(end + self.margin) // self.block_size), self.num_chunks))
+            chunks = min(-(-(end + self.margin) // self.block_size), self.num_chunks)
+            self._open_through(chunks, min(-(-end // self.block_size), chunks))
         self._seq_length = end
 
-    def _open_through(self, chunks: int) -> None:
+    def _open_through(self, chunks: int, holding: int) -> None:
         """Commit the blocks of the first `chunks` chunks of every row, then
-        point the table at them: the table never names an unmapped block."""
-        self.kv_cache.commit(self._blocks_for(chunks))
+        point the table at them: the table never names an unmapped block.
+        Under a shared budget the chunks past the first `holding` (the
+        margin) are committed one by one: a reclaim's shrink keeps contents,
+        so it gives back whole physical chunks only, and one of those per
+        chunk of the margin lets it take the margin a chunk at a time, where
+        one for the whole margin and the tokens below it could give nothing.
+        The commits of one step cost one driver call per granule each, a
+        step that opens the margin `margin / block_size` of them."""
+        for count in (range(holding, chunks + 1) if self._reclaimed_by_budget else (chunks,)):
+            self.kv_cache.commit(self._blocks_for(count))
         rows = torch.arange(self._batch_size)[:, None]
         columns = torch.arange(self._open_chunks, chunks)[None, :]
         self.block_table[:, self._open_chunks : chunks] = (1 + columns * self._batch_size + rows).to(self.device)
@@ -757,16 +769,16 @@ class ExtensibleCache(Cache):
         if new_top is None:
             return 0
         knew_contents = kv_cache.buffer.release_count == self._releases_seen
-        staged = self._stage_blocks_below(holding)
         try:
-            kv_cache.commit(new_top, shrink=True)
-            self._write_back_blocks(staged)
-        except BaseException:
-            self._forget_blocks()  # released and not all written back: the tokens are gone
-            raise
-        self._close_chunks_from((new_top - 1) // self._batch_size)
-        if knew_contents:  # what was lost before this reclaim stays for the next update to refuse
-            self._releases_seen = kv_cache.buffer.release_count
+            # Every block below the top stays mapped as it is, the tokens'
+            # among them, also when a release fails part way.
+            kv_cache.commit(new_top, shrink=True, preserve_contents=True)
+        finally:
+            # The count dropped before any chunk went, if it did at all:
+            # the chunks past it point at the null block again.
+            self._close_chunks_from((kv_cache.num_committed_blocks - 1) // self._batch_size)
+            if knew_contents:  # what was lost before this reclaim stays for the next update to refuse
+                self._releases_seen = kv_cache.buffer.release_count
         return before - kv_cache.physical_bytes
 
     def _give_back_every_block(self) -> None:
@@ -794,21 +806,6 @@ class ExtensibleCache(Cache):
         self.block_table[:, chunks : self._open_chunks] = 0
         self._gather_rows.copy_(self._rows_named(self.block_table[:, :-1]))
         self._open_chunks = chunks
-
-    def _stage_blocks_below(self, end: int) -> list[torch.Tensor]:
-        """Host copies of blocks 1 to `end` - 1 of every layer (the null
-        block reads as zero once mapped again), one (blocks, stride) each."""
-        buffer = self.kv_cache.buffer
-        return [
-            buffer.segment_view(segment).view(-1, stride)[1:end].to("cpu", copy=True)
-            for segment, stride in enumerate(self.kv_cache.segment_strides)
-        ]
-
-    def _write_back_blocks(self, staged: list[torch.Tensor]) -> None:
-        """Write `staged` (from `_stage_blocks_below`) where it was read."""
-        buffer = self.kv_cache.buffer
-        for segment, (stride, copies) in enumerate(zip(self.kv_cache.segment_strides, staged)):
-            buffer.segment_view(segment).view(-1, stride)[1 : 1 + len(copies)].copy_(copies)
 
     def __repr__(self) -> str:
         return (

@@ -125,6 +125,43 @@ def check_committed_blocks_mapped(kv_cache: ExtensibleKVCache, read_back: list[H
         )
 
 
+def check_mapped_as_a_shrink_keeps(
+    tensor: ExtensibleTensor, sizes: Sequence[int], read_back: list[Hashable | None] | None = None
+) -> None:
+    """After `shrink_segments_(sizes)` (a cache's preserving shrink), from
+    the driver's or kernel's read-back alone: every granule that holds a
+    byte of the first `sizes[i]` bytes of some segment i is mapped, and
+    every chunk still mapped backs at least one such granule (one holding
+    none should have been released). Reads no byte, so a kept granule a
+    defect released is reported, never faulted on."""
+    g = tensor.granularity
+    kept = {
+        index
+        for offset, size in zip(tensor.segment_offsets, sizes)
+        if size
+        for index in range(offset // g, -(-(offset + size) // g))
+    }
+    read_back = read_back_granules(tensor) if read_back is None else read_back
+    granules_of: dict[Hashable, list[int]] = {}
+    for index in range(len(read_back) // 2):
+        identity = read_back[2 * index]
+        if identity is not None:
+            granules_of.setdefault(identity, []).append(index)
+    unmapped = sorted(index for index in kept if read_back[2 * index] is None)
+    if unmapped:
+        raise AssertionError(
+            f"{len(unmapped)} of the {len(kept)} granules holding kept bytes read back unmapped after the shrink; "
+            f"first: granule {unmapped[0]}"
+        )
+    holding_none = [granules for granules in granules_of.values() if kept.isdisjoint(granules)]
+    if holding_none:
+        first = min(holding_none)
+        raise AssertionError(
+            f"{len(holding_none)} driver chunk(s) still mapped hold no kept byte; the first backs granules "
+            f"{first[0]} to {first[-1]} ({len(first) * g} bytes), which the shrink should have released"
+        )
+
+
 def check_all_equal(actual: torch.Tensor, expected: torch.Tensor | int, what: str) -> None:
     """`actual` equals `expected` (a tensor of the same length, or one byte
     value for all of it); the message counts the differing bytes."""

@@ -6,7 +6,8 @@ Ctrl-C, pytest-timeout's signal method and serving frameworks' SIGTERM
 handlers raise from a signal handler, so the exception can surface between
 any two bytecodes of the main thread. `run_interrupted` drives a tensor and
 a KV cache through every state-changing operation (creation, growth,
-shrink, preserving and discarding defragmentation, release, recommit, free,
+shrink, discarding or keeping contents, preserving and discarding
+defragmentation, release, recommit, free,
 and an export to an import in this process, either side on the interrupted
 thread) and arms `setitimer(ITIMER_REAL)` before each at a random delay drawn from the
 durations it has measured, so interrupts land anywhere inside operations;
@@ -137,12 +138,14 @@ def _operations(objects: _Objects, rng: random.Random) -> dict[str, Callable[[],
     return {
         "ExtensibleTensor()": lambda: objects.new_tensor(),
         "tensor grow": lambda: objects.tensor.resize_segments_(sizes(), zero_new=True),
+        "tensor shrink": lambda: objects.tensor.shrink_segments_([rng.randint(0, size) for size in objects.tensor.segment_sizes]),
         "tensor defragment": lambda: objects.tensor.defragment_segments_(),
         "tensor release_physical": lambda: objects.tensor.release_physical(),
         "tensor free": lambda: objects.tensor.free(),
         "ExtensibleKVCache()": lambda: objects.new_cache(),
         "cache commit": lambda: objects.cache.commit(blocks()),
         "cache shrink": lambda: objects.cache.commit(blocks(), shrink=True),
+        "cache preserving shrink": lambda: objects.cache.commit(blocks(), shrink=True, preserve_contents=True),
         "cache defragment, preserving": lambda: objects.cache.commit(blocks(), defragment=True, preserve_contents=True),
         "cache defragment": lambda: objects.cache.commit(blocks(), defragment=True),
         "cache release_physical": lambda: objects.cache.release_physical(),

@@ -46,7 +46,8 @@ INVARIANTS: dict[int, Invariant] = {
                   "after growth and after sleep and recommit, bit for bit as eager execution does."),
         Invariant(3, "shrink/defragment: one chunk per segment, exact footprint",
                   "After a defragmenting commit every segment is backed by one chunk, as the driver reads it "
-                  "back; after a shrink the physical footprint is exactly physical_bytes_for(n)."),
+                  "back; after a shrink the physical footprint is exactly physical_bytes_for(n), and after a "
+                  "shrink keeping contents exactly the chunks holding a byte of the blocks kept."),
         Invariant(4, "sleep/recommit returns memory, reads zero",
                   "release_physical returns the memory, as measured outside extkv, and recommit maps fresh "
                   "pages that read zero over poisoned memory, at the same addresses."),

@@ -10,8 +10,8 @@ with a `note()` naming the call so a failing example reads as a script; after
 every step the machine's invariant holds the object against the model, the
 driver's read-back and the usage probe.
 
-`tensor_machine` resizes, writes, defragments and releases segments, a
-release also with an unmap failing part way; without a known poison byte its
+`tensor_machine` resizes, writes, defragments, shrinks (keeping contents)
+and releases segments, a release also with an unmap failing part way; without a known poison byte its
 resizes always zero. `cache_machine` drives a `ModelledCache`
 (extkv.testing.modelled_cache): each rule is one of its operations, with
 arguments Hypothesis draws (`DrawnChoices`). `endurance_machine` adds the
@@ -42,6 +42,7 @@ from ..usage import UsageProbe
 from ..vmm import Driver, FaultInjectingDriver
 from .checks import (
     check_committed_blocks_mapped,
+    check_mapped_as_a_shrink_keeps,
     check_readback_matches_bookkeeping,
     check_usage_matches,
     read_back_granules,
@@ -116,6 +117,20 @@ def tensor_machine(driver: Driver, probe: UsageProbe, fresh_byte: int | None = N
             one = readback_one_chunk_per_segment(self.tensor, self.model.sizes)[segment]
             assert one, f"segment {segment} spans several chunks after defragment_segment_, read back"
 
+        @precondition(lambda self: any(self.model.sizes))
+        @rule(data=st.data())
+        def shrink(self, data):
+            sizes = [data.draw(st.integers(0, size), label=f"size[{i}]") for i, size in enumerate(self.model.sizes)]
+            note(f"shrink_segments_({sizes})")
+            predicted = self.tensor.physical_bytes_after_shrink(sizes)
+            self.tensor.shrink_segments_(sizes)
+            # What stays mapped, checked before the model takes it from the driver.
+            read_back = read_back_granules(self.tensor)
+            check_mapped_as_a_shrink_keeps(self.tensor, sizes, read_back)
+            assert self.tensor.physical_bytes == predicted, (
+                f"physical_bytes {self.tensor.physical_bytes} after the shrink, physical_bytes_after_shrink said {predicted}")
+            self.model.shrink(sizes, frozenset(index // 2 for index, chunk in enumerate(read_back) if chunk is not None))
+
         @rule()
         def release(self):
             note("release_physical()")
@@ -189,9 +204,10 @@ def cache_machine(
 ):
     """A state machine over one ExtensibleKVCache of `config_for(kind, layout,
     capacity)` on `driver` (a `ModelledCache`); `capacity` defaults to
-    `capacity_for(...)`. Rules: growing, at-or-below, shrinking and
-    defragmenting commits, release, recommit, block writes; every invariant
-    after every step. `operations` / `checks` count what ran."""
+    `capacity_for(...)`. Rules: growing, at-or-below, shrinking (discarding
+    or keeping contents) and defragmenting commits, release, recommit, block
+    writes; every invariant after every step. `operations` / `checks` count
+    what ran."""
 
     class ExtensibleKVCacheMachine(RuleBasedStateMachine):
         def __init__(self):
@@ -203,6 +219,7 @@ def cache_machine(
         commit_grow = machine_rule("commit_grow")
         commit_at_or_below = machine_rule("commit_at_or_below")
         shrink = machine_rule("shrink")
+        shrink_preserving = machine_rule("shrink_preserving")
         defragment = machine_rule("defragment")
         release = machine_rule("release")
         recommit = machine_rule("recommit")
@@ -252,16 +269,17 @@ AHEAD_PATIENCE_S = 30.0
 
 def commit_ahead_machine(driver: Driver, probe: UsageProbe, layout: KVCacheLayout = KVCacheLayout.LBHNC):
     """A state machine over one ExtensibleKVCache with its commit-ahead worker
-    (extkv.ahead) as a concurrent actor: rules commit, shrink, defragment
-    (preserving), release, recommit, write blocks and change the window
-    while the worker grows. The model keeps the committed count, the grown
+    (extkv.ahead) as a concurrent actor: rules commit, shrink (discarding
+    or keeping contents), defragment (preserving), release, recommit, write
+    blocks and change the window while the worker grows. The model keeps the committed count, the grown
     count the worker must reach once idle (the committed count plus the
     window, capped by the capacity; never less than before), and each
     written block's byte. After every step, once the worker has reached
     that count: the counts, every committed block mapped as the driver
     reads it back (awake), every grown block's bytes (written ones as
     written, every other one zero over poison), the driver's read-back, the
-    footprint and the usage probe."""
+    footprint (exact, or after a preserving shrink every chunk holding a
+    grown byte) and the usage probe."""
     kind = "full"
     capacity = capacity_for(kind, layout, driver.granularity)
     blocks = st.integers(0, capacity + capacity // 4)
@@ -273,6 +291,9 @@ def commit_ahead_machine(driver: Driver, probe: UsageProbe, layout: KVCacheLayou
             self.cache = ExtensibleKVCache(config_for(kind, layout, capacity), driver, layout)
             self.committed = self.grown = self.window = 0
             self.asleep = False
+            #: Whether a preserving shrink may have kept chunks straddling its
+            #: end since the last release or discarding shrink.
+            self.straddled = False
             # Only its block values: the counts above are this machine's.
             self.model = CacheModel(capacity, self.cache.segment_offsets, self.cache.segment_strides, driver.granularity)
             self.values = self.model.values
@@ -301,6 +322,18 @@ def commit_ahead_machine(driver: Driver, probe: UsageProbe, layout: KVCacheLayou
             if n < self.committed or self.grown > n:  # blocks mapped past n go too
                 self.committed = self.grown = n
                 self.values.clear()
+                self.straddled = False
+
+        @rule(data=st.data())
+        def shrink_preserving(self, data):
+            n = data.draw(st.integers(0, self.committed), label="num_blocks")
+            note(f"commit({n}, shrink=True, preserve_contents=True)")
+            self.cache.commit(n, shrink=True, preserve_contents=True)
+            self.committed = n
+            if not self.asleep:  # asleep, only the count drops
+                self.grown, self.straddled = n, True
+            for block in [block for block in self.values if block >= n]:
+                del self.values[block]
 
         @precondition(lambda self: not self.asleep)
         @rule(n=blocks)
@@ -315,7 +348,7 @@ def commit_ahead_machine(driver: Driver, probe: UsageProbe, layout: KVCacheLayou
         def release(self):
             note("release_physical()")
             self.cache.release_physical()
-            self.asleep, self.grown = True, 0
+            self.asleep, self.grown, self.straddled = True, 0, False
             self.values.clear()
 
         @precondition(lambda self: self.asleep)
@@ -348,7 +381,13 @@ def commit_ahead_machine(driver: Driver, probe: UsageProbe, layout: KVCacheLayou
                 assert cache.num_committed_blocks == self.committed, f"committed {cache.num_committed_blocks}, model {self.committed}"
                 assert cache.grown_blocks == self.grown, f"grown {cache.grown_blocks}, model {self.grown}"
                 footprint = cache.physical_bytes_for(self.grown) if self.grown else 0
-                assert cache.physical_bytes == footprint, f"physical_bytes {cache.physical_bytes}, a prefix of {self.grown} blocks maps {footprint}"
+                if self.straddled:
+                    # Chunks a preserving shrink kept whole may reach past the
+                    # grown blocks; each must still hold one of their bytes.
+                    check_mapped_as_a_shrink_keeps(cache.buffer, cache.buffer.segment_sizes)
+                    assert cache.physical_bytes >= footprint, f"physical_bytes {cache.physical_bytes}, a prefix of {self.grown} blocks maps {footprint}"
+                else:
+                    assert cache.physical_bytes == footprint, f"physical_bytes {cache.physical_bytes}, a prefix of {self.grown} blocks maps {footprint}"
                 if not self.asleep:
                     check_committed_blocks_mapped(cache)
                 check_cache_blocks(cache, self.model, 0, self.grown, "grown blocks")

@@ -7,7 +7,8 @@ Each operation checks only what it alone could break; `check_everything()`
 is the full invariant, which a Hypothesis machine (extkv.testing.machines)
 runs after every step and an endurance walk (extkv.testing.stress) every K
 steps. `PRECONDITIONS` says, as data, when each operation may run. Beyond
-commits, shrinks, defragmentation, release, recommit and block writes, the
+commits, shrinks (discarding or keeping contents), defragmentation,
+release, recommit and block writes, the
 cache exports its segments to a peer and compares digests, is freed and
 recreated, and on CUDA captures graphs over blocks committed later and
 replays them. Whether a defragmenting commit finds its prefix fragmented,
@@ -34,9 +35,11 @@ from ..usage import UsageProbe
 from ..vmm import Driver, live_chunks, live_reservations
 from .checks import (
     check_committed_blocks_mapped,
+    check_mapped_as_a_shrink_keeps,
     check_readback_matches_bookkeeping,
     check_unchanged,
     check_usage_matches,
+    read_back_granules,
     read_back_granules_and_one_chunk_per_segment,
     readback_one_chunk_per_segment,
     snapshot,
@@ -79,6 +82,7 @@ PRECONDITIONS: dict[str, Callable[["ModelledCache"], bool]] = {
     "commit_grow": lambda driven: driven.model.committed < driven.capacity,
     "commit_at_or_below": lambda driven: True,
     "shrink": lambda driven: driven.model.committed > 0,
+    "shrink_preserving": lambda driven: driven.model.committed > 0,
     "defragment": lambda driven: True,
     "release": lambda driven: True,
     "recommit": lambda driven: True,
@@ -202,6 +206,27 @@ class ModelledCache:
             model.discard(n)
             self.check_blocks(0, n, "blocks after a shrink")
         self.check_counts()
+
+    def shrink_preserving(self, choose: Choices) -> None:
+        """A shrink keeping contents: blocks below keep their bytes, every
+        chunk left holds a kept byte (read back), and the footprint is what
+        `physical_bytes_after_shrink` said before it. Asleep, only the count
+        drops."""
+        model, buffer = self.model, self.cache.buffer
+        n = choose.integer(0, model.committed, "num_blocks")
+        choose.note(f"commit({n}, shrink=True, preserve_contents=True)")
+        predicted = self.cache.physical_bytes_after_shrink(n)
+        self.call(lambda: self.cache.commit(n, shrink=True, preserve_contents=True))
+        self.ran("commit (shrink, preserving)")
+        read_back = read_back_granules(buffer)
+        check_mapped_as_a_shrink_keeps(buffer, buffer.segment_sizes, read_back)
+        assert self.cache.physical_bytes == predicted, (
+            f"physical_bytes {self.cache.physical_bytes} after a preserving shrink to {n}, predicted {predicted}")
+        model.shrink_keeping(n, frozenset(index // 2 for index, chunk in enumerate(read_back) if chunk is not None))
+        self.checked("a preserving shrink kept exactly the chunks holding kept bytes, read back")
+        self.check_counts()
+        if model.mapped:
+            self.check_blocks(0, n, "blocks a preserving shrink kept")
 
     def defragment(self, choose: Choices) -> None:
         model = self.model

@@ -20,6 +20,10 @@ The cache model holds one byte per committed block (every row of a block, in
 every segment, is written with one value), and the number of leading blocks
 whose segments must each be one chunk: known after a defragmentation, a
 shrink, or growth from nothing mapped, and read back from the driver to check.
+A preserving shrink keeps whole the chunks straddling the new end, whose
+cut the model does not know: it takes their granules past the kept blocks
+from the driver, once the read-back showed every chunk left holding a kept
+byte, and holds them mapped until a release.
 
 Content differences are `ContentMismatch` and leftovers `LeakFound`, so a
 stress run can count them apart from other failures.
@@ -107,6 +111,15 @@ class TensorModel:
             pieces.append(bytes(self.memory[index][low:high]))
         return b"".join(pieces)
 
+    def shrink(self, sizes: list[int], mapped: frozenset[int]) -> None:
+        """`shrink_segments_(sizes)`: the sizes drop, and the `mapped`
+        granules keep their bytes, the rest are gone. Which granules stay
+        depends on how the tensor cut its chunks, which the model does not
+        know: the caller reads them back from the driver, once it has
+        checked that each chunk left holds a kept byte."""
+        self.sizes = list(sizes)
+        self.memory = {index: data for index, data in self.memory.items() if index in mapped}
+
     def release(self, kept: frozenset[int] = frozenset()) -> None:
         """Nothing committed; the `kept` granules (a release that failed part
         way left them mapped) keep their bytes."""
@@ -168,6 +181,10 @@ class CacheModel:
         self.values: dict[int, int] = {}
         #: Leading blocks whose segments must each be backed by one chunk.
         self.one_chunk_blocks = 0
+        #: Granules mapped past every committed block's: the rest of the
+        #: chunks a preserving shrink kept whole, as read back then, until
+        #: something releases them.
+        self.extra_granules: frozenset[int] = frozenset()
 
     def sizes(self, num_blocks: int) -> list[int]:
         return [num_blocks * stride for stride in self.strides]
@@ -180,15 +197,21 @@ class CacheModel:
                 values[block] = value
         return values
 
-    def physical_bytes(self) -> int:
-        if not self.mapped:
-            return 0
-        granules = {
+    def granules(self, num_blocks: int) -> set[int]:
+        """Granules the first `num_blocks` blocks of every segment touch."""
+        return {
             index
-            for offset, size in zip(self.offsets, self.sizes(self.committed))
+            for offset, size in zip(self.offsets, self.sizes(num_blocks))
             for index in granule_span(offset, size, self.granule)
         }
-        return len(granules) * self.granule
+
+    def physical_bytes(self, *, extra: bool = True) -> int:
+        """Mapped bytes: the committed blocks' granules, and (with `extra`)
+        those a preserving shrink kept mapped past them."""
+        if not self.mapped:
+            return 0
+        granules = self.granules(self.committed)
+        return len(granules | self.extra_granules if extra else granules) * self.granule
 
     def grow(self, num_blocks: int) -> None:
         """A commit past the committed count: maps and zeroes the new blocks
@@ -206,6 +229,17 @@ class CacheModel:
         self.mapped = True
         self.one_chunk_blocks = self.committed
 
+    def shrink_keeping(self, num_blocks: int, mapped: frozenset[int]) -> None:
+        """A preserving shrink to `num_blocks` at most the committed count:
+        blocks below keep their values; while mapped, the `mapped` granules
+        (read back from the driver once checked: every chunk left holds a
+        kept byte) stay, those past the kept blocks' granules as extra."""
+        self.committed = num_blocks
+        self.values = {block: value for block, value in self.values.items() if block < num_blocks}
+        self.one_chunk_blocks = min(self.one_chunk_blocks, num_blocks)
+        if self.mapped:
+            self.extra_granules = frozenset(mapped - self.granules(num_blocks))
+
     def discard(self, num_blocks: int) -> None:
         """Release everything, then commit `num_blocks` fresh blocks."""
         self.release()
@@ -217,6 +251,7 @@ class CacheModel:
         self.mapped = False
         self.values.clear()
         self.one_chunk_blocks = 0
+        self.extra_granules = frozenset()
 
 
 def check_cache_committed(kv_cache: ExtensibleKVCache, model: CacheModel) -> None:
@@ -286,8 +321,8 @@ def check_cache_physical_bytes(kv_cache: ExtensibleKVCache, model: CacheModel, r
     read_back = readback_physical_bytes(kv_cache.buffer, read_back)
     assert read_back == expected, f"driver reads back {read_back} mapped bytes, model {expected}"
     if model.mapped:
-        booked = kv_cache.physical_bytes_for(model.committed)
-        assert booked == expected, f"physical_bytes_for({model.committed}) = {booked}, model {expected}"
+        booked, prefix = kv_cache.physical_bytes_for(model.committed), model.physical_bytes(extra=False)
+        assert booked == prefix, f"physical_bytes_for({model.committed}) = {booked}, model {prefix}"
 
 
 def check_cache_one_chunk_per_segment(kv_cache: ExtensibleKVCache, model: CacheModel, one: list[bool] | None = None) -> None:

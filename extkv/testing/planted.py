@@ -13,9 +13,10 @@ Real parts only: every broken driver is a `WrappingDriver` around a real
 driver (host or CUDA), which does all the real work; it changes one step and
 leaves the rest alone, so what a check sees is real memory, real mappings
 and the kernel's or the driver's own read-back. A broken tensor is an
-`ExtensibleTensor` over a real driver that misstates one number; a broken
-cache is an `ExtensibleKVCache` over a real driver whose bookkeeping of its
-commit-ahead counts slips in one place. Nothing
+`ExtensibleTensor` over a real driver that misstates one number (or, while
+a defect's context is entered, every tensor's shrink from the top releases
+one chunk too many); a broken cache is an `ExtensibleKVCache` over a real
+driver whose bookkeeping of its commit-ahead counts slips in one place. Nothing
 here knows the device kind: each defect is made of the driver protocol's
 own steps, so it runs on the host driver and on each CUDA device alike.
 
@@ -83,6 +84,16 @@ class SkipsZeroing(PlantedDriver):
     what is not zeroed reads as the poison, not as the kernel's fresh zeros."""
 
     def _zero(self, address: int, size: int) -> None:
+        pass
+
+
+class SkipsZeroingInMappedGranules(PlantedDriver):
+    """Zeroes nothing a growth commits in granules mapped before it (the
+    `zero_ranges` step, a commit's zeroing past its new chunks): after a
+    shrink keeping contents, a regrowth inside a chunk it kept whole leaves
+    the bytes it commits again as they were."""
+
+    def zero_ranges(self, ranges) -> None:
         pass
 
 
@@ -282,6 +293,26 @@ class UnderReportingTensor(ExtensibleTensor):
     @property
     def physical_bytes(self) -> int:
         return ExtensibleTensor.physical_bytes.fget(self) - self.granularity
+
+
+@contextlib.contextmanager
+def shrink_releases_a_kept_chunk() -> Iterator[None]:
+    """While entered, every ExtensibleTensor's shrink keeping contents
+    (`shrink_segments_`, and `physical_bytes_after_shrink` with it) also
+    releases the highest chunk that holds kept bytes: bytes that stay
+    committed are left unmapped."""
+    real = ExtensibleTensor._chunks_holding_none_of
+
+    def also_the_highest_kept(tensor: ExtensibleTensor, sizes):
+        dropped = real(tensor, sizes)
+        kept = [mapped for mapped in tensor.mapped_chunks if not any(mapped is gone for gone in dropped)]
+        return sorted(dropped + kept[-1:], key=lambda mapped: mapped.first_granule)
+
+    ExtensibleTensor._chunks_holding_none_of = also_the_highest_kept
+    try:
+        yield
+    finally:
+        ExtensibleTensor._chunks_holding_none_of = real
 
 
 # -- commit-ahead bookkeeping ----------------------------------------------------------
@@ -551,6 +582,19 @@ DEFECTS: dict[str, Defect] = {
             "new and recommitted bytes read zero (invariants 1 and 4)",
             ("checks.check_all_equal over the new bytes, on poisoned memory",),
             lambda real: SkipsZeroing(PoisoningDriver(real)),
+        ),
+        Defect(
+            "zeroing-in-mapped-granules-skipped",
+            "bytes a growth commits again inside a chunk a preserving shrink kept read zero (invariant 1)",
+            ("checks.check_all_equal over the bytes committed again",),
+            SkipsZeroingInMappedGranules,
+        ),
+        Defect(
+            "preserving-shrink-releases-a-kept-chunk",
+            "a shrink keeping contents keeps every committed byte mapped (invariants 1 and 3)",
+            ("checks.check_mapped_as_a_shrink_keeps",
+             "stress.threads.reader_beside_preserving_shrinks: the reader's process dies of the read"),
+            lambda real: shrink_releases_a_kept_chunk(),
         ),
         Defect(
             "granule-mapped-twice",

@@ -13,7 +13,9 @@ over its device's stress driver, budgeted and unpoisoned
 (extkv.testing.stress.base's `plain_stress_driver`: the host driver with
 HOST_STRESS_GRANULE, or the GPU's CUDA driver): zeroing over poison is the
 walk's to prove (extkv.testing.stress.walk), and here every byte touched is
-time taken from the steps. Its reclaim handler shrinks the cache from the top.
+time taken from the steps. Its reclaim handler shrinks the cache from the
+top keeping the blocks below (`commit(n, shrink=True,
+preserve_contents=True)`, to `blocks_kept_within` the bytes it keeps).
 Its loop commits, shrinks (`commit(n, shrink=True)`), releases,
 recommits, writes blocks and defragments preserving contents, drawn among
 the operations that have something to do (while its lease is down,
@@ -28,8 +30,9 @@ and a growth refused while the daemon is down (`BudgetUnavailableError`)
 are the budget at work: counted, never failures. An `OutOfMemoryError`
 that is no denial is the driver refusing a create the ledger granted: out
 of memory inside the budget, a failure. Every block written must read as
-written after a preserving defragment, and a shrink must leave exactly
-the footprint of its blocks.
+written after a preserving defragment and below a reclaim's shrink, and a
+shrink must leave exactly the footprint of its blocks (a reclaim's, the
+footprint `physical_bytes_after_shrink` predicted).
 
 Before it says anything it makes its driver (on a GPU, the CUDA context)
 and runs once, on scratch tensors of its blocks' sizes, the torch kernels
@@ -143,7 +146,8 @@ class _Engine:
         # filled in 8 ms on the 2-core CI host).
         self.cache = ExtensibleKVCache(config, driver, layout, budget=client)
         self.witness, self.before = witness, before
-        #: The blocks written since the last shrink or release, and the value of every byte.
+        #: The blocks written since the last discarding shrink or release (and
+        #: below every reclaim's shrink since), and the value of every byte.
         self.written: dict[int, int] = {}
         self.capacity = config.num_blocks
         self.lock = threading.Lock()
@@ -171,12 +175,17 @@ class _Engine:
     def defragment(self) -> None:
         target = min(self.capacity, self.cache.num_committed_blocks + self.rng.randint(0, self.capacity // 8))
         self.cache.commit(target, defragment=True, preserve_contents=True)
+        self.check_written("a preserving defragment", target)
+
+    def check_written(self, what: str, target: int) -> None:
+        """Every block written since the last shrink or release reads as
+        written after `what` to `target` blocks (tallied as kept)."""
         for block, value in self.written.items():
             for i in range(len(self.cache.segment_strides)):
                 if not self.block(i, block).eq(value).all():
-                    raise ContentMismatch(f"a preserving defragment to {target} blocks changed block {block} of "
-                                          f"segment {i}, written {value} in every byte")
-        self.tally.checks["preserving defragment kept every written block"] += 1
+                    raise ContentMismatch(f"{what} to {target} blocks changed block {block} of segment {i}, "
+                                          f"written {value} in every byte")
+        self.tally.checks[f"{what} kept every written block"] += 1
 
     def release(self) -> None:
         self.written.clear()
@@ -251,20 +260,20 @@ class _Engine:
                     self.tally.events["reclaims answered: nothing to give"] += 1
                     return 0
                 held, committed = self.cache.physical_bytes, self.cache.num_committed_blocks
-                keep = min(self.cache.blocks_within(max(held - target, 0)), committed)
+                keep = self.cache.blocks_kept_within(max(held - target, 0))
                 if keep == committed:
                     self.tally.events["reclaims answered: nothing to give"] += 1
                     return 0
-                self.written.clear()
-                try:
-                    self.cache.commit(keep, shrink=True)
-                except (BudgetDeniedError, BudgetUnavailableError):
-                    # Released, then the smaller prefix's regrowth refused: all of it was given back.
-                    self.tally.events["reclaims: the shrink's regrowth refused"] += 1
-                except OutOfMemoryError as error:
-                    self.tally.events[OUT_OF_MEMORY_INSIDE] += 1
-                    self.tally.fail(error, "a reclaim's shrink")
-                    self.say(f"{FAILED} {OUT_OF_MEMORY_INSIDE}: a reclaim's shrink: {error}")
+                # From the top, keeping the blocks below: it creates nothing,
+                # so neither the budget nor the driver can refuse it.
+                predicted = self.cache.physical_bytes_after_shrink(keep)
+                self.written = {block: value for block, value in self.written.items() if block < keep}
+                self.cache.commit(keep, shrink=True, preserve_contents=True)
+                if self.cache.physical_bytes != predicted:
+                    raise LeakFound(f"a reclaim's shrink to {keep} blocks keeping contents left "
+                                    f"{self.cache.physical_bytes} bytes mapped, physical_bytes_after_shrink said "
+                                    f"{predicted}")
+                self.check_written("a reclaim's shrink keeping contents", keep)
                 freed = held - self.cache.physical_bytes
                 self.tally.events["reclaims answered: bytes freed"] += freed
                 self.tally.events["reclaims answered"] += 1

@@ -178,6 +178,11 @@ OPERATIONS: list[FaultableOperation] = [
         keeps_contents=False,
     ),
     FaultableOperation(
+        "commit (shrink, preserving)", fragmented_cache,
+        lambda scene: scene.cache.commit(scene.capacity // 8, shrink=True, preserve_contents=True),
+        keeps_contents=True,
+    ),
+    FaultableOperation(
         "commit (defragment, discarding)", fragmented_cache,
         lambda scene: scene.cache.commit(scene.capacity // 2, defragment=True), keeps_contents=False,
     ),
@@ -207,6 +212,12 @@ OPERATIONS: list[FaultableOperation] = [
     FaultableOperation(
         "ExtensibleTensor.resize_segments_", fragmented_tensor,
         lambda scene: scene.tensor.resize_segments_(scene.tensor.segment_capacities, zero_new=True), keeps_contents=True,
+    ),
+    FaultableOperation(
+        "ExtensibleTensor.shrink_segments_", fragmented_tensor,
+        # Sizes of their own, not of the sizes now: the retry asks for the same.
+        lambda scene: scene.tensor.shrink_segments_([scene.driver.granularity * share // 8 for share in (5, 3, 9)]),
+        keeps_contents=True,
     ),
     FaultableOperation(
         "ExtensibleTensor.defragment_segment_", fragmented_tensor,

@@ -13,10 +13,15 @@ every block is its whole pattern or all zero and the count is one some call
 asked for. Each round also checks the driver's read-back and the usage
 probe. The least episode is LEAST_THREAD_ROUNDS rounds, a preserving and a
 mixed one.
+
+`reader_beside_preserving_shrinks` runs a reader that takes no lock beside
+threads that grow the cache and shrink it keeping contents above a floor
+of blocks: the floor's bytes must stay mapped and intact throughout.
 """
 
 from __future__ import annotations
 
+import contextlib
 import random
 import threading
 
@@ -24,7 +29,9 @@ import torch
 
 from ...cache import ExtensibleKVCache
 from ...layout import KVCacheLayout
-from ..checks import check_readback_matches_bookkeeping
+from ...vmm import PoisoningDriver, driver_for
+from ..checks import check_mapped_as_a_shrink_keeps, check_readback_matches_bookkeeping
+from ..children import fork_server
 from ..configs import config_for
 from ..modelled_cache import capacity_for
 from ..models import ContentMismatch, LeakFound
@@ -206,3 +213,137 @@ def thread_rounds(
         raise error
     floor.close(tally, f"thread rounds ({layout.name})", f"{number} rounds (a preserving and a mixed one)")
     return number
+
+
+#: Blocks the reader of `reader_beside_preserving_shrinks` reads, which no
+#: shrink there goes below; and how many calls each committer makes.
+KEPT_FLOOR_BLOCKS = 64
+COMMITTER_CALLS = 64
+
+
+def reader_beside_preserving_shrinks(device: torch.device | str, layout: KVCacheLayout, *, seed: int,
+                                     committers: int = 2, calls: int = COMMITTER_CALLS) -> dict:
+    """A reader that never takes the reservation's lock, beside threads that
+    grow the cache and shrink it keeping contents, never below
+    KEPT_FLOOR_BLOCKS: the reader reads those blocks of every segment over
+    and over while the others run, and each read must find every byte as
+    written (on the host, a read of memory a defective shrink unmapped ends
+    the process: run it in a child). Once all are joined, the read-back
+    shows every committed granule mapped and no chunk holding no committed
+    byte, the footprint is what `physical_bytes_after_shrink` says, the
+    blocks above the floor read zero over poison, and the usage probe
+    agrees. Returns the counts: reads, wrong reads, calls by kind, and the
+    first problems."""
+    device = torch.device(device)
+    probe = warmed_probe(device)
+    baseline = probe.read_outside_torch()
+    driver = PoisoningDriver(driver_for(device))
+    capacity = 4 * capacity_for("full", layout, driver.granularity)
+    floor = min(KEPT_FLOOR_BLOCKS, capacity // 4)
+    kv_cache = ExtensibleKVCache(config_for("full", layout, capacity), driver, layout)
+    counts: dict = {"reads": 0, "wrong reads": 0, "grow": 0, "preserving shrink": 0, "problems": []}
+    lock = threading.Lock()
+    done = threading.Event()
+    try:
+        kv_cache.commit(capacity // 2)
+        for segment in range(len(kv_cache.segment_strides)):
+            rows = committed_rows(kv_cache, segment)[:floor]
+            rows.copy_(thread_pattern(kv_cache, segment, floor)[:, None].expand_as(rows))
+        expected = [committed_rows(kv_cache, segment)[:floor].clone() for segment in range(len(kv_cache.segment_strides))]
+        driver.synchronize()
+        start = threading.Barrier(committers + 1)
+
+        def commit(thread: int) -> None:
+            rng = random.Random(seed * 1000 + thread)
+            start.wait()
+            try:
+                for _ in range(calls):
+                    target = rng.randrange(floor, capacity + 1)
+                    if rng.random() < 0.5:
+                        kv_cache.commit(target)
+                        name = "grow"
+                    else:
+                        kv_cache.commit(target, shrink=True, preserve_contents=True)
+                        name = "preserving shrink"
+                    with lock:
+                        counts[name] += 1
+            except BaseException as error:  # reported, not lost in the thread
+                with lock:
+                    counts["problems"].append(f"committer {thread}: {type(error).__name__}: {error}")
+
+        def read() -> None:
+            start.wait()
+            reads = wrong = 0
+            # At least as many reads as calls, so the two overlap whatever the scheduler does.
+            while not done.is_set() or reads < calls:
+                for segment, kept in enumerate(expected):
+                    stride = kv_cache.segment_strides[segment]
+                    rows = kv_cache.buffer.segment_view(segment)[: floor * stride].view(floor, stride)
+                    wrong += 0 if torch.equal(rows, kept) else 1
+                reads += 1
+            counts["reads"], counts["wrong reads"] = reads, wrong
+
+        workers = [threading.Thread(target=commit, args=(i,), name=f"extkv-stress-{i}") for i in range(committers)]
+        reader = threading.Thread(target=read, name="extkv-stress-reader")
+        for thread in [*workers, reader]:
+            thread.start()
+        for thread in workers:
+            thread.join()
+        done.set()
+        reader.join()
+        buffer, n = kv_cache.buffer, kv_cache.num_committed_blocks
+        check_readback_matches_bookkeeping(buffer)
+        check_mapped_as_a_shrink_keeps(buffer, buffer.segment_sizes)
+        if buffer.segment_sizes != [n * stride for stride in kv_cache.segment_strides]:
+            counts["problems"].append(f"segment sizes {buffer.segment_sizes} disagree with the count {n}")
+        if kv_cache.physical_bytes != kv_cache.physical_bytes_after_shrink(n):
+            counts["problems"].append(f"{kv_cache.physical_bytes} bytes mapped, physical_bytes_after_shrink({n}) says "
+                                      f"{kv_cache.physical_bytes_after_shrink(n)}")
+        for segment, kept in enumerate(expected):
+            rows = committed_rows(kv_cache, segment)
+            if not torch.equal(rows[:floor], kept):
+                counts["problems"].append(f"segment {segment}: the {floor} kept blocks changed")
+            nonzero = int(rows[floor:].any(dim=1).sum())
+            if nonzero:
+                counts["problems"].append(f"segment {segment}: {nonzero} of the {n - floor} blocks above the floor "
+                                          "are not zero")
+        measured = probe.read_outside_torch() - baseline
+        if measured != kv_cache.physical_bytes:
+            counts["problems"].append(f"{probe.source} reads {measured} bytes, the cache maps {kv_cache.physical_bytes}")
+    finally:
+        done.set()
+        kv_cache.free()
+    return counts
+
+
+def _reader_child(device: str, layout_name: str, seed: int, defect: str | None, sender) -> None:
+    from .. import planted
+
+    plant = planted.DEFECTS[defect].make(driver_for(device)) if defect else contextlib.nullcontext()
+    with plant:
+        counts = reader_beside_preserving_shrinks(device, KVCacheLayout[layout_name], seed=seed)
+    sender.send(counts)
+
+
+def reader_beside_preserving_shrinks_in_child(device: torch.device | str, layout: KVCacheLayout, *, seed: int,
+                                              defect: str | None = None, timeout_s: float = 300) -> tuple[int | None, dict | None]:
+    """`reader_beside_preserving_shrinks` in a child of the fork server
+    (with the planted `defect` staged, a context manager's): its exit code
+    (a read of unmapped memory is a signal's, not the end of the caller)
+    and its counts (None where it died before sending them)."""
+    context = fork_server()
+    receiver, sender = context.Pipe(duplex=False)
+    process = context.Process(target=_reader_child, args=(str(device), layout.name, seed, defect, sender), daemon=True)
+    process.start()
+    sender.close()
+    try:
+        counts = receiver.recv() if receiver.poll(timeout_s) else None
+    except EOFError:  # it died before sending
+        counts = None
+    finally:
+        process.join(timeout_s)
+        if process.is_alive():
+            process.kill()
+            process.join()
+        receiver.close()
+    return process.exitcode, counts

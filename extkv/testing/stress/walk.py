@@ -47,6 +47,7 @@ WALK_WEIGHTS: dict[str, float] = {
     "commit_grow": 8,
     "commit_at_or_below": 3,
     "shrink": 3,
+    "shrink_preserving": 3,
     "defragment": 5,
     "release": 2,
     "recommit": 3,
