@@ -40,6 +40,20 @@ locked operation takes it inside the reservation's). A commit is either
 counted there, when the worker has the blocks ready, or made under the
 reservation's lock.
 
+The count also says which contents survive: only an operation that drops
+contents lowers it (a preserving shrink to n, to n; a discarding shrink or
+defragment, and free, to 0 before anything else), and a growth zeroes
+only the blocks past it. So the fewest blocks committed since a moment are
+the blocks whose bytes no operation has dropped since then: a
+`ContentsWatch` (`watch_contents()`) reads exactly that, for a holder of a
+copy taken at that moment (extkv.sleep's offload writes back that many
+blocks at a wake). `release_physical` lowers nothing: its pages come back
+zeroed at `recommit`, which is the sleeper's to restore, and the count
+stays. The buffer's `release_count` answers another question, whether any
+mapped contents went (a sleep's own release bumps it, and a shrink while
+asleep, which unmaps nothing, does not), and cannot say how many blocks
+survive.
+
 Lifecycle, as data: `_LEGAL_IN` names the states each public operation is
 legal in; on a freed cache every operation raises `StateError` naming it, and
 nothing changes. A cache whose buffer broke (a failed step's undo failed
@@ -116,6 +130,23 @@ os.register_at_fork(after_in_child=_forget_workers_after_fork)
 GiB = float(1 << 30)
 
 
+class ContentsWatch:
+    """Of the blocks committed when it was made (`watch_contents()`), how
+    many still hold their contents: `kept_blocks`, the fewest blocks
+    committed since then. A shrink keeping contents to n lowers it to n, a
+    discarding shrink or defragment (and `free`) to 0; a growth, a release
+    for sleep and its recommit leave it. The cache lowers every live watch
+    under its count lock as it lowers the count; a watch ends when dropped."""
+
+    __slots__ = ("kept_blocks", "__weakref__")
+
+    def __init__(self, kept_blocks: int):
+        self.kept_blocks = kept_blocks
+
+    def __repr__(self) -> str:
+        return f"ContentsWatch(kept_blocks={self.kept_blocks})"
+
+
 class _State(enum.Enum):
     LIVE = "live"
     #: Read from the buffer (`is_broken`), never stored: only `free` is legal.
@@ -140,6 +171,7 @@ _LEGAL_IN: dict[str, frozenset[_State]] = {
     "committed_kv_cache_tensors": frozenset({_State.LIVE}),
     "set_torch_memory_limit": frozenset({_State.LIVE}),
     "commit_ahead": frozenset({_State.LIVE}),
+    "watch_contents": frozenset({_State.LIVE}),
     "free": _EVERY_STATE,
 }
 
@@ -247,6 +279,8 @@ class ExtensibleKVCache:
         self._zeroed_through = 0
         #: The commit-ahead worker while commit-ahead is on (`commit_ahead`).
         self._ahead: CommitAhead | None = None
+        #: Live `ContentsWatch`es, lowered with the count (count lock held).
+        self._watches: "weakref.WeakSet[ContentsWatch]" = weakref.WeakSet()
         self._asleep = False
         _CACHES.add(self)
         ends = self.segment_offsets[1:] + [self.size]
@@ -399,8 +433,27 @@ class ExtensibleKVCache:
     def _uncount(self) -> None:
         """No block committed, before a release that remaps them; reservation
         lock held and, with commit-ahead on, ready withdrawn."""
+        self._lower_count(0)
+
+    def _lower_count(self, num_blocks: int) -> None:
+        """The count drops to `num_blocks` (at most the committed ones): the
+        only way it drops, so every watch learns of each drop of contents."""
         with self._count_lock:
-            self._committed = 0
+            self._committed = num_blocks
+            for watch in self._watches:
+                if num_blocks < watch.kept_blocks:
+                    watch.kept_blocks = num_blocks
+
+    @_operation
+    def watch_contents(self) -> ContentsWatch:
+        """A `ContentsWatch` from now: the blocks committed now, lowered by
+        every operation that drops contents until it is dropped. For code
+        that keeps a copy of the committed blocks across operations it does
+        not make (a sleep's offload): what it may write back of the copy."""
+        with self._count_lock:
+            watch = ContentsWatch(self._committed)
+            self._watches.add(watch)
+        return watch
 
     @property
     def num_committed_blocks(self) -> int:
@@ -461,8 +514,7 @@ class ExtensibleKVCache:
         if num_blocks > self._committed:
             self.commit(num_blocks)  # maps and zeroes, and wakes a sleeping cache, as any growth
         else:
-            with self._count_lock:
-                self._committed = num_blocks
+            self._lower_count(num_blocks)
         self._zeroed_through = min(self._zeroed_through, num_blocks)
         self.buffer.shrink_segments_(self._kept_sizes(num_blocks))
         if defragment and not all(self.buffer.segments_backed_by_one_chunk(self.buffer.segment_sizes)):
