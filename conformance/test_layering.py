@@ -62,7 +62,7 @@ LAYERS: list[set[str]] = [
     {"extkv.testing.modelled_cache"},
     {"extkv.testing.machines"},
     {"extkv.testing.planted"},
-    {"extkv.testing.interrupts", "extkv.testing.generating_engines"},
+    {"extkv.testing.interrupts", "extkv.testing.generating_engines", "extkv.testing.asleep"},
     {"extkv.testing.graphs"},
     # One line per owner, so that work on checks, benchmarks and stress runs
     # can add modules without touching each other's line.

@@ -29,7 +29,8 @@ from extkv import (
     SleepController,
     StateError,
 )
-from extkv.sleep import TagState
+from extkv.sleep import WHILE_ASLEEP, TagState
+from extkv.testing.asleep import SCENARIOS, check_wakes_as_promised, scenarios_of
 from extkv.testing.checks import (
     check_all_equal,
     check_readback_matches_bookkeeping,
@@ -764,3 +765,45 @@ def test_no_commit_is_counted_between_an_offloaded_sleeps_copy_and_its_release(b
     assert engine.offloaded_bytes == 100 * kv.bytes_per_block
     engine.wake_up()
     expect_committed(kv, patterns, "committed blocks after the wake")
+
+
+# -- operations on a sleeping, offloaded cache ------------------------------------------
+#: A layer-outermost layout (three segments, apart) and a block-outermost one (one segment).
+ASLEEP_LAYOUTS = [KVCacheLayout.LBHNC, KVCacheLayout.BLHNC]
+
+
+@pytest.mark.invariant(1, 4)
+@pytest.mark.parametrize("layout", ASLEEP_LAYOUTS, ids=lambda layout: layout.name)
+@pytest.mark.parametrize("row", list(WHILE_ASLEEP))
+def test_an_offloaded_cache_changed_while_asleep_wakes_as_its_row_says(device, row, layout):
+    """Each operation a KV cache allows while its offloaded registration
+    sleeps, in a child (extkv.testing.asleep: a write past the committed
+    bytes kills its process): the wake writes back exactly the blocks the
+    row of WHILE_ASLEEP keeps, every other committed byte reads zero over
+    poison, no pattern byte is read past the committed ones, the tag is
+    awake and no host copy is held."""
+    names = scenarios_of(row)
+    assert names, f"WHILE_ASLEEP's row {row!r} has no scenario in extkv.testing.asleep"
+    check_wakes_as_promised(device, layout, names)
+
+
+@pytest.mark.invariant(1, 4, 7)
+@pytest.mark.parametrize("layout", ASLEEP_LAYOUTS, ids=lambda layout: layout.name)
+def test_a_worker_growing_at_the_sleep_then_a_shrink_while_asleep_wakes_with_the_kept_blocks(device, layout):
+    """A commit-ahead worker is mapping blocks past the committed ones when
+    the cache is put to sleep; a shrink keeping contents follows while it
+    sleeps. The wake maps the kept blocks and writes them back, the worker
+    grows on past them, zeroed, and nothing of the copy lands there."""
+    name = "worker running, then preserving shrink"
+    assert SCENARIOS[name].worker_running
+    check_wakes_as_promised(device, layout, [name])
+
+
+@pytest.mark.invariant(1, 4, 7)
+@pytest.mark.parametrize("layout", ASLEEP_LAYOUTS, ids=lambda layout: layout.name)
+def test_a_shrink_racing_the_wake_from_a_thread_ends_the_same_either_way(device, layout):
+    """A scheduler thread shrinks keeping contents while the main thread
+    wakes, both released by one barrier: before the wake, the wake writes
+    the kept blocks back; after it, the awake shrink keeps them. Either
+    way they hold their bytes and a growth back reads zero past them."""
+    check_wakes_as_promised(device, layout, ["preserving shrink beside the wake"])

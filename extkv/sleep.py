@@ -80,9 +80,29 @@ Checks before change: every argument (a level, a tag, a tag list, an
 object) is checked, and every registration the call moves must be live (a
 freed, broken or fork-inherited cache refuses everything), before the
 first copy or release; a refused call leaves every tag and object as it
-was. While a tag sleeps its objects are the controller's: committing to or
-freeing one of them then is a bug in the caller, as using a view during a
-release is.
+was.
+
+What a caller does to a sleeping KV cache. Its operations stay legal while
+its tag sleeps (extkv.cache says what each does asleep), and engines make
+them: a scheduler commits, a reclaim of the shared budget shrinks keeping
+contents. What each means for an `offload=True` copy is `WHILE_ASLEEP`, the
+one table of it: the wake writes back the copied blocks the cache still
+keeps, and every other block wakes zeroed, as the cache's own growth or
+recommit leaves it. In short: a shrink keeping contents to n gets blocks
+[0, n) back byte for byte; a discarding shrink or defragment discards the
+copy, as the caller asked, and the blocks wake zeroed; a growth gets the
+copied blocks back and the new ones zeroed. The cache tells which: the copy
+takes a `ContentsWatch` (extkv.cache) at the moment it is made, which the
+cache lowers whenever its committed count drops (it drops exactly when an
+operation drops contents; a release for sleep keeps it), and the wake
+writes back `kept_blocks` blocks of each segment, clamped to the bytes that
+segment has committed then: no write reaches past the committed bytes,
+whatever happened meanwhile. (The buffer's `release_count` could not say
+it: the sleep's own release bumps it, a shrink of a released cache unmaps
+nothing and leaves it, and it counts no blocks.) A commit or shrink racing
+the wake from another thread ends the same either way: before the wake, as
+the table says; after it, on an awake cache. Using a view during a release
+is still a bug in the caller.
 
 Locks. One re-entrant lock per controller serializes its operations, and
 a move also holds the locks of the registrations it moves, so no commit
@@ -122,7 +142,7 @@ from typing import Callable, Mapping, NamedTuple
 import torch
 
 from . import validate
-from .cache import ExtensibleKVCache
+from .cache import ContentsWatch, ExtensibleKVCache
 from .deferred_signals import deferred_signals
 from .errors import StateError
 from .tensor import ExtensibleTensor
@@ -164,6 +184,47 @@ _TRANSITIONS: dict[str, dict[TagState, _Move]] = {
 #: vLLM's level 1 keeps its offloaded tag and level 2 keeps nothing;
 #: torch_memory_saver's pause keeps every CPU-backed region.
 _KEEPS_OFFLOADED = {("sleep", 1): True, ("sleep", 2): False, ("pause", None): True}
+
+
+class AsleepOperation(NamedTuple):
+    """A KV cache's operation made while its `offload=True` registration
+    sleeps: what the cache does, and what the wake then writes back."""
+
+    #: What the cache does asleep (extkv.cache), and what the wake makes of it.
+    means: str
+    #: Blocks the wake writes back byte for byte, of the `c` blocks copied at
+    #: the sleep, after the call with count `n`; every other committed block wakes zeroed.
+    kept: Callable[[int, int], int]
+
+
+#: What each operation of a sleeping, offloaded KV cache means for its copy
+#: (see the module's theory); `c`: blocks committed, and copied, at the sleep.
+WHILE_ASLEEP: dict[str, AsleepOperation] = {
+    "commit(n)": AsleepOperation(
+        "n > c: blocks [0, n) mapped zeroed, which wakes the cache (it holds memory again; a sleep releases it "
+        "again, keeping the copy); the wake writes the c copied blocks back over them, and blocks [c, n) stay zero. "
+        "n <= c: nothing", lambda c, n: c),
+    "commit(n, shrink=True, preserve_contents=True)": AsleepOperation(
+        "n < c: the count drops to n and nothing is mapped; the wake maps n blocks and writes blocks [0, n) back. A "
+        "later growth, asleep or awake, zeroes blocks from n on", lambda c, n: min(c, n)),
+    "commit(n, shrink=True)": AsleepOperation(
+        "n < c: contents discarded, as asked: n blocks mapped zeroed, which wakes the cache; the wake writes nothing "
+        "back and drops the copy. n >= c: a growth", lambda c, n: 0 if n < c else c),
+    "commit(n, defragment=True)": AsleepOperation(
+        "n > 0: contents discarded, as asked (nothing is mapped, so every segment is remapped): n blocks mapped "
+        "zeroed, which wakes the cache; the wake writes nothing back", lambda c, n: 0 if n else c),
+    "commit(n, defragment=True, preserve_contents=True)": AsleepOperation(
+        "keeps contents: nothing to move asleep; n > c grows as commit(n)", lambda c, n: c),
+    "commit_ahead(window)": AsleepOperation(
+        "the worker starts paused, and grows past the committed blocks only after the wake", lambda c, n: c),
+    "release_physical()": AsleepOperation("nothing: nothing is mapped", lambda c, n: c),
+    "recommit()": AsleepOperation(
+        "the committed blocks mapped zeroed, which wakes the cache; the wake writes the copy back over them",
+        lambda c, n: c),
+    "free()": AsleepOperation(
+        "the cache is gone: the wake refuses (StateError: unregister it first), and unregister drops the copy",
+        lambda c, n: 0),
+}
 _LEVEL_WANTED = "1 or 2: vLLM's sleep levels; level 0, pausing the scheduler, is the engine's"
 #: Seconds of one try at a busy lock: how long Ctrl-C may wait to end a wait for one.
 LOCK_RETRY_S = 0.05
@@ -208,6 +269,20 @@ def _describe(value: object) -> str:
     return text if len(text) <= 200 else text[:197] + "..."
 
 
+class _Backup:
+    """Host copies of each segment's contents, taken at a sleep, and for a
+    KV cache the watch that says how many of the copied blocks the cache
+    still keeps (see `WHILE_ASLEEP`)."""
+
+    def __init__(self, copies: list[torch.Tensor], watch: ContentsWatch | None):
+        self.copies = copies
+        self.watch = watch
+
+    @property
+    def nbytes(self) -> int:
+        return sum(copy.numel() for copy in self.copies)
+
+
 class _Registration:
     """One registered object and what sleeping took from it."""
 
@@ -222,7 +297,7 @@ class _Registration:
         #: A plain tensor's committed sizes, which its release zeroes: the wake regrows them.
         self.sizes: list[int] | None = None
         #: Host copies of each segment's committed bytes while asleep, if kept.
-        self.backup: list[torch.Tensor] | None = None
+        self.backup: _Backup | None = None
 
     @property
     def state(self) -> TagState:
@@ -243,28 +318,33 @@ class _Registration:
                 return what
         return None
 
-    def copy_out(self) -> list[torch.Tensor]:
+    def copy_out(self) -> _Backup:
+        """Copy the contents to host memory (commits held: see `commits_held`)."""
+        target = self.target
+        # From the moment of the copy: what the cache drops of it while
+        # asleep, the wake leaves out.
+        watch = target.watch_contents() if isinstance(target, ExtensibleKVCache) else None
         # The copy runs on the current stream; kernels queued on others may
         # still be writing the bytes it reads.
         self.buffer.driver.synchronize()
-        backup = []
-        for index, size in enumerate(self.contents_sizes()):
+        copies = []
+        for index, size in enumerate(self.contents_sizes(watch)):
             view = self.buffer.segment_view(index)[:size]
             # Page-locked host memory beside a GPU, which copies to it at
             # transfer speed; bytes already in host memory copy as they are.
             copy = torch_memory.host_staging(view.device, (size,))
             if size:
                 copy.copy_(view)  # blocking: the release after it unmaps the source
-            backup.append(copy)
-        return backup
+            copies.append(copy)
+        return _Backup(copies, watch)
 
-    def contents_sizes(self) -> list[int]:
-        """Bytes of each segment that hold contents: a KV cache's committed
-        blocks, never those mapped past them (its wake maps the committed
-        ones only, which the copy must fit); a tensor's committed sizes."""
+    def contents_sizes(self, watch: ContentsWatch | None) -> list[int]:
+        """Bytes of each segment that hold contents: a KV cache's blocks the
+        watch keeps (at the copy, the committed ones, never those mapped
+        past them); a tensor's committed sizes."""
         target = self.target
         if isinstance(target, ExtensibleKVCache):
-            return [target.num_committed_blocks * stride for stride in target.segment_strides]
+            return [watch.kept_blocks * stride for stride in target.segment_strides]
         return self.buffer.segment_sizes
 
     def release(self) -> None:
@@ -284,10 +364,17 @@ class _Registration:
             self.target.resize_segments_(self.sizes, zero_new=True)
 
     def copy_in(self) -> None:
-        for index, copy in enumerate(self.backup):
-            if copy.numel():
+        """Write back what the object still keeps of the copy (`WHILE_ASLEEP`):
+        for a KV cache, the blocks its watch keeps; never a byte past what
+        each segment has committed now."""
+        backup = self.backup
+        kept = self.contents_sizes(backup.watch) if backup.watch is not None else None
+        for index, copy in enumerate(backup.copies):
+            view = self.buffer.segment_view(index)  # exactly the committed bytes
+            size = min(copy.numel(), view.numel(), copy.numel() if kept is None else kept[index])
+            if size:
                 # Blocking, so the copy may be dropped as soon as this returns.
-                self.buffer.segment_view(index)[: copy.numel()].copy_(copy)
+                view[:size].copy_(copy[:size])
 
 
 class SleepController:
@@ -382,7 +469,7 @@ class SleepController:
         self._snapshot = _Snapshot(
             states=MappingProxyType({tag: self._live_state(tag) for tag in tags}),
             registrations=MappingProxyType({tag: sum(r.tag == tag for r in self._registrations) for tag in tags}),
-            offloaded_bytes=sum(copy.numel() for r in self._registrations if r.backup for copy in r.backup),
+            offloaded_bytes=sum(r.backup.nbytes for r in self._registrations if r.backup is not None),
         )
 
     # -- vLLM's words ---------------------------------------------------------
