@@ -807,3 +807,25 @@ def test_a_shrink_racing_the_wake_from_a_thread_ends_the_same_either_way(device,
     the kept blocks back; after it, the awake shrink keeps them. Either
     way they hold their bytes and a growth back reads zero past them."""
     check_wakes_as_promised(device, layout, ["preserving shrink beside the wake"])
+
+
+@pytest.mark.invariant(1, 4)
+def test_an_offloaded_tensor_grown_while_asleep_wakes_grown_with_its_copy_back(build, poisoned):
+    """A plain tensor grown while its tag sleeps (the growth maps it
+    again): the wake keeps the grown sizes, never shrinking them, writes
+    the copy back within the sizes it had at the sleep, and the bytes the
+    growth added read zero."""
+    w = weights(build, poisoned)
+    engine = SleepController()
+    engine.register(w, tag="weights", offload=True)
+    patterns = fill(w, seed=46)
+    slept = w.segment_sizes
+    engine.sleep(level=1)
+    grown = [2 * w.granularity] * 3
+    w.resize_segments_(grown, zero_new=True)
+    engine.wake_up()
+    assert engine.states == {"weights": "awake"} and engine.offloaded_bytes == 0
+    assert w.segment_sizes == grown, f"sizes {w.segment_sizes} after the wake, grown to {grown}"
+    for i, (size, pattern) in enumerate(zip(slept, patterns)):
+        check_all_equal(w.segment_view(i)[:size], pattern, f"segment {i}'s bytes at the sleep")
+        check_all_equal(w.segment_view(i)[size:], 0, f"segment {i}'s bytes grown while asleep")

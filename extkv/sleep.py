@@ -101,8 +101,10 @@ whatever happened meanwhile. (The buffer's `release_count` could not say
 it: the sleep's own release bumps it, a shrink of a released cache unmaps
 nothing and leaves it, and it counts no blocks.) A commit or shrink racing
 the wake from another thread ends the same either way: before the wake, as
-the table says; after it, on an awake cache. Using a view during a release
-is still a bug in the caller.
+the table says; after it, on an awake cache. A plain tensor keeps no count
+across its release: its wake regrows the sizes it had at the sleep, or
+those a caller grew it to meanwhile (it only grows), and writes the copy
+back within them. Using a view during a release is a bug in the caller.
 
 Locks. One re-entrant lock per controller serializes its operations, and
 a move also holds the locks of the registrations it moves, so no commit
@@ -361,7 +363,8 @@ class _Registration:
         if isinstance(self.target, ExtensibleKVCache):
             self.target.recommit()
         else:
-            self.target.resize_segments_(self.sizes, zero_new=True)
+            # Never below what a caller grew it to meanwhile (a tensor grows only).
+            self.target.resize_segments_(list(map(max, self.sizes, self.buffer.segment_sizes)), zero_new=True)
 
     def copy_in(self) -> None:
         """Write back what the object still keeps of the copy (`WHILE_ASLEEP`):
