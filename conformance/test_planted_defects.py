@@ -58,6 +58,7 @@ from extkv.layout import FullAttentionSpec, KVCacheGroupSpec, KVCacheLayout, bui
 from extkv.peer import import_segments
 from extkv.tensor import ExtensibleTensor
 from extkv.testing import planted
+from extkv.testing.asleep import check_wakes_as_promised
 from extkv.testing.budget import (
     CHILD_BLOCKS,
     CLAIM_HELD,
@@ -229,6 +230,28 @@ def test_a_preserving_shrink_keeps_every_kept_chunk_on_the_real_tensor(device, b
     assert tensor.num_physical_chunks == 2
 
 
+#: A shrink whose end shares a granule with the copy's (the copy written whole
+#: stays in mapped memory, past the committed bytes), then one whose does not.
+SHRUNK_WHILE_ASLEEP = ["preserving shrink within a granule", "preserving shrink"]
+
+
+@pytest.mark.invariant(1, 4)
+@pytest.mark.planted_defect("wake-writes-whole-copy")
+def test_a_wake_writing_the_whole_copy_after_a_shrink_while_asleep_is_flagged(device):
+    """Within a granule, the copy's last ten blocks read back past the
+    committed bytes, 3 segments of 10 blocks of 8 KiB; past it, the write
+    reaches unmapped memory: on the host a SIGSEGV of the child, on a GPU an
+    error. Either way the second scenario reports nothing like a clean wake."""
+    with pytest.raises(AssertionError, match=r"^LBHNC: preserving shrink within a granule: pattern bytes past the "
+                                             r"committed ones 245760, expected 0; preserving shrink: "):
+        check_wakes_as_promised(device, KVCacheLayout.LBHNC, SHRUNK_WHILE_ASLEEP, defect="wake-writes-whole-copy")
+
+
+@pytest.mark.invariant(1, 4)
+def test_a_wake_after_a_shrink_while_asleep_passes_the_check_on_the_real_controller(device):
+    check_wakes_as_promised(device, KVCacheLayout.LBHNC, SHRUNK_WHILE_ASLEEP)
+
+
 # -- mappings ---------------------------------------------------------------------------
 def two_one_granule_commits(tensor: ExtensibleTensor) -> None:
     g = tensor.granularity
@@ -366,6 +389,7 @@ def test_a_fault_free_run_of_the_fault_enumeration_on_the_real_driver_leaves_not
 LEAKING_TEST = """
 from extkv.tensor import ExtensibleTensor
 from extkv.testing import planted
+from extkv.testing.asleep import check_wakes_as_promised
 
 
 def test_commit_and_free(device):

@@ -51,7 +51,7 @@ import functools
 from dataclasses import dataclass
 from typing import Callable, Iterable, Iterator
 
-from .. import deferred_signals
+from .. import deferred_signals, sleep
 from ..ahead import CommitAhead
 from ..budget.daemon import BudgetDaemon
 from ..budget.driver import BudgetedDriver
@@ -313,6 +313,28 @@ def shrink_releases_a_kept_chunk() -> Iterator[None]:
         yield
     finally:
         ExtensibleTensor._chunks_holding_none_of = real
+
+
+@contextlib.contextmanager
+def wake_writes_whole_copy() -> Iterator[None]:
+    """While entered, a SleepController's wake writes each segment's whole
+    offload copy at the segment's address, whatever the cache has kept or
+    committed since the sleep: after a shrink while asleep, the copy's bytes
+    land past the committed ones, in unmapped memory where the shrink left
+    a granule unmapped."""
+    real = sleep._Registration.copy_in
+
+    def whole_copy(registration) -> None:
+        buffer = registration.buffer
+        for index, copy in enumerate(registration.backup.copies):
+            if copy.numel():
+                buffer.driver.view(buffer.base + buffer.segment_offsets[index], copy.numel()).copy_(copy)
+
+    sleep._Registration.copy_in = whole_copy
+    try:
+        yield
+    finally:
+        sleep._Registration.copy_in = real
 
 
 # -- commit-ahead bookkeeping ----------------------------------------------------------
@@ -595,6 +617,14 @@ DEFECTS: dict[str, Defect] = {
             ("checks.check_mapped_as_a_shrink_keeps",
              "stress.threads.reader_beside_preserving_shrinks: the reader's process dies of the read"),
             lambda real: shrink_releases_a_kept_chunk(),
+        ),
+        Defect(
+            "wake-writes-whole-copy",
+            "a wake writes back only the offloaded blocks the cache kept while asleep, never past the committed "
+            "bytes (invariants 1 and 4)",
+            ("testing.asleep.check_wakes_as_promised: pattern bytes read past the committed ones, or the child's "
+             "death",),
+            lambda real: wake_writes_whole_copy(),
         ),
         Defect(
             "granule-mapped-twice",
