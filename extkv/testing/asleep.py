@@ -41,7 +41,7 @@ from ..cache import ExtensibleKVCache
 from ..layout import KVCacheLayout
 from ..sleep import WHILE_ASLEEP, SleepController
 from ..vmm import PoisoningDriver, driver_for
-from .children import fork_server
+from .children import fork_server, reap
 from .configs import config_for
 
 POISON = 0xA5
@@ -297,12 +297,8 @@ def wake_in_child(device: torch.device | str, layout: KVCacheLayout, names: list
     except EOFError:  # it died before sending every report
         pass
     finally:
-        process.join(timeout_s)
-        if process.is_alive():
-            process.kill()
-            process.join()
-        receiver.close()
-    return process.exitcode, reports
+        exit_code = reap(process, receiver, timeout_s)
+    return exit_code, reports
 
 
 def exit_described(code: int | None) -> str:

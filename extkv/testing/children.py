@@ -44,6 +44,18 @@ def fork_server():
     return context
 
 
+def reap(process, receiver, timeout_s: float) -> int | None:
+    """End a fork-server child once its reports are read (or it died
+    first): join it within `timeout_s`, kill it if it still lives, close
+    the parent's end of its pipe; its exit code (negative: the signal)."""
+    process.join(timeout_s)
+    if process.is_alive():
+        process.kill()
+        process.join()
+    receiver.close()
+    return process.exitcode
+
+
 def python_c(code: str, outputs: Path, environment: dict[str, str] | None = None,
              timeout: float = 300) -> subprocess.CompletedProcess:
     """`python -c CODE` in a child of the fork server, in this process's

@@ -66,7 +66,7 @@ from ..peer import ImportedSegments, import_segments
 from ..tensor import ExtensibleTensor
 from ..usage import open_chunk_fds
 from .checks import check_readback_matches_bookkeeping
-from .children import fork_server
+from .children import fork_server, reap
 from .configs import config_for
 
 _EXTKV_DIR = str(Path(__file__).parent.parent) + os.sep
@@ -408,9 +408,5 @@ def run_in_child(device: torch.device | str, *, inside_target: int = 1000, seed:
     except EOFError:  # it died before sending
         tally = None
     finally:
-        process.join(timeout_s)
-        if process.is_alive():
-            process.kill()
-            process.join()
-        receiver.close()
-    return process.exitcode, tally
+        exit_code = reap(process, receiver, timeout_s)
+    return exit_code, tally

@@ -31,7 +31,7 @@ from ...cache import ExtensibleKVCache
 from ...layout import KVCacheLayout
 from ...vmm import PoisoningDriver, driver_for
 from ..checks import check_mapped_as_a_shrink_keeps, check_readback_matches_bookkeeping
-from ..children import fork_server
+from ..children import fork_server, reap
 from ..configs import config_for
 from ..modelled_cache import capacity_for
 from ..models import ContentMismatch, LeakFound
@@ -341,9 +341,5 @@ def reader_beside_preserving_shrinks_in_child(device: torch.device | str, layout
     except EOFError:  # it died before sending
         counts = None
     finally:
-        process.join(timeout_s)
-        if process.is_alive():
-            process.kill()
-            process.join()
-        receiver.close()
-    return process.exitcode, counts
+        exit_code = reap(process, receiver, timeout_s)
+    return exit_code, counts
