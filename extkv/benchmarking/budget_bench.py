@@ -349,15 +349,21 @@ def measure_reclaim(device: torch.device, setting: Setting, client_class: type[B
     return {"bytes": blocks * GEOMETRIES[setting.geometry].bytes_per_block, "physical_bytes": held, **times}
 
 
+def refuse_a_budget_from_the_environment(what: str) -> None:
+    """ValueError where EXTKV_BUDGET names a daemon: a cache given no client
+    (and every child process, which inherits it) asks that daemon, so the
+    unbudgeted side of `what`'s comparison would be budgeted too."""
+    if os.environ.get(ENVIRONMENT_VARIABLE):
+        raise ValueError(f"{what} compares with unbudgeted caches: unset {ENVIRONMENT_VARIABLE} "
+                         f"(it names {os.environ[ENVIRONMENT_VARIABLE]!r})")
+
+
 def run(device: torch.device | str, profile: str, progress: Callable[[str], None] = print, *,
         setting: Setting | None = None, client_class: type[BudgetClient] = BudgetClient) -> dict:
     """The three readings on `device` with the profile's setting (or
     `setting`), the busy engine's client a `client_class` (a planted slow
     one, in the bench's own tests)."""
-    if os.environ.get(ENVIRONMENT_VARIABLE):
-        # A cache given no client asks the daemon it names: the unbudgeted side would be budgeted too.
-        raise ValueError(f"the budget bench compares with unbudgeted caches: unset {ENVIRONMENT_VARIABLE} "
-                         f"(it names {os.environ[ENVIRONMENT_VARIABLE]!r})")
+    refuse_a_budget_from_the_environment("the budget bench")
     device = torch.device(device)
     setting = setting_for(profile) if setting is None else setting
     spec = daemon_device(device)

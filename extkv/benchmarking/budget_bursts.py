@@ -85,7 +85,6 @@ bench's result; extkv.benchmarking.targets judges it.
 
 from __future__ import annotations
 
-import os
 import statistics
 import threading
 import time
@@ -95,13 +94,13 @@ from typing import Callable
 
 import torch
 
-from ..budget.client import ENVIRONMENT_VARIABLE, BudgetClient, read_status
+from ..budget.client import BudgetClient, read_status
 from ..budget.device import open_device
 from ..cache import ExtensibleKVCache
 from ..errors import OutOfMemoryError
 from ..testing.budget import daemon_process, short_run_dir
 from ..testing.stress.budget_sampler import SAMPLE_EVERY_S, OutsideSampler
-from .budget_bench import HANG_S, EngineChild, daemon_device
+from .budget_bench import HANG_S, EngineChild, daemon_device, refuse_a_budget_from_the_environment
 from .decode import p99
 from .geometry import GEOMETRIES
 from .primitives import synchronize
@@ -427,10 +426,7 @@ def run(device: torch.device | str, profile: str, progress: Callable[[str], None
     """Both modes' bursts on `device`, `setting.rounds` rounds, with the
     profile's setting (or `setting`); each engine's client a `client_class`
     (a planted defect's, in the bench's own tests)."""
-    if os.environ.get(ENVIRONMENT_VARIABLE):
-        # The engines inherit it: their static caches would be budgeted too.
-        raise ValueError(f"the budget's bursts compare with unbudgeted caches: unset {ENVIRONMENT_VARIABLE} "
-                         f"(it names {os.environ[ENVIRONMENT_VARIABLE]!r})")
+    refuse_a_budget_from_the_environment("the budget's bursts")
     device = torch.device(device)
     setting = setting_for(profile) if setting is None else setting
     spec = daemon_device(device)
