@@ -382,6 +382,7 @@ def test_an_unknown_ticket_or_reclaim_is_refused_and_the_connection_kept(serve, 
     engine = clients(served.path)
     ticket = engine.reserve(100)
     before = without_id(engine.report())
+    # The client refuses these before sending (it awaits no reply to a settle) ...
     for call in (lambda: engine.confirm(ticket + 1000, 1), lambda: engine.cancel(ticket + 1000)):
         with pytest.raises(BudgetProtocolError, match=str(ticket + 1000)):
             call()
@@ -390,6 +391,18 @@ def test_an_unknown_ticket_or_reclaim_is_refused_and_the_connection_kept(serve, 
     assert without_id(engine.report()) == before
     with raw_connection(served.path) as sock:
         raw_hello(sock)
+        # ... and the daemon refuses them from a peer that sends them all the same.
+        send_message(sock, {"op": "reserve", "id": 10, "bytes": 50})
+        own = receive_message(sock)["ticket"]
+        for number, message in enumerate(({"op": "confirm", "ticket": ticket, "created": 1},
+                                          {"op": "cancel", "ticket": own + 1000},
+                                          {"op": "confirm", "ticket": own, "created": 51}), start=11):
+            send_message(sock, {**message, "id": number})
+            reply = receive_message(sock)
+            assert (reply["op"], reply["id"], reply["dropped"]) == ("error", number, False), reply
+        assert "created must be <= the ticket's 50 bytes, got 51" in reply["reason"], reply
+        send_message(sock, {"op": "cancel", "id": 14, "ticket": own})
+        assert receive_message(sock)["op"] == "ok", "the connection was kept"
         send_message(sock, {"op": "released", "id": 1, "bytes": 10, "reclaim": 77})
         reply = receive_message(sock)
         assert (reply["op"], reply["dropped"]) == ("error", False) and "77" in reply["reason"], reply

@@ -18,6 +18,17 @@ and bounds every send and every read once a message has begun to arrive;
 the reader waits for the next message with poll(), unbounded, until the
 connection ends or is shut down.
 
+A confirm, a cancel and a `returned` await no reply: the daemon takes one
+connection's messages in order, so the next request of this client is
+answered with them counted, and a budgeted create waits for its grant
+alone. Each reply wakes two threads of this process, the reader and the
+caller, beside the daemon: on the 2-core host, a reserve and a confirm of
+its ticket took p50 212-218 us, p99 268-347 us while the confirm awaited
+its `ok`, and p50 76-93 us, p99 131-145 us once it did not (3,000 pairs,
+three runs each). The client checks a settle before it sends it (a ticket
+it holds open, a confirm within the bytes reserved), so that the daemon has
+no reason to refuse it.
+
 The daemon's pushes (`reclaim`) go to a second thread, which runs the
 handler given to `on_reclaim` and answers `released` with the bytes it
 freed, or `cannot`; with no handler, every reclaim is answered `cannot`.
@@ -147,6 +158,7 @@ class BudgetClient:
         self._returned_while_joining = 0
         self._connected = False
         self._open_tickets: set[int] = set()
+        self._ticket_bytes: dict[int, int] = {}  # what reserve asked, per ticket not yet settled
         self._down: str | None = None  # why it is disconnected
         self._rejoin_failed: str | None = None
         self._closed: str | None = None  # why it is closed for good
@@ -201,6 +213,8 @@ class BudgetClient:
         nbytes = validate.integer("nbytes", nbytes, minimum=1, what="bytes")
         reply = self._request({"op": "reserve", "bytes": nbytes})
         if reply["op"] == "granted":
+            with self._lock:
+                self._ticket_bytes[reply["ticket"]] = nbytes
             return reply["ticket"]
         if reply["op"] == "denied":
             raise BudgetDeniedError(nbytes, reply["reason"])
@@ -208,13 +222,17 @@ class BudgetClient:
 
     def confirm(self, ticket: int, created: int) -> None:
         """`created` bytes (at most the ticket's) were created; the rest goes
-        back. A ticket of a connection that ended is settled here alone."""
+        back. Sent, not awaited (see the module's theory); BudgetProtocolError,
+        nothing sent, for a ticket this client holds no longer (or never
+        did) or `created` past the bytes it reserved. A ticket of a
+        connection that ended is settled here alone."""
         ticket = validate.integer("ticket", ticket, minimum=1)
         created = validate.integer("created", created, what="bytes")
         self._settle({"op": "confirm", "ticket": ticket, "created": created})
 
     def cancel(self, ticket: int) -> None:
-        """The create the ticket was for failed: all of it goes back."""
+        """The create the ticket was for failed: all of it goes back. Sent
+        and checked as `confirm` is."""
         ticket = validate.integer("ticket", ticket, minimum=1)
         self._settle({"op": "cancel", "ticket": ticket})
 
@@ -407,23 +425,35 @@ class BudgetClient:
         return reply
 
     def _settle(self, message: dict) -> None:
-        """Confirm or cancel a ticket. One of a connection that ended is
-        settled here alone: the daemon that granted it is gone or has ended
-        the lease, and the rejoin's held counts what it created."""
+        """Confirm or cancel a ticket, awaiting no reply: a create waits for
+        its grant, never for the daemon to hear what it created. The daemon
+        takes a connection's messages in order, so whatever this client asks
+        next (a reserve, a report) is answered with the settle counted. So
+        that the daemon has no reason to refuse it, the ticket is checked
+        here first: one this client holds open, and a confirm of at most the
+        bytes it reserved (BudgetProtocolError naming the value, nothing
+        sent). A refusal all the same (a ticket that outlived its time to
+        live) comes back to no caller, and is warned of. One of a connection
+        that ended is settled here alone: the daemon that granted it is gone
+        or has ended the lease, and the rejoin's held counts what it
+        created."""
         op, ticket = message["op"], message["ticket"]
+        with self._changed:
+            if ticket not in self._open_tickets:
+                raise BudgetProtocolError(f"{op}: ticket must be one of this client's open tickets "
+                                          f"{sorted(self._open_tickets)}, got {ticket} (settled, or never granted)")
+            reserved = self._ticket_bytes.get(ticket)
+            if op == "confirm" and reserved is not None and message["created"] > reserved:
+                raise BudgetProtocolError(f"confirm: created must be <= the ticket's {reserved} bytes, "
+                                          f"got {message['created']}")
         try:
-            reply = self._request(message)
+            self._request(message, wait=False)
         except BudgetUnavailableError:
-            with self._changed:
-                if self._closed is not None or ticket not in self._open_tickets:
-                    raise
-                self._open_tickets.discard(ticket)
-                self._changed.notify_all()
-            return
-        if reply["op"] != "ok":
-            raise self._refused(op, reply)
+            if self._closed is not None:
+                raise
         with self._changed:
             self._open_tickets.discard(ticket)
+            self._ticket_bytes.pop(ticket, None)
             self._changed.notify_all()
 
     def _refused(self, op: str, reply: dict) -> Exception:
@@ -474,6 +504,9 @@ class BudgetClient:
                             self._open_tickets.add(message["ticket"])
                 if waiter is not None:
                     waiter.done.set()
+                elif message["op"] == "error":
+                    warn_without_raising(f"the budget daemon at {self.socket_path!r} refused a message this client "
+                                         f"awaited no reply to: {message['reason']}")
         except (OSError, ValueError) as error:  # the connection ended, or the daemon sent garbage
             reason = f"{type(error).__name__}: {error}"
         finally:
