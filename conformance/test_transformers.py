@@ -38,22 +38,13 @@ from extkv.testing.checks import (
     readback_one_chunk_per_segment,
     register_workload_warm_up,
 )
+from extkv.testing.generating_engines import TINY_LLAMA
 from extkv.vmm import PoisoningDriver, cuda_usable, driver_for
 
 POISON = 0xA5
-#: A few layers of a tiny decoder; no eos, so every generation runs its length.
-COMMON = {
-    "vocab_size": 256,
-    "hidden_size": 64,
-    "intermediate_size": 128,
-    "num_hidden_layers": 2,
-    "num_attention_heads": 4,
-    "num_key_value_heads": 2,
-    "max_position_embeddings": 8192,
-    "bos_token_id": 0,
-    "eos_token_id": None,
-    "pad_token_id": 0,
-}
+#: The two engines' tiny decoder (no eos, so every generation runs its
+#: length), with room for the longest generation here.
+COMMON = {**TINY_LLAMA, "max_position_embeddings": 8192}
 #: name -> (config class, model class, config overrides).
 ARCHITECTURES = {
     "llama": ("LlamaConfig", "LlamaForCausalLM", {}),
