@@ -41,7 +41,7 @@ from ..cache import ExtensibleKVCache
 from ..layout import KVCacheLayout
 from ..sleep import WHILE_ASLEEP, SleepController
 from ..vmm import PoisoningDriver, driver_for
-from .children import fork_server, reap
+from .children import reap, start_reporting
 from .configs import config_for
 
 POISON = 0xA5
@@ -284,11 +284,7 @@ def wake_in_child(device: torch.device | str, layout: KVCacheLayout, names: list
     """The scenarios `names`, one after another in a child of the fork
     server (with the planted `defect` entered, a context manager's): its
     exit code and each report it sent before it ended."""
-    context = fork_server()
-    receiver, sender = context.Pipe(duplex=False)
-    process = context.Process(target=_child, args=(str(device), layout.name, list(names), defect, sender), daemon=True)
-    process.start()
-    sender.close()
+    process, receiver = start_reporting(_child, str(device), layout.name, list(names), defect)
     reports: dict[str, dict] = {}
     try:
         while len(reports) < len(names) and receiver.poll(timeout_s):

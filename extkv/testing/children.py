@@ -44,6 +44,19 @@ def fork_server():
     return context
 
 
+def start_reporting(target, *args):
+    """A daemonic child of the fork server running `target(*args, sender)`,
+    and the parent's end of the pipe `sender` writes reports into (the
+    parent's copy of the writing end is closed, so a child that dies shows
+    as the end of the pipe)."""
+    context = fork_server()
+    receiver, sender = context.Pipe(duplex=False)
+    process = context.Process(target=target, args=(*args, sender), daemon=True)
+    process.start()
+    sender.close()
+    return process, receiver
+
+
 def reap(process, receiver, timeout_s: float) -> int | None:
     """End a fork-server child once its reports are read (or it died
     first): join it within `timeout_s`, kill it if it still lives, close

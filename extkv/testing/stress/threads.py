@@ -31,7 +31,7 @@ from ...cache import ExtensibleKVCache
 from ...layout import KVCacheLayout
 from ...vmm import PoisoningDriver, driver_for
 from ..checks import check_mapped_as_a_shrink_keeps, check_readback_matches_bookkeeping
-from ..children import fork_server, reap
+from ..children import reap, start_reporting
 from ..configs import config_for
 from ..modelled_cache import capacity_for
 from ..models import ContentMismatch, LeakFound
@@ -331,11 +331,7 @@ def reader_beside_preserving_shrinks_in_child(device: torch.device | str, layout
     (with the planted `defect` staged, a context manager's): its exit code
     (a read of unmapped memory is a signal's, not the end of the caller)
     and its counts (None where it died before sending them)."""
-    context = fork_server()
-    receiver, sender = context.Pipe(duplex=False)
-    process = context.Process(target=_reader_child, args=(str(device), layout.name, seed, defect, sender), daemon=True)
-    process.start()
-    sender.close()
+    process, receiver = start_reporting(_reader_child, str(device), layout.name, seed, defect)
     try:
         counts = receiver.recv() if receiver.poll(timeout_s) else None
     except EOFError:  # it died before sending
