@@ -57,6 +57,20 @@ def start_reporting(target, *args):
     return process, receiver
 
 
+def one_report(timeout_s: float, target, *args):
+    """`start_reporting(target, *args)` for a child that sends one report:
+    its exit code and the report (None where it died before sending it,
+    or sent nothing within `timeout_s`)."""
+    process, receiver = start_reporting(target, *args)
+    try:
+        report = receiver.recv() if receiver.poll(timeout_s) else None
+    except EOFError:  # it died before sending
+        report = None
+    finally:
+        exit_code = reap(process, receiver, timeout_s)
+    return exit_code, report
+
+
 def reap(process, receiver, timeout_s: float) -> int | None:
     """End a fork-server child once its reports are read (or it died
     first): join it within `timeout_s`, kill it if it still lives, close

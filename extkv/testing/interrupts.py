@@ -66,7 +66,7 @@ from ..peer import ImportedSegments, import_segments
 from ..tensor import ExtensibleTensor
 from ..usage import open_chunk_fds
 from .checks import check_readback_matches_bookkeeping
-from .children import reap, start_reporting
+from .children import one_report
 from .configs import config_for
 
 _EXTKV_DIR = str(Path(__file__).parent.parent) + os.sep
@@ -398,11 +398,4 @@ def run_in_child(device: torch.device | str, *, inside_target: int = 1000, seed:
     """`run_interrupted` in a child process (with the planted `defect`
     staged, stopping at the first problem): its exit code and tally (None
     where it died before sending one)."""
-    process, receiver = start_reporting(_child, str(device), inside_target, seed, defect)
-    try:
-        tally = receiver.recv() if receiver.poll(timeout_s) else None
-    except EOFError:  # it died before sending
-        tally = None
-    finally:
-        exit_code = reap(process, receiver, timeout_s)
-    return exit_code, tally
+    return one_report(timeout_s, _child, str(device), inside_target, seed, defect)

@@ -31,7 +31,7 @@ from ...cache import ExtensibleKVCache
 from ...layout import KVCacheLayout
 from ...vmm import PoisoningDriver, driver_for
 from ..checks import check_mapped_as_a_shrink_keeps, check_readback_matches_bookkeeping
-from ..children import reap, start_reporting
+from ..children import one_report
 from ..configs import config_for
 from ..modelled_cache import capacity_for
 from ..models import ContentMismatch, LeakFound
@@ -331,11 +331,4 @@ def reader_beside_preserving_shrinks_in_child(device: torch.device | str, layout
     (with the planted `defect` staged, a context manager's): its exit code
     (a read of unmapped memory is a signal's, not the end of the caller)
     and its counts (None where it died before sending them)."""
-    process, receiver = start_reporting(_reader_child, str(device), layout.name, seed, defect)
-    try:
-        counts = receiver.recv() if receiver.poll(timeout_s) else None
-    except EOFError:  # it died before sending
-        counts = None
-    finally:
-        exit_code = reap(process, receiver, timeout_s)
-    return exit_code, counts
+    return one_report(timeout_s, _reader_child, str(device), layout.name, seed, defect)
