@@ -203,6 +203,42 @@ def test_committable_blocks_follow_the_budget_never_the_device_s_free_memory():
             cache.commit(cache.committable_blocks())  # all of it is granted, without a wait
 
 
+def test_commit_ahead_waits_out_a_reclaim_so_the_engine_s_commits_find_their_blocks_ready():
+    """An idle engine holds the whole budget: nothing is granted without a
+    wait. The busy engine's commit-ahead worker asks anyway, its reserve
+    waits while the daemon reclaims from the idle one, and the window
+    grows with no commit of the busy engine's asking: its next commits
+    find their blocks ready instead of waiting for the reclaim themselves."""
+    budget = 12 << 20  # two granules in each of the 3 segments
+    with served_daemon(budget) as served, BudgetClient(served.path, timeout=TIMEOUT_S) as client_idle, \
+            BudgetClient(served.path, timeout=TIMEOUT_S) as client_busy:
+        idle = ExtensibleKVCache(config_for("full", LAYOUT), HostDriver(), LAYOUT, budget=client_idle)
+        busy = ExtensibleKVCache(config_for("full", LAYOUT), HostDriver(), LAYOUT, budget=client_busy)
+        try:
+            idle.commit(idle.blocks_within(budget))
+
+            def give_back(target: int) -> int:
+                before = idle.physical_bytes
+                idle.commit(0, shrink=True)
+                return before - idle.physical_bytes
+
+            client_idle.on_reclaim(give_back)
+            assert (idle.physical_bytes, busy.committable_blocks()) == (budget, 0), (
+                f"the idle engine holds {idle.physical_bytes} of {budget} bytes: nothing to wait out")
+            window = busy.blocks_within(budget // 2)
+            busy.commit_ahead(window)
+            assert busy.settle_commit_ahead(TIMEOUT_S), "the commit-ahead worker did not settle"
+            assert (busy.grown_blocks, busy.num_committed_blocks) == (window, 0), (
+                f"commit-ahead grew {busy.grown_blocks} blocks of a {window}-block window over 0 committed, "
+                f"with the idle engine holding {idle.physical_bytes} bytes")
+            busy.commit(window)
+            check_ledger_holds(client_busy, busy.physical_bytes, "after the busy engine's commit")
+            check_ledger_holds(client_idle, idle.physical_bytes, "after the idle engine's reclaim")
+        finally:
+            busy.free()
+            idle.free()
+
+
 def test_measure_kv_cache_blocks_sizes_a_budgeted_cache_by_its_grant_and_leaves_torch_uncapped():
     """The post-warmup sizing of a budgeted cache is what the budget grants
     it, whatever the device reads as free or the engine requested: a device

@@ -19,9 +19,12 @@ Counts, all in blocks:
   grown blocks while the worker runs and no operation that unmaps or moves
   mapped blocks is in flight; 0 otherwise (off, stopped, asleep, a kept
   error, a remap in flight, a forked child's copy). The worker owns it.
-- *target*: ``min(committed + window, max_blocks, committable_blocks())``:
-  the worker grows toward it, never past what `committable_blocks()`
-  allows, so a commit ahead never eats into `reserved_headroom_bytes`.
+- *target*: ``min(committed + window, max_blocks, ceiling)``: the worker
+  grows toward it. Unbudgeted the ceiling is `committable_blocks()`, so a
+  commit ahead never eats into `reserved_headroom_bytes`; under a shared
+  budget it is the capacity, and each step's reserve asks the daemon,
+  waiting while it reclaims from idle engines: the engine's steps go on
+  over the blocks already ready meanwhile.
 
 One small lock, the cache's count lock, guards committed, ready, the fence
 and the worker's flags; lock order: the reservation's lock, then the count
@@ -66,8 +69,11 @@ How the other operations meet the worker:
   a shrink to fewer releases them.
 
 Faults: a step that meets out-of-memory (the engine's own allocations took
-the memory) idles the worker silently until the next commit wakes it: the
-engine never asked for those blocks. Any other error, in a step or around
+the memory, or the budget denied its reserve) idles the worker silently
+until the next commit wakes it: the engine never asked for those blocks.
+A step's reserve that waits holds the reservation's lock meanwhile, so a
+stop or a locked commit waits for the daemon's answer: a reclaim's time,
+at most its deadline (extkv.budget.ledger's RECLAIM_DEADLINE_S). Any other error, in a step or around
 it (reading free memory, making the side stream), is kept, and the next
 `commit` raises it (a `BackgroundGrowthError` naming the step, chained to
 the driver's error) before it changes anything; the commit after that runs
@@ -104,9 +110,11 @@ class CommitAhead:
     held) and the blocks its own growth has zeroed so far."""
 
     def __init__(self, cache, window_blocks: int, max_blocks: int, step_blocks: int, *,
-                 count_lock: threading.Lock, grow: Callable[[int], None], zeroed: int):
+                 count_lock: threading.Lock, grow: Callable[[int], None], zeroed: int,
+                 ceiling: Callable[[], int]):
         self.cache = cache
         self._grow = grow
+        self._ceiling = ceiling
         self.window_blocks = window_blocks
         self.max_blocks = max_blocks
         self.step_blocks = step_blocks
@@ -258,7 +266,7 @@ class CommitAhead:
         wanted = min(cache.num_committed_blocks + self.window_blocks, self.max_blocks)
         if wanted <= cache.grown_blocks:
             return wanted
-        return min(wanted, cache.committable_blocks())
+        return min(wanted, self._ceiling())
 
     def _step(self, driver) -> bool:
         """One step toward the target, reservation lock held; whether another is due."""

@@ -583,7 +583,8 @@ class ExtensibleKVCache:
         """Keep up to `window_blocks` blocks mapped and zeroed past the
         committed ones, grown by a background worker (extkv.ahead), never
         past `max_blocks` (default: the capacity) nor what
-        `committable_blocks()` allows, in steps of at most `step_blocks`
+        `committable_blocks()` allows (under a shared budget: what the
+        budget grants, waiting while it reclaims), in steps of at most `step_blocks`
         (default: DEFAULT_STEP_BYTES of blocks). 0 turns it off: the worker
         is stopped and joined before this returns, also when called under
         `buffer.lock`; the blocks it grew stay mapped until a shrink, a
@@ -597,7 +598,8 @@ class ExtensibleKVCache:
         self._stop_commit_ahead()
         if window_blocks:
             self._ahead = self._Worker(self, window_blocks, max_blocks, step_blocks, count_lock=self._count_lock,
-                                       grow=self._grow_zeroed, zeroed=self._zeroed_through)
+                                       grow=self._grow_zeroed, zeroed=self._zeroed_through,
+                                       ceiling=self._ahead_ceiling_blocks)
 
     def _stop_commit_ahead(self) -> None:  # reservation lock held
         ahead, self._ahead = self._ahead, None
@@ -712,6 +714,20 @@ class ExtensibleKVCache:
         free_memory, _ = driver.memory_info()
         budget = committable_bytes(free_memory, self.physical_bytes, self.reserved_headroom_bytes)
         return max(self.blocks_within(budget), self.num_committed_blocks)
+
+    def _ahead_ceiling_blocks(self) -> int:
+        """The most blocks the commit-ahead worker grows toward. Unbudgeted,
+        `committable_blocks()`: a commit ahead never eats into warmup's
+        headroom. Under a shared budget, the capacity: each step reserves its
+        bytes as any create does, so the reserve may wait while the daemon
+        reclaims from engines above their shares, or be denied, which idles
+        the worker until the next commit. The reclaim is then waited for
+        beside the engine's steps, not by the commit that reaches past the
+        window (what the budget grants without a wait is nothing while an
+        idle engine keeps its finished KV)."""
+        if isinstance(self.buffer.driver, BudgetedDriver):
+            return self.capacity_blocks
+        return self.committable_blocks()
 
     # -- views ------------------------------------------------------------------
     def _locate(self, start: int) -> tuple[int, int]:
