@@ -189,7 +189,7 @@ def test_a_commit_failing_part_way_leaves_the_ledger_holding_what_exists(step):
 
 def test_committable_blocks_follow_the_budget_never_the_device_s_free_memory():
     """Under a budget a cache sizes its growth (`committable_blocks`, which
-    the commit-ahead worker and engines read) by what the budget grants now:
+    engines read) by what the budget grants now:
     a device reading far above or below it changes nothing, so engines
     sizing at once never race on it; another engine's grant lowers it."""
     readings = InjectedReadingsDriver(HostDriver(), free=1 << 50, total=1 << 50)
