@@ -411,6 +411,22 @@ def test_an_unknown_ticket_or_reclaim_is_refused_and_the_connection_kept(serve, 
     engine.confirm(ticket, 100)
 
 
+def test_a_refusal_of_a_message_sent_without_awaiting_is_warned_of_and_the_lease_serves_on(serve, clients):
+    """A confirm, a cancel and a return are sent and not awaited; the client
+    checks each first, so the daemon has no reason to refuse one. Should it
+    all the same (here a confirm of a ticket this client never held, sent
+    past those checks), the refusal reaches no caller: the client's reader
+    warns of it, nothing changes, and the lease serves on."""
+    served = serve()
+    engine = clients(served.path)
+    before = without_id(engine.report())
+    with pytest.warns(RuntimeWarning, match="refused a message this client awaited no reply to: .*12345"):
+        engine._request({"op": "confirm", "ticket": 12345, "created": 1}, wait=False)
+        after = without_id(engine.report())  # answered after the refusal, which the reader took first
+    assert after == before
+    assert engine.reserve(10) > 0, "the lease serves on"
+
+
 @pytest.mark.budget_proof("hostile peers")
 @pytest.mark.invariant(5, 6)
 def test_another_uid_is_refused_before_anything_it_sends_is_read(serve):
