@@ -68,9 +68,9 @@ committed blocks) are not contents: the copy leaves them out, and they wake
 zeroed, or unmapped until the worker maps them again.
 
 States, per tag: awake, asleep (every registration's memory released), or
-partly asleep, which only an operation that failed part way leaves (a
-driver error releasing the third of five caches, a recommit out of
-memory). Each registration records whether it sleeps; what already moved
+partly asleep: an operation failed part way (a driver error releasing the
+third of five caches, a recommit out of memory), or a sleeping cache's own
+operation mapped memory again (`WHILE_ASLEEP`). Each registration records whether it sleeps; what already moved
 stays moved, and calling the same word again completes it, so does the
 opposite word: a partly asleep tag goes either way. A copy is taken for
 every registration before the first release, so host memory running out
@@ -122,7 +122,10 @@ a controller. Reads (`tags`, `state`, `states`, `is_sleeping`,
 `offloaded_bytes`, repr) take no lock: each operation publishes, as it
 ends, an immutable snapshot of what it left, and a read returns the
 latest, the state before or after an operation in flight, never waiting
-for it.
+for it. Between operations a state is read from the registrations
+themselves, since a cache's own operations change what it holds without
+the controller (a move counts itself in and out, and a read that saw one
+begin takes the snapshot).
 
 Signals. Each attempt runs with signal handlers deferred
 (extkv.deferred_signals), so a copy or release once begun runs whole. A
@@ -254,11 +257,10 @@ class _Snapshot:
 
     #: Each tag's state, tags in the order they were first registered.
     states: Mapping[str, TagState]
-    registrations: Mapping[str, int]
     offloaded_bytes: int
 
 
-_NOTHING_REGISTERED = _Snapshot(MappingProxyType({}), MappingProxyType({}), 0)
+_NOTHING_REGISTERED = _Snapshot(MappingProxyType({}), 0)
 
 
 def _describe(value: object) -> str:
@@ -388,6 +390,8 @@ class SleepController:
         self._registrations: list[_Registration] = []
         self._lock = threading.RLock()
         self._snapshot = _NOTHING_REGISTERED
+        #: Odd while a move is in flight: a read then takes the snapshot.
+        self._moves = 0
 
     # -- registering ----------------------------------------------------------
     def register(self, target: ExtensibleKVCache | ExtensibleTensor, tag: str = DEFAULT_TAG, *,
@@ -440,19 +444,36 @@ class SleepController:
         return list(self._snapshot.states)
 
     def state(self, tag: str) -> TagState:
-        """Awake, asleep, or partly asleep (an operation failed part way)."""
-        states = self._snapshot.states
+        """Awake, asleep, or partly asleep (an operation failed part way, or
+        a cache grew while its tag slept)."""
+        states = self._states_now()
         (tag,) = self._checked_tags("state", [tag], list(states))
         return states[tag]
 
     @property
     def states(self) -> dict[str, TagState]:
-        return dict(self._snapshot.states)
+        return dict(self._states_now())
 
     @property
     def is_sleeping(self) -> bool:
         """Whether any tag is not awake (vLLM's `is_sleeping`: true until every tag woke)."""
-        return any(state is not TagState.AWAKE for state in self._snapshot.states.values())
+        return any(state is not TagState.AWAKE for state in self._states_now().values())
+
+    def _states_now(self) -> Mapping[str, TagState]:
+        """Each tag's state, taking no lock. Between moves, read from the
+        registrations themselves: a cache's own operations change what it
+        holds (a growth while its tag sleeps maps memory, leaving the tag
+        partly asleep) and publish nothing here. While a move is in flight,
+        or if one began during the reading, the snapshot the last move left:
+        a move's half-way states are never read."""
+        before = self._moves
+        if before % 2 == 0:
+            registrations = list(self._registrations)
+            tags = dict.fromkeys(r.tag for r in registrations)
+            states = {tag: self._state_of([r for r in registrations if r.tag == tag]) for tag in tags}
+            if self._moves == before:
+                return states
+        return self._snapshot.states
 
     @property
     def offloaded_bytes(self) -> int:
@@ -463,7 +484,11 @@ class SleepController:
         return list(dict.fromkeys(r.tag for r in self._registrations))
 
     def _live_state(self, tag: str) -> TagState:
-        states = {r.state for r in self._registrations if r.tag == tag}
+        return self._state_of([r for r in self._registrations if r.tag == tag])
+
+    @staticmethod
+    def _state_of(registrations: list[_Registration]) -> TagState:
+        states = {r.state for r in registrations}
         return states.pop() if len(states) == 1 else TagState.PARTLY_ASLEEP
 
     def _publish(self) -> None:
@@ -471,7 +496,6 @@ class SleepController:
         tags = self._live_tags()
         self._snapshot = _Snapshot(
             states=MappingProxyType({tag: self._live_state(tag) for tag in tags}),
-            registrations=MappingProxyType({tag: sum(r.tag == tag for r in self._registrations) for tag in tags}),
             offloaded_bytes=sum(r.backup.nbytes for r in self._registrations if r.backup is not None),
         )
 
@@ -564,6 +588,7 @@ class SleepController:
                 if not buffer.lock.acquire(blocking=False):
                     return _Busy(buffer.lock)
                 held.callback(buffer.lock.release)
+            self._moves += 1
             try:
                 if direction is _Move.WAKE:
                     self._wake(registrations)
@@ -571,6 +596,7 @@ class SleepController:
                     self._sleep(registrations, keep_offloaded)
             finally:
                 self._publish()  # a move that failed part way moved some
+                self._moves += 1
         logger.info("SleepController.%s(): tags %s now %s.", word, sorted(moving),
                     {tag: self._snapshot.states[tag].value for tag in sorted(moving)})
         return None
@@ -622,6 +648,6 @@ class SleepController:
         return list(dict.fromkeys(tags))
 
     def __repr__(self) -> str:
-        snapshot = self._snapshot
-        parts = [f"{tag}: {state.value} ({snapshot.registrations[tag]})" for tag, state in snapshot.states.items()]
+        registrations = [r.tag for r in list(self._registrations)]
+        parts = [f"{tag}: {state.value} ({registrations.count(tag)})" for tag, state in self._states_now().items()]
         return f"SleepController({', '.join(parts)})"

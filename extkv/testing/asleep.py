@@ -22,7 +22,8 @@ blocks the table says come back (`kept`) that differ from the pattern or
 are not committed; the non-zero bytes of the committed blocks past them;
 and the pattern bytes anywhere mapped past the committed bytes (what a
 write past them leaves where a granule is mapped whole). Beside them: the
-committed count, the tag's state, the host bytes the controller still
+committed count, the tag's state before the wake (partly asleep where the
+operation mapped memory again) and after it, the host bytes the controller still
 holds, and an error's type and message. No view's contents are ever
 printed: a view may reach unmapped memory.
 """
@@ -76,6 +77,9 @@ class Scenario:
     committed: int
     #: What `wake_up` raises, by type and message; None: nothing.
     error: str | None = None
+    #: The tag's state after the act, before the wake: partly asleep where
+    #: the act mapped memory again (a growth, a discarding shrink, a recommit).
+    asleep_state: str = "asleep"
     #: Measured after a commit back to COMMITTED blocks: a shrink keeping
     #: contents that lands after the wake keeps the chunk straddling its end
     #: whole, and the woken bytes past the end stay there until a growth
@@ -130,28 +134,32 @@ def _shrink_beside_the_wake(cache: ExtensibleKVCache, context: _Context) -> None
 
 
 PRESERVING_SHRINK = "commit(n, shrink=True, preserve_contents=True)"
+PARTLY = "partly asleep"
 
 #: Every scenario by name; each row of WHILE_ASLEEP has at least one.
 SCENARIOS: dict[str, Scenario] = {
-    "growth": Scenario("commit(n)", GROWN, lambda cache, _: cache.commit(GROWN), GROWN),
+    "growth": Scenario("commit(n)", GROWN, lambda cache, _: cache.commit(GROWN), GROWN, asleep_state=PARTLY),
     "commit below the count": Scenario("commit(n)", SHRUNK, lambda cache, _: cache.commit(SHRUNK), COMMITTED),
     "preserving shrink": Scenario(
         PRESERVING_SHRINK, SHRUNK, lambda cache, _: cache.commit(SHRUNK, shrink=True, preserve_contents=True), SHRUNK),
     "preserving shrink within a granule": Scenario(
         PRESERVING_SHRINK, SHRUNK_IN_GRANULE,
         lambda cache, _: cache.commit(SHRUNK_IN_GRANULE, shrink=True, preserve_contents=True), SHRUNK_IN_GRANULE),
-    "preserving shrink, then growth": Scenario(PRESERVING_SHRINK, SHRUNK, _commit_after_preserving_shrink, COMMITTED),
+    "preserving shrink, then growth": Scenario(PRESERVING_SHRINK, SHRUNK, _commit_after_preserving_shrink, COMMITTED,
+                                               asleep_state=PARTLY),
     "discarding shrink": Scenario(
-        "commit(n, shrink=True)", SHRUNK, lambda cache, _: cache.commit(SHRUNK, shrink=True), SHRUNK),
+        "commit(n, shrink=True)", SHRUNK, lambda cache, _: cache.commit(SHRUNK, shrink=True), SHRUNK,
+        asleep_state=PARTLY),
     "discarding defragment": Scenario(
-        "commit(n, defragment=True)", COMMITTED, lambda cache, _: cache.commit(COMMITTED, defragment=True), COMMITTED),
+        "commit(n, defragment=True)", COMMITTED, lambda cache, _: cache.commit(COMMITTED, defragment=True), COMMITTED,
+        asleep_state=PARTLY),
     "preserving defragment": Scenario(
         "commit(n, defragment=True, preserve_contents=True)", COMMITTED,
         lambda cache, _: cache.commit(COMMITTED, defragment=True, preserve_contents=True), COMMITTED),
     "commit-ahead turned on": Scenario(
         "commit_ahead(window)", WINDOW, lambda cache, _: cache.commit_ahead(WINDOW, step_blocks=STEP), COMMITTED),
     "release_physical": Scenario("release_physical()", 0, lambda cache, _: cache.release_physical(), COMMITTED),
-    "recommit": Scenario("recommit()", 0, lambda cache, _: cache.recommit(), COMMITTED),
+    "recommit": Scenario("recommit()", 0, lambda cache, _: cache.recommit(), COMMITTED, asleep_state=PARTLY),
     "free": Scenario(
         "free()", 0, lambda cache, _: cache.free(), 0,
         error="StateError: SleepController.wake_up(): the ExtensibleKVCache registered under tag 'kv_cache' is "
@@ -175,11 +183,12 @@ def scenarios_of(row: str) -> list[str]:
 def expected_report(name: str) -> dict:
     """What the scenario's report must read: the row's blocks back byte for
     byte, every other committed byte zero, nothing written past the
-    committed bytes, the tag awake and no host copy held."""
+    committed bytes, the tag partly asleep before the wake where the act
+    mapped memory again (else asleep), awake after it, and no host copy held."""
     scenario = SCENARIOS[name]
     if scenario.error is not None:
-        return {"error": scenario.error, "offloaded bytes after unregister": 0}
-    return {"error": None, "committed": scenario.committed,
+        return {"state asleep": scenario.asleep_state, "error": scenario.error, "offloaded bytes after unregister": 0}
+    return {"state asleep": scenario.asleep_state, "error": None, "committed": scenario.committed,
             "kept": WHILE_ASLEEP[scenario.row].kept(COMMITTED, scenario.n),
             "kept bytes wrong": 0, "non-zero bytes past the kept blocks": 0,
             "pattern bytes past the committed ones": 0, "state": "awake", "offloaded bytes": 0}
@@ -244,7 +253,7 @@ def run_scenario(device: torch.device | str, layout: KVCacheLayout, name: str) -
         engine.sleep(level=1)
         context = _Context(engine)
         scenario.act(cache, context)
-        report: dict = {"error": None}
+        report: dict = {"state asleep": engine.state("kv_cache").value, "error": None}
         try:
             context.around_wake(engine.wake_up)
         except Exception as error:  # reported, compared by the caller
