@@ -411,6 +411,8 @@ def test_an_unknown_ticket_or_reclaim_is_refused_and_the_connection_kept(serve, 
     engine.confirm(ticket, 100)
 
 
+@pytest.mark.budget_proof("hostile peers")
+@pytest.mark.invariant(5, 6)
 def test_a_refusal_of_a_message_sent_without_awaiting_is_warned_of_and_the_lease_serves_on(serve, clients):
     """A confirm, a cancel and a return are sent and not awaited; the client
     checks each first, so the daemon has no reason to refuse one. Should it
