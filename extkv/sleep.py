@@ -70,9 +70,10 @@ zeroed, or unmapped until the worker maps them again.
 States, per tag: awake, asleep (every registration's memory released), or
 partly asleep: an operation failed part way (a driver error releasing the
 third of five caches, a recommit out of memory), or a sleeping cache's own
-operation mapped memory again (`WHILE_ASLEEP`). Each registration records whether it sleeps; what already moved
-stays moved, and calling the same word again completes it, so does the
-opposite word: a partly asleep tag goes either way. A copy is taken for
+operation mapped memory again (`WHILE_ASLEEP`). Each registration records
+whether it sleeps; what already moved stays moved, and calling the same
+word again completes it, so does the opposite word: a partly asleep tag
+goes either way. A copy is taken for
 every registration before the first release, so host memory running out
 changes nothing.
 
@@ -468,9 +469,7 @@ class SleepController:
         a move's half-way states are never read."""
         before = self._moves
         if before % 2 == 0:
-            registrations = list(self._registrations)
-            tags = dict.fromkeys(r.tag for r in registrations)
-            states = {tag: self._state_of([r for r in registrations if r.tag == tag]) for tag in tags}
+            states = self._states_of(list(self._registrations))
             if self._moves == before:
                 return states
         return self._snapshot.states
@@ -491,11 +490,16 @@ class SleepController:
         states = {r.state for r in registrations}
         return states.pop() if len(states) == 1 else TagState.PARTLY_ASLEEP
 
+    @classmethod
+    def _states_of(cls, registrations: list[_Registration]) -> dict[str, TagState]:
+        """Each tag's state, tags in the order they were first registered."""
+        tags = dict.fromkeys(r.tag for r in registrations)
+        return {tag: cls._state_of([r for r in registrations if r.tag == tag]) for tag in tags}
+
     def _publish(self) -> None:
         """Snapshot what the registrations hold now (controller's lock held)."""
-        tags = self._live_tags()
         self._snapshot = _Snapshot(
-            states=MappingProxyType({tag: self._live_state(tag) for tag in tags}),
+            states=MappingProxyType(self._states_of(self._registrations)),
             offloaded_bytes=sum(r.backup.nbytes for r in self._registrations if r.backup is not None),
         )
 
