@@ -73,12 +73,13 @@ the memory, or the budget denied its reserve) idles the worker silently
 until the next commit wakes it: the engine never asked for those blocks.
 A step's reserve that waits holds the reservation's lock meanwhile, so a
 stop or a locked commit waits for the daemon's answer: a reclaim's time,
-at most its deadline (extkv.budget.ledger's RECLAIM_DEADLINE_S). Any other error, in a step or around
-it (reading free memory, making the side stream), is kept, and the next
-`commit` raises it (a `BackgroundGrowthError` naming the step, chained to
-the driver's error) before it changes anything; the commit after that runs
-normally, waking the worker to try again. The worker's thread never ends
-while commit-ahead is on.
+at most its deadline (extkv.budget.ledger's RECLAIM_DEADLINE_S). Any other
+error, in a step or around it (reading free memory, making the side
+stream), is kept, and the next `commit` raises it (a
+`BackgroundGrowthError` naming the step, chained to the driver's error)
+before it changes anything; the commit after that runs normally, waking
+the worker to try again. The worker's thread never ends while
+commit-ahead is on.
 """
 
 from __future__ import annotations

@@ -584,12 +584,12 @@ class ExtensibleKVCache:
         committed ones, grown by a background worker (extkv.ahead), never
         past `max_blocks` (default: the capacity) nor what
         `committable_blocks()` allows (under a shared budget: what the
-        budget grants, waiting while it reclaims), in steps of at most `step_blocks`
-        (default: DEFAULT_STEP_BYTES of blocks). 0 turns it off: the worker
-        is stopped and joined before this returns, also when called under
-        `buffer.lock`; the blocks it grew stay mapped until a shrink, a
-        defragment or a release. Off by default. A new window replaces the
-        worker: a cache has at most one."""
+        budget grants, waiting while it reclaims), in steps of at most
+        `step_blocks` (default: DEFAULT_STEP_BYTES of blocks). 0 turns it
+        off: the worker is stopped and joined before this returns, also when
+        called under `buffer.lock`; the blocks it grew stay mapped until a
+        shrink, a defragment or a release. Off by default. A new window
+        replaces the worker: a cache has at most one."""
         window_blocks = validate.integer("window_blocks", window_blocks, what="blocks")
         max_blocks = self.capacity_blocks if max_blocks is None else validate.integer(
             "max_blocks", max_blocks, minimum=1, maximum=self.capacity_blocks, what="blocks")
