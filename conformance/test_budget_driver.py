@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import threading
 
 import pytest
 
@@ -236,6 +237,68 @@ def test_commit_ahead_waits_out_a_reclaim_so_the_engine_s_commits_find_their_blo
             check_ledger_holds(client_idle, idle.physical_bytes, "after the idle engine's reclaim")
         finally:
             busy.free()
+            idle.free()
+
+
+@pytest.mark.invariant(7)
+@pytest.mark.parametrize("stop", ["commit_ahead(0)", "free()", "release_physical()"])
+def test_an_operation_racing_the_answer_to_the_worker_s_waiting_reserve_ends_whole(stop):
+    """The busy engine's worker waits on its reserve while the idle engine's
+    reclaim handler has not returned. A stop, a free or a release from
+    another thread and the handler's answer then start at one barrier.
+    Before the answer, the operation waits for it, not for anything of its
+    own engine (the daemon never asks an engine whose reserve waits); after
+    it, it meets a worker that was granted. Either way it ends, no worker is
+    left where it stops one, and the ledger holds exactly what each cache
+    holds."""
+    budget = 12 << 20
+    with served_daemon(budget) as served, BudgetClient(served.path, timeout=TIMEOUT_S) as client_idle, \
+            BudgetClient(served.path, timeout=TIMEOUT_S) as client_busy:
+        idle = ExtensibleKVCache(config_for("full", LAYOUT), HostDriver(), LAYOUT, budget=client_idle)
+        busy = ExtensibleKVCache(config_for("full", LAYOUT), HostDriver(), LAYOUT, budget=client_busy)
+        asked, answer, start = threading.Event(), threading.Event(), threading.Barrier(2)
+
+        def give_back_when_told(target: int) -> int:
+            asked.set()
+            assert answer.wait(TIMEOUT_S), "the test never let the reclaim answer"
+            before = idle.physical_bytes
+            idle.commit(0, shrink=True)
+            return before - idle.physical_bytes
+
+        outcome: list[BaseException | None] = []
+
+        def operate() -> None:
+            try:
+                start.wait(TIMEOUT_S)
+                {"commit_ahead(0)": lambda: busy.commit_ahead(0), "free()": busy.free,
+                 "release_physical()": busy.release_physical}[stop]()
+                outcome.append(None)
+            except BaseException as error:  # noqa: BLE001 - compared below
+                outcome.append(error)
+
+        try:
+            idle.commit(idle.blocks_within(budget))
+            client_idle.on_reclaim(give_back_when_told)
+            busy.commit_ahead(busy.blocks_within(budget // 2))
+            assert asked.wait(TIMEOUT_S), "the worker's reserve never made the daemon ask the idle engine"
+            operation = threading.Thread(target=operate)
+            operation.start()
+            start.wait(TIMEOUT_S)
+            answer.set()
+            operation.join(TIMEOUT_S)
+            assert not operation.is_alive(), f"{stop} did not end once the reclaim was answered"
+            assert outcome == [None], f"{stop} raised {outcome!r}"
+            if stop != "release_physical()":
+                assert "extkv-commit-ahead" not in [thread.name for thread in threading.enumerate()], (
+                    f"a commit-ahead worker outlived {stop}")
+            else:
+                assert busy.settle_commit_ahead(TIMEOUT_S), "the commit-ahead worker did not settle"
+            check_ledger_holds(client_busy, 0 if busy.buffer.is_freed else busy.physical_bytes, f"after {stop}")
+            check_ledger_holds(client_idle, idle.physical_bytes, "after the idle engine's reclaim")
+        finally:
+            answer.set()
+            if not busy.buffer.is_freed:
+                busy.free()
             idle.free()
 
 
