@@ -162,6 +162,30 @@ def test_growth_fails_closed_once_the_daemon_is_gone_and_what_is_held_stays_usab
         assert int(cache.buffer.segment_view(0)[:4096].sum()) == 7 * 4096
 
 
+@pytest.mark.invariant(7)
+def test_with_the_daemon_gone_commit_ahead_idles_and_its_ready_blocks_stay_committable():
+    """The worker meets a daemon gone as it meets out of memory: it idles.
+    The engine serves on from what it holds, committing every block the
+    worker grew before (mapped and granted), and its own first commit past
+    them fails closed, BudgetUnavailableError, changing nothing; no commit
+    raises the worker's failure in its place."""
+    with budgeted_cache(1 << 30) as (served, _, cache):
+        cache.commit(10)
+        cache.commit_ahead(200, step_blocks=50)
+        assert cache.settle_commit_ahead(TIMEOUT_S), "the commit-ahead worker did not settle"
+        grown = cache.grown_blocks
+        assert grown == 210 < cache.blocks_within(cache.physical_bytes) < cache.capacity_blocks, (
+            grown, cache.physical_bytes)  # the next steps past the mapped granule must create
+        served.stop()
+        for n in (50, 100, 150, grown):  # each wakes the worker, whose step needs the daemon
+            cache.commit(n)
+            assert cache.settle_commit_ahead(TIMEOUT_S), f"the worker did not settle after the commit of {n}"
+        before = snapshot(cache)
+        with pytest.raises(BudgetUnavailableError, match=served.path):
+            cache.commit(cache.capacity_blocks)
+        check_unchanged(cache, before)
+
+
 def test_a_create_outside_a_reservation_is_refused_before_the_driver_is_called():
     with served_daemon(1 << 30) as served, BudgetClient(served.path, timeout=TIMEOUT_S) as client:
         driver = BudgetedDriver(HostDriver(), client)

@@ -71,6 +71,10 @@ How the other operations meet the worker:
 Faults: a step that meets out-of-memory (the engine's own allocations took
 the memory, or the budget denied its reserve) idles the worker silently
 until the next commit wakes it: the engine never asked for those blocks.
+So does a budget daemon gone (BudgetUnavailableError): the engine serves
+on from the blocks it holds, its commits within ready counted as ever, and
+its own first commit past them meets the error itself (growth fails
+closed).
 A step's reserve that waits holds the reservation's lock meanwhile, so a
 stop or a locked commit waits for the daemon's answer: a reclaim's time,
 at most its deadline (extkv.budget.ledger's RECLAIM_DEADLINE_S). Any other
@@ -87,7 +91,7 @@ from __future__ import annotations
 import threading
 from typing import Callable
 
-from .errors import DriverError, OutOfMemoryError
+from .errors import BudgetUnavailableError, DriverError, OutOfMemoryError
 
 #: Bytes the worker maps per step, over every segment: a step holds the
 #: reservation's lock, so this bounds how long a foreground operation waits.
@@ -251,7 +255,7 @@ class CommitAhead:
                     return
         try:
             more = self._step(driver)
-        except OutOfMemoryError:
+        except (OutOfMemoryError, BudgetUnavailableError):
             more = False  # idle until the next commit wakes it
         except Exception as error:  # kept for the next commit, which raises it
             self._keep(error)
