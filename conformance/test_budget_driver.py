@@ -56,6 +56,31 @@ def budgeted_cache(budget: int, make_driver=lambda client: HostDriver()):
             cache.free()
 
 
+@contextlib.contextmanager
+def idle_and_busy_engines(budget: int):
+    """(idle cache, its client, busy cache, its client) under one daemon of
+    `budget` bytes, each engine a lease of its own; the idle one holds all of
+    the budget. Both are freed on the way out."""
+    with served_daemon(budget) as served, BudgetClient(served.path, timeout=TIMEOUT_S) as client_idle, \
+            BudgetClient(served.path, timeout=TIMEOUT_S) as client_busy:
+        idle = ExtensibleKVCache(config_for("full", LAYOUT), HostDriver(), LAYOUT, budget=client_idle)
+        busy = ExtensibleKVCache(config_for("full", LAYOUT), HostDriver(), LAYOUT, budget=client_busy)
+        try:
+            idle.commit(idle.blocks_within(budget))
+            yield idle, client_idle, busy, client_busy
+        finally:
+            if not busy.buffer.is_freed:
+                busy.free()
+            idle.free()
+
+
+def shrunk_to_nothing(cache: ExtensibleKVCache) -> int:
+    """A reclaim handler's answer: the bytes a shrink of `cache` to no blocks freed."""
+    before = cache.physical_bytes
+    cache.commit(0, shrink=True)
+    return before - cache.physical_bytes
+
+
 def test_the_ledger_holds_exactly_the_cache_s_physical_bytes_through_its_life():
     with budgeted_cache(1 << 30) as (_, client, cache):
         steps = [
@@ -235,33 +260,19 @@ def test_commit_ahead_waits_out_a_reclaim_so_the_engine_s_commits_find_their_blo
     grows with no commit of the busy engine's asking: its next commits
     find their blocks ready instead of waiting for the reclaim themselves."""
     budget = 12 << 20  # two granules in each of the 3 segments
-    with served_daemon(budget) as served, BudgetClient(served.path, timeout=TIMEOUT_S) as client_idle, \
-            BudgetClient(served.path, timeout=TIMEOUT_S) as client_busy:
-        idle = ExtensibleKVCache(config_for("full", LAYOUT), HostDriver(), LAYOUT, budget=client_idle)
-        busy = ExtensibleKVCache(config_for("full", LAYOUT), HostDriver(), LAYOUT, budget=client_busy)
-        try:
-            idle.commit(idle.blocks_within(budget))
-
-            def give_back(target: int) -> int:
-                before = idle.physical_bytes
-                idle.commit(0, shrink=True)
-                return before - idle.physical_bytes
-
-            client_idle.on_reclaim(give_back)
-            assert (idle.physical_bytes, busy.committable_blocks()) == (budget, 0), (
-                f"the idle engine holds {idle.physical_bytes} of {budget} bytes: nothing to wait out")
-            window = busy.blocks_within(budget // 2)
-            busy.commit_ahead(window)
-            assert busy.settle_commit_ahead(TIMEOUT_S), "the commit-ahead worker did not settle"
-            assert (busy.grown_blocks, busy.num_committed_blocks) == (window, 0), (
-                f"commit-ahead grew {busy.grown_blocks} blocks of a {window}-block window over 0 committed, "
-                f"with the idle engine holding {idle.physical_bytes} bytes")
-            busy.commit(window)
-            check_ledger_holds(client_busy, busy.physical_bytes, "after the busy engine's commit")
-            check_ledger_holds(client_idle, idle.physical_bytes, "after the idle engine's reclaim")
-        finally:
-            busy.free()
-            idle.free()
+    with idle_and_busy_engines(budget) as (idle, client_idle, busy, client_busy):
+        client_idle.on_reclaim(lambda target: shrunk_to_nothing(idle))
+        assert (idle.physical_bytes, busy.committable_blocks()) == (budget, 0), (
+            f"the idle engine holds {idle.physical_bytes} of {budget} bytes: nothing to wait out")
+        window = busy.blocks_within(budget // 2)
+        busy.commit_ahead(window)
+        assert busy.settle_commit_ahead(TIMEOUT_S), "the commit-ahead worker did not settle"
+        assert (busy.grown_blocks, busy.num_committed_blocks) == (window, 0), (
+            f"commit-ahead grew {busy.grown_blocks} blocks of a {window}-block window over 0 committed, "
+            f"with the idle engine holding {idle.physical_bytes} bytes")
+        busy.commit(window)
+        check_ledger_holds(client_busy, busy.physical_bytes, "after the busy engine's commit")
+        check_ledger_holds(client_idle, idle.physical_bytes, "after the idle engine's reclaim")
 
 
 @pytest.mark.invariant(7)
@@ -276,18 +287,13 @@ def test_an_operation_racing_the_answer_to_the_worker_s_waiting_reserve_ends_who
     left where it stops one, and the ledger holds exactly what each cache
     holds."""
     budget = 12 << 20
-    with served_daemon(budget) as served, BudgetClient(served.path, timeout=TIMEOUT_S) as client_idle, \
-            BudgetClient(served.path, timeout=TIMEOUT_S) as client_busy:
-        idle = ExtensibleKVCache(config_for("full", LAYOUT), HostDriver(), LAYOUT, budget=client_idle)
-        busy = ExtensibleKVCache(config_for("full", LAYOUT), HostDriver(), LAYOUT, budget=client_busy)
+    with idle_and_busy_engines(budget) as (idle, client_idle, busy, client_busy):
         asked, answer, start = threading.Event(), threading.Event(), threading.Barrier(2)
 
         def give_back_when_told(target: int) -> int:
             asked.set()
             assert answer.wait(TIMEOUT_S), "the test never let the reclaim answer"
-            before = idle.physical_bytes
-            idle.commit(0, shrink=True)
-            return before - idle.physical_bytes
+            return shrunk_to_nothing(idle)
 
         outcome: list[BaseException | None] = []
 
@@ -301,7 +307,6 @@ def test_an_operation_racing_the_answer_to_the_worker_s_waiting_reserve_ends_who
                 outcome.append(error)
 
         try:
-            idle.commit(idle.blocks_within(budget))
             client_idle.on_reclaim(give_back_when_told)
             busy.commit_ahead(busy.blocks_within(budget // 2))
             assert asked.wait(TIMEOUT_S), "the worker's reserve never made the daemon ask the idle engine"
@@ -321,9 +326,6 @@ def test_an_operation_racing_the_answer_to_the_worker_s_waiting_reserve_ends_who
             check_ledger_holds(client_idle, idle.physical_bytes, "after the idle engine's reclaim")
         finally:
             answer.set()
-            if not busy.buffer.is_freed:
-                busy.free()
-            idle.free()
 
 
 def test_measure_kv_cache_blocks_sizes_a_budgeted_cache_by_its_grant_and_leaves_torch_uncapped():
