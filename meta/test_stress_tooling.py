@@ -230,6 +230,23 @@ def test_the_outside_sampler_keeps_the_largest_sample_and_counts_each():
     assert sampler.max_plain_bytes == 5 * granule
 
 
+def test_the_largest_sample_past_the_bound_keeps_each_process_s_readings():
+    """Passes read as listed give three samples past a bound of 10 bytes
+    (12, 14, 15); the sampler keeps each process's two readings and its
+    baseline from the largest, the last, where one process read less the
+    second time."""
+    passes = iter([{1: {("process", 1): 9}, 2: {("process", 2): 6}},
+                   {1: {("process", 1): 10}, 2: {("process", 2): 7}},
+                   {1: {("process", 1): 12}, 2: {("process", 2): 7}},
+                   {1: {("process", 1): 12}, 2: {("process", 2): 6}}])
+    sampler = OutsideSampler(lambda pids: next(passes), bound=10)
+    sampler.watch(1, baseline=2)
+    sampler.watch(2, baseline=1)
+    assert [sampler.sample() for _ in range(4)] == [None, 7 + 5, 8 + 6, 10 + 5]
+    assert [total for _, total in sampler.over] == [12, 14, 15]
+    assert sampler.largest_over == {1: (12, 12, 2), 2: (7, 6, 1)}, sampler.largest_over
+
+
 def test_a_sample_counts_only_the_chunks_two_passes_in_a_row_read_in_one_process():
     """A chunk released between two passes (pid 1's inode 11), one created
     between them (inode 12), one read in another process the second time

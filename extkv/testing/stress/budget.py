@@ -172,6 +172,7 @@ class _Run:
         self.fleet: list[EngineChild] = []
         self.ended: list[EngineChild] = []
         self.held_by_ended: Pieces = {}
+        self.started = time.monotonic()
         self.restarts: list[float] = []  # time.monotonic() as each restarted daemon listened
         self.pause = threading.Event()  # never set: its wait paces the kills and the leak's reads, it orders nothing
 
@@ -326,6 +327,8 @@ class _Run:
             when, _ = max(sampler.over, key=lambda sample: sample[1])
             restarts = [restart for restart in self.restarts if restart <= when]
             result.largest_over_bound_after_restart_s = round(when - restarts[-1], 3) if restarts else None
+            result.largest_over_bound_at_s = round(when - self.started, 3)
+            result.largest_over_bound_readings = {str(pid): list(readings) for pid, readings in sampler.largest_over.items()}
         pooled.observe_physical(result.sampled_max)
         pooled.events["outside samples of the engines' chunks"] += result.samples
         pooled.events["reclaims answered past their deadline (daemon log)"] += result.reclaims_late

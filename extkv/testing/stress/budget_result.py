@@ -33,6 +33,11 @@ class BudgetStressResult:
     over_bound_samples: int = 0
     #: Seconds from the latest daemon restart to the largest sample past the bound (None: none, or no restart before).
     largest_over_bound_after_restart_s: float | None = None
+    #: Seconds from the run's start to the largest sample past the bound.
+    largest_over_bound_at_s: float | None = None
+    #: Of the largest sample past the bound, per engine process: its two
+    #: passes' readings and its baseline, "pid": [first, second, baseline] bytes.
+    largest_over_bound_readings: dict = field(default_factory=dict)
     operations: int = 0
     denials: int = 0
     unavailable: int = 0
@@ -59,9 +64,11 @@ class BudgetStressResult:
         if self.sampled_max > self.bound:
             found.append(f"sampled maximum {self.sampled_max} bytes > bound {self.bound} (budget {self.budget} + "
                          f"{self.engines} granules of {self.granule}) in {self.over_bound_samples} of {self.samples} "
-                         f"samples, the largest {self.largest_over_bound_after_restart_s} s after a daemon restart; "
+                         f"samples, the largest {self.largest_over_bound_at_s} s into the run and "
+                         f"{self.largest_over_bound_after_restart_s} s after a daemon restart; "
                          f"{self.rejoins_past_budget} rejoins took the engines past the budget, by up to "
-                         f"{self.most_past_budget} bytes")
+                         f"{self.most_past_budget} bytes; that sample's readings, pid: [first pass, second pass, "
+                         f"baseline] bytes: {self.largest_over_bound_readings}")
         if self.out_of_memory_inside_budget:
             found.append(f"{self.out_of_memory_inside_budget} creates the ledger granted ran out of memory")
         if self.reclaims_late:

@@ -91,6 +91,9 @@ class OutsideSampler:
         self.max_plain_bytes = 0
         self.last_bytes = 0
         self.over: list[tuple[float, int]] = []
+        #: Of the largest sample above `bound`: each process's two readings
+        #: and its baseline, pid -> (first, second, baseline) bytes.
+        self.largest_over: dict[int, tuple[int, int, int]] = {}
         #: The pieces each watched process was last read holding, in the last two passes.
         self.last: dict[int, Pieces] = {}
         self.error: BaseException | None = None
@@ -133,6 +136,9 @@ class OutsideSampler:
             self.max_bytes = max(self.max_bytes, total)
             self.last_bytes = total
             if self.bound is not None and total > self.bound:
+                if total > max((over for _, over in self.over), default=0):
+                    self.largest_over = {pid: (sum(previous.get(pid, {}).values()), sum(pieces[pid].values()),
+                                               baselines.get(pid, 0)) for pid in pids}
                 self.over.append((time.monotonic(), total))
             self._sampled.notify_all()
         return total
