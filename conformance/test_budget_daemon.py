@@ -12,6 +12,10 @@ pipe, a reply or the daemon's status, within HANG_S, a net against a hang.
   is denied with the numbers); confirm, cancel and returned as the status
   reports them; a reclaim answered, and one ignored (the reserve is denied
   at the deadline, naming the engine).
+- Giving a reserve up (extkv.budget.client's AbandonableReserves): one
+  given up before it starts is refused with nothing sent; one waiting on a
+  reclaim ends at once, and the grant that comes later goes back; a ticket
+  granted before the give-up stays its caller's.
 - Leases: a lease ends when its connection does, by close or by SIGKILL;
   its bytes are granted again only once the outside reading of the process
   (its memfd pages, read from /proc) shows them gone.
@@ -42,13 +46,21 @@ import time
 import pytest
 
 from extkv import cli
-from extkv.budget.client import BudgetClient, read_status
+from extkv.budget import ledger
+from extkv.budget.client import GIVEN_UP, AbandonableReserves, BudgetClient, read_status
 from extkv.budget.daemon import BudgetDaemon
 from extkv.budget.listener import DaemonRunningError
 from extkv.budget.device import HostDevice, open_device
 from extkv.budget.protocol import MAX_REQUEST_BYTES, PROTOCOL
 from extkv.errors import BudgetDeniedError, BudgetProtocolError, BudgetUnavailableError, OutOfMemoryError
-from extkv.testing.budget import ServedDaemon, check_uid_refused, daemon_process, short_run_dir, wait_for_status
+from extkv.testing.budget import (
+    CancelsSeen,
+    ServedDaemon,
+    check_uid_refused,
+    daemon_process,
+    short_run_dir,
+    wait_for_status,
+)
 from extkv.testing.children import fork_server
 from extkv.vmm import HostDriver, driver_for
 from extkv.wire import encode_message, receive_message, send_message
@@ -85,8 +97,8 @@ def serve(run_dir):
 def clients():
     made: list[BudgetClient] = []
 
-    def connect(path: str, **kwargs) -> BudgetClient:
-        made.append(BudgetClient(path, timeout=HANG_S, **kwargs))
+    def connect(path: str, client_class: type[BudgetClient] = BudgetClient, **kwargs) -> BudgetClient:
+        made.append(client_class(path, timeout=HANG_S, **kwargs))
         return made[-1]
 
     yield connect
@@ -200,6 +212,114 @@ def test_a_reclaim_ignored_is_denied_at_the_deadline_and_one_answered_makes_room
     report = asker.report()
     assert (engines_of(report)[holder_name]["held"], engines_of(report)[asker_name]["grant"]) == (700, 300)
     assert report["granted"] == BUDGET
+
+
+# -- giving a reserve up ---------------------------------------------------------
+#: A reclaim deadline no test waits out: a reserve waiting on a reclaim ends
+#: by the reclaim's answer or by being given up, never by the deadline.
+NEVER_S = 10 * HANG_S
+
+
+@pytest.fixture
+def held_back_reclaim(serve, clients, monkeypatch):
+    """(holder, asker, asked, answer): the holder holds 800 of BUDGET and,
+    asked to give back, sets `asked` and gives back what it is asked only
+    once the test sets `answer`; the asker (a CancelsSeen) finds 200 free."""
+    monkeypatch.setattr(ledger, "RECLAIM_DEADLINE_S", NEVER_S)
+    served = serve()
+    holder = clients(served.path)
+    holder.confirm(holder.reserve(800), 800)
+    asked, answer = threading.Event(), threading.Event()
+
+    def give_back_when_told(target: int) -> int:
+        asked.set()
+        assert answer.wait(HANG_S), "the test never let the reclaim answer"
+        holder.returned(target)  # as a cache's shrink does; the answer only ends the reclaim
+        return target
+
+    holder.on_reclaim(give_back_when_told)
+    try:
+        yield holder, clients(served.path, client_class=CancelsSeen), asked, answer
+    finally:
+        answer.set()
+
+
+def holder_and_asker(report: dict) -> tuple[dict, dict]:
+    """The lines of the two engines of `report`, which the asker asked for."""
+    (holder,) = [engine for engine in report["engines"] if engine["engine"] != report["asker"]]
+    (asker,) = [engine for engine in report["engines"] if engine["engine"] == report["asker"]]
+    return holder, asker
+
+
+@pytest.mark.budget_proof("grants")
+def test_a_reserve_given_up_before_it_starts_is_refused_with_nothing_sent(held_back_reclaim):
+    """Past the 200 bytes free, a reserve sent would wait on a reclaim of
+    the holder: refused unsent, the asker's next request (answered after
+    anything it sent before) finds no reclaim pending and nothing granted.
+    Once the give-up is over, the thread's reserves are sent again."""
+    _, asker, _, _ = held_back_reclaim
+    reserves = AbandonableReserves()
+    with reserves.abandoned(), reserves.abandonable():
+        with pytest.raises(BudgetDeniedError) as refused:
+            asker.reserve(300)
+    assert (refused.value.reason, refused.value.size) == (GIVEN_UP, 300), str(refused.value)
+    holder, mine = holder_and_asker(asker.report())
+    assert (holder["reclaim_pending_bytes"], mine["grant"], mine["open_tickets"]) == (0, 0, 0), (holder, mine)
+    with reserves.abandonable():
+        asker.confirm(asker.reserve(200), 200)
+    assert holder_and_asker(asker.report())[1]["held"] == 200
+
+
+@pytest.mark.budget_proof("grants")
+def test_a_reserve_waiting_on_a_reclaim_given_up_ends_at_once_and_its_grant_goes_back(held_back_reclaim):
+    """The asker's reserve of 300 waits while the holder's reclaim is held
+    back: given up from another thread, it raises at once, before the holder
+    answers. Then the holder answers, the daemon grants the reserve, and the
+    client cancels that grant: the ledger holds nothing for the asker."""
+    holder, asker, asked, answer = held_back_reclaim
+    reserves = AbandonableReserves()
+    outcome: list[int | BaseException] = []
+
+    def reserve() -> None:
+        with reserves.abandonable():
+            try:
+                outcome.append(asker.reserve(300))
+            except BaseException as error:  # noqa: BLE001 - compared below
+                outcome.append(error)
+
+    reserving = threading.Thread(target=reserve)
+    reserving.start()
+    assert asked.wait(HANG_S), "the reserve never made the daemon ask the holder"
+    with reserves.abandoned():
+        reserving.join(HANG_S)
+    assert not reserving.is_alive(), "the reserve given up waited on for the holder's answer"
+    (denied,) = outcome
+    assert isinstance(denied, BudgetDeniedError) and denied.reason == GIVEN_UP, repr(denied)
+    answer.set()
+    assert asker.cancel_sent.wait(HANG_S), "the grant of the reserve given up was never cancelled"
+    report = asker.report()
+    holder_line, mine = holder_and_asker(report)
+    assert len(asker.cancelled) == 1, asker.cancelled
+    assert (mine["grant"], mine["held"], mine["open_tickets"]) == (0, 0, 0), mine
+    assert (holder_line["held"], report["granted"]) == (700, 700), (holder_line, report["granted"])
+
+
+@pytest.mark.budget_proof("grants")
+def test_a_ticket_granted_before_the_give_up_stays_its_caller_s(serve, clients):
+    """A give-up ends the reserves waiting as it begins, not those answered:
+    a ticket granted before it is confirmed after it, no cancel is sent, and
+    the ledger holds the bytes confirmed."""
+    served = serve()
+    asker = clients(served.path, client_class=CancelsSeen)
+    reserves = AbandonableReserves()
+    with reserves.abandonable():
+        ticket = asker.reserve(300)
+        with reserves.abandoned():
+            pass
+        asker.confirm(ticket, 300)
+    (mine,) = asker.report()["engines"]
+    assert (mine["grant"], mine["held"], mine["open_tickets"], asker.cancelled) == (300, 300, 0, []), (
+        mine, asker.cancelled)
 
 
 # -- leases ----------------------------------------------------------------------

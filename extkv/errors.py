@@ -96,9 +96,11 @@ class BudgetUnavailableError(ExtkvError, ConnectionError):
 
 class BudgetDeniedError(OutOfMemoryError):
     """The budget daemon denied a reservation: granting it would take the
-    engines on the device past the budget, or this engine past its cap. An
-    OutOfMemoryError, so a caller that meets a driver's out-of-memory meets
-    this the same way; the message names the bytes asked and the reason."""
+    engines on the device past the budget, or this engine past its cap; or
+    its caller gave it up before the answer came (extkv.budget.client's
+    AbandonableReserves). An OutOfMemoryError, so a caller that meets a
+    driver's out-of-memory meets this the same way; the message names the
+    bytes asked and the reason."""
 
     def __init__(self, nbytes: int, reason: str):
         self.reason = reason

@@ -18,6 +18,20 @@ and bounds every send and every read once a message has begun to arrive;
 the reader waits for the next message with poll(), unbounded, until the
 connection ends or is shut down.
 
+Giving a reserve up. A thread whose waiting reserve holds others up (a
+commit-ahead step waits holding its cache's reservation lock) reserves
+inside `AbandonableReserves.abandonable()`. Another thread, inside
+`abandoned()` of the same object, gives up the reserve that thread waits on
+now, and refuses every reserve it starts until the block is left: each
+raises BudgetDeniedError naming the bytes, at once, and a refused one sends
+nothing. The reserve given up stays awaited by the reader, which cancels
+its grant as it arrives (a cancel awaits no reply, so the reader may send
+it) and drops a denial: once the daemon counts the cancel it holds no byte
+for it. A reply that came before the give-up is the caller's, as ever. Such
+a grant is an open ticket only from its arrival to its cancel, so a rejoin
+waits on it no longer than that, and one of a connection that ended meanwhile
+is settled here alone, as any.
+
 A confirm, a cancel and a `returned` await no reply: the daemon takes one
 connection's messages in order, so the next request of this client is
 answered with them counted, and a budgeted create waits for its grant
@@ -79,6 +93,7 @@ a child never rejoins on it. `close()` also ends the client for good.
 
 from __future__ import annotations
 
+import contextlib
 import inspect
 import math
 import numbers
@@ -114,10 +129,68 @@ _CLIENTS: "weakref.WeakSet[BudgetClient]" = weakref.WeakSet()
 _SOCKET_BIRTH = threading.Lock()
 
 
+#: Per thread, the AbandonableReserves its reserves are made under, if any.
+_RESERVING = threading.local()
+#: The reason of a BudgetDeniedError for a reserve given up by its caller.
+GIVEN_UP = "the reserve was given up by its caller (AbandonableReserves.abandoned), not answered by the daemon"
+
+
 class _Waiter:
     def __init__(self):
         self.done = threading.Event()
         self.reply: dict | None = None
+        self.abandoned = False  # given up before its reply came: the reader settles the reply
+
+
+class AbandonableReserves:
+    """The reserves of a thread that other threads may give up (see the
+    module's theory): that thread reserves inside `abandonable()`, the others
+    give up inside `abandoned()`."""
+
+    def __init__(self):
+        self._lock = threading.Lock()
+        self._abandoning = 0  # `abandoned()` blocks entered and not yet left
+        self._waiting: dict[_Waiter, BudgetClient] = {}  # the reserves waiting now, and their clients
+
+    @contextlib.contextmanager
+    def abandonable(self):
+        """While inside, the calling thread's reserves are given up by `abandoned()`."""
+        outer = getattr(_RESERVING, "reserves", None)
+        _RESERVING.reserves = self
+        try:
+            yield
+        finally:
+            _RESERVING.reserves = outer
+
+    @contextlib.contextmanager
+    def abandoned(self):
+        """While inside, from any thread: the reserve an `abandonable()` thread
+        waits on as this is entered raises BudgetDeniedError at once, and each
+        it starts before the last of these blocks is left raises it with
+        nothing sent. Blocks may nest and overlap."""
+        with self._lock:
+            self._abandoning += 1
+            waiting = list(self._waiting.items())
+        for waiter, client in waiting:
+            client._abandon(waiter)
+        try:
+            yield
+        finally:
+            with self._lock:
+                self._abandoning -= 1
+
+    def _attach(self, waiter: _Waiter, client: "BudgetClient") -> bool:
+        """Count `waiter` among the reserves waiting now; False, counting
+        nothing, inside `abandoned()`."""
+        with self._lock:
+            if self._abandoning:
+                return False
+            self._waiting[waiter] = client
+            return True
+
+    def _detach(self, waiter: _Waiter) -> None:
+        with self._lock:
+            self._waiting.pop(waiter, None)
 
 
 def _connect(socket_path: str, timeout: float | None, sock: socket.socket) -> socket.socket:
@@ -208,10 +281,21 @@ class BudgetClient:
     # -- the engine's calls ----------------------------------------------------
     def reserve(self, nbytes: int) -> int:
         """A ticket for `nbytes` about to be created; BudgetDeniedError (an
-        OutOfMemoryError) naming the bytes and the daemon's reason, or
-        BudgetUnavailableError when there is no daemon to ask."""
+        OutOfMemoryError) naming the bytes and the daemon's reason (or
+        GIVEN_UP, for a reserve given up by its caller: see
+        `AbandonableReserves`), or BudgetUnavailableError when there is no
+        daemon to ask."""
         nbytes = validate.integer("nbytes", nbytes, minimum=1, what="bytes")
-        reply = self._request({"op": "reserve", "bytes": nbytes})
+        reserves, waiter = getattr(_RESERVING, "reserves", None), _Waiter()
+        if reserves is not None and not reserves._attach(waiter, self):
+            raise BudgetDeniedError(nbytes, GIVEN_UP)
+        try:
+            reply = self._request({"op": "reserve", "bytes": nbytes}, waiter=waiter)
+        finally:
+            if reserves is not None:
+                reserves._detach(waiter)
+        if reply is None:
+            raise BudgetDeniedError(nbytes, GIVEN_UP)
         if reply["op"] == "granted":
             with self._lock:
                 self._ticket_bytes[reply["ticket"]] = nbytes
@@ -394,18 +478,22 @@ class BudgetClient:
         return BudgetUnavailableError(f"the budget daemon at {self.socket_path!r} is unavailable ({self._down}{failed}): "
                                       "growth fails closed until the client rejoins; memory already held stays usable")
 
-    def _request(self, message: dict, *, wait: bool = True, lease: int | None = None) -> dict | None:
+    def _request(self, message: dict, *, wait: bool = True, lease: int | None = None,
+                 waiter: _Waiter | None = None) -> dict | None:
         """Send `message` on the connection of the moment (which must be that
-        of `lease`, if given) and return its reply (None if not `wait`);
+        of `lease`, if given) and return its reply (None if not `wait`, or
+        if `waiter`, the caller's own, was given up: see `_abandon`);
         BudgetUnavailableError where there is none, or it ends first."""
         op = message["op"]
         with self._lock:
             if not self._connected or (lease is not None and lease != self._lease):
                 raise self._unavailable_error()
+            if waiter is not None and waiter.abandoned:  # given up before it was sent
+                return None
             sock, lease = self._sock, self._lease
             message["id"] = self._next_id
             self._next_id += 1
-            waiter = _Waiter() if wait else None
+            waiter = (waiter or _Waiter()) if wait else None
             if waiter is not None:
                 self._waiters[message["id"]] = waiter
         try:
@@ -419,10 +507,20 @@ class BudgetClient:
         if not waiter.done.wait(self.timeout):
             self._disconnect(lease, f"no reply to {op} within {self.timeout:g} s")
         with self._lock:  # a reply is given under it: one that came as the wait ended is taken, not lost
-            reply = waiter.reply
+            reply, abandoned = waiter.reply, waiter.abandoned
+        if abandoned:
+            return None
         if reply is None:
             raise self._unavailable_error()
         return reply
+
+    def _abandon(self, waiter: _Waiter) -> None:
+        """Give up `waiter`'s wait, unless its reply came first: its caller
+        returns at once, and the reader settles the reply (`_read`)."""
+        with self._lock:
+            if waiter.reply is None:
+                waiter.abandoned = True
+                waiter.done.set()
 
     def _settle(self, message: dict) -> None:
         """Confirm or cancel a ticket, awaiting no reply: a create waits for
@@ -496,14 +594,20 @@ class BudgetClient:
                 if message["id"] is None:  # the daemon refused the connection itself
                     reason = f"the daemon refused this process: {message['reason']}"
                     return
+                abandoned_grant = None
                 with self._lock:
                     waiter = self._waiters.pop(message["id"], None)
-                    if waiter is not None:  # None: a reply nobody waits for (returned's, or one given up on)
+                    if waiter is not None:  # None: a reply nobody waits for (returned's, or one a timeout ended)
                         waiter.reply = message
                         if message["op"] == "granted":  # open until settled: a rejoin waits for it
                             self._open_tickets.add(message["ticket"])
+                            if waiter.abandoned:
+                                abandoned_grant = message["ticket"]
                 if waiter is not None:
                     waiter.done.set()
+                    if abandoned_grant is not None:  # its caller gave it up: all of it goes back
+                        with contextlib.suppress(BudgetUnavailableError):  # closed meanwhile: the lease ended it
+                            self.cancel(abandoned_grant)
                 elif message["op"] == "error":
                     warn_without_raising(f"the budget daemon at {self.socket_path!r} refused a message this client "
                                          f"awaited no reply to: {message['reason']}")

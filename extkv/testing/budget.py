@@ -29,6 +29,9 @@ test_budget_*.py) and the planted defects that must fail them
   reads the daemon's ledger and demands open grants covering it.
 - `check_ledger_holds`: at a quiescent point the ledger holds exactly what
   the engine maps, with no ticket open.
+- `CancelsSeen`: the real client, saying when it sent a cancel, so that a
+  test waits for the cancel of a grant to a reserve given up (extkv.budget.
+  client's AbandonableReserves) on an event rather than a clock.
 - `ledger_settles`: after an engine's SIGKILL, the ledger comes back to the
   live engines' bytes within KILL_SETTLES_S of its exit, and names the dead
   engine no more. A child engine for it (`child_stopped_at`) stops at one
@@ -217,6 +220,21 @@ def check_ledger_holds(client: BudgetClient, physical_bytes: int, when: str) -> 
     if (held, open_tickets) != (physical_bytes, 0):
         raise AssertionError(f"{when}: the ledger holds {held} bytes and {open_tickets} open tickets for an engine "
                              f"whose chunks hold {physical_bytes} bytes")
+
+
+class CancelsSeen(BudgetClient):
+    """The real client, saying when it sent a cancel: `cancelled` holds the
+    tickets, and `cancel_sent` is set at each."""
+
+    def __init__(self, *args, **kwargs):
+        self.cancelled: list[int] = []
+        self.cancel_sent = threading.Event()
+        super().__init__(*args, **kwargs)
+
+    def cancel(self, ticket: int) -> None:
+        super().cancel(ticket)
+        self.cancelled.append(ticket)
+        self.cancel_sent.set()
 
 
 class CoveredCreates(WrappingDriver):
