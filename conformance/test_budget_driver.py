@@ -14,7 +14,9 @@ released, and they must fail). A denied reserve
 is an OutOfMemoryError that changes nothing; a forked child cannot grow on
 its parent's lease; a daemon gone leaves growth failing closed and what is
 held usable; what the cache calls committable is what the budget grants,
-never what the device reads as free.
+never what the device reads as free. A stop, a free or a release gives up
+a commit-ahead step's reserve waiting on a reclaim rather than wait for
+the daemon, and the grant the daemon makes later goes back.
 """
 
 from __future__ import annotations
@@ -22,14 +24,23 @@ from __future__ import annotations
 import contextlib
 import os
 import threading
+from typing import Callable
 
 import pytest
 
 from extkv import ExtensibleKVCache, KVCacheLayout, OutOfMemoryError, measure_kv_cache_blocks
+from extkv.budget import ledger
 from extkv.budget.client import BudgetClient
 from extkv.budget.driver import BudgetedDriver
 from extkv.errors import BudgetDeniedError, BudgetUnavailableError, DriverError
-from extkv.testing.budget import CoveredCreates, check_ledger_holds, ledger_held, served_daemon
+from extkv.testing.budget import (
+    CancelsSeen,
+    CoveredCreates,
+    check_ledger_holds,
+    ledger_held,
+    served_daemon,
+    wait_for_status,
+)
 from extkv.testing.checks import check_unchanged, snapshot
 from extkv.testing.configs import config_for
 from extkv.testing.readings import InjectedReadingsDriver
@@ -41,6 +52,9 @@ pytestmark = [pytest.mark.invariant(5), pytest.mark.budget_proof("grants")]
 LAYOUT = KVCacheLayout.LBHNC
 #: Seconds a client waits for the daemon.
 TIMEOUT_S = 60
+#: A reclaim deadline, and a client's wait, that no test waits out: a wait
+#: that ends only by either fails the test at TIMEOUT_S instead.
+NEVER_S = 10 * TIMEOUT_S
 
 
 @contextlib.contextmanager
@@ -57,12 +71,14 @@ def budgeted_cache(budget: int, make_driver=lambda client: HostDriver()):
 
 
 @contextlib.contextmanager
-def idle_and_busy_engines(budget: int):
+def idle_and_busy_engines(budget: int,
+                          busy_client: Callable[[str], BudgetClient] = lambda path: BudgetClient(path, timeout=TIMEOUT_S)):
     """(idle cache, its client, busy cache, its client) under one daemon of
-    `budget` bytes, each engine a lease of its own; the idle one holds all of
-    the budget. Both are freed on the way out."""
+    `budget` bytes, each engine a lease of its own, the busy one's client
+    made by `busy_client(socket path)`; the idle one holds all of the
+    budget. Both are freed on the way out."""
     with served_daemon(budget) as served, BudgetClient(served.path, timeout=TIMEOUT_S) as client_idle, \
-            BudgetClient(served.path, timeout=TIMEOUT_S) as client_busy:
+            busy_client(served.path) as client_busy:
         idle = ExtensibleKVCache(config_for("full", LAYOUT), HostDriver(), LAYOUT, budget=client_idle)
         busy = ExtensibleKVCache(config_for("full", LAYOUT), HostDriver(), LAYOUT, budget=client_busy)
         try:
@@ -291,19 +307,22 @@ def test_an_operation_racing_the_answer_to_the_worker_s_waiting_reserve_ends_who
     """The busy engine's worker waits on its reserve while the idle engine's
     reclaim handler has not returned. A stop, a free or a release from
     another thread and the handler's answer then start at one barrier.
-    Before the answer, the operation waits for it, not for anything of its
-    own engine (the daemon never asks an engine whose reserve waits); after
-    it, it meets a worker that was granted. Either way it ends, no worker is
-    left where it stops one, and the ledger holds exactly what each cache
-    holds."""
+    Before the answer, the operation gives the reserve up, and the client
+    cancels the grant that follows; after it, it meets a worker that was
+    granted. Either way it ends, no worker is left where it stops one, and
+    once the cancel, if any, reached the daemon, the ledger holds exactly
+    what each cache holds."""
     budget = 12 << 20
     with idle_and_busy_engines(budget) as (idle, client_idle, busy, client_busy):
-        asked, answer, start = threading.Event(), threading.Event(), threading.Barrier(2)
+        asked, answer, answered = threading.Event(), threading.Event(), threading.Event()
+        start = threading.Barrier(2)
 
         def give_back_when_told(target: int) -> int:
             asked.set()
             assert answer.wait(TIMEOUT_S), "the test never let the reclaim answer"
-            return shrunk_to_nothing(idle)
+            freed = shrunk_to_nothing(idle)
+            answered.set()
+            return freed
 
         outcome: list[BaseException | None] = []
 
@@ -332,8 +351,75 @@ def test_an_operation_racing_the_answer_to_the_worker_s_waiting_reserve_ends_who
                     f"a commit-ahead worker outlived {stop}")
             else:
                 assert busy.settle_commit_ahead(TIMEOUT_S), "the commit-ahead worker did not settle"
+            assert answered.wait(TIMEOUT_S), "the idle engine's reclaim handler did not return"
+            # Read after the shrink's returns, which let the daemon grant the busy engine's reserve.
+            check_idle_engine_ledger(idle, client_idle)
+            wait_for_status(client_busy.socket_path,
+                            lambda report: not any(engine["open_tickets"] for engine in report["engines"]),
+                            "the grant to a reserve given up cancelled", TIMEOUT_S)
+            check_ledger_holds(client_busy, 0 if busy.buffer.is_freed else busy.physical_bytes, f"after {stop}")
+        finally:
+            answer.set()
+
+
+@pytest.mark.invariant(7)
+@pytest.mark.parametrize("stop", ["commit_ahead(0)", "free()", "release_physical()"])
+def test_an_operation_gives_up_the_worker_s_reserve_waiting_on_a_reclaim_and_its_grant_goes_back(stop, monkeypatch):
+    """The busy engine's worker waits on its reserve, holding the
+    reservation's lock, while the idle engine's reclaim handler holds its
+    answer back until a stop, a free or a release from another thread has
+    returned: the operation gives the reserve up, not waiting for an answer
+    that only the handler, the reclaim deadline or the client's timeout
+    could bring (the last two far past TIMEOUT_S). Then the handler
+    answers, the daemon grants the reserve given up, and the busy client
+    cancels that grant: each ledger holds exactly what its cache holds,
+    with no ticket open. No worker is left where the operation stops it; a
+    released cache's worker, not left stuck, grows its window once
+    recommitted."""
+    monkeypatch.setattr(ledger, "RECLAIM_DEADLINE_S", NEVER_S)
+    budget = 12 << 20
+    with idle_and_busy_engines(budget, lambda path: CancelsSeen(path, timeout=NEVER_S)) as (
+            idle, client_idle, busy, client_busy):
+        asked, answer = threading.Event(), threading.Event()
+
+        def give_back_once_the_operation_returned(target: int) -> int:
+            asked.set()
+            assert answer.wait(NEVER_S), "the test never let the reclaim answer"
+            return shrunk_to_nothing(idle)
+
+        outcome: list[BaseException | None] = []
+
+        def operate() -> None:
+            try:
+                {"commit_ahead(0)": lambda: busy.commit_ahead(0), "free()": busy.free,
+                 "release_physical()": busy.release_physical}[stop]()
+                outcome.append(None)
+            except BaseException as error:  # noqa: BLE001 - compared below
+                outcome.append(error)
+
+        try:
+            client_idle.on_reclaim(give_back_once_the_operation_returned)
+            window = busy.blocks_within(budget // 2)
+            busy.commit_ahead(window)
+            assert asked.wait(TIMEOUT_S), "the worker's reserve never made the daemon ask the idle engine"
+            operation = threading.Thread(target=operate)
+            operation.start()
+            operation.join(TIMEOUT_S)
+            assert not operation.is_alive(), f"{stop} waited for the daemon's answer to the worker's reserve"
+            assert outcome == [None], f"{stop} raised {outcome!r}"
+            answer.set()
+            assert client_busy.cancel_sent.wait(TIMEOUT_S), "the grant of the reserve given up was never cancelled"
+            if stop != "release_physical()":
+                assert "extkv-commit-ahead" not in [thread.name for thread in threading.enumerate()], (
+                    f"a commit-ahead worker outlived {stop}")
             check_ledger_holds(client_busy, 0 if busy.buffer.is_freed else busy.physical_bytes, f"after {stop}")
             check_idle_engine_ledger(idle, client_idle)
+            if stop == "release_physical()":
+                busy.recommit()
+                assert busy.settle_commit_ahead(TIMEOUT_S), "the commit-ahead worker did not settle"
+                assert busy.grown_blocks == window, (
+                    f"commit-ahead grew {busy.grown_blocks} blocks of a {window}-block window after the recommit")
+                check_ledger_holds(client_busy, busy.physical_bytes, "after the recommit")
         finally:
             answer.set()
 

@@ -75,9 +75,17 @@ So does a budget daemon gone (BudgetUnavailableError): the engine serves
 on from the blocks it holds, its commits within ready counted as ever, and
 its own first commit past them meets the error itself (growth fails
 closed).
-A step's reserve that waits holds the reservation's lock meanwhile, so a
-stop or a locked commit waits for the daemon's answer: a reclaim's time,
-at most its deadline (extkv.budget.ledger's RECLAIM_DEADLINE_S). Any other
+A step's reserve that waits holds the reservation's lock meanwhile. A
+locked commit, which asks for blocks itself, waits for the daemon's
+answer: a reclaim's time, at most its deadline (extkv.budget.ledger's
+RECLAIM_DEADLINE_S). A free, a release or a `commit_ahead` has no use for
+it: before it waits for the lock it gives the reserve up (every worker of
+a cache reserves under the cache's one
+extkv.budget.client.AbandonableReserves), refusing the worker's reserves
+until it holds the lock, after which it stops, pauses or replaces the
+worker before a step can reserve again. The step fails as a denied one
+does, idling the worker (a recommit wakes a paused one), and the client
+cancels the grant the daemon makes later, so its bytes go back. Any other
 error, in a step or around it (reading free memory, making the side
 stream), is kept, and the next `commit` raises it (a
 `BackgroundGrowthError` naming the step, chained to the driver's error)
@@ -91,6 +99,7 @@ from __future__ import annotations
 import threading
 from typing import Callable
 
+from .budget.client import AbandonableReserves
 from .errors import BudgetUnavailableError, DriverError, OutOfMemoryError
 
 #: Bytes the worker maps per step, over every segment: a step holds the
@@ -112,14 +121,16 @@ class CommitAhead:
     """The worker of one ExtensibleKVCache, which makes, drives and stops
     it, holding the reservation's lock each time. The cache hands it its
     count lock, `grow(n)` (map and zero blocks up to n, reservation lock
-    held) and the blocks its own growth has zeroed so far."""
+    held), the blocks its own growth has zeroed so far and the reserves
+    its steps make under, which the cache's stops give up."""
 
     def __init__(self, cache, window_blocks: int, max_blocks: int, step_blocks: int, *,
                  count_lock: threading.Lock, grow: Callable[[int], None], zeroed: int,
-                 ceiling: Callable[[], int]):
+                 ceiling: Callable[[], int], reserves: AbandonableReserves):
         self.cache = cache
         self._grow = grow
         self._ceiling = ceiling
+        self._reserves = reserves
         self.window_blocks = window_blocks
         self.max_blocks = max_blocks
         self.step_blocks = step_blocks
@@ -235,16 +246,17 @@ class CommitAhead:
 
     def _run(self) -> None:
         driver = self.cache.buffer.driver
-        due = self._await_work()
-        while due:
-            try:
-                with driver.side_stream():
-                    while due:
-                        self._step_locked(driver)
-                        due = self._await_work()
-            except Exception as error:  # making or leaving the side stream
-                self._keep(error)
-                due = self._await_work()
+        with self._reserves.abandonable():
+            due = self._await_work()
+            while due:
+                try:
+                    with driver.side_stream():
+                        while due:
+                            self._step_locked(driver)
+                            due = self._await_work()
+                except Exception as error:  # making or leaving the side stream
+                    self._keep(error)
+                    due = self._await_work()
 
     def _step_locked(self, driver) -> None:
         """One step under the reservation's lock, unless stopped first."""

@@ -84,7 +84,7 @@ import torch
 
 from . import validate
 from .ahead import DEFAULT_STEP_BYTES, CommitAhead
-from .budget.client import BudgetClient
+from .budget.client import AbandonableReserves, BudgetClient
 from .budget.driver import BudgetedDriver, budgeted
 from .deferred_signals import deferred_signals
 from .errors import StateError
@@ -122,6 +122,7 @@ def _forget_workers_after_fork() -> None:
     released. The child's copies only free (their buffers are inherited)."""
     for cache in list(_CACHES):
         cache._count_lock = threading.Lock()
+        cache._worker_reserves = AbandonableReserves()
         cache._ahead = None
 
 
@@ -197,6 +198,28 @@ def _operation(method):
             return method(self, *args, **kwargs)
 
     return locked
+
+
+def _giving_up_the_worker_s_reserve(operation):
+    """Applied outside `@_operation`, for one that stops, pauses or replaces
+    the commit-ahead worker (free, commit_ahead, release_physical): a step
+    may hold the reservation's lock while its reserve waits for the budget
+    daemon, whose answer this operation has no use for. So the reserve is
+    given up, and the worker's next ones refused, until the lock is held
+    (extkv.ahead). Only until then: no step runs while the operation holds
+    it, and the worker a `commit_ahead` starts must reserve once it is let go."""
+
+    @functools.wraps(operation)
+    def before_the_worker(self, *args, **kwargs):
+        with _DEFERRED_SIGNALS:
+            with self._worker_reserves.abandoned():
+                self.buffer.lock.acquire()
+            try:
+                return operation(self, *args, **kwargs)  # takes the lock again: it is re-entrant
+            finally:
+                self.buffer.lock.release()
+
+    return before_the_worker
 
 
 @dataclass(frozen=True)
@@ -279,6 +302,9 @@ class ExtensibleKVCache:
         self._zeroed_through = 0
         #: The commit-ahead worker while commit-ahead is on (`commit_ahead`).
         self._ahead: CommitAhead | None = None
+        #: What every worker of this cache reserves under, so that an
+        #: operation gives up a step's reserve whichever worker made it.
+        self._worker_reserves = AbandonableReserves()
         #: Live `ContentsWatch`es, lowered with the count (count lock held).
         self._watches: "weakref.WeakSet[ContentsWatch]" = weakref.WeakSet()
         self._asleep = False
@@ -578,6 +604,7 @@ class ExtensibleKVCache:
         """Neither freed nor broken: operations are legal."""
         return self._state is _State.LIVE and not self.buffer.is_broken and not self.buffer.is_inherited
 
+    @_giving_up_the_worker_s_reserve
     @_operation
     def commit_ahead(self, window_blocks: int, *, max_blocks: int | None = None, step_blocks: int | None = None) -> None:
         """Keep up to `window_blocks` blocks mapped and zeroed past the
@@ -587,9 +614,10 @@ class ExtensibleKVCache:
         budget grants, waiting while it reclaims), in steps of at most
         `step_blocks` (default: DEFAULT_STEP_BYTES of blocks). 0 turns it
         off: the worker is stopped and joined before this returns, also when
-        called under `buffer.lock`; the blocks it grew stay mapped until a
-        shrink, a defragment or a release. Off by default. A new window
-        replaces the worker: a cache has at most one."""
+        called under `buffer.lock`, giving up a reserve its step waits on
+        rather than waiting for the daemon; the blocks it grew stay mapped
+        until a shrink, a defragment or a release. Off by default. A new
+        window replaces the worker: a cache has at most one."""
         window_blocks = validate.integer("window_blocks", window_blocks, what="blocks")
         max_blocks = self.capacity_blocks if max_blocks is None else validate.integer(
             "max_blocks", max_blocks, minimum=1, maximum=self.capacity_blocks, what="blocks")
@@ -599,7 +627,7 @@ class ExtensibleKVCache:
         if window_blocks:
             self._ahead = self._Worker(self, window_blocks, max_blocks, step_blocks, count_lock=self._count_lock,
                                        grow=self._grow_zeroed, zeroed=self._zeroed_through,
-                                       ceiling=self._ahead_ceiling_blocks)
+                                       ceiling=self._ahead_ceiling_blocks, reserves=self._worker_reserves)
 
     def _stop_commit_ahead(self) -> None:  # reservation lock held
         ahead, self._ahead = self._ahead, None
@@ -656,6 +684,7 @@ class ExtensibleKVCache:
     def _sizes_for(self, num_blocks: int) -> list[int]:
         return list(map(num_blocks.__mul__, self.segment_strides))
 
+    @_giving_up_the_worker_s_reserve
     @_operation
     def release_physical(self) -> None:
         """Drop the physical pages for sleep; addresses and views stay valid.
@@ -825,11 +854,13 @@ class ExtensibleKVCache:
                 "Torch has no memory cap for %s; recorded a limit of %s bytes only.", self.buffer.device, num_bytes
             )
 
+    @_giving_up_the_worker_s_reserve
     @_operation
     def free(self) -> None:
         """Release everything. Lifts torch's cap: the process may start another
         engine, which must not inherit it. A commit-ahead worker is stopped
-        and joined first, also when called under `buffer.lock`. Idempotent."""
+        and joined first, also when called under `buffer.lock`, giving up a
+        reserve its step waits on. Idempotent."""
         if self._state is _State.FREED:
             return
         self._stop_commit_ahead()
