@@ -211,6 +211,11 @@ def _giving_up_the_worker_s_reserve(operation):
 
     @functools.wraps(operation)
     def before_the_worker(self, *args, **kwargs):
+        if self._ahead is None:
+            # No worker to give up (a release is timed against the raw
+            # sequence). One a racing `commit_ahead` starts now is stopped
+            # or paused by this operation all the same, after its step.
+            return operation(self, *args, **kwargs)
         with _DEFERRED_SIGNALS:
             with self._worker_reserves.abandoned():
                 self.buffer.lock.acquire()
