@@ -28,7 +28,7 @@ from typing import Callable
 
 import pytest
 
-from extkv import ExtensibleKVCache, KVCacheLayout, OutOfMemoryError, measure_kv_cache_blocks
+from extkv import ExtensibleKVCache, KVCacheLayout, OutOfMemoryError, SleepController, measure_kv_cache_blocks
 from extkv.budget import ledger
 from extkv.budget.client import BudgetClient
 from extkv.budget.driver import BudgetedDriver
@@ -363,7 +363,7 @@ def test_an_operation_racing_the_answer_to_the_worker_s_waiting_reserve_ends_who
 
 
 @pytest.mark.invariant(7)
-@pytest.mark.parametrize("stop", ["commit_ahead(0)", "free()", "release_physical()"])
+@pytest.mark.parametrize("stop", ["commit_ahead(0)", "free()", "release_physical()", "SleepController.sleep()"])
 def test_an_operation_gives_up_the_worker_s_reserve_waiting_on_a_reclaim_and_its_grant_goes_back(stop, monkeypatch):
     """The busy engine's worker waits on its reserve, holding the
     reservation's lock, while the idle engine's reclaim handler holds its
@@ -374,9 +374,10 @@ def test_an_operation_gives_up_the_worker_s_reserve_waiting_on_a_reclaim_and_its
     answers, the daemon grants the reserve given up, and the busy client
     cancels that grant: each ledger holds exactly what its cache holds,
     with no ticket open. No worker is left where the operation stops it; a
-    released cache's worker, not left stuck, grows its window once
-    recommitted."""
+    released cache's worker (by the cache's own word or a sleep controller's),
+    not left stuck, grows its window once recommitted."""
     monkeypatch.setattr(ledger, "RECLAIM_DEADLINE_S", NEVER_S)
+    asleep = stop in ("release_physical()", "SleepController.sleep()")
     budget = 12 << 20
     with idle_and_busy_engines(budget, lambda path: CancelsSeen(path, timeout=NEVER_S)) as (
             idle, client_idle, busy, client_busy):
@@ -392,11 +393,13 @@ def test_an_operation_gives_up_the_worker_s_reserve_waiting_on_a_reclaim_and_its
         def operate() -> None:
             try:
                 {"commit_ahead(0)": lambda: busy.commit_ahead(0), "free()": busy.free,
-                 "release_physical()": busy.release_physical}[stop]()
+                 "release_physical()": busy.release_physical, "SleepController.sleep()": controller.sleep}[stop]()
                 outcome.append(None)
             except BaseException as error:  # noqa: BLE001 - compared below
                 outcome.append(error)
 
+        controller = SleepController()
+        controller.register(busy, "kv")
         try:
             client_idle.on_reclaim(give_back_once_the_operation_returned)
             window = busy.blocks_within(budget // 2)
@@ -409,13 +412,13 @@ def test_an_operation_gives_up_the_worker_s_reserve_waiting_on_a_reclaim_and_its
             assert outcome == [None], f"{stop} raised {outcome!r}"
             answer.set()
             assert client_busy.cancel_sent.wait(TIMEOUT_S), "the grant of the reserve given up was never cancelled"
-            if stop != "release_physical()":
+            if not asleep:
                 assert "extkv-commit-ahead" not in [thread.name for thread in threading.enumerate()], (
                     f"a commit-ahead worker outlived {stop}")
             check_ledger_holds(client_busy, 0 if busy.buffer.is_freed else busy.physical_bytes, f"after {stop}")
             check_idle_engine_ledger(idle, client_idle)
-            if stop == "release_physical()":
-                busy.recommit()
+            if asleep:
+                busy.recommit() if stop == "release_physical()" else controller.wake_up()
                 assert busy.settle_commit_ahead(TIMEOUT_S), "the commit-ahead worker did not settle"
                 assert busy.grown_blocks == window, (
                     f"commit-ahead grew {busy.grown_blocks} blocks of a {window}-block window after the recommit")

@@ -202,12 +202,9 @@ def _operation(method):
 
 def _giving_up_the_worker_s_reserve(operation):
     """Applied outside `@_operation`, for one that stops, pauses or replaces
-    the commit-ahead worker (free, commit_ahead, release_physical): a step
-    may hold the reservation's lock while its reserve waits for the budget
-    daemon, whose answer this operation has no use for. So the reserve is
-    given up, and the worker's next ones refused, until the lock is held
-    (extkv.ahead). Only until then: no step runs while the operation holds
-    it, and the worker a `commit_ahead` starts must reserve once it is let go."""
+    the commit-ahead worker (free, commit_ahead, release_physical): its wait
+    for the reservation's lock gives up a step's reserve
+    (`ExtensibleKVCache.worker_reserve_given_up`)."""
 
     @functools.wraps(operation)
     def before_the_worker(self, *args, **kwargs):
@@ -217,7 +214,7 @@ def _giving_up_the_worker_s_reserve(operation):
             # or paused by this operation all the same, after its step.
             return operation(self, *args, **kwargs)
         with _DEFERRED_SIGNALS:
-            with self._worker_reserves.abandoned():
+            with self.worker_reserve_given_up():
                 self.buffer.lock.acquire()
             try:
                 return operation(self, *args, **kwargs)  # takes the lock again: it is re-entrant
@@ -633,6 +630,17 @@ class ExtensibleKVCache:
             self._ahead = self._Worker(self, window_blocks, max_blocks, step_blocks, count_lock=self._count_lock,
                                        grow=self._grow_zeroed, zeroed=self._zeroed_through,
                                        ceiling=self._ahead_ceiling_blocks, reserves=self._worker_reserves)
+
+    def worker_reserve_given_up(self) -> contextlib.AbstractContextManager:
+        """While inside, a reserve the commit-ahead worker's step waits on
+        (holding `buffer.lock` while the budget daemon reclaims from other
+        engines) is given up, and the worker's next ones are refused
+        (extkv.ahead). For a caller about to wait for `buffer.lock` in order
+        to stop or pause the worker, which has no use for the daemon's
+        answer: free, commit_ahead, release_physical and a SleepController's
+        sleep. Leave it once the lock is held: no step runs then, and a
+        worker started or resumed later must reserve again."""
+        return self._worker_reserves.abandoned()
 
     def _stop_commit_ahead(self) -> None:  # reservation lock held
         ahead, self._ahead = self._ahead, None

@@ -115,7 +115,10 @@ callers to hold around operations that must not interleave) and call the
 controller meanwhile, from any thread. So the controller never waits for a
 lock while it holds one: it takes its own lock, then each reservation's
 (in address order) without waiting; where one is busy it lets go of every
-lock it took, waits for that one alone and starts over. The rule: calling
+lock it took, waits for that one alone and starts over (a sleep waiting
+for a KV cache's lock gives up a reserve its commit-ahead step waits on
+meanwhile, as `release_physical` does: the sleep pauses that worker, and
+a KV cache is released even holding nothing, so that it is). The rule: calling
 a word while holding reservation A's lock is taking A's lock and then
 those of the reservations the word moves; only callers who take two
 reservations' locks in opposite orders can deadlock, as they would without
@@ -237,19 +240,22 @@ LOCK_RETRY_S = 0.05
 
 
 class _Busy(NamedTuple):
-    """What an attempt returns, having changed nothing, when `lock` is held elsewhere."""
+    """What an attempt returns, having changed nothing, when `lock` is held
+    elsewhere; the wait for it is made inside `meanwhile()`."""
 
     lock: object
+    meanwhile: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext
 
 
-def _wait_until_free(lock) -> None:
-    """Return once `lock` was free, holding nothing. Each try is bounded and
-    deferred (an acquire never lost to a signal); a handler runs between tries."""
-    while True:
-        with _DEFERRED_SIGNALS:
-            if lock.acquire(timeout=LOCK_RETRY_S):
-                lock.release()
-                return
+def _wait_until_free(busy: _Busy) -> None:
+    """Return once `busy.lock` was free, holding nothing. Each try is bounded
+    and deferred (an acquire never lost to a signal); a handler runs between tries."""
+    with busy.meanwhile():
+        while True:
+            with _DEFERRED_SIGNALS:
+                if busy.lock.acquire(timeout=LOCK_RETRY_S):
+                    busy.lock.release()
+                    return
 
 
 @dataclass(frozen=True)
@@ -553,9 +559,9 @@ class SleepController:
                         self._lock.release()
                     if not isinstance(outcome, _Busy):
                         return outcome
-                    busy = outcome.lock
+                    busy = outcome
                 else:
-                    busy = self._lock
+                    busy = _Busy(self._lock)
             _wait_until_free(busy)
 
     def _move(self, word: str, tags: list[str] | None, *, keep_offloaded: bool = False) -> None:
@@ -588,9 +594,14 @@ class SleepController:
                     f"{registration.tag!r} is {problem}; unregister it first. Nothing was changed"
                 )
         with contextlib.ExitStack() as held:
-            for buffer in sorted((r.buffer for r in registrations), key=lambda buffer: buffer.base):
+            for registration in sorted(registrations, key=lambda registration: registration.buffer.base):
+                buffer = registration.buffer
                 if not buffer.lock.acquire(blocking=False):
-                    return _Busy(buffer.lock)
+                    # A sleep pauses a KV cache's commit-ahead worker: the daemon's
+                    # answer to a reserve its step waits on is of no use to it.
+                    gives_up = direction is _Move.SLEEP and isinstance(registration.target, ExtensibleKVCache)
+                    return _Busy(buffer.lock, registration.target.worker_reserve_given_up if gives_up
+                                 else contextlib.nullcontext)
                 held.callback(buffer.lock.release)
             self._moves += 1
             try:
@@ -624,7 +635,10 @@ class SleepController:
                 # Before the release: one that fails part way has unmapped some
                 # of it, and only a wake (which zeroes) or a sleep may follow.
                 registration.asleep = True
-            if registration.buffer.physical_bytes:
+            # A KV cache holding nothing is released all the same: its release
+            # also pauses a commit-ahead worker, which would grow it while the
+            # tag sleeps.
+            if registration.buffer.physical_bytes or isinstance(registration.target, ExtensibleKVCache):
                 registration.release()
 
     @staticmethod
