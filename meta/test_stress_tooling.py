@@ -13,6 +13,7 @@ import errno
 import json
 import os
 import random
+import select
 import subprocess
 import sys
 import threading
@@ -245,6 +246,62 @@ def test_the_largest_sample_past_the_bound_keeps_each_process_s_readings():
     assert [sampler.sample() for _ in range(4)] == [None, 7 + 5, 8 + 6, 10 + 5]
     assert [total for _, total in sampler.over] == [12, 14, 15]
     assert sampler.largest_over == {1: (12, 12, 2), 2: (7, 6, 1)}, sampler.largest_over
+
+
+ECHO_LINES = """
+import sys
+for line in sys.stdin:
+    print(line.strip(), flush=True)
+"""
+
+
+def _process_state(pid: int) -> str | None:
+    """The state letter /proc gives process `pid` ("T": stopped), None if it is gone."""
+    try:
+        with open(f"/proc/{pid}/stat") as stat:
+            return stat.read().rsplit(")", 1)[1].split()[0]
+    except FileNotFoundError:
+        return None
+
+
+def test_a_still_pass_reads_the_watched_processes_stopped_and_continues_them():
+    """With `still`, every pass reads the watched children while each is
+    stopped, and each pass is a sample by itself; between passes each runs
+    (it echoes a line it is sent); a child killed and reaped meanwhile is
+    passed over, its pid never signalled again."""
+    children = [subprocess.Popen([sys.executable, "-c", ECHO_LINES], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                 text=True) for _ in range(2)]
+    states: list[dict[int, str | None]] = []
+
+    def read(pids: list[int]):
+        states.append({pid: _process_state(pid) for pid in pids})
+        return {pid: {("process", pid): 3} for pid in pids}
+
+    def echoes(child: subprocess.Popen) -> bool:
+        child.stdin.write("here\n")
+        child.stdin.flush()
+        return bool(select.select([child.stdout], [], [], HANG_S)[0]) and child.stdout.readline() == "here\n"
+
+    sampler = OutsideSampler(read, still=True)
+    try:
+        for child in children:
+            sampler.watch(child.pid, baseline=1)
+        for _ in range(3):
+            assert sampler.sample() == 2 * (3 - 1)
+            assert all(echoes(child) for child in children), "a child did not run again after a still pass"
+        assert sampler.samples == 3 and states == [{child.pid: "T" for child in children}] * 3, states
+        children[1].kill()
+        children[1].wait(HANG_S)
+        assert sampler.sample() == 2 * (3 - 1)  # the reaped child's pid is read (as gone) but not stopped
+        assert states[-1] == {children[0].pid: "T", children[1].pid: None}, states[-1]
+        sampler.forget(children[1].pid)
+        assert echoes(children[0])
+    finally:
+        for child in children:
+            child.kill()
+            child.wait(HANG_S)
+            child.stdin.close()
+            child.stdout.close()
 
 
 def test_a_sample_counts_only_the_chunks_two_passes_in_a_row_read_in_one_process():

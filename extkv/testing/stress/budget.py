@@ -44,8 +44,9 @@ them to work, on one device (the host driver, or a GPU):
   to DAEMON_DOWN_S; the clients rejoin by themselves).
 - An `OutsideSampler` thread makes a pass every SAMPLE_EVERY_S over every
   live engine's process; on the host a sample is at most what the engines
-  held together at one instant (on a GPU, as near to it as NVML reads:
-  extkv.testing.stress.budget_sampler). Its maximum is held to the bound:
+  held together at one instant, and on a GPU, whose NVML reading of a
+  process has no chunks to match across passes, it is one pass made with
+  every engine stopped (extkv.testing.stress.budget_sampler). Its maximum is held to the bound:
   the budget plus one granule per engine. A GPU's reading of an engine
   less its baseline is its chunks alone while its context keeps its size:
   the chunks are whole 2 MiB granules, so NVML's counting in 2 MiB steps
@@ -166,7 +167,9 @@ class _Run:
         self.gate, self.log_path = os.path.join(directory, "gate"), os.path.join(directory, "daemon.log")
         os.mkfifo(self.gate, 0o600)
         self.result = BudgetStressResult(engines, self.budget, self.granule, self.budget + engines * self.granule)
-        self.sampler = OutsideSampler(self.outside.read_pieces, bound=self.result.bound)
+        # A process's total (NVML) has no identity to match across passes: read the engines stopped.
+        self.sampler = OutsideSampler(self.outside.read_pieces, bound=self.result.bound,
+                                      still=not self.outside.reads_chunks_only)
         self.daemon: DaemonProcess | None = None
         self.path: str | None = None
         self.fleet: list[EngineChild] = []

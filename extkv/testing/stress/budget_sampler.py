@@ -22,9 +22,22 @@ the passes, and the sample is at most what the processes held together
 then. A GPU's piece, a process's total, has no such identity: the smaller
 of its two readings is what it held at both, not between them, so an
 engine that gave bytes back and took as many again between two passes,
-while another engine held them meanwhile, could count them twice. One
-listing a pass keeps each pass's readings close to one instant, and the
-smaller of two passes drops what a single listing caught mid-transfer.
+while another engine held them meanwhile, could count them twice
+(creates and releases on a GPU take well under a millisecond; two-pass
+samples of engines sharing a 512 MiB budget on an H100 once read 948 MiB,
+in 1 of 368 samples).
+
+So where a piece has no identity (`still=True`, which the budget stress
+asks for where its device does not read chunks), a pass is made while
+every watched process is stopped: each is sent SIGSTOP through a pidfd
+(opened at `watch`, so a pid reused after its process was reaped is never
+signalled), the pass waits until each one has stopped or exited (waitid
+on the pidfd: they must be this process's children), reads them all, then
+sends SIGCONT. No process creates or releases memory while it is stopped,
+so the pass reads what they held at one instant, and it is a sample by
+itself. The stops cost the engines the pass's time (one NVML listing)
+every SAMPLE_EVERY_S; the budget bench, which times the engines' steps,
+samples without them.
 
 Each process is watched with its baseline, what it held, read from
 outside, before it could take any of the budget (an engine's at `ready`):
@@ -39,9 +52,12 @@ until it is forgotten, so the run can look for them after it ended.
 
 from __future__ import annotations
 
+import contextlib
+import os
+import signal
 import threading
 import time
-from typing import Callable
+from typing import Callable, Iterator
 
 from ...budget.device import Pieces
 from .base import CHILD_TIMEOUT_S
@@ -67,19 +83,45 @@ def consistent_bytes(first: dict[int, Pieces], second: dict[int, Pieces],
     return total
 
 
+@contextlib.contextmanager
+def _stopped(pidfds: list[int]) -> Iterator[None]:
+    """While inside, every process of `pidfds` (children of this one) is
+    stopped or has exited; each is continued on the way out."""
+    sent = []
+    try:
+        for pidfd in pidfds:
+            with contextlib.suppress(ProcessLookupError):  # exited: it holds nothing more to stop
+                signal.pidfd_send_signal(pidfd, signal.SIGSTOP)
+                sent.append(pidfd)
+        for pidfd in sent:
+            with contextlib.suppress(ChildProcessError):  # reaped meanwhile
+                os.waitid(os.P_PIDFD, pidfd, os.WSTOPPED | os.WEXITED | os.WNOWAIT)
+        yield
+    finally:
+        for pidfd in sent:
+            with contextlib.suppress(ProcessLookupError):
+                signal.pidfd_send_signal(pidfd, signal.SIGCONT)
+
+
 class OutsideSampler:
     """Every `every_s`, a pass over the watched processes, read from
-    outside by `read`; each sample matches a pass with the one before it
-    (see the module's theory): `samples` taken, `max_bytes` the largest
+    outside by `read`; each sample matches a pass with the one before it,
+    or, with `still`, is one pass made with the processes stopped (see the
+    module's theory): `samples` taken, `max_bytes` the largest
     consistent total, `max_plain_bytes` the largest plain sum of a pass,
     `last_bytes` the latest consistent total, `over` the samples above
     `bound` (if set) as (time.monotonic(), bytes)."""
 
-    def __init__(self, read: Read, every_s: float = SAMPLE_EVERY_S, bound: int | None = None):
+    def __init__(self, read: Read, every_s: float = SAMPLE_EVERY_S, bound: int | None = None, *,
+                 still: bool = False):
         if not every_s > 0:
             raise ValueError(f"every_s must be > 0 seconds, got {every_s!r}")
-        self.every_s, self._read, self.bound = every_s, read, bound
+        self.every_s, self._read, self.bound, self.still = every_s, read, bound, still
         self._baselines: dict[int, int] = {}
+        #: With `still`, a pidfd per watched process; a pass holds `_pass_lock`
+        #: while it uses them, so `forget` never closes one under it.
+        self._pidfds: dict[int, int] = {}
+        self._pass_lock = threading.Lock()
         self._lock = threading.Lock()
         self._sampled = threading.Condition(self._lock)
         self._stop = threading.Event()
@@ -99,22 +141,32 @@ class OutsideSampler:
         self.error: BaseException | None = None
 
     def watch(self, pid: int, baseline: int = 0) -> None:
-        """Read `pid` from the next pass on, less `baseline` bytes."""
-        with self._lock:
+        """Read `pid` from the next pass on, less `baseline` bytes. With
+        `still`, `pid` must be a live child of this process."""
+        with self._pass_lock, self._lock:
+            if self.still and pid not in self._pidfds:
+                self._pidfds[pid] = os.pidfd_open(pid)
             self._baselines[pid] = baseline
 
     def forget(self, pid: int) -> Pieces:
         """Stop reading `pid`; returns the pieces it was last read holding."""
-        with self._lock:
+        with self._pass_lock, self._lock:
+            pidfd = self._pidfds.pop(pid, None)
+            if pidfd is not None:
+                os.close(pidfd)
             self._baselines.pop(pid, None)
             return self.last.pop(pid, {})
 
     def sample(self) -> int | None:
         """Take one pass; returns the consistent total it and the pass
-        before it give (None for the first pass: no sample yet)."""
-        with self._lock:
-            pids = sorted(self._baselines)
-        read = self._read(pids)
+        before it give (None for the first pass: no sample yet), or with
+        `still`, the total of the pass alone."""
+        with self._pass_lock:
+            with self._lock:
+                pids = sorted(self._baselines)
+                pidfds = [self._pidfds[pid] for pid in pids] if self.still else []
+            with _stopped(pidfds):
+                read = self._read(pids)
         unread = [pid for pid in pids if read[pid] is None]
         if unread:
             raise OSError(f"processes {unread} cannot be read from outside (another uid's, or the device does not "
@@ -129,9 +181,12 @@ class OutsideSampler:
             for pid in pids:
                 if pid in self._baselines:
                     self.last[pid] = {**previous.get(pid, {}), **pieces[pid]}
-            if self.passes == 1:
+            if self.still:  # one instant: the pass alone
+                total = consistent_bytes(pieces, pieces, baselines)
+            elif self.passes == 1:
                 return None
-            total = consistent_bytes(previous, pieces, baselines)
+            else:
+                total = consistent_bytes(previous, pieces, baselines)
             self.samples += 1
             self.max_bytes = max(self.max_bytes, total)
             self.last_bytes = total
