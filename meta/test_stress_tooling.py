@@ -268,7 +268,8 @@ def test_a_still_pass_reads_the_watched_processes_stopped_and_continues_them():
     """With `still`, every pass reads the watched children while each is
     stopped, and each pass is a sample by itself; between passes each runs
     (it echoes a line it is sent); a child killed and reaped meanwhile is
-    passed over, its pid never signalled again."""
+    passed over, its pid never signalled again. Once stopped, the sampler
+    holds no pidfd."""
     children = [subprocess.Popen([sys.executable, "-c", ECHO_LINES], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
                                  text=True) for _ in range(2)]
     states: list[dict[int, str | None]] = []
@@ -282,6 +283,11 @@ def test_a_still_pass_reads_the_watched_processes_stopped_and_continues_them():
         child.stdin.flush()
         return bool(select.select([child.stdout], [], [], HANG_S)[0]) and child.stdout.readline() == "here\n"
 
+    def pidfds() -> int:
+        return sum(os.readlink(f"/proc/self/fd/{fd}") == "anon_inode:[pidfd]" for fd in os.listdir("/proc/self/fd")
+                   if os.path.exists(f"/proc/self/fd/{fd}"))
+
+    before = pidfds()
     sampler = OutsideSampler(read, still=True)
     try:
         for child in children:
@@ -296,7 +302,10 @@ def test_a_still_pass_reads_the_watched_processes_stopped_and_continues_them():
         assert states[-1] == {children[0].pid: "T", children[1].pid: None}, states[-1]
         sampler.forget(children[1].pid)
         assert echoes(children[0])
+        sampler.stop()
+        assert pidfds() == before, f"{pidfds() - before} pidfds left open once the sampler stopped"
     finally:
+        sampler.stop()
         for child in children:
             child.kill()
             child.wait(HANG_S)

@@ -197,6 +197,7 @@ class OutsideSampler:
                 self.over.append((time.monotonic(), total))
             self._sampled.notify_all()
         return total
+
     def _run(self) -> None:
         try:
             while not self._stop.is_set():
@@ -218,9 +219,15 @@ class OutsideSampler:
             return self._sampled.wait_for(lambda: self.samples >= count or self.error is not None, timeout_s)
 
     def stop(self) -> None:
-        """Stop the thread; raises what stopped it, if anything did."""
+        """Stop the thread and close the pidfds of processes still watched;
+        raises what stopped the thread, if anything did."""
         self._stop.set()
         if self._thread is not None:
             self._thread.join(CHILD_TIMEOUT_S)
+        if self._thread is None or not self._thread.is_alive():  # else a pass still uses them
+            with self._pass_lock:
+                for pidfd in self._pidfds.values():
+                    os.close(pidfd)
+                self._pidfds.clear()
         if self.error is not None:
             raise AssertionError(f"the outside sampler failed: {self.error!r}") from self.error
