@@ -242,6 +242,8 @@ def test_engines_sharing_one_budget_through_sigkills(device):
     assert (result.budget, result.bound) == (BUDGET_STRESS_GRANULES * result.granule,
                                              result.budget + ENGINES * result.granule), result
     assert result.sampled_max <= result.bound, result
+    # NVML reads a GPU's engines as whole processes: a sample is read with them stopped.
+    assert result.engines_read_stopped == (device.type == "cuda"), result
     assert (result.out_of_memory_inside_budget, result.reclaims_late, result.leaks) == (0, 0, []), result
     assert result.operations > 0 and result.starts_spread_s is not None, result
     assert tally.checks["the ledger holds nothing once every engine ended"] == 1, dict(tally.checks)

@@ -39,7 +39,11 @@ from extkv.testing.stress.budget import (
     BUDGET_STRESS_GRANULES,
     ENGINE_LAYOUTS,
     ENGINES,
+    LEAST_DAEMON_KILLS,
+    LEAST_ENGINE_KILLS,
+    LEAST_SAMPLES,
     _daemon_log_counts,
+    share_one_budget,
 )
 from extkv.testing.stress.budget_engine import EngineChild, engine_blocks
 from extkv.testing.stress.budget_sampler import OutsideSampler, consistent_bytes
@@ -311,6 +315,22 @@ def test_a_still_pass_reads_the_watched_processes_stopped_and_continues_them():
             child.wait(HANG_S)
             child.stdin.close()
             child.stdout.close()
+
+
+def test_the_budget_stress_read_with_its_engines_stopped_holds_its_bound_on_the_host():
+    """The GPU's way of sampling the budget stress, engines stopped for each
+    pass, run on the host's engines through the least episode: engines
+    and the daemon SIGKILLed, reclaims answered, every engine stopped and
+    continued once a pass. It ends with no failure, every pass a sample
+    within the bound, and nothing left behind."""
+    tally = StressTally()
+    result = share_one_budget(tally, SEED, device="cpu", until=time.monotonic(), still=True)
+    assert tally.failures == [], tally.failures[:3]
+    assert result.engines_read_stopped and result.samples >= LEAST_SAMPLES, result
+    assert (result.engine_kills, result.daemon_kills) == (LEAST_ENGINE_KILLS, LEAST_DAEMON_KILLS), result
+    assert 0 < result.sampled_max <= result.bound, result
+    assert (result.out_of_memory_inside_budget, result.reclaims_late, result.leaks) == (0, 0, []), result
+    assert tally.checks["the ledger holds nothing once every engine ended"] == 1, dict(tally.checks)
 
 
 def test_a_sample_counts_only_the_chunks_two_passes_in_a_row_read_in_one_process():

@@ -157,7 +157,8 @@ def _daemon_log_counts(text: str) -> dict[str, int]:
 class _Run:
     """The parent's side of one run: the daemon, the engines, the sampler."""
 
-    def __init__(self, tally: StressTally, seed: int, engines: int, device: torch.device, run_dir: str):
+    def __init__(self, tally: StressTally, seed: int, engines: int, device: torch.device, run_dir: str,
+                 still: bool | None):
         self.tally, self.rng, self.engines, self.device, self.run_dir = tally, random.Random(seed), engines, device, run_dir
         driver = plain_stress_driver(device)
         self.granule, self.key = driver.granularity, driver.device_key()
@@ -168,8 +169,9 @@ class _Run:
         os.mkfifo(self.gate, 0o600)
         self.result = BudgetStressResult(engines, self.budget, self.granule, self.budget + engines * self.granule)
         # A process's total (NVML) has no identity to match across passes: read the engines stopped.
+        self.result.engines_read_stopped = not self.outside.reads_chunks_only if still is None else still
         self.sampler = OutsideSampler(self.outside.read_pieces, bound=self.result.bound,
-                                      still=not self.outside.reads_chunks_only)
+                                      still=self.result.engines_read_stopped)
         self.daemon: DaemonProcess | None = None
         self.path: str | None = None
         self.fleet: list[EngineChild] = []
@@ -350,12 +352,14 @@ def _spread(times: list[float | None]) -> float | None:
 
 
 def share_one_budget(tally: StressTally, seed: int, *, device: torch.device | str = "cpu", engines: int = ENGINES,
-                     until: float | None = None) -> BudgetStressResult:
+                     until: float | None = None, still: bool | None = None) -> BudgetStressResult:
     """`engines` engine processes on `device` sharing BUDGET_STRESS_GRANULES
     of its granules through one daemon, all started at once, SIGKILLed at
     random (engines and the daemon) until `until` (time.monotonic(); a
     floor for the least episode, None: the least alone), sampled from
-    outside every SAMPLE_EVERY_S (see the module's theory). Everything
+    outside every SAMPLE_EVERY_S (see the module's theory), with the
+    engines stopped for each pass if `still` (None: where the device reads
+    no chunks, as on a GPU; the host's tooling test sets it). Everything
     joins `tally`; AssertionError naming the numbers where a bound broke,
     OutsideUnreadable where the device cannot read the engines here."""
     if not 2 <= engines <= MOST_ENGINES:
@@ -363,7 +367,7 @@ def share_one_budget(tally: StressTally, seed: int, *, device: torch.device | st
     tally.seeds.append(seed)
     started = time.monotonic()
     with short_run_dir() as run_dir:
-        run = _Run(tally, seed, engines, torch.device(device), run_dir)
+        run = _Run(tally, seed, engines, torch.device(device), run_dir, still)
         try:
             run.start_daemon()
             first = [run.new_engine() for _ in range(engines)]

@@ -24,6 +24,9 @@ class BudgetStressResult:
     budget: int
     granule: int
     bound: int
+    #: Whether each sample was one pass with every engine stopped
+    #: (extkv.testing.stress.budget_sampler), else two passes matched.
+    engines_read_stopped: bool = False
     engine_starts: int = 0
     engine_kills: int = 0
     daemon_kills: int = 0
