@@ -39,7 +39,8 @@ class BudgetStressResult:
     #: Seconds from the run's start to the largest sample past the bound.
     largest_over_bound_at_s: float | None = None
     #: Of the largest sample past the bound, per engine process: its two
-    #: passes' readings and its baseline, "pid": [first, second, baseline] bytes.
+    #: passes' readings and its baseline, "pid": [first, second, baseline]
+    #: bytes (with the engines read stopped, the sample is the second alone).
     largest_over_bound_readings: dict = field(default_factory=dict)
     operations: int = 0
     denials: int = 0

@@ -176,13 +176,13 @@ class OutsideSampler:
             previous, self._previous = self._previous, pieces
             baselines = dict(self._baselines)
             self.passes += 1
-            self.max_plain_bytes = max(self.max_plain_bytes, sum(
-                max(sum(held.values()) - baselines.get(pid, 0), 0) for pid, held in pieces.items()))
+            plain = sum(max(sum(held.values()) - baselines.get(pid, 0), 0) for pid, held in pieces.items())
+            self.max_plain_bytes = max(self.max_plain_bytes, plain)
             for pid in pids:
                 if pid in self._baselines:
                     self.last[pid] = {**previous.get(pid, {}), **pieces[pid]}
             if self.still:  # one instant: the pass alone
-                total = consistent_bytes(pieces, pieces, baselines)
+                total = plain
             elif self.passes == 1:
                 return None
             else:
