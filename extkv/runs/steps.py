@@ -133,6 +133,24 @@ def _children() -> list[int]:
     return found
 
 
+def _reaped(step: subprocess.Popen, block: bool) -> bool:
+    """Whether `step` has ended, reaping it with waitpid directly. Popen's
+    poll() and wait() take a lock of the Popen's first, and a signal whose
+    handler raises between that lock's acquire and the try that releases it
+    leaves it held: every later wait() without a timeout then blocks for
+    ever, and poll() reports a running step."""
+    if step.returncode is not None:
+        return True
+    try:
+        pid, status = os.waitpid(step.pid, 0 if block else os.WNOHANG)
+    except ChildProcessError:
+        return True  # reaped already, by an earlier end_all's children loop
+    if pid == 0:
+        return False
+    step.returncode = os.waitstatus_to_exitcode(status)
+    return True
+
+
 def end_all(steps: list[subprocess.Popen], grace_s: float = GRACE_S, number: int = signal.SIGINT) -> None:
     """End every step and every process they started, each step given
     `grace_s` to end on signal `number`; returns once none runs."""
@@ -140,12 +158,12 @@ def end_all(steps: list[subprocess.Popen], grace_s: float = GRACE_S, number: int
         _signal_group(step, number)
     deadline = time.monotonic() + grace_s
     for step in steps:
-        while step.poll() is None and not _state.hurry and time.monotonic() < deadline:
+        while not _reaped(step, block=False) and not _state.hurry and time.monotonic() < deadline:
             with contextlib.suppress(subprocess.TimeoutExpired):
                 step.wait(timeout=0.2)
     for step in steps:
         _signal_group(step, signal.SIGKILL)
-        step.wait()
+        _reaped(step, block=True)
     while children := _children():
         for pid in children:
             with contextlib.suppress(ProcessLookupError):
