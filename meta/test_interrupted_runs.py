@@ -33,7 +33,6 @@ import pytest
 from extkv.benchmarking.cases import PROFILES, catalogue
 from extkv.benchmarking.contenders import CONTENDERS
 from extkv.runs.rundir import suite_directory
-from extkv.runs.steps import end_all, start as start_step
 
 #: Every test here checks extkv's own tooling: its runs and their reports.
 pytestmark = pytest.mark.harness
@@ -241,21 +240,38 @@ def test_a_signal_to_the_reference_alone_ends_its_step_and_the_reference(tmp_pat
     assert json.loads((tmp_path / "run" / "check-run.json").read_text())["interrupted"] == name
 
 
+ENDING_A_HELD_STEP = """
+import json, os, signal, sys, threading
+from extkv.runs.steps import end_all, start
+step = start(["sleep", "1000000"])
+step._waitpid_lock.acquire()  # what a signal landing in that window leaves
+ending = threading.Thread(target=end_all, args=([step],), kwargs={{"grace_s": {net}}}, daemon=True)
+ending.start()
+ending.join(timeout={net})
+if ending.is_alive():
+    os.killpg(step.pid, signal.SIGKILL)
+    os.waitpid(step.pid, 0)
+try:
+    os.waitpid(step.pid, os.WNOHANG)
+    zombie = True
+except ChildProcessError:
+    zombie = False
+print(json.dumps({{"hung": ending.is_alive(), "status": step.returncode, "zombie": zombie}}))
+"""
+
+
 def test_ending_a_step_whose_popen_lock_a_signal_left_held_still_ends_and_reaps_it():
     """A signal whose handler raises inside Popen.wait(timeout) or poll(),
     between the acquire of the Popen's waitpid lock and the try that
     releases it, leaves that lock held (planted here by holding it). Ending
     the steps must not wait on it: end_all returns, the step reaped with
-    the status the ending signal gave it."""
-    step = start_step(["sleep", "1000000"])
-    step._waitpid_lock.acquire()  # what a signal landing in that window leaves
-    ending = threading.Thread(target=end_all, args=([step],), kwargs={"grace_s": NET_S}, daemon=True)
-    ending.start()
-    ending.join(timeout=NET_S)
-    if ending.is_alive():
-        os.killpg(step.pid, signal.SIGKILL)
-        os.waitpid(step.pid, 0)
-    assert not ending.is_alive(), "end_all waited on the step's Popen lock"
-    assert step.returncode == -signal.SIGINT, step.returncode
-    with pytest.raises(ChildProcessError):
-        os.waitpid(step.pid, os.WNOHANG)  # reaped: no zombie left
+    the status the ending signal gave it. It runs in a child of its own, as
+    a run does: end_all also ends every other child of its process, and
+    this pytest's children (a forkserver) are not its to end."""
+    ran = subprocess.run([sys.executable, "-c", ENDING_A_HELD_STEP.format(net=NET_S)], capture_output=True,
+                         text=True, env=run_environment(host_only=True), timeout=3 * NET_S)
+    assert ran.returncode == 0, ran.stderr[-3000:]
+    result = json.loads(ran.stdout.splitlines()[-1])
+    assert not result["hung"], "end_all waited on the step's Popen lock"
+    assert result["status"] == -signal.SIGINT, result
+    assert not result["zombie"], "the ended step was left unreaped"

@@ -153,7 +153,9 @@ def _reaped(step: subprocess.Popen, block: bool) -> bool:
 
 def end_all(steps: list[subprocess.Popen], grace_s: float = GRACE_S, number: int = signal.SIGINT) -> None:
     """End every step and every process they started, each step given
-    `grace_s` to end on signal `number`; returns once none runs."""
+    `grace_s` to end on signal `number`; returns once none runs. Every other
+    child of this process ends too (orphans reparented to a subreaper are
+    known only as children), so it is for a run's own process only."""
     for step in steps:
         _signal_group(step, number)
     deadline = time.monotonic() + grace_s
