@@ -66,6 +66,7 @@ from extkv.layout import (
 from extkv.peer import import_segments, run_peer
 from extkv.testing.checks import check_mapped_read_only, check_usage_matches, maps_permissions
 from extkv.testing.configs import CAPACITY, GRANULE, config_for, fill_segments
+from extkv.testing.descriptors import left_open, open_descriptors
 from extkv.testing.readings import InjectedReadingsDriver
 from extkv.vmm import FaultInjectingDriver, driver_for, live_chunks, live_reservations
 from extkv.vmm.base import READ_WRITE
@@ -303,10 +304,6 @@ def peer_digests(connector: SegmentExportConnector, peers: PeerZygote | None) ->
     return reply["digests"]
 
 
-def fd_count() -> int:
-    return len(os.listdir("/proc/self/fd"))
-
-
 def live_counts() -> tuple[dict, dict]:
     nonzero = lambda counts: {kind: count for kind, count in counts.items() if count}  # noqa: E731
     return nonzero(live_chunks), nonzero(live_reservations)
@@ -455,10 +452,10 @@ def test_stale_registration_is_refused_until_restored(device, build, connector, 
     for change in (grow_within_the_mapped_chunks, release_and_recommit, shrink_keeping_contents):
         change()
         fill_segments(kv_cache, seed=7)
-        fds = fd_count()
+        fds = open_descriptors()
         with pytest.raises(StaleRegistrationError, match=r"changed since register_kv_caches.*restore_kv_caches"):
             connector.export_to(sender)
-        assert fd_count() == fds
+        assert not left_open(fds)
         with pytest.raises(BlockingIOError):
             receiver.recv(1)  # nothing was sent
         connector.restore_kv_caches()
@@ -496,10 +493,10 @@ def test_a_registering_connector_refuses_commit_ahead_and_exports_once_it_is_off
     assert kv_cache.settle_commit_ahead(60) and kv_cache.grown_blocks > 300
     sender, receiver = channel
     receiver.setblocking(False)
-    fds = fd_count()
+    fds = open_descriptors()
     with pytest.raises(StaleRegistrationError, match=r"commit-ahead is on \(window 64 blocks\)"):
         connector.export_to(sender)
-    assert fd_count() == fds
+    assert not left_open(fds)
     with pytest.raises(BlockingIOError):
         receiver.recv(1)  # nothing was sent
     with pytest.raises(CommitAheadRegisteredError, match="restore_kv_caches: commit-ahead is on"):
@@ -531,10 +528,10 @@ def test_a_broken_cache_is_not_exported(device, build, connector, channel):
     assert kv_cache.is_broken
     sender, receiver = channel
     receiver.setblocking(False)
-    fds = fd_count()
+    fds = open_descriptors()
     with pytest.raises(StaleRegistrationError, match="is broken"):
         connector.export_to(sender)
-    assert fd_count() == fds
+    assert not left_open(fds)
     with pytest.raises(BlockingIOError):
         receiver.recv(1)  # nothing was sent
 
@@ -736,17 +733,17 @@ def test_failed_import_undoes_every_step(device, build, connector, step, nth, ch
     connector.register_kv_caches(kv_cache)
     faulty = FaultInjectingDriver(driver_for(device), {step: nth})
     sender, receiver = channel
-    counts, fds = live_counts(), fd_count()
+    counts, fds = live_counts(), open_descriptors()
     connector.export_to(sender)
     with pytest.raises(DriverError, match="injected fault"):
         import_segments(receiver, driver=faulty)
     assert faulty.fired == [(step, nth)]
-    assert live_counts() == counts and fd_count() == fds  # received descriptors closed too
+    assert live_counts() == counts and not left_open(fds)  # received descriptors closed too
     # The fault fired once: a fresh export imports completely.
     connector.export_to(sender)
     with import_segments(receiver, driver=faulty) as imported:
         assert imported.digests() == digests_here(kv_cache)
-    assert live_counts() == counts and fd_count() == fds
+    assert live_counts() == counts and not left_open(fds)
 
 
 @pytest.mark.invariant(5, 6)
@@ -759,11 +756,11 @@ def test_failed_import_attempts_every_undo_and_raises_the_first_failure(build, c
     connector.register_kv_caches(kv_cache)
     faulty = FaultInjectingDriver(driver_for("cpu"), {"set_access": 1, "unmap": 2})
     sender, receiver = channel
-    counts, fds = live_counts(), fd_count()
+    counts, fds = live_counts(), open_descriptors()
     connector.export_to(sender)
     with pytest.raises(DriverError, match=r"^set_access \(injected fault at call 1\)") as raised:
         import_segments(receiver, driver=faulty)
-    assert live_counts() == counts and fd_count() == fds
+    assert live_counts() == counts and not left_open(fds)
     assert faulty.fired == [("set_access", 1), ("unmap", 2)]
     assert faulty.calls["release"] == 3 and faulty.calls["unmap"] == 3
     if sys.version_info >= (3, 11):
@@ -779,11 +776,11 @@ def test_failed_export_sends_nothing_and_closes_what_it_exported(device, build, 
     fill_segments(kv_cache, seed=6)
     connector.register_kv_caches(kv_cache)
     sender, receiver = channel
-    fds = fd_count()
+    fds = open_descriptors()
     faulty.fail_in("export", 2)
     with pytest.raises(DriverError, match="export"):
         connector.export_to(sender)
-    assert fd_count() == fds
+    assert not left_open(fds)
     receiver.setblocking(False)
     with pytest.raises(BlockingIOError):
         receiver.recv(1)
@@ -791,7 +788,7 @@ def test_failed_export_sends_nothing_and_closes_what_it_exported(device, build, 
     connector.export_to(sender)
     with import_segments(receiver) as imported:
         assert imported.digests() == digests_here(kv_cache)
-    assert fd_count() == fds
+    assert not left_open(fds)
 
 
 @pytest.mark.invariant(6)
@@ -823,7 +820,7 @@ def test_invalid_calls_raise_and_change_nothing(device, build, connector):
 def test_driver_export_and_import_check_their_arguments(device):
     driver = driver_for(device)
     granule = driver.granularity
-    counts, fds = live_counts(), fd_count()
+    counts, fds = live_counts(), open_descriptors()
     for fd, size, message in [
         (-1, granule, r"fd must be an int >= 0 \(a file descriptor\), got -1"),
         ("3", granule, r"\(a file descriptor\), got '3'"),
@@ -833,7 +830,7 @@ def test_driver_export_and_import_check_their_arguments(device):
     ]:
         with pytest.raises(ValueError, match=message):
             driver.import_fd(fd, size)
-    assert live_counts() == counts and fd_count() == fds
+    assert live_counts() == counts and not left_open(fds)
     chunk = driver.create(granule)
     exported = driver.export_fd(chunk)
     try:
@@ -848,7 +845,7 @@ def test_driver_export_and_import_check_their_arguments(device):
     finally:
         os.close(exported)
         driver.release(chunk)
-    assert live_counts() == counts and fd_count() == fds
+    assert live_counts() == counts and not left_open(fds)
 
 
 @pytest.mark.invariant(6)
@@ -922,12 +919,12 @@ def test_peer_refuses_a_bad_header_and_says_why():
     ],
 )
 def test_import_refuses_malformed_headers_before_importing(header, message, channel):
-    counts, fds = live_counts(), fd_count()
+    counts, fds = live_counts(), open_descriptors()
     sender, receiver = channel
     send_message(sender, header)
     with pytest.raises(ValueError, match=message):
         import_segments(receiver)
-    assert live_counts() == counts and fd_count() == fds
+    assert live_counts() == counts and not left_open(fds)
 
 
 def host_header(chunk_sizes: list[int], segments: list[tuple[int, int, int]]) -> dict:
@@ -947,13 +944,13 @@ def host_header(chunk_sizes: list[int], segments: list[tuple[int, int, int]]) ->
 
 @pytest.mark.invariant(6, 8)
 def test_import_refuses_deeply_nested_json_with_a_value_error(channel):
-    counts, fds = live_counts(), fd_count()
+    counts, fds = live_counts(), open_descriptors()
     sender, receiver = channel
     payload = b"[" * 100_000
     sender.sendall(struct.pack(">Q", len(payload)) + payload)
     with pytest.raises(ValueError, match=r"message of 100000 bytes nests JSON arrays or objects too deeply"):
         import_segments(receiver)
-    assert live_counts() == counts and fd_count() == fds
+    assert live_counts() == counts and not left_open(fds)
 
 
 @pytest.mark.invariant(6, 8)
@@ -961,7 +958,7 @@ def test_import_refuses_deeply_nested_json_with_a_value_error(channel):
 def test_import_refuses_a_descriptor_that_is_not_a_sealed_memfd(kind, channel):
     """A regular file, or a memfd without seals, could be truncated by its
     sender under the importer's mapping: refused before anything is mapped."""
-    counts, fds = live_counts(), fd_count()
+    counts, fds = live_counts(), open_descriptors()
     if kind == "regular file":
         fd, path = tempfile.mkstemp(prefix="extkv-")
         os.unlink(path)
@@ -976,7 +973,7 @@ def test_import_refuses_a_descriptor_that_is_not_a_sealed_memfd(kind, channel):
             import_segments(receiver)
     finally:
         os.close(fd)
-    assert live_counts() == counts and fd_count() == fds
+    assert live_counts() == counts and not left_open(fds)
 
 
 def hostile_memfd(size: int, *, allocated: bool) -> int:
@@ -1002,7 +999,7 @@ def test_import_caps_what_the_exporter_announces_before_receiving_a_descriptor()
     each). Refused on the header's word, naming both numbers, before any
     descriptor is received; a sparse memfd within the cap is refused too,
     before any of it is read. The wire refuses a message on its length."""
-    counts, fds = live_counts(), fd_count()
+    counts, fds = live_counts(), open_descriptors()
     total = driver_for("cpu").memory_info()[1]
     over = (total // GRANULE + 1) * GRANULE  # one granule more than all memory
     cases = [
@@ -1056,7 +1053,7 @@ def test_import_caps_what_the_exporter_announces_before_receiving_a_descriptor()
             assert os.fstat(fd).st_blocks == (size // 512 if allocated else 0)  # nothing was read
         finally:
             os.close(fd)
-        assert live_counts() == counts and fd_count() == fds, refusal
+        assert live_counts() == counts and not left_open(fds), refusal
 
     # Within its cap the same kind of export imports.
     fd = hostile_memfd(2 * GRANULE, allocated=True)
@@ -1084,7 +1081,7 @@ def test_import_caps_what_the_exporter_announces_before_receiving_a_descriptor()
                 else:
                     receive_message(receiver, max_bytes=max_bytes)
             assert receiver.recv(16) == b"x" * 16  # left where it was
-    assert live_counts() == counts and fd_count() == fds
+    assert live_counts() == counts and not left_open(fds)
 
 
 @pytest.mark.invariant(8)
@@ -1111,7 +1108,7 @@ def test_peer_error_reply_names_no_address(peers):
 
 @pytest.mark.invariant(6, 8)
 def test_import_gives_up_when_the_exporter_stalls_and_restores_the_timeout(channel):
-    counts, fds = live_counts(), fd_count()
+    counts, fds = live_counts(), open_descriptors()
     sender, receiver = channel
     for sent in ("nothing", "the header but no descriptors"):
         if sent != "nothing":
@@ -1120,7 +1117,7 @@ def test_import_gives_up_when_the_exporter_stalls_and_restores_the_timeout(chann
         with pytest.raises(TimeoutError):
             import_segments(receiver, timeout=0.2)
         assert receiver.gettimeout() is None, sent
-    assert live_counts() == counts and fd_count() == fds
+    assert live_counts() == counts and not left_open(fds)
 
 
 #: What no argument of seconds may be, and the form every refusal takes.
@@ -1142,7 +1139,7 @@ def test_timeouts_take_inf_as_no_limit_and_refuse_what_is_no_duration(build, con
     fill_segments(kv_cache, seed=12)
     connector.register_kv_caches(kv_cache)
     expected = digests_here(kv_cache)
-    counts, fds = live_counts(), fd_count()
+    counts, fds = live_counts(), open_descriptors()
     sender, receiver = channel
     for timeout in (math.inf, 1e300, 10**400, None, 60):
         connector.export_to(sender, timeout=timeout)
@@ -1161,7 +1158,7 @@ def test_timeouts_take_inf_as_no_limit_and_refuse_what_is_no_duration(build, con
     receiver.setblocking(False)
     with pytest.raises(BlockingIOError):
         receiver.recv(1)  # each import read its export to the end; a refused export sent nothing
-    assert live_counts() == counts and fd_count() == fds
+    assert live_counts() == counts and not left_open(fds)
 
     # The peer's whole run (what `extkv peer --timeout inf` calls), in a thread.
     for timeout in NOT_TIMEOUTS:
@@ -1189,7 +1186,7 @@ def test_timeouts_take_inf_as_no_limit_and_refuse_what_is_no_duration(build, con
         finally:
             thread.join(PEER_TIMEOUT_S)
     assert not failures and reply == {"digests": expected}
-    assert live_counts() == counts and fd_count() == fds
+    assert live_counts() == counts and not left_open(fds)
 
 
 def message_bytes(message: dict) -> bytes:
@@ -1222,7 +1219,7 @@ def test_an_import_and_its_digests_are_over_within_their_timeouts():
     """An exporter that sends its header a byte at a time keeps every wait
     short; the import still gives up once its timeout has passed, naming how
     far it got, not when the last byte arrives. So do digests."""
-    counts, fds = live_counts(), fd_count()
+    counts, fds = live_counts(), open_descriptors()
     header = message_bytes(host_header([GRANULE], [(0, 0, GRANULE)]))
     assert len(header) * PACE_S > 4  # paced, the header alone takes seconds
     memfd = hostile_memfd(GRANULE, allocated=True)
@@ -1263,7 +1260,7 @@ def test_an_import_and_its_digests_are_over_within_their_timeouts():
     finally:
         sender.close()
         os.close(memfd)
-    assert live_counts() == counts and fd_count() == fds
+    assert live_counts() == counts and not left_open(fds)
 
 
 @pytest.mark.invariant(8)
@@ -1319,7 +1316,7 @@ def test_export_refuses_a_peer_it_does_not_allow_and_sends_nothing(build, peers,
     def send(sock):
         pid, uid, gid = peer_credentials(sock)
         assert pid != os.getpid() and uid == os.getuid()
-        fds = fd_count()
+        fds = open_descriptors()
         with pytest.raises(PeerRefusedError) as raised:
             connector.export_to(sock)
         assert isinstance(raised.value, PermissionError) and isinstance(raised.value, ExtkvError)
@@ -1331,7 +1328,7 @@ def test_export_refuses_a_peer_it_does_not_allow_and_sends_nothing(build, peers,
         assert str(raised.value) == (
             f"export_to refused the peer (pid {pid}, uid {uid}, gid {gid}): {why}; nothing was sent"
         )
-        assert fd_count() == fds
+        assert not left_open(fds)
         sock.shutdown(socket.SHUT_WR)  # the peer reads end of file, and may still answer
 
     reply, returncode, stderr = run_peer_with(send, peers)
@@ -1411,7 +1408,7 @@ def test_export_to_a_peer_that_never_reads_gives_up_within_its_timeout(build, co
             with listener.accept() as connection:
                 fill_send_buffer(connection)
                 connection.settimeout(PEER_TIMEOUT_S)  # each wait's own bound, longer than the test
-                fds = fd_count()
+                fds = open_descriptors()
                 started = time.monotonic()
                 thread, outcome = export_in_a_thread(connector, connection, timeout=0.5)
                 thread.join(PEER_TIMEOUT_S / 2)  # a net against hangs: the peer reads nothing, so only the deadline ends it
@@ -1430,7 +1427,7 @@ def test_export_to_a_peer_that_never_reads_gives_up_within_its_timeout(build, co
                     str(error),
                 ), str(error)
                 assert elapsed >= 0.5, f"gave up after {elapsed:.2f} s"
-                assert fd_count() == fds  # the exported descriptors are closed
+                assert not left_open(fds)  # the exported descriptors are closed
                 assert connection.gettimeout() == PEER_TIMEOUT_S  # restored
         finally:
             peer.kill()
@@ -1455,7 +1452,7 @@ def test_a_peer_that_hangs_up_mid_export_is_named_and_the_next_is_served(build, 
         try:
             with listener.accept() as connection:
                 fill_send_buffer(connection)  # export_to has to wait for the peer to read
-                fds = fd_count()
+                fds = open_descriptors()
                 thread, outcome = export_in_a_thread(connector, connection, timeout=PEER_TIMEOUT_S)
                 time.sleep(0.2)  # into the wait (a hang-up before it is refused the same way)
                 pid = peer.pid
@@ -1470,7 +1467,7 @@ def test_a_peer_that_hangs_up_mid_export_is_named_and_the_next_is_served(build, 
                     r"incomplete \(the connector stays registered for the next peer\)",
                     str(error),
                 ), str(error)
-                assert fd_count() == fds
+                assert not left_open(fds)
         finally:
             peer.kill()
     assert connector.is_registered

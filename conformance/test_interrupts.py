@@ -31,6 +31,7 @@ from extkv.layout import KVCacheLayout
 from extkv.peer import import_segments
 from extkv.testing.checks import check_readback_matches_bookkeeping
 from extkv.testing.configs import config_for
+from extkv.testing.descriptors import left_open, open_descriptors
 from extkv.wire import close_all
 from extkv.testing.interrupts import run_in_child
 from extkv.vmm import live_reservations
@@ -218,10 +219,6 @@ def test_an_interrupt_as_a_deferred_close_enters_its_deferral_still_closes(devic
         assert imported.closed and live_reservations[kind] == held - 1, f"{live_reservations[kind]} reservations, {held} before the close"
 
 
-def open_descriptors() -> int:
-    return len(os.listdir("/proc/self/fd"))
-
-
 @pytest.mark.invariant(5, 6)
 @pytest.mark.parametrize("where", [(close_all, "SegmentExportConnector.export_to"), (run_deferred, "close_all")],
                          ids=["close_all", "its run_deferred"])
@@ -238,7 +235,7 @@ def test_an_interrupt_on_the_way_into_closing_an_exports_descriptors_leaves_none
                 connector.export_to(sender, timeout=30)
         finally:
             importer.join(30)
-        assert open_descriptors() == before, f"{open_descriptors()} descriptors open after the export, {before} before"
+        assert left_open(before) == [], "descriptors left open by the interrupted export"
 
 
 class DoublingSocket(socket.socket):
@@ -272,7 +269,7 @@ def test_an_interrupt_on_the_way_into_closing_a_failed_imports_descriptors_leave
             exporter.join(30)
             doubling.close()
         assert isinstance(raised.value.__context__, ConnectionError), f"the import failed with {raised.value.__context__!r}"
-        assert open_descriptors() == before, f"{open_descriptors()} descriptors open after the import, {before} before"
+        assert left_open(before) == [], "descriptors left open by the interrupted import"
 
 
 @pytest.mark.invariant(5, 6)
