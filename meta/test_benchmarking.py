@@ -1023,6 +1023,9 @@ def test_engine_measures_fresh_cases_in_a_new_process_and_records_every_case(tmp
             if CONTENDERS[name].process == "main":
                 assert measured.status == "measured" and len(measured.wall) in rounds, measured
     assert {m.process for m in engine.results(fresh).values()} == {"fresh"}
+    # One process per contender: a device need hold one store of the case.
+    started = [line for line in lines if line.startswith("bench: fresh process")]
+    assert len(started) == len(fresh.contenders), (started, fresh.contenders)
     assert any(line.startswith(f"bench [1/{len(engine.cases)}] {fresh.id}") for line in lines), lines
     written = json.loads(engine.finish().read_text())
     assert [case["case"] for case in written["cases"]] == [case.id for case in engine.cases]

@@ -298,7 +298,8 @@ def warm_up(device: torch.device, names: Sequence[str], ops: Sequence[str]) -> N
 
 def measure_fresh(case: Case, names: Sequence[str], device: torch.device, process: str = "fresh") -> dict[str, Measurement]:
     """One round of each contender on memory never used by this process:
-    every store keeps its memory until all have run."""
+    every store keeps its memory until all have run (the engine passes one
+    contender per process)."""
     results = {name: Measurement(name, process) for name in names}
     stores: list[Store] = []
     try:
