@@ -242,12 +242,16 @@ def test_a_signal_to_the_reference_alone_ends_its_step_and_the_reference(tmp_pat
 
 ENDING_A_HELD_STEP = """
 import json, os, signal, sys, threading
-from extkv.runs.steps import end_all, start
-step = start(["sleep", "1000000"])
-step._waitpid_lock.acquire()  # what a signal landing in that window leaves
-ending = threading.Thread(target=end_all, args=([step],), kwargs={{"grace_s": {net}}}, daemon=True)
-ending.start()
-ending.join(timeout={net})
+from extkv.runs.steps import end_all, interruptible, start
+# As a run starts its steps: inside interruptible(), whose handlers make
+# the step's SIGINT default again where this process inherited it ignored
+# (a background job's).
+with interruptible():
+    step = start(["sleep", "1000000"])
+    step._waitpid_lock.acquire()  # what a signal landing in that window leaves
+    ending = threading.Thread(target=end_all, args=([step],), kwargs={{"grace_s": {net}}}, daemon=True)
+    ending.start()
+    ending.join(timeout={net})
 if ending.is_alive():
     os.killpg(step.pid, signal.SIGKILL)
     os.waitpid(step.pid, 0)
