@@ -53,7 +53,7 @@ LAYERS: list[set[str]] = [
     {"extkv.tiny_decoder"},
     {"extkv.reference_model"},
     {"extkv.testing", "extkv.testing.gpus", "extkv.testing.readings", "extkv.testing.configs", "extkv.testing.checks",
-     "extkv.testing.work", "extkv.testing.invariants"},
+     "extkv.testing.work", "extkv.testing.invariants", "extkv.testing.descriptors"},
     {"extkv.testing.model_warm_up"},
     {"extkv.testing.facts", "extkv.testing.children", "extkv.testing.ctrl_c", "extkv.testing.ledger_machine"},
     {"extkv.testing.record", "extkv.testing.exclusive", "extkv.testing.budget"},
