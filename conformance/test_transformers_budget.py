@@ -214,6 +214,11 @@ def test_a_reclaim_takes_the_margin_only_and_generate_goes_on_as_dynamic_cache(m
                     assert torch.equal(now, then), f"layer {layer}'s token blocks changed in the reclaim"
                 assert held(client_a) == cache.physical_bytes
             client_b.cancel(ticket)
+            # A cancel is sent, not awaited, and the daemon orders messages
+            # per connection only: B's report, answered once the cancel is
+            # counted, keeps the cache's next reserve from finding B's grant
+            # still held (denied so on a loaded 2-core host).
+            client_b.report()
             reclaimed.append(committed - kv_cache.num_committed_blocks)
 
         with at_step(model, where, 20, reclaim) as each_step:
