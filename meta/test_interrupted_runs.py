@@ -241,7 +241,7 @@ def test_a_signal_to_the_reference_alone_ends_its_step_and_the_reference(tmp_pat
 
 
 ENDING_A_HELD_STEP = """
-import json, os, signal, sys, threading
+import json, os, signal, threading
 from extkv.runs.steps import end_all, interruptible, start
 # As a run starts its steps: inside interruptible(), whose handlers make
 # the step's SIGINT default again where this process inherited it ignored
