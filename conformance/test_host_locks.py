@@ -17,9 +17,11 @@ chosen by events and pipes, never by sleeping:
   create, both commit locks held) must hold neither lock: the parent's next
   commit, another process's and the child's own all go through at once
   while the child lives.
-- *The machine's lock file.* Another process holding the lock, a FIFO or a
-  symbolic link at its path, and Ctrl-C during the wait: the commit goes on
-  within the bound, at once, or lands the interrupt with nothing changed.
+- *The machine's lock file.* Another process's commit in its admission:
+  this process's commit waits until it leaves. Another process holding the
+  lock, a FIFO or a symbolic link at its path, and Ctrl-C during the wait:
+  the commit goes on within the bound, at once, or lands the interrupt with
+  nothing changed.
   These run on a lock file of their own (`COMMITS_LOCK_PATH` set to a
   temporary path), never on the machine's.
 """
@@ -37,6 +39,7 @@ import socket
 import subprocess
 import sys
 import threading
+import time
 import warnings
 from pathlib import Path
 
@@ -444,6 +447,66 @@ def test_a_commit_waits_for_another_processs_lock_no_longer_than_the_bound(drive
         assert tensor.segment_sizes == [g]
         message = str(warned[0].message)
         assert lock_path in message and f"pid {holder.pid}" in message, message
+
+
+#: Where the child below imports extkv from: this process's extkv.
+EXTKV_ROOT = str(Path(extkv.__file__).resolve().parent.parent)
+HOLDS_A_COMMIT = """
+import sys, time
+from extkv.vmm import HostDriver, host_commits
+host_commits.COMMITS_LOCK_PATH = sys.argv[1]
+with HostDriver().admit(1):
+    print("admitted", flush=True)
+    sys.stdin.readline()  # until the test says leave
+    print("leaving", time.monotonic(), flush=True)  # CLOCK_MONOTONIC: one clock for every process
+"""
+
+
+@pytest.mark.long
+def test_two_processes_commit_one_after_the_other(driver, lock_path, monkeypatch):
+    """While another process is between its commit's check and its last
+    create, this process's commit waits: two commits cannot both pass on one
+    reading of the headroom. The other process leaves its admission only
+    once this one's commit has been refused the lock twice (it is still
+    waiting) or was admitted (it did not wait: the defect)."""
+    refusals: list[int] = []
+    decided = threading.Event()  # refused twice, or admitted
+    real_flock = fcntl.flock
+
+    def flock(descriptor: int, operation: int) -> None:
+        try:
+            real_flock(descriptor, operation)
+        except BlockingIOError:
+            refusals.append(operation)
+            if len(refusals) == 2:
+                decided.set()
+            raise
+
+    monkeypatch.setattr(fcntl, "flock", flock)
+    holder = subprocess.Popen([sys.executable, "-c", HOLDS_A_COMMIT, lock_path], stdin=subprocess.PIPE,
+                              stdout=subprocess.PIPE, text=True, env={**os.environ, "PYTHONPATH": EXTKV_ROOT})
+    entered: list[float] = []
+
+    def commit() -> None:
+        with driver.admit(driver.granularity):
+            entered.append(time.monotonic())
+            decided.set()
+
+    committing = threading.Thread(target=commit, name="commit")
+    try:
+        assert holder.stdout.readline().strip() == "admitted"
+        committing.start()
+        assert decided.wait(HANG_S), f"this process's commit neither waited nor went on ({len(refusals)} refusals)"
+        assert not entered, f"admitted after {len(refusals)} refusals, while the other process held its admission"
+        holder.stdin.write("leave\n")
+        holder.stdin.flush()
+        leaving = float(holder.stdout.readline().split()[1])
+    finally:
+        holder.stdin.close()
+        holder.wait(HANG_S)
+        if committing.ident is not None:
+            committing.join(HANG_S)
+    assert entered and entered[0] >= leaving, f"admitted at {entered}, before the other process left at {leaving}"
 
 
 @pytest.mark.parametrize("planted", ["FIFO", "symbolic link"])
