@@ -52,6 +52,7 @@ from extkv.testing.checks import check_readback_matches_bookkeeping
 from extkv.testing.children import python_c
 from extkv.testing.configs import config_for
 from extkv.testing.ctrl_c import python_handles_ctrl_c
+from extkv.testing.stress.child import child_env
 from extkv.vmm import HostDriver, host, host_commits
 from extkv.vmm.wrapping import WrappingDriver
 
@@ -449,8 +450,6 @@ def test_a_commit_waits_for_another_processs_lock_no_longer_than_the_bound(drive
         assert lock_path in message and f"pid {holder.pid}" in message, message
 
 
-#: Where the child below imports extkv from: this process's extkv.
-EXTKV_ROOT = str(Path(extkv.__file__).resolve().parent.parent)
 HOLDS_A_COMMIT = """
 import sys, time
 from extkv.vmm import HostDriver, host_commits
@@ -484,7 +483,7 @@ def test_two_processes_commit_one_after_the_other(driver, lock_path, monkeypatch
 
     monkeypatch.setattr(fcntl, "flock", flock)
     holder = subprocess.Popen([sys.executable, "-c", HOLDS_A_COMMIT, lock_path], stdin=subprocess.PIPE,
-                              stdout=subprocess.PIPE, text=True, env={**os.environ, "PYTHONPATH": EXTKV_ROOT})
+                              stdout=subprocess.PIPE, text=True, env=child_env())
     entered: list[float] = []
 
     def commit() -> None:
