@@ -263,8 +263,7 @@ def test_usage_equals_physical_bytes_after_every_step(build, granule, usage):
     ]
     for step in steps:
         step()
-        check_usage_matches(usage, baseline, tensors)
-    assert usage.read_outside_torch() == baseline
+        check_usage_matches(usage, baseline, tensors)  # the last step freed both: back at the baseline
 
 
 @pytest.mark.invariant(1)
@@ -703,7 +702,7 @@ def test_create_free_cycles_return_everything_to_baseline(device, granule, usage
         t.free()
     assert _nonzero(live_reservations) == reservations and _nonzero(live_chunks) == chunks
     assert len(open_chunk_fds()) == fds
-    assert usage.read_outside_torch() == baseline
+    check_usage_matches(usage, baseline, [])
 
 
 @pytest.mark.invariant(6)
