@@ -172,6 +172,34 @@ def test_confirm_cancel_and_returned_move_grant_and_held(serve, clients):
     assert engine.report()["granted"] == 200
 
 
+@pytest.mark.budget_proof("ledger")
+@pytest.mark.parametrize("settle, outcome", [("cancel", "granted"), ("confirm", "denied")])
+def test_a_reserve_short_by_a_create_under_way_waits_for_its_settling(serve, clients, settle, outcome):
+    """Another engine's create under way (its ticket open) may give bytes
+    back: a reserve that only they could make room for waits, unanswered,
+    until that engine's cancel (granted) or confirm of all of it (denied)."""
+    served = serve()
+    holder = clients(served.path, floor=600)  # at its floor: never asked to reclaim
+    holder.confirm(holder.reserve(600), 600)
+    creating = clients(served.path)
+    ticket = creating.reserve(300)
+    asker = raw_connection(served.path)
+    raw_hello(asker)
+    send_message(asker, {"op": "reserve", "id": 1, "bytes": 200})  # 100 must come back: the 300 in flight
+    send_message(asker, {"op": "status", "id": 2})
+    # One connection's messages are answered in order: the status first, so the reserve waits.
+    assert receive_message(asker)["op"] == "report"
+    if settle == "cancel":
+        creating.cancel(ticket)
+    else:
+        creating.confirm(ticket, 300)
+    reply = receive_message(asker)
+    assert (reply["op"], reply["id"]) == (outcome, 1), reply
+    if outcome == "denied":
+        assert "open tickets hold 0" in reply["reason"], reply["reason"]
+    asker.close()
+
+
 #: A reclaim deadline no test waits out: a reserve waiting on a reclaim ends
 #: by the reclaim's answer or by being given up, never by the deadline.
 NEVER_S = 10 * HANG_S

@@ -159,8 +159,8 @@ def test_the_worked_example_when_b_cannot():
     denied = ledger.reserve("C", 24 * GiB, now=1.6)  # 83 + 24 - 102 = 5 must come back; A holds its share 48
     assert denied.verdict == Verdict.DENIED
     assert denied.reason == (f"engine 'C' asked {24 * GiB} bytes: budget {102 * GiB}, granted {83 * GiB}, dead 0; "
-                             f"{5 * GiB} must come back and engines above their fair shares and floors can give back 0 "
-                             "(not asking again: A, B)")
+                             f"{5 * GiB} must come back and engines above their fair shares and floors can give back 0, "
+                             "other engines' open tickets hold 0 (not asking again: A, B)")
     assert ledger.expire(100.0) == []  # the wait ended with the denial
 
 
@@ -174,8 +174,8 @@ def test_granted_while_the_budget_and_the_cap_hold():
     assert (capped.verdict, capped.reason) == (Verdict.DENIED, "engine 'a' asked 1 bytes beside its grant of 70: "
                                                                "more than its cap of 70")
     assert ledger.reserve("b", 30, 0.0).verdict == Verdict.GRANTED  # 70 + 30 = 100
-    full = ledger.reserve("b", 1, 0.0)  # a's 70 are an open ticket, in flight: nothing to reclaim
-    assert full.verdict == Verdict.DENIED and "budget 100, granted 100, dead 0; 1 must come back" in full.reason
+    full = ledger.reserve("b", 1, 0.0)  # a's 70 are an open ticket, in flight: nothing to reclaim, its settling awaited
+    assert (full.verdict, full.reclaims) == (Verdict.WAIT, ())
 
 
 def test_a_cap_above_the_budget_is_the_budget():
@@ -292,9 +292,13 @@ def test_a_reclaim_stops_at_the_share_or_at_the_floor_above_it():
 
 def test_open_tickets_do_not_let_a_reclaim_take_held_bytes_below_the_floor():
     ledger = joined(100, ("a", dict(held=50, floor=50)), ("b", {}))
-    ledger.reserve("a", 40, 0.0)  # a's grant 90, of it 50 held: its floor
-    denied = ledger.reserve("b", 30, 0.0)  # shares of demands 90, 30: 70, 30; a's 20 above it are in flight
-    assert denied.verdict == Verdict.DENIED and "20 must come back" in denied.reason and "give back 0" in denied.reason
+    ticket = ledger.reserve("a", 40, 0.0).ticket  # a's grant 90, of it 50 held: its floor
+    waits = ledger.reserve("b", 30, 0.0)  # shares of demands 90, 30: 70, 30; a's 20 above it are in flight
+    assert (waits.verdict, waits.reclaims) == (Verdict.WAIT, ())  # no held byte below the floor is asked
+    ledger.confirm("a", ticket, 40, 0.5)  # created: a holds 90, 20 above its share
+    asked = ledger.reserve("b", 30, 0.5)
+    assert (asked.verdict, asked.wait) == (Verdict.WAIT, waits.wait)
+    assert [(r.engine, r.nbytes) for r in asked.reclaims] == [("a", 20)]
 
 
 def test_an_asker_above_its_share_takes_nothing_from_others():
@@ -305,9 +309,58 @@ def test_an_asker_above_its_share_takes_nothing_from_others():
 
 def test_open_tickets_are_not_reclaimed():
     ledger = joined(100, ("a", dict(held=10)), ("b", {}))
-    ledger.reserve("a", 60, 0.0)  # a's grant 70, of it 10 held
-    denied = ledger.reserve("b", 50, 0.0)  # 20 above a's share, but only its 10 held can come back
-    assert denied.verdict == Verdict.DENIED and "give back 10" in denied.reason
+    ticket = ledger.reserve("a", 60, 0.0).ticket  # a's grant 70, of it 10 held
+    waits = ledger.reserve("b", 50, 0.0)  # 20 above a's share, in flight: the ticket's settling is awaited
+    assert (waits.verdict, waits.reclaims) == (Verdict.WAIT, ())
+    ledger.confirm("a", ticket, 60, 0.5)  # created: now held, and a holds 20 above its share
+    asked = ledger.reserve("b", 50, 0.5)
+    assert [(r.engine, r.nbytes) for r in asked.reclaims] == [("a", 20)]
+
+
+def test_a_reserve_short_by_others_open_tickets_waits_for_their_settling():
+    """What must come back is in another engine's open ticket, which a
+    create that fails or makes less gives back: the reserve waits, asking
+    no one, and each settling runs it again, as the daemon does."""
+    def waiting() -> tuple[Ledger, int, int]:
+        ledger = joined(100, ("a", dict(floor=70)), ("b", {}))
+        ticket = ledger.reserve("a", 70, 0.0).ticket  # nothing held above a's floor: nothing to reclaim
+        assert ledger.reserve("b", 20, 0.0).verdict == Verdict.GRANTED
+        wait = ledger.reserve("b", 20, 0.0)  # 10 must come back; a's 70 are in flight
+        assert (wait.verdict, wait.reclaims, wait.deadline) == (Verdict.WAIT, (), RECLAIM_DEADLINE_S)
+        return ledger, ticket, wait.wait
+
+    ledger, ticket, wait = waiting()
+    ledger.cancel("a", ticket, 0.5)  # the create failed: all of it back
+    assert ledger.reserve("b", 20, 0.5).verdict == Verdict.GRANTED
+    ledger, ticket, wait = waiting()
+    ledger.confirm("a", ticket, 60, 0.5)  # 10 not created: back, and room enough
+    assert ledger.reserve("b", 20, 0.5).verdict == Verdict.GRANTED
+    ledger, ticket, wait = waiting()
+    ledger.confirm("a", ticket, 70, 0.5)  # all created: no room, nothing in flight, denied at once
+    denied = ledger.reserve("b", 20, 0.5)
+    assert (denied.verdict, denied.reason) == (Verdict.DENIED, (
+        "engine 'b' asked 20 bytes: budget 100, granted 90, dead 0; 10 must come back and engines above their fair "
+        "shares and floors can give back 0, other engines' open tickets hold 0"))
+    assert [event for event in ledger.expire(100.0) if isinstance(event, ReserveDenied)] == []  # the wait ended
+    ledger, ticket, wait = waiting()
+    assert ledger.reserve("b", 20, 1.0).wait == wait  # run again before a settles: the same wait
+    (denied,) = [event for event in ledger.expire(RECLAIM_DEADLINE_S) if isinstance(event, ReserveDenied)]
+    assert denied == ReserveDenied("b", 20, wait, "no room for 20 bytes by the reclaim deadline: the reclaims and "
+                                   "the creates under way did not free enough", ())
+
+
+def test_an_engine_asked_to_give_back_does_not_wait_on_open_tickets():
+    ledger = joined(100, ("a", dict(held=60)), ("b", {}), ("c", dict(floor=30)))
+    ticket = ledger.reserve("c", 30, 0.0).ticket  # c's 30 in flight, at its floor
+    asked = ledger.reserve("b", 20, 0.0)  # 10 must come back: a, above its share, is asked
+    assert [(r.engine, r.nbytes) for r in asked.reclaims] == [("a", 10)]
+    denied = ledger.reserve("a", 15, 0.0)  # c's ticket could cover the 5 short, but a must answer first
+    assert denied.verdict == Verdict.DENIED and "5 must come back" in denied.reason
+    assert "other engines' open tickets hold 30" in denied.reason
+    ledger.released("a", 0, 0.5)
+    assert ledger.reserve("a", 15, 0.5).verdict == Verdict.WAIT  # answered: it may wait on c's ticket
+    ledger.cancel("c", ticket, 0.6)
+    assert ledger.reserve("a", 15, 0.6).verdict == Verdict.GRANTED
 
 
 def test_a_leaving_engine_ends_its_waits_and_the_reclaims_asked_of_it():
@@ -316,7 +369,7 @@ def test_a_leaving_engine_ends_its_waits_and_the_reclaims_asked_of_it():
     ledger.leave("a", 1.0)
     assert engine(ledger, "a").reclaim_pending_bytes == 0
     (denied,) = ledger.expire(RECLAIM_DEADLINE_S)
-    assert denied.reason.endswith("the reclaims did not free enough") and denied.ignored == ()
+    assert denied.reason.endswith("the reclaims and the creates under way did not free enough") and denied.ignored == ()
     ledger = joined(100, ("a", dict(held=70)), ("b", {}))
     ledger.reserve("b", 50, 0.0)
     ledger.leave("b", 1.0)

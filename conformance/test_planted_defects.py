@@ -843,6 +843,9 @@ LEDGER_DEFECTS = {
                                        r"of [1-9]\d*: it would hold \d+, below its floor(\n|$)"),
     "wait-while-asked": ("reclaim", r"^engine '\w' began a wait for \d+ bytes while a reclaim of [1-9]\d* bytes asked "
                                     r"of it was unanswered: waiting, it could not answer(\n|$)"),
+    "deny-while-creates-settle": ("ledger", r"^a reserve of \d+ bytes by engine '\w' was denied while \d+ must come back, "
+                                            r"\d+ are asked of others and the open tickets of others hold [1-9]\d*: their "
+                                            r"settling could make room(\n|$)"),
 }
 
 

@@ -23,7 +23,12 @@ engine frees come as `returned`; its answer (`released`, `cannot`) only
 ends the reclaim, and is a reason to run the reserve again: the same
 engine asking the same bytes continues its wait, asking no engine twice.
 If those engines cannot cover it, it is *denied* at once, with the
-numbers; at the deadline `expire` denies it, naming who did not answer.
+numbers, unless what must come back beside the reclaims already pending
+is all in other engines' open tickets: creates under way, and one that
+fails or makes less gives bytes back at its cancel or confirm. Then it
+waits, asking no one, and each cancel or confirm runs it again (an engine
+may reserve just after another's cancel that the daemon has not yet
+read). At the deadline `expire` denies a wait, naming who did not answer.
 
 An engine whose own reserve waits is never asked: it waits inside a
 commit, holding its cache's lock, so its reclaim handler cannot shrink
@@ -449,11 +454,23 @@ class Ledger:
             # An engine this reserve waited on died mid-reclaim: its bytes
             # come back once seen gone, so the wait goes on to its deadline.
             return Decision(Verdict.WAIT, reclaims=(), wait=wait, deadline=waiter.deadline)
+        settling = self._settling(engine)
+        beyond_relied = need - sum(reclaim.nbytes for reclaim in relied)
+        if short > 0 and beyond_relied <= settling and (waiter is not None or engine not in self._reclaims):
+            # What must come back beside the reclaims pending is in other
+            # engines' open tickets: a create that fails or makes less gives
+            # it back at its cancel or confirm, which run this reserve again.
+            if waiter is None:
+                wait, waiter = self._new_id(), _Waiter(engine, nbytes, now + RECLAIM_DEADLINE_S)
+                self._waiters[wait] = waiter
+            waiter.reclaims.update(reclaim.id for reclaim in relied)
+            return Decision(Verdict.WAIT, reclaims=(), wait=wait, deadline=waiter.deadline)
         if short > 0:
             unasked = sorted(waiter.answered | waiter.ignored) if waiter else []
             return self._deny(wait, f"engine {engine!r} asked {nbytes} bytes: budget {self.budget}, granted "
                                     f"{self.granted}, dead {self.dead}; {need} must come back and engines above their "
-                                    f"fair shares and floors can give back {need - short}"
+                                    f"fair shares and floors can give back {need - short}, other engines' open "
+                                    f"tickets hold {settling}"
                                     + (f" (not asking again: {', '.join(unasked)})" if unasked else ""))
         if waiter is None and engine in self._reclaims:
             return self._deny(None, f"engine {engine!r} asked {nbytes} bytes, which do not fit, while it has "
@@ -550,7 +567,8 @@ class Ledger:
                 del self._waiters[wait]
                 ignored = tuple(sorted(waiter.ignored))
                 reason = (f"no room for {waiter.nbytes} bytes by the reclaim deadline: "
-                          + (f"no answer from {', '.join(ignored)}" if ignored else "the reclaims did not free enough"))
+                          + (f"no answer from {', '.join(ignored)}" if ignored
+                             else "the reclaims and the creates under way did not free enough"))
                 expired.append(ReserveDenied(waiter.engine, waiter.nbytes, wait, reason, ignored))
         return expired
 
@@ -644,6 +662,12 @@ class Ledger:
             asked.append((name, min(-minus_excess, need)))
             need -= asked[-1][1]
         return relied, asked
+
+    def _settling(self, asker: str) -> int:
+        """The bytes of other live engines' open tickets: creates under way,
+        whose cancel or confirm may give some back."""
+        return sum(record.ticket_bytes(_OPEN) for name, record in self._engines.items()
+                   if record.lease is _LIVE and name != asker)
 
     def _shares(self, asking: Mapping[str, int]) -> dict[str, int]:
         claims = {

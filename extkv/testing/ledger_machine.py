@@ -13,8 +13,10 @@ that restarted do, never more than they brought, falling as they give
 back), nothing held below zero, unique tickets, every reclaim asked of a
 live engine above its floor and never of an engine whose own reserve
 waits, no wait begun by an engine asked to give back, the reclaims
-pending enough for what a waiting reserve needs, and the ledger's numbers per engine equal to the
-model's. Answers to reclaims run the waiting reserves again, as the daemon
+pending and other engines' open tickets enough for what a waiting reserve
+needs, no denial of a reserve that those tickets alone could make room for,
+and the ledger's numbers per engine equal to the model's. Answers to
+reclaims and settled tickets run the waiting reserves again, as the daemon
 does.
 
 The machine lives here, not in its test module, so that the contract test
@@ -74,8 +76,9 @@ class ModelEngine:
 
 class LedgerMachine(RuleBasedStateMachine):
     """Legal calls on engines drawn from the model; `illegal` makes the
-    refused ones. Answers to reclaims run the waiting reserves again, as
-    the daemon does. `make_ledger(budget)` builds the ledger under test."""
+    refused ones. Answers to reclaims and settled tickets run the waiting
+    reserves again, as the daemon does. `make_ledger(budget)` builds the
+    ledger under test."""
 
     make_ledger: Callable[[int], Ledger] = Ledger
 
@@ -106,9 +109,14 @@ class LedgerMachine(RuleBasedStateMachine):
         if not self.model[name].live and not self.model[name].dead:
             del self.model[name]
 
+    def settling(self, name: str) -> int:
+        """The bytes of other live engines' open tickets: creates under way."""
+        return sum(e.grant - e.held for other, e in self.model.items() if e.live and other != name)
+
     def reserve_and_check(self, name: str, nbytes: int) -> Decision:
         before, mine = snapshot(self.ledger), self.model[name]
         asked_of_it = {s.engine: s.reclaim_pending_bytes for s in self.ledger.status()}.get(name, 0)
+        relied = sum(s.reclaim_pending_bytes for s in self.ledger.status() if s.engine != name)
         decision = self.ledger.reserve(name, nbytes, self.now)
         fits = mine.grant + nbytes <= mine.cap and self.total() + nbytes <= BUDGET
         assert (decision.verdict == Verdict.GRANTED) == fits, (
@@ -122,8 +130,18 @@ class LedgerMachine(RuleBasedStateMachine):
             mine.open[decision.ticket] = (nbytes, self.now)
             self.waiting.discard((name, nbytes))
         elif decision.verdict == Verdict.DENIED:
-            if (name, nbytes) not in self.waiting:
+            was_waiting = (name, nbytes) in self.waiting
+            if not was_waiting:
                 assert snapshot(self.ledger) == before  # a denial that ended no wait changes nothing
+            must = self.total() + nbytes - BUDGET
+            # Creates under way may give bytes back: a reserve they alone
+            # could make room for waits for them, unless its engine must
+            # first answer a reclaim.
+            assert not (mine.grant + nbytes <= mine.cap and (was_waiting or not asked_of_it)
+                        and must - relied <= self.settling(name)), (
+                f"a reserve of {nbytes} bytes by engine {name!r} was denied while {must} must come back, "
+                f"{relied} are asked of others and the open tickets of others hold {self.settling(name)}: "
+                f"their settling could make room")
             self.waiting.discard((name, nbytes))
         else:
             was_waiting = (name, nbytes) in self.waiting
@@ -144,12 +162,14 @@ class LedgerMachine(RuleBasedStateMachine):
                     f"a reclaim of {reclaim.nbytes} bytes from engine {reclaim.engine!r}, which holds {target.held} "
                     f"bytes with a floor of {target.floor}: it would hold {target.held - reclaim.nbytes}, below its floor")
             pending = sum(s.reclaim_pending_bytes for s in self.ledger.status() if s.engine != name)
-            # A wait is for reclaims that would make room, or, once waiting,
-            # for the bytes of engines that died meanwhile, seen gone soon.
+            # A wait is for reclaims or creates under way that would make
+            # room, or, once waiting, for the bytes of engines that died
+            # meanwhile, seen gone soon.
             dead = sum(e.dead for e in self.model.values()) if was_waiting else 0
-            assert pending + dead >= self.total() + nbytes - BUDGET, (
-                f"a reserve of {nbytes} bytes by engine {name!r} waits on {pending} bytes of reclaims and {dead} "
-                f"dead, while {self.total() + nbytes - BUDGET} must come back")
+            settling = self.settling(name)
+            assert pending + dead + settling >= self.total() + nbytes - BUDGET, (
+                f"a reserve of {nbytes} bytes by engine {name!r} waits on {pending} bytes of reclaims, {settling} of "
+                f"other engines' open tickets and {dead} dead, while {self.total() + nbytes - BUDGET} must come back")
         return decision
 
     @initialize(data=st.data())
@@ -248,6 +268,8 @@ class LedgerMachine(RuleBasedStateMachine):
         else:
             del mine.expired[ticket]
             mine.held -= min(nbytes - created, mine.held)
+        for name, nbytes in sorted(self.waiting):  # as the daemon does at each settling
+            self.reserve_and_check(name, nbytes)
 
     @precondition(lambda self: self.names(live=True))
     @rule(data=st.data())

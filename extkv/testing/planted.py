@@ -23,7 +23,8 @@ own steps, so it runs on the host driver and on each CUDA device alike.
 The shared KV budget's defects are its real parts with one step broken: a
 `BudgetedDriver` that asks nothing, tells nothing of what it released, or
 rejoins a restarted daemon saying it holds nothing; a `Ledger` that admits
-past dead bytes or asks engines below their floor; a `BudgetDaemon` that
+past dead bytes, asks engines below their floor or denies a reserve that
+creates under way could make room for; a `BudgetDaemon` that
 keeps a dead lease's bytes for good, serves every uid or believes a release
 an engine claims but did not make; a transformers `ExtensibleCache` that
 keeps a finished generation it should give back. Their checks
@@ -473,6 +474,15 @@ class WaitsWhileAsked(Ledger):
                 self._reclaims[engine] = asked
 
 
+class DeniesWhileCreatesSettle(Ledger):
+    """Counts no other engine's open ticket as bytes that may come back: a
+    reserve made just after another engine's cancel, which the daemon has
+    not read yet, is denied for bytes on their way back."""
+
+    def _settling(self, asker: str) -> int:
+        return 0
+
+
 class IgnoresOutsideReadings(Ledger):
     """Takes no outside reading of a dead lease: its dead bytes stay
     counted however gone its memory is."""
@@ -750,6 +760,12 @@ DEFECTS: dict[str, Defect] = {
             "no engine is both asked to give back and waiting on its own reserve (invariant 5)",
             ("testing.ledger_machine.LedgerMachine: no wait begun by an engine asked to give back",),
             lambda real: WaitsWhileAsked,
+        ),
+        Defect(
+            "deny-while-creates-settle",
+            "a reserve that creates under way could make room for waits for their settling (invariant 5)",
+            ("testing.ledger_machine.LedgerMachine: no denial of a reserve that open tickets alone could make room for",),
+            lambda real: DeniesWhileCreatesSettle,
         ),
         Defect(
             "dead-lease-kept",
