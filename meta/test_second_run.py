@@ -4,7 +4,9 @@ hand: there, nothing grows by itself, so the checks never raise it."""
 
 from __future__ import annotations
 
+import ast
 import xml.etree.ElementTree as ElementTree
+from pathlib import Path
 
 import pytest
 
@@ -128,3 +130,22 @@ def test_a_reading_above_by_whole_steps_is_context_growth_only_where_the_context
                      -step: "AssertionError"}, kinds
     assert usage_mismatch(gpu, "gpu", 3 * step).excess == 3 * step
     assert issubclass(ContextGrowth, AssertionError)
+
+
+def bare_usage_asserts(source: str) -> list[int]:
+    """Lines of `assert` statements that read usage from outside
+    (`read_outside_torch()`) themselves: a failing one raises a plain
+    AssertionError, so the second run never tells a context's growth from
+    a leak there."""
+    return [node.lineno for node in ast.walk(ast.parse(source)) if isinstance(node, ast.Assert)
+            and any(isinstance(call, ast.Call) and isinstance(call.func, ast.Attribute)
+                    and call.func.attr == "read_outside_torch" for call in ast.walk(node.test))]
+
+
+def test_the_suite_compares_usage_only_through_the_checks_that_name_context_growth():
+    suite = Path(__file__).resolve().parents[1] / "conformance"
+    found = {path.name: lines for path in sorted(suite.glob("*.py")) if (lines := bare_usage_asserts(path.read_text()))}
+    assert found == {}, f"asserts on usage read from outside, by module and line: {found}; use checks.check_usage_matches"
+    planted = "def test_x(usage, baseline):\n    assert usage.read_outside_torch() == baseline\n"
+    assert bare_usage_asserts(planted) == [2]
+    assert bare_usage_asserts("check_usage_matches(usage, baseline, [])\nassert baseline == 0\n") == []
