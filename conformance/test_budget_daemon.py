@@ -185,7 +185,7 @@ def test_a_reserve_short_by_a_create_under_way_waits_for_its_settling(serve, cli
     ticket = creating.reserve(300)
     asker = raw_connection(served.path)
     raw_hello(asker)
-    send_message(asker, {"op": "reserve", "id": 1, "bytes": 200})  # 100 must come back: the 300 in flight
+    send_message(asker, {"op": "reserve", "id": 1, "bytes": 200, "ahead": 0})  # 100 must come back: the 300 in flight
     send_message(asker, {"op": "status", "id": 2})
     # One connection's messages are answered in order: the status first, so the reserve waits.
     assert receive_message(asker)["op"] == "report"
@@ -489,7 +489,7 @@ MALFORMED = {
     "bytes as text": encode_message({"op": "reserve", "id": 1, "bytes": "100"}),
     "bytes as a bool": encode_message({"op": "reserve", "id": 1, "bytes": True}),
     "bytes missing": encode_message({"op": "reserve", "id": 1}),
-    "an unknown field": encode_message({"op": "reserve", "id": 1, "bytes": 10, "please": True}),
+    "an unknown field": encode_message({"op": "reserve", "id": 1, "bytes": 10, "ahead": 0, "please": True}),
     "no id": encode_message({"op": "reserve", "bytes": 10}),
     "a second protocol": encode_message({"op": "hello", "id": 1, "protocol": "extkv-budget/0", "floor": 0,
                                          "cap": None, "weight": 1}),
@@ -526,7 +526,7 @@ def test_malformed_input_is_answered_and_dropped_and_changes_nothing_else(serve,
 def test_a_request_before_hello_is_dropped(serve):
     served = serve()
     with raw_connection(served.path) as sock:
-        send_message(sock, {"op": "reserve", "id": 3, "bytes": 10})
+        send_message(sock, {"op": "reserve", "id": 3, "bytes": 10, "ahead": 0})
         reply = receive_message(sock)
         assert (reply["op"], reply["id"], reply["dropped"]) == ("error", 3, True) and "before hello" in reply["reason"]
         assert closed_by_peer(sock)
@@ -550,7 +550,7 @@ def test_an_unknown_ticket_or_reclaim_is_refused_and_the_connection_kept(serve, 
     with raw_connection(served.path) as sock:
         raw_hello(sock)
         # ... and the daemon refuses them from a peer that sends them all the same.
-        send_message(sock, {"op": "reserve", "id": 10, "bytes": 50})
+        send_message(sock, {"op": "reserve", "id": 10, "bytes": 50, "ahead": 0})
         own = receive_message(sock)["ticket"]
         for number, message in enumerate(({"op": "confirm", "ticket": ticket, "created": 1},
                                           {"op": "cancel", "ticket": own + 1000},
@@ -564,7 +564,7 @@ def test_an_unknown_ticket_or_reclaim_is_refused_and_the_connection_kept(serve, 
         send_message(sock, {"op": "released", "id": 1, "bytes": 10, "reclaim": 77})
         reply = receive_message(sock)
         assert (reply["op"], reply["dropped"]) == ("error", False) and "77" in reply["reason"], reply
-        send_message(sock, {"op": "reserve", "id": 2, "bytes": 10})
+        send_message(sock, {"op": "reserve", "id": 2, "bytes": 10, "ahead": 0})
         assert receive_message(sock)["op"] == "granted", "the connection was kept"
     engine.confirm(ticket, 100)
 
@@ -808,3 +808,13 @@ def test_a_driver_names_its_device_as_the_daemon_opens_it(device):
     key = driver_for(device).device_key()
     assert open_device(key).key == key, key
     assert key == "host" if device.type == "cpu" else key.startswith("GPU-"), key
+
+
+@pytest.mark.invariant(5, 6)
+@pytest.mark.budget_proof("ledger")
+@pytest.mark.parametrize("ahead", [-1, 1.5, "8", True])
+def test_a_client_given_bad_bytes_ahead_raises_and_joins_nothing(serve, ahead):
+    served = serve()
+    with pytest.raises(ValueError, match=r"ahead must be an int >= 0 \(bytes\), got"):
+        BudgetClient(served.path, timeout=HANG_S, ahead=ahead)
+    assert read_status(served.path)["engines"] == []

@@ -57,12 +57,29 @@ TIMEOUT_S = 60
 NEVER_S = 10 * TIMEOUT_S
 
 
+#: Bytes a client keeps granted ahead where a test asks for some: one
+#: growth step of the test's cache (a 2 MiB chunk in each of 3 segments).
+AHEAD = 6 << 20
+
+
+class CountedReserves(BudgetClient):
+    """The real client, counting the reserves it sends."""
+
+    def __init__(self, *args, **kwargs):
+        self.reserves = 0
+        super().__init__(*args, **kwargs)
+
+    def _reserve(self, nbytes: int, ahead: int) -> tuple[int, int]:
+        self.reserves += 1
+        return super()._reserve(nbytes, ahead)
+
+
 @contextlib.contextmanager
-def budgeted_cache(budget: int, make_driver=lambda client: HostDriver()):
-    """(the served daemon, a client of it, a cache over `make_driver(client)`
-    under that client) for a budget of `budget` bytes; the cache is freed on
-    the way out."""
-    with served_daemon(budget) as served, BudgetClient(served.path, timeout=TIMEOUT_S) as client:
+def budgeted_cache(budget: int, make_driver=lambda client: HostDriver(), ahead: int = 0):
+    """(the served daemon, a client of it keeping `ahead` bytes granted
+    ahead, a cache over `make_driver(client)` under that client) for a
+    budget of `budget` bytes; the cache is freed on the way out."""
+    with served_daemon(budget) as served, CountedReserves(served.path, timeout=TIMEOUT_S, ahead=ahead) as client:
         cache = ExtensibleKVCache(config_for("full", LAYOUT), make_driver(client), LAYOUT, budget=client)
         try:
             yield served, client, cache
@@ -107,8 +124,9 @@ def check_idle_engine_ledger(idle: ExtensibleKVCache, client: BudgetClient) -> N
         check_ledger_holds(client, idle.physical_bytes, "after the idle engine's reclaim")
 
 
-def test_the_ledger_holds_exactly_the_cache_s_physical_bytes_through_its_life():
-    with budgeted_cache(1 << 30) as (_, client, cache):
+@pytest.mark.parametrize("ahead", [0, AHEAD], ids=["nothing-ahead", "bytes-ahead"])
+def test_the_ledger_holds_exactly_the_cache_s_physical_bytes_through_its_life(ahead):
+    with budgeted_cache(1 << 30, ahead=ahead) as (_, client, cache):
         steps = [
             ("commit 100", lambda: cache.commit(100)),
             ("commit 300", lambda: cache.commit(300)),
@@ -128,8 +146,9 @@ def test_the_ledger_holds_exactly_the_cache_s_physical_bytes_through_its_life():
         check_ledger_holds(client, 0, "after free")
 
 
-def test_no_physical_create_happens_without_a_covering_grant():
-    with budgeted_cache(1 << 30, lambda client: CoveredCreates(HostDriver(), client)) as (_, client, cache):
+@pytest.mark.parametrize("ahead", [0, AHEAD], ids=["nothing-ahead", "bytes-ahead"])
+def test_no_physical_create_happens_without_a_covering_grant(ahead):
+    with budgeted_cache(1 << 30, lambda client: CoveredCreates(HostDriver(), client), ahead) as (_, client, cache):
         counting = cache.buffer.driver.inner
         for step in (lambda: cache.commit(120), lambda: cache.commit(40, shrink=True),
                      lambda: cache.commit(40, defragment=True, preserve_contents=True),
@@ -177,9 +196,11 @@ def test_a_commit_the_budget_denies_raises_out_of_memory_and_changes_nothing():
         check_ledger_holds(client, cache.physical_bytes, "after the next commit")
 
 
-def test_a_forked_child_cannot_grow_on_its_parent_s_lease():
-    with budgeted_cache(1 << 30) as (_, client, cache):
+@pytest.mark.parametrize("ahead", [0, AHEAD], ids=["nothing-ahead", "bytes-ahead"])
+def test_a_forked_child_cannot_grow_on_its_parent_s_lease(ahead):
+    with budgeted_cache(1 << 30, ahead=ahead) as (_, client, cache):
         cache.commit(10)
+        assert client.ahead_bytes == ahead  # the child's commit would fit in them
         read, write = os.pipe()
         pid = os.fork()
         if pid == 0:  # the child: report what its growth met, then leave without cleanup
@@ -442,3 +463,61 @@ def test_measure_kv_cache_blocks_sizes_a_budgeted_cache_by_its_grant_and_leaves_
             assert (sized, cache.torch_memory_limit) == (cache.blocks_within(8 << 20), None), (
                 f"{free} bytes read free: sized {sized} blocks with torch capped at {cache.torch_memory_limit}; "
                 f"the budget grants {cache.blocks_within(8 << 20)} blocks")
+
+
+def test_commits_within_the_bytes_granted_ahead_ask_nothing_and_the_ledger_holds_them():
+    """A client keeping bytes ahead asks for them beside its first create;
+    the commits they cover send nothing, the ledger holds the chunks and
+    what is kept ahead, and a reserve is sent again only once they run out."""
+    with budgeted_cache(1 << 30, ahead=AHEAD) as (_, client, cache):
+        cache.commit(10)  # 3 chunks of 2 MiB, and 24 MiB ahead
+        assert (client.reserves, client.ahead_bytes) == (1, AHEAD)
+        check_ledger_holds(client, cache.physical_bytes, "after the first commit")
+        grown = cache.physical_bytes
+        for blocks in range(100, 700, 100):
+            cache.commit(blocks)
+            check_ledger_holds(client, cache.physical_bytes, f"after commit {blocks}")
+            if cache.physical_bytes - grown <= AHEAD:
+                assert (client.reserves, client.ahead_bytes) == (1, AHEAD - (cache.physical_bytes - grown))
+        assert client.reserves > 1 and cache.physical_bytes - grown > AHEAD, "the bytes ahead never ran out"
+        reserves = client.reserves
+        # A plain shrink releases every chunk, keeping AHEAD of them ahead and
+        # returning the rest, then maps 10 fresh blocks from what it kept.
+        cache.commit(10, shrink=True)
+        assert (client.reserves, client.ahead_bytes, cache.physical_bytes) == (reserves, 0, AHEAD)
+        check_ledger_holds(client, cache.physical_bytes, "after a shrink")
+        for _ in range(3):  # a release and its recommit: the bytes go ahead and come back, asking nothing
+            cache.release_physical()
+            assert client.ahead_bytes == AHEAD
+            check_ledger_holds(client, 0, "after release")
+            cache.recommit()
+            check_ledger_holds(client, cache.physical_bytes, "after recommit")
+        assert client.reserves == reserves
+
+
+def test_a_reclaim_takes_the_bytes_granted_ahead_before_the_engine_gives_any_block():
+    """The idle engine's bytes ahead are held, so they are reclaimed as held
+    bytes; its client gives them back first, and the engine's handler is
+    asked only for the rest: here for nothing."""
+    with served_daemon(24 << 20) as served, \
+            BudgetClient(served.path, timeout=TIMEOUT_S, weight=0.25, ahead=AHEAD) as client_idle, \
+            BudgetClient(served.path, timeout=TIMEOUT_S) as client_busy:
+        idle = ExtensibleKVCache(config_for("full", LAYOUT), HostDriver(), LAYOUT, budget=client_idle)
+        busy = ExtensibleKVCache(config_for("full", LAYOUT), HostDriver(), LAYOUT, budget=client_busy)
+        asked: list[int] = []
+        client_idle.on_reclaim(lambda target: asked.append(target) or shrunk_to_nothing(idle))
+        try:
+            idle.commit(10)  # 6 MiB and 6 MiB ahead: 12 of 24 MiB
+            held = idle.physical_bytes
+            # 14 MiB, 2 more than is free; the shares of weights 1/4 and 1
+            # leave the idle engine 10 MiB, so 2 come back: from the bytes ahead.
+            busy.commit(busy.blocks_within(14 << 20))
+            assert busy.physical_bytes == 14 << 20
+            assert asked == [] and idle.physical_bytes == held and idle.num_committed_blocks == 10
+            assert client_idle.ahead_bytes == AHEAD - (2 << 20)
+            check_ledger_holds(client_idle, held, "after the reclaim")
+            check_ledger_holds(client_busy, busy.physical_bytes, "after the busy engine's commit")
+        finally:
+            busy.free()
+            idle.free()
+

@@ -519,3 +519,38 @@ def test_a_budget_must_be_a_positive_int(budget):
 
 def test_ledger_state_machine():
     run_state_machine_as_test(ledger_machine())
+
+
+def test_bytes_ahead_come_only_from_room_free_now_and_within_the_cap():
+    ledger = joined(100, ("a", {}), ("b", dict(cap=40)), ("c", dict(held=30)))
+    first = ledger.reserve("a", 20, 0.0, ahead=30)
+    assert (first.verdict, first.nbytes) == (Verdict.GRANTED, 50)  # 30 + 50 granted of 100
+    second = ledger.reserve("b", 10, 0.0, ahead=50)
+    assert (second.verdict, second.nbytes) == (Verdict.GRANTED, 20)  # 10 free past it; its cap would allow 30
+    assert ledger.granted == 100 and engine(ledger, "b").open_ticket_bytes == 20
+    ledger.confirm("a", first.ticket, 35, 0.1)  # 20 created, 15 kept ahead as held: 15 go back
+    assert (engine(ledger, "a").held, ledger.granted) == (35, 85)
+    capped = joined(100, ("b", dict(cap=40))).reserve("b", 10, 0.0, ahead=50)
+    assert capped.nbytes == 40  # 90 free, its cap leaves 30
+
+
+def test_no_bytes_ahead_while_a_reserve_waits():
+    ledger = joined(100, ("a", dict(held=70)), ("b", {}), ("c", {}))
+    waits = ledger.reserve("b", 40, 0.0)  # 10 must come back from a
+    assert waits.verdict == Verdict.WAIT
+    meanwhile = ledger.reserve("c", 10, 0.0, ahead=20)  # fits, but the room is the wait's
+    assert (meanwhile.verdict, meanwhile.nbytes) == (Verdict.GRANTED, 10)
+    assert [type(event) for event in ledger.expire(RECLAIM_DEADLINE_S)] == [ReclaimIgnored, ReserveDenied]
+    after = ledger.reserve("c", 5, RECLAIM_DEADLINE_S, ahead=20)
+    assert (after.verdict, after.nbytes) == (Verdict.GRANTED, 20)  # 15 free past it
+
+
+@pytest.mark.invariant(5, 6)
+@pytest.mark.parametrize("ahead, words", [(-1, "ahead must be an int >= 0"), (1.5, "ahead must be an int >= 0"),
+                                          (True, "ahead must be an int >= 0")])
+def test_bad_ahead_is_refused_and_changes_nothing(ahead, words):
+    ledger = joined(100, ("a", {}))
+    before = snapshot(ledger)
+    with pytest.raises(BudgetProtocolError, match=words):
+        ledger.reserve("a", 10, 0.0, ahead=ahead)
+    assert snapshot(ledger) == before

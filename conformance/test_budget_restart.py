@@ -45,6 +45,7 @@ from extkv.budget.protocol import socket_path
 from extkv.errors import BudgetDeniedError, BudgetUnavailableError
 from extkv.testing.budget import (
     CHILD_BLOCKS,
+    check_ledger_holds,
     check_ledger_holds_each_cache,
     child_stopped_at,
     daemon_process,
@@ -135,6 +136,33 @@ def test_growth_fails_closed_while_the_daemon_is_down_and_engines_rejoin_it_rest
         second[1].recommit()  # 8 + 6 of 16: granted again
         report = check_ledger_holds_each_cache(path, [first, second])
         assert report["granted"] == 14 * MiB
+
+
+def test_bytes_granted_ahead_end_with_the_connection_and_a_rejoin_holds_the_chunks_alone(run_dir, engines):
+    """A client keeping bytes ahead (held by the daemon that granted them)
+    drops them when its connection ends, so growth fails closed as without
+    them, and its rejoin says it holds its chunks alone."""
+    ahead = 8 * MiB
+    with daemon_process(run_dir, 64 * MiB) as daemon:
+        path = daemon.path
+        client, cache = engines(path, ahead=ahead)
+        grow_to(cache, 4 * MiB)
+        assert client.ahead_bytes == ahead
+        check_ledger_holds(client, cache.physical_bytes, "with bytes ahead")
+    with pytest.raises(BudgetUnavailableError):
+        client.report()  # the connection's end, seen
+    assert client.ahead_bytes == 0
+    before = snapshot(cache)
+    with pytest.raises(BudgetUnavailableError):
+        grow_to(cache, 6 * MiB)  # within what was ahead: refused all the same
+    check_unchanged(cache, before)
+    with daemon_process(run_dir, 64 * MiB):
+        assert client.wait_available(HANG_S), f"{client} did not rejoin within {HANG_S} s"
+        assert client.ahead_bytes == 0
+        check_ledger_holds_each_cache(path, [(client, cache)])
+        grow_to(cache, 6 * MiB)
+        assert client.ahead_bytes == ahead
+        check_ledger_holds(client, cache.physical_bytes, "after growth past the rejoin")
 
 
 def test_a_rejoin_holding_more_than_the_budget_is_counted_and_growth_denied_until_returned(run_dir, engines):

@@ -778,12 +778,12 @@ BUDGET_LAYOUT = KVCacheLayout.LBHNC
 
 
 @contextlib.contextmanager
-def budgeted_cache_over(make_driver):
-    """(a client of a served daemon, a `CoveredCreates` over the host driver
-    under it, a cache over `make_driver(covered, client)`); no `budget=`:
-    the driver asks the daemon itself, or fails to. The cache is freed on
-    the way out."""
-    with served_daemon(1 << 30) as served, BudgetClient(served.path, timeout=HANG_S) as client:
+def budgeted_cache_over(make_driver, ahead: int = 0):
+    """(a client of a served daemon, keeping `ahead` bytes granted ahead, a
+    `CoveredCreates` over the host driver under it, a cache over
+    `make_driver(covered, client)`); no `budget=`: the driver asks the
+    daemon itself, or fails to. The cache is freed on the way out."""
+    with served_daemon(1 << 30) as served, BudgetClient(served.path, timeout=HANG_S, ahead=ahead) as client:
         covered = CoveredCreates(HostDriver(), client)
         cache = ExtensibleKVCache(config_for("full", BUDGET_LAYOUT), make_driver(covered, client), BUDGET_LAYOUT)
         try:
@@ -794,11 +794,36 @@ def budgeted_cache_over(make_driver):
 
 @pytest.mark.invariant(5)
 @pytest.mark.budget_proof("grants")
+@pytest.mark.planted_defect("ahead-unconfirmed")
+def test_bytes_kept_ahead_unconfirmed_are_flagged_by_the_covering_grant_check():
+    ahead = 6 << 20  # a 2 MiB chunk in each of the cache's 3 segments
+    broken = lambda covered, client: make("ahead-unconfirmed", covered)(client)  # noqa: E731
+    with budgeted_cache_over(broken, ahead) as (client, covered, cache):
+        cache.commit(10)  # 6 MiB created; 6 MiB more granted, given back, and kept ahead all the same
+        assert client.ahead_bytes == ahead
+        with pytest.raises(AssertionError, match=rf"^a create of \d+ bytes under a grant of {ahead} bytes "
+                                                 rf"\({ahead} held\), {ahead} of them created already$"):
+            cache.commit(100)
+
+
+@pytest.mark.invariant(5)
+@pytest.mark.budget_proof("grants")
+def test_the_covering_grant_check_passes_creates_on_bytes_granted_ahead():
+    ahead = 6 << 20
+    with budgeted_cache_over(lambda covered, client: BudgetedDriver(covered, client), ahead) as (client, covered, cache):
+        cache.commit(10)
+        cache.commit(100)  # on the bytes ahead: no reserve, covered by what the daemon holds
+        check_ledger_holds(client, cache.physical_bytes, "after commits on bytes granted ahead")
+        assert covered.creates > 3 and covered.mapped == cache.physical_bytes > ahead
+
+
+@pytest.mark.invariant(5)
+@pytest.mark.budget_proof("grants")
 @pytest.mark.planted_defect("budget-create-without-grant")
 def test_a_create_without_a_grant_is_flagged_by_the_covering_grant_check():
     broken = lambda covered, client: make("budget-create-without-grant", covered)(client)  # noqa: E731
     with budgeted_cache_over(broken) as (_, covered, cache):
-        with pytest.raises(AssertionError, match=r"^a create of \d+ bytes with 0 bytes of open grants, "
+        with pytest.raises(AssertionError, match=r"^a create of \d+ bytes under a grant of 0 bytes \(0 held\), "
                                                  r"0 of them created already$") as raised:
             cache.commit(100)
         size = int(re.search(r"\d+", str(raised.value)).group())

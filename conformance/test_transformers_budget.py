@@ -262,6 +262,23 @@ def test_a_reclaim_the_margin_cannot_cover_is_answered_cannot_and_changes_nothin
         assert held(client_a) == cache.physical_bytes
 
 
+@pytest.mark.invariant(1)
+@pytest.mark.invariant(5)
+def test_a_generation_growing_on_bytes_granted_ahead_is_dynamic_cache_s_and_the_ledger_holds_them(model, ids, expected):
+    """A client keeping bytes ahead: the cache grows on them as generate
+    goes, its tokens are DynamicCache's, and the ledger holds the cache's
+    bytes and those kept ahead, before and after the generation is given back."""
+    ahead = 16 * GRANULE
+    with served_daemon(BUDGET) as served, BudgetClient(served.path, timeout=TIMEOUT_S, ahead=ahead) as client, \
+            cache_under(client, model) as cache:
+        expect_same_generation(greedy(model, ids, cache, NEW_TOKENS), expected, "a generation on bytes ahead")
+        assert 0 < client.ahead_bytes <= ahead
+        assert held(client) == cache.physical_bytes + client.ahead_bytes
+        cache.finish_generation()
+        assert cache.on_reclaim(1) > 0 and cache.physical_bytes == 0
+        assert held(client) == client.ahead_bytes == ahead  # what the cache gave back refilled the bytes ahead
+
+
 @pytest.mark.invariant(5)
 @pytest.mark.invariant(6)
 def test_a_finished_generation_is_given_back_whole_and_the_cache_refuses_until_reset(model, ids, expected):

@@ -69,9 +69,9 @@ class SlowReserves(BudgetClient):
     """A planted slow path: the real client, each reserve sent only after
     PLANTED_DELAY_S. The sleep is the defect, not an ordering."""
 
-    def reserve(self, nbytes: int) -> int:
+    def _reserve(self, nbytes: int, ahead: int) -> tuple[int, int]:
         time.sleep(PLANTED_DELAY_S)
-        return super().reserve(nbytes)
+        return super()._reserve(nbytes, ahead)
 
 
 def rows_of(table: list[str]) -> list[list[str]]:

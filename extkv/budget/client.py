@@ -43,6 +43,20 @@ three runs each). The client checks a settle before it sends it (a ticket
 it holds open, a confirm within the bytes reserved), so that the daemon has
 no reason to refuse it.
 
+Bytes granted ahead. A create of a budgeted driver (extkv.budget.driver)
+asks through `draw`: a client made with `ahead=B` keeps up to B bytes that
+the daemon counts as held and no chunk holds yet, and a create they cover
+takes them and sends nothing, so it waits for no round trip. A `draw`
+they do not cover reserves its bytes and asks for B more beside them,
+which the daemon grants only from room free now (extkv.budget.ledger);
+after the creates `settle_draw` confirms what was created and what of the
+rest it keeps, and a release (`give_back`) keeps its bytes too, while the
+pool holds less than B. A reclaim takes these bytes first, before the
+engine's handler is asked for the rest. They belong to the lease that
+granted them: a connection's end empties the pool, so growth past what
+exists fails closed as without it, and a rejoin's `held` counts the chunks
+alone. With `ahead=0` (the default) every create reserves.
+
 The daemon's pushes (`reclaim`) go to a second thread, which runs the
 handler given to `on_reclaim` and answers `released` with the bytes it
 freed, or `cannot`; with no handler, every reclaim is answered `cannot`.
@@ -208,8 +222,9 @@ class BudgetClient:
     """One engine's lease on its device's budget (see the module's theory)."""
 
     def __init__(self, socket_path: str, *, floor: int = 0, cap: int | None = None, weight: float = 1.0,
-                 timeout: float = DEFAULT_TIMEOUT_S):
+                 timeout: float = DEFAULT_TIMEOUT_S, ahead: int = 0):
         floor = validate.integer("floor", floor, what="bytes")
+        self.ahead = validate.integer("ahead", ahead, what="bytes")
         if cap is not None:
             cap = validate.integer("cap", cap, minimum=1, what="bytes")
         if isinstance(weight, bool) or not isinstance(weight, numbers.Real) or not 0 < weight < math.inf:
@@ -231,7 +246,9 @@ class BudgetClient:
         self._returned_while_joining = 0
         self._connected = False
         self._open_tickets: set[int] = set()
-        self._ticket_bytes: dict[int, int] = {}  # what reserve asked, per ticket not yet settled
+        self._ticket_bytes: dict[int, int] = {}  # what reserve was granted, per ticket not yet settled
+        self._pool = 0  # bytes granted ahead and confirmed as held, not created, on lease `_pool_lease`
+        self._pool_lease = 0
         self._down: str | None = None  # why it is disconnected
         self._rejoin_failed: str | None = None
         self._closed: str | None = None  # why it is closed for good
@@ -285,24 +302,84 @@ class BudgetClient:
         GIVEN_UP, for a reserve given up by its caller: see
         `AbandonableReserves`), or BudgetUnavailableError when there is no
         daemon to ask."""
-        nbytes = validate.integer("nbytes", nbytes, minimum=1, what="bytes")
+        return self._reserve(validate.integer("nbytes", nbytes, minimum=1, what="bytes"), 0)[0]
+
+    def _reserve(self, nbytes: int, ahead: int) -> tuple[int, int]:
+        """(ticket, bytes granted): `nbytes` and what of `ahead` the daemon granted."""
         reserves, waiter = getattr(_RESERVING, "reserves", None), _Waiter()
         if reserves is not None and not reserves._attach(waiter, self):
             raise BudgetDeniedError(nbytes, GIVEN_UP)
         try:
-            reply = self._request({"op": "reserve", "bytes": nbytes}, waiter=waiter)
+            reply = self._request({"op": "reserve", "bytes": nbytes, "ahead": ahead}, waiter=waiter)
         finally:
             if reserves is not None:
                 reserves._detach(waiter)
         if reply is None:
             raise BudgetDeniedError(nbytes, GIVEN_UP)
         if reply["op"] == "granted":
+            if not nbytes <= reply["bytes"] <= nbytes + ahead:
+                raise BudgetProtocolError(f"the budget daemon at {self.socket_path!r} granted {reply['bytes']} bytes "
+                                          f"for a reserve of {nbytes} and {ahead} ahead")
             with self._lock:
-                self._ticket_bytes[reply["ticket"]] = nbytes
-            return reply["ticket"]
+                self._ticket_bytes[reply["ticket"]] = reply["bytes"]
+            return reply["ticket"], reply["bytes"]
         if reply["op"] == "denied":
             raise BudgetDeniedError(nbytes, reply["reason"])
         raise self._refused("reserve", reply)
+
+    # -- bytes granted ahead ---------------------------------------------------
+    @property
+    def ahead_bytes(self) -> int:
+        """Bytes granted ahead that the daemon counts as held and no chunk holds yet."""
+        return self._pool
+
+    def draw(self, nbytes: int) -> tuple[int | None, int, int]:
+        """Bytes to create `nbytes` under, for a budgeted driver: (None,
+        nbytes, lease) from the bytes granted ahead where they hold them, a
+        create that asks nothing; else (ticket, granted, lease) of a reserve
+        that asks up to `ahead` more. Settle it with `settle_draw`."""
+        nbytes = validate.integer("nbytes", nbytes, minimum=1, what="bytes")
+        with self._lock:
+            lease = self._lease
+            if self._connected and self._pool_lease == lease and self._pool >= nbytes:
+                self._pool -= nbytes
+                return None, nbytes, lease
+        ticket, granted = self._reserve(nbytes, self.ahead)
+        return ticket, granted, lease
+
+    def settle_draw(self, ticket: int | None, granted: int, created: int, lease: int) -> None:
+        """After the creates of a `draw`: `created` bytes exist; of the rest,
+        up to `ahead` bytes (less those already kept) stay granted ahead,
+        held, and the remainder goes back. Bytes join the pool only once the
+        confirm that makes them held is sent, so a reclaim's `returned` of
+        them always follows it on the connection."""
+        unused = granted - created
+        with self._lock:
+            keep = min(unused, max(0, self.ahead - self._pool)) if self._connected and lease == self._lease else 0
+        if ticket is not None:
+            self.confirm(ticket, created + keep)
+        with self._lock:
+            live = self._connected and lease == self._lease
+            kept = min(keep, max(0, self.ahead - self._pool)) if live else 0
+            self._pool += kept
+            if live:
+                self._pool_lease = lease
+        back = (unused if ticket is None else keep) - kept
+        if back:
+            self.returned(back, lease)
+
+    def give_back(self, nbytes: int, lease: int) -> None:
+        """`nbytes` released, read under `lease`, for a budgeted driver: up to
+        `ahead` of them (less those kept) stay granted ahead for the next
+        growth, held, and the rest are `returned`."""
+        with self._lock:
+            live = self._connected and lease == self._lease
+            kept = min(nbytes, max(0, self.ahead - self._pool)) if live else 0
+            self._pool += kept
+            if live:
+                self._pool_lease = lease
+        if nbytes - kept:
+            self.returned(nbytes - kept, lease)
 
     def confirm(self, ticket: int, created: int) -> None:
         """`created` bytes (at most the ticket's) were created; the rest goes
@@ -399,6 +476,7 @@ class BudgetClient:
             if self._closed is not None:
                 raise self._unavailable_error()
             self._lease += 1
+            self._pool = 0  # granted ahead under a lease that ended: the new one's hello counts chunks alone
             lease, self._joining, self._returned_while_joining = self._lease, True, 0
             self._holders = [holder for holder in self._holders if holder() is not None]
             holders = [held_bytes for holder in self._holders if (held_bytes := holder()) is not None]
@@ -564,7 +642,7 @@ class BudgetClient:
         with self._changed:
             if lease != self._lease or not self._connected:
                 return
-            self._connected, self._down = False, reason
+            self._connected, self._down, self._pool = False, reason, 0  # growth fails closed: nothing ahead either
             waiters, self._waiters = self._waiters, {}
             sock = self._sock
             self._changed.notify_all()
@@ -622,13 +700,20 @@ class BudgetClient:
             lease, push = pushed
             if not self._connected or lease != self._lease:
                 continue  # asked on a connection that ended: no daemon waits for the answer
+            with self._lock:  # bytes granted ahead go back first: no block moves for them
+                ahead = min(self._pool, push["bytes"]) if self._pool_lease == lease else 0
+                self._pool -= ahead
+            if ahead:
+                self.returned(ahead, lease)
             handler, freed = self._handler, 0
-            if handler is not None:
+            if handler is not None and push["bytes"] > ahead:
                 try:
-                    freed = validate.integer("bytes freed by the reclaim handler", handler(push["bytes"]), what="bytes")
+                    freed = validate.integer("bytes freed by the reclaim handler", handler(push["bytes"] - ahead),
+                                             what="bytes")
                 except Exception as error:  # the daemon hears `cannot`; the engine serves on
                     warn_without_raising(f"the budget's reclaim handler {handler!r} failed: {error!r}; answered cannot")
                     freed = 0
+            freed += ahead
             answer = {"op": "released", "bytes": freed} if freed else {"op": "cannot"}
             try:
                 self._request({**answer, "reclaim": push["reclaim"]}, wait=False, lease=lease)

@@ -119,7 +119,7 @@ class _Connection:
     reclaims: set[int] = field(default_factory=set)  # reclaim ids sent and not yet answered
     late_reclaims: dict[int, None] = field(default_factory=dict)  # past their deadline, an answer still taken
     waiting: int | None = None  # the ledger's wait id of its reserve that waits
-    queued: collections.deque = field(default_factory=collections.deque)  # (request id, bytes) behind it
+    queued: collections.deque = field(default_factory=collections.deque)  # (request id, bytes, ahead) behind it
     writing: bool = False  # registered for EVENT_WRITE: replies wait for room
     closed: bool = False
 
@@ -368,15 +368,15 @@ class BudgetDaemon:
 
     def _on_reserve(self, connection: _Connection, message: dict, now: float) -> None:
         if connection.waiting is None:
-            self._decide(connection, message["id"], message["bytes"], now)
+            self._decide(connection, message["id"], message["bytes"], now, message["ahead"])
         elif len(connection.queued) < MAX_QUEUED_RESERVES:
-            connection.queued.append((message["id"], message["bytes"]))
+            connection.queued.append((message["id"], message["bytes"], message["ahead"]))
         else:
             raise BudgetProtocolError(f"reserve: {len(connection.queued)} reserves of this engine wait already, "
                                       f"the most there may be ({MAX_QUEUED_RESERVES})")
 
-    def _decide(self, connection: _Connection, request_id: int, nbytes: int, now: float) -> None:
-        decision = self.ledger.reserve(connection.engine, nbytes, now)
+    def _decide(self, connection: _Connection, request_id: int, nbytes: int, now: float, ahead: int = 0) -> None:
+        decision = self.ledger.reserve(connection.engine, nbytes, now, ahead)
         if decision.verdict is Verdict.WAIT:
             connection.waiting = decision.wait
             self._waits[decision.wait] = _Waiting(connection, request_id, nbytes)
@@ -389,16 +389,17 @@ class BudgetDaemon:
                                      "deadline_s": max(0.0, reclaim.deadline - now)})
             return
         if decision.verdict is Verdict.GRANTED:
-            self._reply(connection, {"op": "granted", "id": request_id, "ticket": decision.ticket})
+            self._reply(connection, {"op": "granted", "id": request_id, "ticket": decision.ticket,
+                                     "bytes": decision.nbytes})
         else:
             self._reply(connection, {"op": "denied", "id": request_id, "reason": decision.reason})
 
     def _next_queued(self, connection: _Connection, now: float) -> None:
         """The reserves queued behind one that no longer waits, until one waits."""
         while connection.waiting is None and connection.queued and not connection.closed:
-            request_id, nbytes = connection.queued.popleft()
+            request_id, nbytes, ahead = connection.queued.popleft()
             try:
-                self._decide(connection, request_id, nbytes, now)
+                self._decide(connection, request_id, nbytes, now, ahead)
             except BudgetProtocolError as error:
                 self._reply(connection, {"op": "error", "id": request_id, "reason": str(error), "dropped": False})
 

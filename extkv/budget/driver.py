@@ -8,20 +8,24 @@ step, a preserving defragment's scratch) goes through
 new bytes of the whole operation and runs the creates inside it.
 `BudgetedDriver(inner, client)` wraps that one entry: it reserves `size`
 bytes from the budget daemon (extkv.budget.client) before anything else,
-so that a refusal (BudgetDeniedError, an OutOfMemoryError) changes nothing;
+so that a refusal (BudgetDeniedError, an OutOfMemoryError) changes nothing,
+or draws them from what its client holds granted ahead (`BudgetClient(...,
+ahead=)`), a create that asks nothing;
 then it enters the inner driver's own admission (the host driver's
 machine-wide commit lock comes after the reservation, never around it: a
 reservation may wait while the daemon asks other engines to shrink, and
 their shrinks must not queue behind this commit's lock); and on the way
-out it confirms the bytes really created, the rest of the reservation given
-back at once, whether the block ended well or not.
+out it confirms the bytes really created, the rest of the reservation
+kept ahead (up to the client's `ahead`) or given back at once, whether the
+block ended well or not.
 
 Each create is counted against the reservation of the admission the
 calling thread is inside (a commit-ahead worker commits from its own
 thread): a create outside one, or past its bytes, is refused before the
 driver is called, so no physical memory exists without a covering grant.
-A release of a chunk this driver created tells the daemon the bytes are
-returned, unless the admission it was created under is still open (an
+A release of a chunk this driver created gives the bytes back (its
+client keeps up to `ahead` of them granted ahead, and returns the rest),
+unless the admission it was created under is still open (an
 undo inside a failing commit): then the confirm counts only the chunks that
 remain, so the ledger never hears of bytes it was not yet told it holds.
 An imported chunk (another process's memory) is no part of this
@@ -56,12 +60,13 @@ from .client import BudgetClient
 
 
 class _Admission:
-    """The reservation one `admit` block of one thread creates under;
+    """What one `admit` block of one thread creates under: `ticket`, or
+    None for bytes granted ahead; `granted`: the bytes it may create;
     `created`: the bytes of its chunks that exist, until it is confirmed."""
 
     __slots__ = ("ticket", "granted", "created", "confirmed")
 
-    def __init__(self, ticket: int, granted: int):
+    def __init__(self, ticket: int | None, granted: int):
         self.ticket, self.granted, self.created, self.confirmed = ticket, granted, 0, False
 
 
@@ -84,8 +89,8 @@ class BudgetedDriver(WrappingDriver):
             with self.inner.admit(size, chunks):
                 yield
             return
-        ticket = self.client.reserve(size)
-        admission = _Admission(ticket, size)
+        ticket, granted, lease = self.client.draw(size)
+        admission = _Admission(ticket, size)  # the operation creates `size`; the rest is ahead
         outer = getattr(self._thread, "admission", None)
         self._thread.admission = admission
         try:
@@ -96,13 +101,14 @@ class BudgetedDriver(WrappingDriver):
             with self._own_lock:
                 admission.confirmed = True
                 created = admission.created
-            self.client.confirm(ticket, created)
+            self.client.settle_draw(ticket, granted, created, lease)
 
     def _create(self, size: int) -> Chunk:
         admission = getattr(self._thread, "admission", None)
         if admission is None or admission.created + size > admission.granted:
             covered = "no reservation" if admission is None else (
-                f"reservation {admission.ticket} of {admission.granted} bytes, {admission.created} of them created")
+                (f"reservation {admission.ticket}" if admission.ticket else "bytes granted ahead")
+                + f" of {admission.granted} bytes, {admission.created} of them created")
             raise DriverError("create", 0, "EXTKV_NO_GRANT", size=size,
                               detail=f"a physical create outside a granted reservation ({covered})")
         chunk = self.inner._create(size)
@@ -123,7 +129,7 @@ class BudgetedDriver(WrappingDriver):
                 admission.created -= chunk.size
             lease = self._lease
         if admission is not None and not unconfirmed:
-            self.client.returned(chunk.size, lease)
+            self.client.give_back(chunk.size, lease)
 
     def held_bytes(self, lease: int) -> int:
         """The bytes of the chunks this driver created and has not released,

@@ -9,6 +9,11 @@ budget, and the engine's own grant with them fits its cap. An engine's
 grant is what it *holds* (confirmed bytes it has not returned) plus its
 open tickets; `confirm(ticket, created)` turns a ticket into held bytes,
 giving back what was not created, and `cancel` gives back all of it.
+A reserve may also ask bytes *ahead*, for creates to come: they join its
+ticket only from room free now and while no reserve waits, so they make
+no engine give back. The engine confirms what it keeps of them as held
+(extkv.budget.client's bytes granted ahead), and they are reclaimed as any
+held bytes are.
 
 When the budget is full, others may have to give back. Each live engine
 has a weighted max-min fair *share* of the budget less dead bytes
@@ -191,12 +196,14 @@ class Reclaim:
 
 @dataclass(frozen=True)
 class Decision:
-    """A reserve's answer. GRANTED: `ticket`. DENIED: `reason`. WAIT: send
+    """A reserve's answer. GRANTED: `ticket`, of `nbytes` (what was asked
+    and what of `ahead` was granted). DENIED: `reason`. WAIT: send
     `reclaims` (the new ones; pending ones were sent already), run the
     reserve again as answers come; `wait` names it until `deadline`."""
 
     verdict: Verdict
     ticket: int | None = None
+    nbytes: int = 0
     reason: str = ""
     reclaims: tuple[Reclaim, ...] = ()
     wait: int | None = None
@@ -432,9 +439,12 @@ class Ledger:
                                         dead=nbytes)
         self._settle(engine)
 
-    def reserve(self, engine: str, nbytes: int, now: float) -> Decision:
+    def reserve(self, engine: str, nbytes: int, now: float, ahead: int = 0) -> Decision:
+        """A ticket for `nbytes`, and up to `ahead` more for creates to come,
+        granted only from room free now and never while a reserve waits:
+        bytes ahead make no engine give back, and take none a wait needs."""
         record = self._record("reserve", engine)
-        nbytes = _integer("nbytes", nbytes, minimum=1)
+        nbytes, ahead = _integer("nbytes", nbytes, minimum=1), _integer("ahead", ahead)
         now = _real("now", now)
         # The same engine asking the same bytes continues its wait, if one waits.
         wait = next((key for key, w in self._waiters.items() if (w.engine, w.nbytes) == (engine, nbytes)), None)
@@ -444,9 +454,11 @@ class Ledger:
         need = self.granted + self.dead + nbytes - self.budget
         if need <= 0:
             self._waiters.pop(wait, None)
+            if wait is None and not self._waiters:
+                nbytes += min(ahead, -need, record.cap - record.grant - nbytes)
             ticket = self._new_id()
             record.tickets[ticket] = _Ticket(nbytes, now)
-            return Decision(Verdict.GRANTED, ticket=ticket)
+            return Decision(Verdict.GRANTED, ticket=ticket, nbytes=nbytes)
         waiter = None if wait is None else self._waiters[wait]
         relied, asked = self._reclaim_plan(engine, nbytes, waiter)
         short = need - sum(reclaim.nbytes for reclaim in relied) - sum(nbytes for _, nbytes in asked)

@@ -15,8 +15,11 @@ Engine to daemon (`TO_DAEMON`), one reply each:
   rejoins a daemon that restarted (extkv.budget.client). The first message
   of a connection is `hello` or `status` (an observer that holds no lease,
   as `extkv budget status`).
-- `reserve{bytes}`, before a physical create: `granted{ticket}` or
-  `denied{reason}`, at once or once the reclaims it waits for are answered.
+- `reserve{bytes, ahead}`, before a physical create: `granted{ticket,
+  bytes}` or `denied{reason}`, at once or once the reclaims it waits for
+  are answered. `ahead`: bytes asked beside `bytes` for creates to come,
+  granted only from room free now; the reply's `bytes` is the ticket's
+  whole grant, `bytes` asked and what of `ahead` was granted.
 - `confirm{ticket, created}`, `cancel{ticket}`, `returned{bytes}`: `ok`.
 - `released{bytes, reclaim}`, `cannot{reclaim}`: the answer to a reclaim.
 - `status{}`: `report{device, budget, granted, dead, engines}`.
@@ -50,7 +53,7 @@ from ..errors import BudgetProtocolError
 
 #: Names the protocol in `hello`; the daemon refuses any other, naming it
 #: before any field of the hello.
-PROTOCOL = "extkv-budget/2"
+PROTOCOL = "extkv-budget/3"
 #: The most the daemon reads of one engine's message: the largest request
 #: (`hello`) is under 200 bytes of JSON.
 MAX_REQUEST_BYTES = 4096
@@ -123,7 +126,7 @@ _FIELD_KINDS: dict[Callable[[object], bool], str] = {
 MESSAGES: dict[str, dict[str, dict[str, Callable[[object], bool]]]] = {
     TO_DAEMON: {
         "hello": {"protocol": _text, "floor": _count, "cap": _optional_count, "weight": _weight, "held": _count},
-        "reserve": {"bytes": _positive_count},
+        "reserve": {"bytes": _positive_count, "ahead": _count},
         "confirm": {"ticket": _positive_count, "created": _count},
         "cancel": {"ticket": _positive_count},
         "returned": {"bytes": _count},
@@ -133,7 +136,7 @@ MESSAGES: dict[str, dict[str, dict[str, Callable[[object], bool]]]] = {
     },
     FROM_DAEMON: {
         "ok": {},
-        "granted": {"ticket": _positive_count},
+        "granted": {"ticket": _positive_count, "bytes": _positive_count},
         "denied": {"reason": _text},
         "error": {"reason": _text, "dropped": _flag},
         "report": {"device": _text, "budget": _count, "granted": _count, "dead": _count, "engines": _engines,

@@ -26,9 +26,10 @@ test_budget_*.py) and the planted defects that must fail them
 (conformance/test_planted_defects.py) run the same code:
 
 - `CoveredCreates`: a driver under a budgeted driver that, at each create,
-  reads the daemon's ledger and demands open grants covering it.
+  reads the daemon's ledger and demands a grant covering it and every byte
+  created before it.
 - `check_ledger_holds`: at a quiescent point the ledger holds exactly what
-  the engine maps, with no ticket open.
+  the engine maps and its client keeps granted ahead, with no ticket open.
 - `CancelsSeen`: the real client, saying when it sent a cancel, so that a
   test waits for the cancel of a grant to a reserve given up (extkv.budget.
   client's AbandonableReserves) on an event rather than a clock.
@@ -215,11 +216,13 @@ def ledger_held(client: BudgetClient) -> tuple[int, int]:
 
 def check_ledger_holds(client: BudgetClient, physical_bytes: int, when: str) -> None:
     """At a quiescent point (`when`, for the message): the ledger holds
-    exactly `physical_bytes` for `client`'s engine, and no ticket is open."""
+    exactly `physical_bytes` for `client`'s engine and the bytes its client
+    keeps granted ahead, and no ticket is open."""
     held, open_tickets = ledger_held(client)
-    if (held, open_tickets) != (physical_bytes, 0):
+    ahead = client.ahead_bytes
+    if (held, open_tickets) != (physical_bytes + ahead, 0):
         raise AssertionError(f"{when}: the ledger holds {held} bytes and {open_tickets} open tickets for an engine "
-                             f"whose chunks hold {physical_bytes} bytes")
+                             f"whose chunks hold {physical_bytes} bytes" + (f" and {ahead} granted ahead" if ahead else ""))
 
 
 class CancelsSeen(BudgetClient):
@@ -238,11 +241,11 @@ class CancelsSeen(BudgetClient):
 
 
 class CoveredCreates(WrappingDriver):
-    """Under the budgeted driver: at each create, the daemon's ledger must
-    show open grants covering it and every byte created but not yet
-    confirmed (what this wrapper created and did not release, less what the
-    ledger holds as confirmed). `mapped`: the bytes of the chunks that
-    exist; `creates`: how many creates it saw."""
+    """Under the budgeted driver: at each create, the engine's grant in the
+    daemon's ledger (held and open tickets) must cover every byte this
+    wrapper created and did not release, and this create: whether under a
+    ticket or under bytes granted ahead and held. `mapped`: the bytes of
+    the chunks that exist; `creates`: how many creates it saw."""
 
     def __init__(self, inner, client: BudgetClient):
         super().__init__(inner)
@@ -251,10 +254,9 @@ class CoveredCreates(WrappingDriver):
     def _create(self, size: int):
         report = self.client.report()
         (engine,) = [engine for engine in report["engines"] if engine["engine"] == report["asker"]]
-        open_bytes, unconfirmed = engine["grant"] - engine["held"], self.mapped - engine["held"]
-        if open_bytes < unconfirmed + size:
-            raise AssertionError(f"a create of {size} bytes with {open_bytes} bytes of open grants, "
-                                 f"{unconfirmed} of them created already")
+        if engine["grant"] < self.mapped + size:
+            raise AssertionError(f"a create of {size} bytes under a grant of {engine['grant']} bytes "
+                                 f"({engine['held']} held), {self.mapped} of them created already")
         chunk = self.inner._create(size)
         self.mapped += size
         self.creates += 1

@@ -113,11 +113,12 @@ class LedgerMachine(RuleBasedStateMachine):
         """The bytes of other live engines' open tickets: creates under way."""
         return sum(e.grant - e.held for other, e in self.model.items() if e.live and other != name)
 
-    def reserve_and_check(self, name: str, nbytes: int) -> Decision:
+    def reserve_and_check(self, name: str, nbytes: int, ahead: int = 0) -> Decision:
         before, mine = snapshot(self.ledger), self.model[name]
         asked_of_it = {s.engine: s.reclaim_pending_bytes for s in self.ledger.status()}.get(name, 0)
         relied = sum(s.reclaim_pending_bytes for s in self.ledger.status() if s.engine != name)
-        decision = self.ledger.reserve(name, nbytes, self.now)
+        fresh = not self.waiting
+        decision = self.ledger.reserve(name, nbytes, self.now, ahead)
         fits = mine.grant + nbytes <= mine.cap and self.total() + nbytes <= BUDGET
         assert (decision.verdict == Verdict.GRANTED) == fits, (
             f"a reserve of {nbytes} bytes by engine {name!r} was {decision.verdict.value}, but its grant "
@@ -126,8 +127,15 @@ class LedgerMachine(RuleBasedStateMachine):
             f"{'leave room for it' if fits else 'leave no room for it'}")
         if decision.verdict == Verdict.GRANTED:
             assert decision.ticket not in self.issued, f"ticket {decision.ticket} was issued before"
+            # Bytes ahead come only from room free now, past no cap, and
+            # never while a reserve waits (its own continuing wait included).
+            extra = min(ahead, BUDGET - self.total() - nbytes, mine.cap - mine.grant - nbytes) if fresh else 0
+            assert decision.nbytes == nbytes + extra, (
+                f"a reserve of {nbytes} bytes and {ahead} ahead by engine {name!r} was granted {decision.nbytes}, "
+                f"with {BUDGET - self.total()} bytes of the budget free, its cap {mine.cap} and grant {mine.grant}"
+                f"{'' if fresh else ', while a reserve waits'}: expected {nbytes + extra}")
             self.issued.add(decision.ticket)
-            mine.open[decision.ticket] = (nbytes, self.now)
+            mine.open[decision.ticket] = (decision.nbytes, self.now)
             self.waiting.discard((name, nbytes))
         elif decision.verdict == Verdict.DENIED:
             was_waiting = (name, nbytes) in self.waiting
@@ -239,9 +247,12 @@ class LedgerMachine(RuleBasedStateMachine):
         self.reserve_and_confirm(data, name, free + data.draw(st.integers(1, 20)))
 
     def reserve_and_confirm(self, data, name: str, nbytes: int) -> None:
-        decision = self.reserve_and_check(name, nbytes)
+        """Reserve, often with bytes ahead, and as often as not create what
+        was asked and keep what was granted ahead, as a budgeted driver does."""
+        ahead = data.draw(st.sampled_from([0, 0, 50, 300]))
+        decision = self.reserve_and_check(name, nbytes, ahead)
         if decision.verdict == Verdict.GRANTED and data.draw(st.booleans()):
-            self.settle(name, decision.ticket, nbytes, nbytes)
+            self.settle(name, decision.ticket, decision.nbytes, decision.nbytes)
 
     def tickets(self) -> list[tuple[str, int, int]]:
         """(engine, ticket, bytes) of every open or expired ticket."""

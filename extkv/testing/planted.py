@@ -22,7 +22,8 @@ own steps, so it runs on the host driver and on each CUDA device alike.
 
 The shared KV budget's defects are its real parts with one step broken: a
 `BudgetedDriver` that asks nothing, tells nothing of what it released, or
-rejoins a restarted daemon saying it holds nothing; a `Ledger` that admits
+rejoins a restarted daemon saying it holds nothing, or keeps bytes
+granted ahead that it never confirmed; a `Ledger` that admits
 past dead bytes, asks engines below their floor or denies a reserve that
 creates under way could make room for; a `BudgetDaemon` that
 keeps a dead lease's bytes for good, serves every uid or believes a release
@@ -395,7 +396,8 @@ class CreatesWithoutGrant(BudgetedDriver):
 
 
 class _ForgetsReturned:
-    """A budget client that forwards every call but `returned`, which it drops."""
+    """A budget client that forwards every call but `give_back`, the
+    driver's report of what it released, which it drops."""
 
     def __init__(self, client):
         self.client = client
@@ -403,8 +405,34 @@ class _ForgetsReturned:
     def __getattr__(self, name: str):
         return getattr(self.client, name)
 
-    def returned(self, nbytes: int, lease: int | None = None) -> None:
+    def give_back(self, nbytes: int, lease: int) -> None:
         pass
+
+
+class _KeepsAheadUnconfirmed:
+    """A budget client that forwards every call, but settles a grant by
+    confirming only what was created while keeping the rest ahead: the
+    daemon takes those bytes back, and the engine still creates on them."""
+
+    def __init__(self, client):
+        self.client = client
+
+    def __getattr__(self, name: str):
+        return getattr(self.client, name)
+
+    def settle_draw(self, ticket: int | None, granted: int, created: int, lease: int) -> None:
+        if ticket is None:
+            return self.client.settle_draw(ticket, granted, created, lease)
+        self.client.confirm(ticket, created)
+        self.client.give_back(granted - created, lease)
+
+
+class KeepsAheadUnconfirmed(BudgetedDriver):
+    """Keeps bytes granted ahead that it never confirmed as held: its later
+    creates on them are covered by no grant."""
+
+    def __init__(self, inner: Driver, client):
+        super().__init__(inner, _KeepsAheadUnconfirmed(client))
 
 
 class ReleasesUnreturned(BudgetedDriver):
@@ -437,10 +465,10 @@ class AdmitsPastDeadBytes(Ledger):
     def dead(self) -> int:
         return 0 if self._admitting else Ledger.dead.fget(self)
 
-    def reserve(self, engine: str, nbytes: int, now: float):
+    def reserve(self, engine: str, nbytes: int, now: float, ahead: int = 0):
         self._admitting = True
         try:
-            return super().reserve(engine, nbytes, now)
+            return super().reserve(engine, nbytes, now, ahead)
         finally:
             self._admitting = False
 
@@ -465,10 +493,10 @@ class WaitsWhileAsked(Ledger):
     begin a wait of its own: waiting inside a commit, it holds its cache's
     lock and cannot answer, and the wait that asked it misses its deadline."""
 
-    def reserve(self, engine: str, nbytes: int, now: float):
+    def reserve(self, engine: str, nbytes: int, now: float, ahead: int = 0):
         asked = self._reclaims.pop(engine, None) if isinstance(engine, str) else None
         try:
-            return super().reserve(engine, nbytes, now)
+            return super().reserve(engine, nbytes, now, ahead)
         finally:
             if asked is not None:
                 self._reclaims[engine] = asked
@@ -728,8 +756,14 @@ DEFECTS: dict[str, Defect] = {
         Defect(
             "budget-create-without-grant",
             "no physical create without a covering grant of the shared budget (invariant 5)",
-            ("testing.budget.CoveredCreates: open grants read from the daemon at each create",),
+            ("testing.budget.CoveredCreates: the grant read from the daemon at each create",),
             _budgeted_over(CreatesWithoutGrant),
+        ),
+        Defect(
+            "ahead-unconfirmed",
+            "no physical create without a covering grant of the shared budget (invariant 5)",
+            ("testing.budget.CoveredCreates: the grant read from the daemon at each create",),
+            _budgeted_over(KeepsAheadUnconfirmed),
         ),
         Defect(
             "release-not-returned",
