@@ -16,15 +16,19 @@ here asks which kind of device it runs on):
   round (after `grant_warm_up` untimed ones), and per round their p50, p99
   and slowest; a daemon of the device's whole memory, so every reserve fits.
 - *Commit through the budget*: `commit(N)` on a cache just made, to the
-  device's synchronize, through a budgeted cache (`budget=client`) and
-  through the same cache unbudgeted, the two in the rows of a Williams
-  design over rounds (extkv.benchmarking.rounds), one untimed round of each
-  first. Setup (the cache's reservation) and teardown (`free`) are
-  untimed; after a budgeted teardown a status request waits until the
-  daemon has taken its `returned`, so that no outside reading of this
-  process (the host device reads its memfds at each return) meets the
+  device's synchronize, through a budgeted cache (`budget=client`), through
+  one whose client keeps the commit's footprint granted ahead
+  (`BudgetClient(ahead=)`: its untimed first commit asks for them, and from
+  then on each teardown's release keeps them for the next commit, which
+  asks nothing), and through the same cache unbudgeted, the three in the
+  rows of a Williams design over rounds (extkv.benchmarking.rounds), one
+  untimed round of each first. Setup (the cache's reservation) and teardown
+  (`free`) are untimed; after a budgeted teardown a status request waits
+  until the daemon has taken its `returned`, so that no outside reading of
+  this process (the host device reads its memfds at each return) meets the
   unbudgeted cache's chunks. Per size: each side's rounds; the ratio of
-  minima is the cost added.
+  minima to the unbudgeted side's is the cost added, with and without
+  bytes ahead.
 - *Reclaim from an idle engine*: a budget of exactly N bytes; an idle
   engine, a child process (`_idle_engine`), holds all N in one commit and
   answers a reclaim through its `on_reclaim`, which shrinks its cache to
@@ -158,7 +162,7 @@ def measure_grants(client: BudgetClient, nbytes: int, setting: Setting, progress
 
 
 # -- commit through the budget ----------------------------------------------------------------
-COMMIT_SIDES = ("budgeted", "unbudgeted")
+COMMIT_SIDES = ("budgeted", "ahead", "unbudgeted")
 
 
 def _timed_commit(geometry: str, blocks: int, device: torch.device, client: BudgetClient | None) -> float:
@@ -177,21 +181,27 @@ def _timed_commit(geometry: str, blocks: int, device: torch.device, client: Budg
 
 def measure_commits(client: BudgetClient, device: torch.device, setting: Setting,
                     progress: Callable[[str], None]) -> list[dict]:
-    """Per size: the budgeted and the unbudgeted commit's rounds (seconds)."""
+    """Per size: the rounds (seconds) of the commit budgeted, budgeted on
+    bytes granted ahead (a second client of `client`'s class, keeping the
+    commit's footprint ahead), and unbudgeted."""
     measured = []
     for nbytes in setting.commit_bytes:
         blocks = _blocks(setting.geometry, nbytes)
-        sides = {"budgeted": client, "unbudgeted": None}
-        for side in COMMIT_SIDES:  # untimed: first-call costs land in no round
-            _timed_commit(setting.geometry, blocks, device, sides[side])
-        times: dict[str, list[float]] = {side: [] for side in COMMIT_SIDES}
-        for r in range(setting.commit_rounds):
-            for side in round_order(COMMIT_SIDES, r):
-                times[side].append(_timed_commit(setting.geometry, blocks, device, sides[side]))
-        measured.append({"bytes": blocks * GEOMETRIES[setting.geometry].bytes_per_block,
-                         "budgeted_s": times["budgeted"], "unbudgeted_s": times["unbudgeted"]})
-        progress(f"budget commit {nbytes / MiB:g} MiB: budgeted {min(times['budgeted']) * 1e3:.3f} ms, "
-                 f"unbudgeted {min(times['unbudgeted']) * 1e3:.3f} ms (least of {setting.commit_rounds})")
+        ahead = footprint(setting.geometry, blocks, device)
+        with type(client)(client.socket_path, timeout=client.timeout, ahead=ahead) as ahead_client:
+            sides = {"budgeted": client, "ahead": ahead_client, "unbudgeted": None}
+            for side in COMMIT_SIDES:  # untimed: first-call costs (and the ahead side's one reserve) in no round
+                _timed_commit(setting.geometry, blocks, device, sides[side])
+            times: dict[str, list[float]] = {side: [] for side in COMMIT_SIDES}
+            for r in range(setting.commit_rounds):
+                for side in round_order(COMMIT_SIDES, r):
+                    times[side].append(_timed_commit(setting.geometry, blocks, device, sides[side]))
+        measured.append({"bytes": blocks * GEOMETRIES[setting.geometry].bytes_per_block, "ahead_bytes": ahead,
+                         "budgeted_s": times["budgeted"], "ahead_s": times["ahead"],
+                         "unbudgeted_s": times["unbudgeted"]})
+        progress(f"budget commit {nbytes / MiB:g} MiB: budgeted {min(times['budgeted']) * 1e3:.3f} ms, on bytes "
+                 f"ahead {min(times['ahead']) * 1e3:.3f} ms, unbudgeted {min(times['unbudgeted']) * 1e3:.3f} ms "
+                 f"(least of {setting.commit_rounds})")
     return measured
 
 

@@ -81,8 +81,9 @@ def budget_section(result: dict, withheld: str | None) -> list[str]:
         f"Profile {result['profile']} on {result['device']} (torch {result['torch']}), the budget daemon serving "
         f"{result['daemon_device']} from a process of its own; caches of {result['geometry_what']}. Grant round trip: "
         f"reserve + confirm of one granule, {s['grant_rounds']} rounds of {s['grant_samples']}. Commit: `commit(N)` "
-        f"on a cache just made, to the device's synchronize, budgeted and unbudgeted in Williams-design order over "
-        f"{s['commit_rounds']} rounds. Reclaim: the budget exactly what an idle engine (a process of its own) holds; "
+        f"on a cache just made, to the device's synchronize, budgeted"
+        + (", on its footprint granted ahead" if any("ahead_s" in commit for commit in result["commits"]) else "")
+        + f" and unbudgeted in Williams-design order over {s['commit_rounds']} rounds. Reclaim: the budget exactly what an idle engine (a process of its own) holds; "
         f"a busy engine with that floor reserves it all, and the idle engine's `on_reclaim` shrinks to nothing; "
         f"interleaved over {s['reclaim_rounds']} rounds with the same shrink of an unbudgeted cache alone."
         + bursts_words(result.get("bursts")),
@@ -93,7 +94,8 @@ def budget_section(result: dict, withheld: str | None) -> list[str]:
     for row in rows:
         lines.append(f"| {row.target.name} | {row.label} | {_value(row, row.value)} | {_value(row, row.median)} | "
                      f"{row.target.bound_words()} | {row.words} | {row.parts} |")
-    lines += ["", *(f"- *{target.name}*: {target.what}." for target in BUDGET_TARGETS), ""]
+    shown = {row.target.key for row in rows}
+    lines += ["", *(f"- *{target.name}*: {target.what}." for target in BUDGET_TARGETS if target.key in shown), ""]
     return lines
 
 

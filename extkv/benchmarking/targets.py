@@ -458,6 +458,10 @@ BUDGET_TARGETS: list[BudgetTarget] = [
     BudgetTarget("budget-overshoot", "overshoot: the engines' bytes together past the budget",
                  "none: the largest sum of both engines' bytes, read from outside them every 10 ms while the "
                  "bursts ran, less the budget", "overshoot_bytes", 0),
+    BudgetTarget("budget-commit-ahead", "a commit on bytes granted ahead against the same commit unbudgeted",
+                 "with the commit's footprint kept granted ahead (`BudgetClient(ahead=)`), the budget adds at "
+                 "most 2% to a commit of 256 MiB or more (budgeted over unbudgeted, ratio of minima over "
+                 "interleaved rounds)", "commit_ratio", 1.02, min_bytes=256 * MiB),
 ]
 
 
@@ -497,24 +501,7 @@ def evaluate_budget(result: dict) -> list[BudgetRow]:
                                     f"{grant.shown(max(p99s))}"))
     else:
         rows.append(BudgetRow(grant, label, None, None, None, "not measured (no rounds)"))
-    for commit in result["commits"]:
-        target = BUDGET_TARGETS[1]
-        label = size_label(commit["bytes"])
-        budgeted, plain = commit["budgeted_s"], commit["unbudgeted_s"]
-        if not budgeted or not plain:
-            rows.append(BudgetRow(target, label, None, None, None, "not measured (no rounds)"))
-            continue
-        value = min(budgeted) / min(plain)
-        median = statistics.median(budgeted) / statistics.median(plain)
-        parts = (f"budgeted {_ms(min(budgeted))} / unbudgeted {_ms(min(plain))} (min), "
-                 f"{_ms(statistics.median(budgeted))} / {_ms(statistics.median(plain))} (median), "
-                 f"{len(budgeted)} rounds")
-        if commit["bytes"] < target.min_bytes:
-            rows.append(BudgetRow(target, label, value, median, None,
-                                  f"{target.shown(value)}, not judged: the target is for commits of "
-                                  f"{size_label(target.min_bytes)} or more", parts))
-        else:
-            rows.append(BudgetRow(target, label, value, median, *target.verdict(value), parts))
+    rows += [_commit_row(BUDGET_TARGETS[1], commit, commit["budgeted_s"], "budgeted") for commit in result["commits"]]
     label = size_label(result["reclaim"]["bytes"])
     granted, alone = result["reclaim"]["grant_s"], result["reclaim"]["alone_s"]
     if granted and alone:
@@ -527,7 +514,26 @@ def evaluate_budget(result: dict) -> list[BudgetRow]:
         rows.append(BudgetRow(reclaim, label, value, median, *reclaim.verdict(value), parts))
     else:
         rows.append(BudgetRow(reclaim, label, None, None, None, "not measured (no rounds)"))
-    return rows + _burst_rows(result.get("bursts"))
+    rows += _burst_rows(result.get("bursts"))
+    # Results made before the bench measured commits on bytes ahead have no such row.
+    return rows + [_commit_row(BUDGET_TARGETS[5], commit, commit["ahead_s"], f"on {size_label(commit['ahead_bytes'])} "
+                               "ahead") for commit in result["commits"] if "ahead_s" in commit]
+
+
+def _commit_row(target: BudgetTarget, commit: dict, budgeted: list[float], side: str) -> BudgetRow:
+    """A commit's row: `budgeted`'s rounds (the `side` in words) over the unbudgeted ones."""
+    label, plain = size_label(commit["bytes"]), commit["unbudgeted_s"]
+    if not budgeted or not plain:
+        return BudgetRow(target, label, None, None, None, "not measured (no rounds)")
+    value = min(budgeted) / min(plain)
+    median = statistics.median(budgeted) / statistics.median(plain)
+    parts = (f"{side} {_ms(min(budgeted))} / unbudgeted {_ms(min(plain))} (min), "
+             f"{_ms(statistics.median(budgeted))} / {_ms(statistics.median(plain))} (median), "
+             f"{len(budgeted)} rounds")
+    if commit["bytes"] < target.min_bytes:
+        return BudgetRow(target, label, value, median, None, f"{target.shown(value)}, not judged: the target is "
+                         f"for commits of {size_label(target.min_bytes)} or more", parts)
+    return BudgetRow(target, label, value, median, *target.verdict(value), parts)
 
 
 def _least_reach(bursts: dict) -> tuple[dict, int] | None:
