@@ -348,25 +348,18 @@ class BudgetClient:
         return ticket, granted, lease
 
     def settle_draw(self, ticket: int | None, granted: int, created: int, lease: int) -> None:
-        """After the creates of a `draw`: `created` bytes exist; of the rest,
-        up to `ahead` bytes (less those already kept) stay granted ahead,
-        held, and the remainder goes back. Bytes join the pool only once the
-        confirm that makes them held is sent, so a reclaim's `returned` of
-        them always follows it on the connection."""
+        """After the creates of a `draw`: `created` bytes exist, and the rest
+        is given back as a release's bytes are (`give_back`). A ticket's
+        confirm first makes held what may be kept ahead, so that a reclaim's
+        `returned` of those bytes always follows it on the connection."""
         unused = granted - created
-        with self._lock:
-            keep = min(unused, max(0, self.ahead - self._pool)) if self._connected and lease == self._lease else 0
         if ticket is not None:
-            self.confirm(ticket, created + keep)
-        with self._lock:
-            live = self._connected and lease == self._lease
-            kept = min(keep, max(0, self.ahead - self._pool)) if live else 0
-            self._pool += kept
-            if live:
-                self._pool_lease = lease
-        back = (unused if ticket is None else keep) - kept
-        if back:
-            self.returned(back, lease)
+            with self._lock:
+                live = self._connected and lease == self._lease
+                unused = min(unused, max(0, self.ahead - self._pool)) if live else 0
+            self.confirm(ticket, created + unused)  # the rest of the ticket goes back with it
+        if unused:
+            self.give_back(unused, lease)
 
     def give_back(self, nbytes: int, lease: int) -> None:
         """`nbytes` released, read under `lease`, for a budgeted driver: up to
