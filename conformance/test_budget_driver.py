@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import re
 import threading
 from typing import Callable
 
@@ -30,7 +31,7 @@ import pytest
 
 from extkv import ExtensibleKVCache, KVCacheLayout, OutOfMemoryError, SleepController, measure_kv_cache_blocks
 from extkv.budget import ledger
-from extkv.budget.client import BudgetClient
+from extkv.budget.client import BudgetClient, read_status
 from extkv.budget.driver import BudgetedDriver
 from extkv.errors import BudgetDeniedError, BudgetUnavailableError, DriverError
 from extkv.testing.budget import (
@@ -521,3 +522,24 @@ def test_a_reclaim_takes_the_bytes_granted_ahead_before_the_engine_gives_any_blo
             busy.free()
             idle.free()
 
+
+
+@pytest.mark.parametrize("text, ahead", [("6MiB", 6 << 20), ("1.5MiB", 3 << 19), ("4096", 4096), ("", 0), (" ", 0)])
+def test_the_environment_s_client_keeps_the_bytes_extkv_budget_ahead_names(monkeypatch, text, ahead):
+    with served_daemon(1 << 30) as served:
+        monkeypatch.setenv("EXTKV_BUDGET", served.path)
+        monkeypatch.setenv("EXTKV_BUDGET_AHEAD", text)
+        with BudgetClient.from_environment() as client:
+            assert client.ahead == ahead
+
+
+@pytest.mark.invariant(5, 6)
+@pytest.mark.parametrize("text", ["lots", "-1MiB", "1.5", "6 MB"])
+def test_bytes_ahead_the_environment_cannot_read_are_refused_naming_the_variable(monkeypatch, text):
+    with served_daemon(1 << 30) as served:
+        monkeypatch.setenv("EXTKV_BUDGET", served.path)
+        monkeypatch.setenv("EXTKV_BUDGET_AHEAD", text)
+        with pytest.raises(ValueError, match=rf"^EXTKV_BUDGET_AHEAD must be bytes \(a whole number, or a number with "
+                                             rf"KiB, MiB, GiB or TiB: 96GiB\), got '{re.escape(text)}'$"):
+            BudgetClient.from_environment()
+        assert read_status(served.path)["engines"] == []

@@ -13,8 +13,8 @@ right after parsing through the same `report_dir_problem`, which
 extkv.runs.rundir asks again when it makes the directory, since the
 file system may have changed in between.
 
-Only the standard library (and extkv.files, which imports nothing else) is
-imported here, so `extkv --help` and every subcommand's --help cost no
+Only the standard library (and extkv.files and extkv.validate, which import
+nothing else of extkv) is imported here, so `extkv --help` and every subcommand's --help cost no
 torch.
 """
 
@@ -29,6 +29,7 @@ from pathlib import Path
 from typing import NamedTuple
 
 from .files import PRIVATE_DIRECTORY_EXPECTED, private_directory_problem
+from .validate import BYTE_SIZE_EXPECTED, byte_size
 
 #: What a file that is not what was expected is, in words, by its stat.S_IS* test.
 FILE_KINDS = [
@@ -232,9 +233,7 @@ def refuse_held_report_dir(parser: argparse.ArgumentParser, args: argparse.Names
 
 # -- extkv budget -----------------------------------------------------------------
 #: Binary units a budget may be given in, by their multiple of a byte.
-BYTE_UNITS = {"B": 1, "KiB": 1 << 10, "MiB": 1 << 20, "GiB": 1 << 30, "TiB": 1 << 40}
-_BUDGET_EXPECTED = ("expected bytes (a whole number, or a number with KiB, MiB, GiB or TiB: 96GiB) "
-                    "or a share of the device's memory above 0 and at most 100% (80%)")
+_BUDGET_EXPECTED = f"expected {BYTE_SIZE_EXPECTED} or a share of the device's memory above 0 and at most 100% (80%)"
 
 
 class BudgetSize(NamedTuple):
@@ -250,17 +249,12 @@ class BudgetSize(NamedTuple):
 
 def budget_size(text: str) -> BudgetSize:
     """`budget serve --budget`: 96GiB, 1073741824, or 80% of the device."""
-    found = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*(%|B|KiB|MiB|GiB|TiB)?\s*", text)
-    if found is not None:
-        number, unit = found.groups()
-        if unit == "%":
-            if 0 < float(number) <= 100:
-                return BudgetSize(None, float(number))
-        elif unit is not None or "." not in number:  # no fraction of a byte
-            scale = BYTE_UNITS[unit or "B"]
-            nbytes = int(float(number) * scale) if "." in number else int(number) * scale
-            if nbytes > 0:
-                return BudgetSize(nbytes, None)
+    share = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*%\s*", text)
+    if share is not None and 0 < float(share.group(1)) <= 100:
+        return BudgetSize(None, float(share.group(1)))
+    nbytes = byte_size(text)
+    if nbytes:
+        return BudgetSize(nbytes, None)
     raise argparse.ArgumentTypeError(f"{text!r}: {_BUDGET_EXPECTED}")
 
 

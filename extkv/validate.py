@@ -24,6 +24,7 @@ from __future__ import annotations
 import math
 import numbers
 import operator
+import re
 
 
 def _is_bool(value: object) -> bool:
@@ -94,3 +95,24 @@ def timeout(name: str, value: object) -> float | None:
         if seconds > 0:  # False for nan
             return None if math.isinf(seconds) else seconds
     raise ValueError(f"{name} must be a number of seconds > 0, or None or inf for no limit, got {value!r}")
+
+
+#: The units a size in bytes may be written in: 96GiB.
+BYTE_UNITS = {"B": 1, "KiB": 1 << 10, "MiB": 1 << 20, "GiB": 1 << 30, "TiB": 1 << 40}
+#: What `byte_size` reads, in words.
+BYTE_SIZE_EXPECTED = "bytes (a whole number, or a number with KiB, MiB, GiB or TiB: 96GiB)"
+
+
+def byte_size(text: str) -> int | None:
+    """Bytes written as a whole number (1073741824) or a number with a unit
+    of BYTE_UNITS (96GiB, 1.5GiB); None for anything else, a fraction of a
+    byte included. For sizes a person types: a command's argument, an
+    environment variable."""
+    found = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*(B|KiB|MiB|GiB|TiB)?\s*", text)
+    if found is None:
+        return None
+    number, unit = found.groups()
+    if unit is None and "." in number:
+        return None
+    scale = BYTE_UNITS[unit or "B"]
+    return int(float(number) * scale) if "." in number else int(number) * scale

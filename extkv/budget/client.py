@@ -6,7 +6,7 @@ Theory of operation
 of its device (extkv.budget.daemon) and says `hello`; from then on its
 connection is the engine's lease, which the kernel ends when the process
 does, however it ends. `EXTKV_BUDGET=<socket>` names the daemon for
-`from_environment()`.
+`from_environment()`, and `EXTKV_BUDGET_AHEAD=<bytes>` its bytes ahead.
 
 Requests (extkv.budget.protocol) go out under one send lock, so any thread
 may call (a commit-ahead worker reserves from its own); each carries an id,
@@ -126,6 +126,8 @@ from .protocol import FROM_DAEMON, MAX_REPLY_BYTES, PROTOCOL, validate_message
 
 #: The environment variable that names the daemon's socket.
 ENVIRONMENT_VARIABLE = "EXTKV_BUDGET"
+#: The environment variable of `from_environment()`'s `ahead`: bytes (512MiB).
+AHEAD_VARIABLE = "EXTKV_BUDGET_AHEAD"
 #: `BudgetClient`'s default timeout: a reserve may wait for reclaims from
 #: other engines (extkv.budget.ledger's RECLAIM_DEADLINE_S), well inside it.
 DEFAULT_TIMEOUT_S = 30.0
@@ -263,9 +265,18 @@ class BudgetClient:
 
     @classmethod
     def from_environment(cls) -> "BudgetClient | None":
-        """A client of the daemon EXTKV_BUDGET names, or None where it is unset or empty."""
+        """A client of the daemon EXTKV_BUDGET names, keeping the bytes
+        EXTKV_BUDGET_AHEAD names granted ahead (none where it is unset or
+        empty), or None where EXTKV_BUDGET is unset or empty. ValueError
+        naming EXTKV_BUDGET_AHEAD where it holds no size in bytes."""
         path = os.environ.get(ENVIRONMENT_VARIABLE)
-        return cls(path) if path else None
+        if not path:
+            return None
+        text = os.environ.get(AHEAD_VARIABLE, "")
+        ahead = validate.byte_size(text) if text.strip() else 0
+        if ahead is None:
+            raise ValueError(f"{AHEAD_VARIABLE} must be {validate.BYTE_SIZE_EXPECTED}, got {text!r}")
+        return cls(path, ahead=ahead)
 
     @property
     def available(self) -> bool:
