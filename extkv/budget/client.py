@@ -249,8 +249,9 @@ class BudgetClient:
         self._connected = False
         self._open_tickets: set[int] = set()
         self._ticket_bytes: dict[int, int] = {}  # what reserve was granted, per ticket not yet settled
-        self._pool = 0  # bytes granted ahead and confirmed as held, not created, on lease `_pool_lease`
-        self._pool_lease = 0
+        # Bytes granted ahead and confirmed as held, not created: all of the
+        # lease of the moment (kept only while it is live, emptied as it ends).
+        self._pool = 0
         self._down: str | None = None  # why it is disconnected
         self._rejoin_failed: str | None = None
         self._closed: str | None = None  # why it is closed for good
@@ -352,7 +353,7 @@ class BudgetClient:
         nbytes = validate.integer("nbytes", nbytes, minimum=1, what="bytes")
         with self._lock:
             lease = self._lease
-            if self._connected and self._pool_lease == lease and self._pool >= nbytes:
+            if self._connected and self._pool >= nbytes:
                 self._pool -= nbytes
                 return None, nbytes, lease
         ticket, granted = self._reserve(nbytes, self.ahead)
@@ -380,8 +381,6 @@ class BudgetClient:
             live = self._connected and lease == self._lease
             kept = min(nbytes, max(0, self.ahead - self._pool)) if live else 0
             self._pool += kept
-            if live:
-                self._pool_lease = lease
         if nbytes - kept:
             self.returned(nbytes - kept, lease)
 
@@ -705,7 +704,7 @@ class BudgetClient:
             if not self._connected or lease != self._lease:
                 continue  # asked on a connection that ended: no daemon waits for the answer
             with self._lock:  # bytes granted ahead go back first: no block moves for them
-                ahead = min(self._pool, push["bytes"]) if self._pool_lease == lease else 0
+                ahead = min(self._pool, push["bytes"]) if lease == self._lease else 0
                 self._pool -= ahead
             if ahead:
                 self.returned(ahead, lease)
