@@ -14,8 +14,8 @@ extkv.runs.rundir asks again when it makes the directory, since the
 file system may have changed in between.
 
 Only the standard library (and extkv.files and extkv.validate, which import
-nothing else of extkv) is imported here, so `extkv --help` and every subcommand's --help cost no
-torch.
+nothing else of extkv) is imported here, so `extkv --help` and every
+subcommand's --help cost no torch.
 """
 
 from __future__ import annotations

@@ -83,7 +83,8 @@ def budget_section(result: dict, withheld: str | None) -> list[str]:
         f"reserve + confirm of one granule, {s['grant_rounds']} rounds of {s['grant_samples']}. Commit: `commit(N)` "
         f"on a cache just made, to the device's synchronize, budgeted"
         + (", on its footprint granted ahead" if any("ahead_s" in commit for commit in result["commits"]) else "")
-        + f" and unbudgeted in Williams-design order over {s['commit_rounds']} rounds. Reclaim: the budget exactly what an idle engine (a process of its own) holds; "
+        + f" and unbudgeted in Williams-design order over {s['commit_rounds']} rounds. "
+        f"Reclaim: the budget exactly what an idle engine (a process of its own) holds; "
         f"a busy engine with that floor reserves it all, and the idle engine's `on_reclaim` shrinks to nothing; "
         f"interleaved over {s['reclaim_rounds']} rounds with the same shrink of an unbudgeted cache alone."
         + bursts_words(result.get("bursts")),

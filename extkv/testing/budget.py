@@ -222,7 +222,8 @@ def check_ledger_holds(client: BudgetClient, physical_bytes: int, when: str) -> 
     ahead = client.ahead_bytes
     if (held, open_tickets) != (physical_bytes + ahead, 0):
         raise AssertionError(f"{when}: the ledger holds {held} bytes and {open_tickets} open tickets for an engine "
-                             f"whose chunks hold {physical_bytes} bytes" + (f" and {ahead} granted ahead" if ahead else ""))
+                             f"whose chunks hold {physical_bytes} bytes"
+                             + (f" and {ahead} granted ahead" if ahead else ""))
 
 
 class CancelsSeen(BudgetClient):
