@@ -3,8 +3,10 @@ extkv.benchmarking for how they measure).
 
 Options choose the run: `--extkv-bench-profile` (gpu, host, quick; default
 gpu where a CUDA GPU is usable, else host), `--extkv-bench-device`,
-`--extkv-bench-rounds`, `--extkv-bench-budget` (seconds) and
-`--extkv-bench-dir` (the run directory; default: beside --benchmark-json).
+`--extkv-bench-rounds`, `--extkv-bench-budget` (seconds),
+`--extkv-bench-dir` (the run directory; default: beside --benchmark-json)
+and `--extkv-bench-part` (the modules of one part,
+extkv.benchmarking.result_files.PARTS; the others are deselected).
 Every test that takes `bench_case` runs once per (case, contender) of the
 profile's catalogue. One session-scoped engine measures each case once and
 writes bench_cases.json when the session ends.
@@ -25,6 +27,7 @@ from extkv import vmm
 from extkv.testing import harness
 from extkv.benchmarking.cases import PROFILES, catalogue
 from extkv.benchmarking.engine import Engine
+from extkv.benchmarking.result_files import PARTS, part_of
 
 
 def pytest_configure(config):
@@ -47,6 +50,17 @@ def pytest_addoption(parser):
     group.addoption("--extkv-bench-rounds", type=int, default=None, help="rounds per case (default: the profile's)")
     group.addoption("--extkv-bench-budget", type=float, default=None, help="seconds of measuring (default: the profile's)")
     group.addoption("--extkv-bench-dir", default=None, help="run directory for bench_cases.json")
+    group.addoption("--extkv-bench-part", choices=sorted(PARTS), default=None, help="run one part's modules only")
+
+
+def pytest_collection_modifyitems(config, items):
+    part = config.getoption("--extkv-bench-part")
+    if part is None:
+        return
+    other = [item for item in items if part_of(item.path.name) != part]
+    if other:
+        items[:] = [item for item in items if part_of(item.path.name) == part]
+        config.hook.pytest_deselected(items=other)
 
 
 def bench_device(config) -> str:

@@ -326,7 +326,15 @@ def _add_check(command: argparse.ArgumentParser) -> None:
 
 
 def _add_bench(command: argparse.ArgumentParser) -> None:
+    from .benchmarking.result_files import PARTS  # names only: no device library
+
     command.add_argument("--quick", action="store_true", help="smoke run: tiny sizes, two rounds; fails unless the report renders")
+    command.add_argument(
+        "--part", choices=sorted(PARTS), default=None,
+        help="measure one part into --report-dir, leaving the other's results there: the cases (extkv against "
+        "raw sequences and peers) or the engines (decode, growth loop, shared budget); each fits ten minutes "
+        "of one GPU (default: both, in one run)",
+    )
     _add_report_dir(command, _RUN_REPORT_DIR)
     command.add_argument(
         "--rounds", type=arguments.run_count, default=None, metavar="N", help="at most N rounds per case (default: the profile's)"

@@ -7,14 +7,16 @@ The reference runs committed under `reports/reference/<kind>/` (`host`,
 `h200`, `2xh200`: the run directories' GPU slug) are what a reader of the
 project compares a machine against: one commit's full check, benchmarks and
 stress run on one machine, in one directory. This command makes one the
-only way it is made: `extkv check`, `extkv bench` and `extkv stress
---minutes M` run one after another, each as a process of its own (as a user
-runs them), into the same directory with `--overwrite`, so each replaces
-its own files and leaves the others'; then `summary.md` is rendered once
-over all three. Every step runs even when one before failed, so a failing
-check still leaves its benchmarks and stress results to read; the exit
-status is the first non-zero one. Extra arguments go to all three pytest
-runs (narrowing them makes the check say `partial run`). Ctrl-C or SIGTERM
+only way it is made: `extkv check`, `extkv bench --part cases`, `extkv
+bench --part engines` and `extkv stress --minutes M` run one after another,
+each as a process of its own (as a user runs them), into the same directory
+with `--overwrite`, so each replaces its own files and leaves the others';
+then `summary.md` is rendered once over them all. The bench runs as its two
+parts so that every step fits a GPU machine's ten minutes
+(extkv.benchmarking.result_files.PARTS). Every step runs even when one
+before failed, so a failing check still leaves its benchmarks and stress
+results to read; the exit status is the first non-zero one. Extra
+arguments go to every step's pytest run (narrowing them makes the check say `partial run`). Ctrl-C or SIGTERM
 passes the same signal on to the step running, which ends its own pytest,
 writes its report and says in the one INTERRUPTED line that the signal
 ended it (extkv.runs.steps); the reference stops there, saying it
@@ -49,7 +51,8 @@ def steps(report_dir: Path, stress_minutes: float, pytest_args: list[str]) -> li
     extkv = [sys.executable, "-m", "extkv"]
     return [
         ("check", [*extkv, "check", *common]),
-        ("bench", [*extkv, "bench", *common]),
+        ("bench cases", [*extkv, "bench", "--part", "cases", *common]),
+        ("bench engines", [*extkv, "bench", "--part", "engines", *common]),
         ("stress", [*extkv, "stress", "--minutes", f"{stress_minutes:g}", *common]),
     ]
 

@@ -890,7 +890,8 @@ def test_a_run_that_did_not_end_on_its_own_is_headed_as_partial(tmp_path, record
     """What was measured is shown, but under headings that say partial and
     a line before any figure; a run that finished (a failed test included)
     or recorded no bench-run.json reads as complete."""
-    from extkv.benchmarking.report import RUN_FILE, bench_section
+    from extkv.benchmarking.report import bench_section
+    from extkv.benchmarking.result_files import RUN_FILE
 
     write_one_case_run(tmp_path, ["extkv", "raw"], {"extkv": [0.002], "raw": [0.001]})
     if record is not None:
@@ -908,7 +909,8 @@ def test_a_run_that_did_not_end_on_its_own_is_headed_as_partial(tmp_path, record
 
 
 def test_a_run_interrupted_before_the_engine_wrote_its_cases_says_nothing_was_measured(tmp_path):
-    from extkv.benchmarking.report import RUN_FILE, bench_section
+    from extkv.benchmarking.report import bench_section
+    from extkv.benchmarking.result_files import RUN_FILE
 
     (tmp_path / RUN_FILE).write_text(json.dumps({"exit_status": -9, "interrupted": "SIGTERM"}))
     assert bench_section(tmp_path) == ("## Benchmarks (INTERRUPTED by SIGTERM: partial results)\n\n**INTERRUPTED by "
@@ -1123,7 +1125,8 @@ def test_pooling_needs_two_runs_and_a_directory_of_its_own(tmp_path):
 
 def test_a_pool_of_a_partial_run_is_headed_as_partial_and_names_it(tmp_path):
     from extkv.benchmarking.pool import pool
-    from extkv.benchmarking.report import RUN_FILE, bench_section
+    from extkv.benchmarking.report import bench_section
+    from extkv.benchmarking.result_files import RUN_FILE
 
     walls = {"extkv": [1.0] * 6, "raw": [1.0] * 6}
     first, second = (write_one_case_run(tmp_path / name, ["extkv", "raw"] * 6, walls) for name in ("a", "b"))

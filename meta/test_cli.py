@@ -330,17 +330,18 @@ def test_pool_into_a_directory_whose_own_files_cannot_be_read_says_which(tmp_pat
 
 
 def test_reference_runs_check_bench_and_stress_into_one_directory(tmp_path, capsys):
-    """`extkv reference` is three runs a user could type, into one directory
-    each replacing only its own files; a stress bound of no time is refused
-    before anything runs."""
+    """`extkv reference` is four runs a user could type (the bench as its
+    two parts), into one directory each replacing only its own files; a
+    stress bound of no time is refused before anything runs."""
     from extkv import reference_run
 
     planned = reference_run.steps(tmp_path, 2.5, ["-x"])
-    assert [name for name, _ in planned] == ["check", "bench", "stress"]
+    assert [name for name, _ in planned] == ["check", "bench cases", "bench engines", "stress"]
     for name, command in planned:
-        assert command[1:4] == ["-m", "extkv", name], command
+        assert command[1:4] == ["-m", "extkv", name.split()[0]], command
         assert command[-4:] == ["--report-dir", str(tmp_path), "--overwrite", "-x"], command
-    assert planned[2][1][4:6] == ["--minutes", "2.5"], planned[2][1]
+    assert planned[1][1][4:6] == ["--part", "cases"] and planned[2][1][4:6] == ["--part", "engines"], planned
+    assert planned[3][1][4:6] == ["--minutes", "2.5"], planned[3][1]
     with pytest.raises(SystemExit) as exited:
         cli.main(["reference", "--stress-minutes", "0", "--report-dir", str(tmp_path)])
     assert exited.value.code == 2

@@ -20,8 +20,7 @@ from pathlib import Path
 
 import pytest
 
-from extkv.benchmarking.report import RUN_FILE
-from extkv.benchmarking.result_files import BENCH_JSON, CASES_FILE, HARNESS_STEP
+from extkv.benchmarking.result_files import BENCH_JSON, CASES_FILE, HARNESS_STEP, RUN_FILE
 from extkv.check.report import load_check
 from extkv.check.verdict import front_lines
 from extkv.report import render_report

@@ -46,8 +46,8 @@ from typing import Sequence
 
 from ..runs.machine import MACHINE_FILE, read_machine_facts
 from ..runs.rundir import read_json_object, results_as_written, write_text
-from .result_files import BENCH_JSON, CASES_FILE
-from .report import RUN_FILE, partial_reason
+from .report import partial_reason
+from .result_files import BENCH_JSON, CASES_FILE, RUN_FILE, run_file
 
 #: Facts that must be equal in every run pooled.
 SAME_IN_EVERY_RUN = ("profile", "device", "device_description", "granularity", "torch", "host", "headline_bytes")
@@ -102,10 +102,13 @@ def pool(run_dirs: Sequence[Path], out_dir: Path) -> Path:
     write_text(out_dir / BENCH_JSON, json.dumps({"benchmarks": benchmarks}, indent=1))
     if machine is not None:
         write_text(out_dir / MACHINE_FILE, json.dumps(machine, indent=1) + "\n")
+    # An earlier pool's record, of other runs, or a cases part's, which
+    # the report would read before the pooled run's.
+    (out_dir / run_file("cases")).unlink(missing_ok=True)
     if partial:
         write_text(out_dir / RUN_FILE, json.dumps({"pooled_partial": partial}, indent=1) + "\n")
     else:
-        (out_dir / RUN_FILE).unlink(missing_ok=True)  # an earlier pool's, of other runs
+        (out_dir / RUN_FILE).unlink(missing_ok=True)
     return out_dir
 
 

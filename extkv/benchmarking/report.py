@@ -12,10 +12,11 @@ target, the scaling plots (extkv.benchmarking.plots) and every case with
 every contender. extkv.report.render_report puts it beside the check and
 stress sections.
 
-A run that did not end on its own is partial: `bench-run.json` (RUN_FILE,
-written by `extkv bench`) names the signal that ended it, or pytest's exit
-status where pytest did not finish (extkv.runs.results' FINISHED_STATUSES). Its
-section is headed as partial, says so before any figure, and renders what
+A run that did not end on its own is partial: its run record (`bench-run.json`,
+or a part's own, `bench-run-cases.json`: extkv.benchmarking.result_files'
+`record_of`, written by `extkv bench`) names the signal that ended it, or
+pytest's exit status where pytest did not finish (extkv.runs.results'
+FINISHED_STATUSES). Its section is headed as partial, says so before any figure, and renders what
 was measured; the cases it did not reach read `not run`, their targets `not
 measured`. A run without that file (pooled runs, runs of older versions) is
 read as complete.
@@ -24,15 +25,16 @@ A run that measures nothing worth quoting judges nothing (`not_a_verdict`):
 a smoke run (`extkv bench --quick`, profile `quick`: tiny sizes, two
 rounds), a run whose rounds `--rounds N` capped (the engine's facts say
 `rounds_given`), and a run narrowed by pytest's selection: `-k`, `-m`,
-`-x`, ... as bench-run.json records its command, and test paths as the
-harness's record of the run (HARNESS_STEP) says pytest took them
+`-x`, ... as the run record has its command, and test paths as the
+harness's record of the run says pytest took them
 (extkv.runs.results.narrowing). Its section says so before any figure and
 shows each ratio alone (extkv.benchmarking.targets.readings_only): no
 target met or missed, no count of them.
 
 The shared KV budget's bench (extkv.benchmarking.budget_report) follows
-the targets, judged or withheld as the cases are; a run that measured no
-case (`-k budget`) is judged by its own profile and the run's selection.
+the targets, judged or withheld as the cases are and as the run that
+measured it (the engines part's, where it had its own) was selected; a run
+that measured no case (`-k budget`) is judged by its own profile.
 
 The section opens with the readings a reader decides on, and ends with how
 they were measured; `bench_front` is the short table of the report's front
@@ -49,22 +51,16 @@ from .budget_report import budget_section
 from .decode_report import decode_section
 from .growth_report import growth_section
 from .plots import plot
-from .result_files import BUDGET_FILE, DECODE_FILE, GROWTH_FILE, HARNESS_STEP
+from .result_files import BUDGET_FILE, DECODE_FILE, GROWTH_FILE, record_of
 from .results import BenchRun, CaseResult, Entry, carryover, load, ratio, read_json_object
 from .sizes import size_label
 from .targets import ScalingRow, TargetRow, evaluate, evaluate_scaling, fewest_calls_reason, readings_only
 
-#: What `extkv bench` records of the run as a whole: its pytest command and
-#: exit status, and the signal that ended it, if one did. A pooled run
-#: (extkv.benchmarking.pool) records there which of its runs were partial.
-RUN_FILE = "bench-run.json"
-
-
-def partial_reason(run_dir: Path) -> str | None:
-    """Why the run's results are partial (`INTERRUPTED by SIGTERM`, `pytest
+def partial_reason(run_dir: Path, part: str = "cases") -> str | None:
+    """Why `part`'s results are partial (`INTERRUPTED by SIGTERM`, `pytest
     ended with exit status 3`); None for a run that ran what it selected or
-    recorded no RUN_FILE."""
-    path = Path(run_dir) / RUN_FILE
+    recorded no run file."""
+    path = Path(run_dir) / record_of(run_dir, part)[0]
     if not path.exists():
         return None
     record = read_json_object(path)
@@ -79,7 +75,7 @@ def partial_reason(run_dir: Path) -> str | None:
 
 #: Profiles of smoke runs, which prove the pipeline and measure nothing worth quoting.
 SMOKE_PROFILES = ("quick",)
-def not_a_verdict(run_dir: Path, facts: dict) -> str | None:
+def not_a_verdict(run_dir: Path, facts: dict, part: str = "cases") -> str | None:
     """Why the run's figures are readings and no verdict (`profile quick:
     smoke run: ...`, `rounds capped at 3`, `narrowed by -k commit`); None
     for a run that judges its targets."""
@@ -88,7 +84,8 @@ def not_a_verdict(run_dir: Path, facts: dict) -> str | None:
         reasons.append(f"profile {facts['profile']}: {facts.get('profile_what', 'a smoke run')}")
     if facts.get("rounds_given"):
         reasons.append(f"rounds capped at {facts['rounds']}")
-    path, record = Path(run_dir) / RUN_FILE, Path(run_dir) / f"{HARNESS_STEP}.json"
+    run_name, step = record_of(run_dir, part)
+    path, record = Path(run_dir) / run_name, Path(run_dir) / f"{step}.json"
     selected = load_results(record)["selection"]["args"] if record.exists() else None
     narrowed = narrowing(read_json_object(path).get("pytest") or [], selected) if path.exists() else []
     if narrowed:
@@ -379,7 +376,8 @@ def budget_result(run_dir: Path, run: BenchRun | None) -> tuple[dict, str | None
     if not path.exists():
         return None
     result = read_json_object(path)
-    return result, not_a_verdict(Path(run_dir), run.facts if run is not None else {"profile": result["profile"]})
+    facts = run.facts if run is not None else {"profile": result["profile"]}
+    return result, not_a_verdict(Path(run_dir), facts, "engines")
 
 
 def bench_section(run_dir: Path) -> str | None:

@@ -24,7 +24,11 @@ Two phases, each announced by a progress line and timed:
 The run directory is a new `reports/runs/<date>-<host>-<gpus>/` (extkv.runs.rundir)
 unless `--report-dir` names one. `--rounds N` caps the rounds of every case
 (the report then judges nothing: the profile's rounds were not run).
-Other arguments go to pytest (`extkv bench -k commit`). Device settings
+Other arguments go to pytest (`extkv bench -k commit`). `--part cases` or
+`--part engines` runs one part's modules (extkv.benchmarking.result_files.PARTS),
+records the run under the part's own names and, with `--overwrite`, replaces
+only that part's files: two part runs into one directory are one whole run,
+each fitting a GPU machine's ten minutes. Device settings
 (clocks) are never changed: the report says they were not pinned. Ctrl-C
 or SIGTERM ends pytest and everything it started (extkv.runs.steps),
 renders the report of what was measured, headed as partial, and ends in
@@ -94,11 +98,20 @@ from ..runs.rundir import (
 )
 from ..runs.steps import RunInterrupted, end_all, interruptible, start as start_step
 from .playback import PLAYBACK_TIMER
-from .result_files import BENCH_JSON, HARNESS_STEP
-from .report import RUN_FILE
+from .result_files import BENCH_JSON, PARTS, harness_step, run_file
 
 #: Files of an earlier bench that --overwrite removes from --report-dir.
 BENCH_FILES = ("bench*.json", "bench*.png", "bench.log", "summary.md")
+
+
+def own_files(part: str | None) -> tuple[str, ...]:
+    """What --overwrite removes before a run of `part` (None: the whole
+    bench): that part's results and records, and the summary, which the
+    run renders anew; another part's results stay."""
+    if part is None:
+        return BENCH_FILES
+    return (*PARTS[part]["files"], run_file(part), f"{harness_step(part)}.json", "summary.md")
+
 
 #: The heading bench_section writes; --quick checks the summary has it.
 BENCH_HEADING = "## Benchmarks"
@@ -118,25 +131,31 @@ def benchmark_storage(chosen: str | None, profile: str) -> str:
     return str(Path(chosen).absolute())
 
 
-def pytest_command(suite: Path, run_dir: Path, profile: str, device: str, rounds: int | None, storage: str) -> list[str]:
-    """The pytest command of the measuring phase."""
+def pytest_command(suite: Path, run_dir: Path, profile: str, device: str, rounds: int | None, storage: str,
+                   part: str | None = None) -> list[str]:
+    """The pytest command of the measuring phase, of `part` (None: the whole bench)."""
     command = [sys.executable, "-m", "pytest", str(suite), "-q", "-s", "-o", "python_files=bench_*.py"]
     command += installed_suite_options(suite)
+    if part != "engines":  # the engine-level benches write their own files, no pytest-benchmark run
+        command += [
+            f"--benchmark-json={run_dir / BENCH_JSON}",
+            f"--benchmark-timer={PLAYBACK_TIMER}",
+            "--benchmark-quiet",  # the report is the table; one line per case is the progress
+            f"--benchmark-storage={storage}",
+            # Named after the run directory, so that a saved run leads to its report.
+            f"--benchmark-save={slug(run_dir.name) or 'run'}",
+            "--benchmark-save-data",
+        ]
+    if part is not None:
+        command.append(f"--extkv-bench-part={part}")
     command += [
-        f"--benchmark-json={run_dir / BENCH_JSON}",
-        f"--benchmark-timer={PLAYBACK_TIMER}",
-        "--benchmark-quiet",  # the report is the table; one line per case is the progress
-        f"--benchmark-storage={storage}",
-        # Named after the run directory, so that a saved run leads to its report.
-        f"--benchmark-save={slug(run_dir.name) or 'run'}",
-        "--benchmark-save-data",
         f"--extkv-bench-profile={profile}",
         f"--extkv-bench-device={device}",
         f"--extkv-bench-dir={run_dir}",
         # The harness's record: what pytest selected, as its own parse of
         # this command read it (a report names the test paths given).
         f"--extkv-report-dir={run_dir}",
-        f"--extkv-report-step={HARNESS_STEP}",
+        f"--extkv-report-step={harness_step(part)}",
     ]
     if rounds is not None:
         command.append(f"--extkv-bench-rounds={rounds}")
@@ -150,10 +169,11 @@ def _phase(number: int, what: str, command: list[str] | None = None) -> float:
     return time.monotonic()
 
 
-def _record_run(run_dir: Path, command: list[str], status: int | None, interrupted: str | None = None) -> None:
-    """Write RUN_FILE: pytest's command and exit status, and the signal that ended the run."""
+def _record_run(run_dir: Path, part: str | None, command: list[str], status: int | None,
+                interrupted: str | None = None) -> None:
+    """Write the run record (`run_file`): pytest's command and exit status, and the signal that ended the run."""
     record = {"pytest": command, "exit_status": status} | ({"interrupted": interrupted} if interrupted else {})
-    (run_dir / RUN_FILE).write_text(json.dumps(record, indent=1) + "\n")
+    (run_dir / run_file(part)).write_text(json.dumps(record, indent=1) + "\n")
 
 
 def run(args: argparse.Namespace, pytest_args: list[str], *, render: Callable[[Path], Path]) -> int:
@@ -163,16 +183,18 @@ def run(args: argparse.Namespace, pytest_args: list[str], *, render: Callable[[P
     device = "cuda:0" if gpu else "cpu"
     profile = "quick" if args.quick else "gpu" if gpu else "host"
     try:
-        run_dir = prepare_run_directory(args.report_dir, facts, args.overwrite, BENCH_FILES)
+        run_dir = prepare_run_directory(args.report_dir, facts, args.overwrite, own_files(args.part))
     except RunDirectoryInUse as error:
         print(f"extkv bench: {error}", file=sys.stderr)
         return 2
     write_machine_facts(run_dir)
     where = f"cuda:0 ({facts['gpus'][0]['label']})" if gpu else f"the host driver ({facts['no_gpu_reason']})"
-    print(f"extkv bench: profile {profile} on {where}; results in {run_dir}", flush=True)
+    which = f"the {args.part} part of profile" if args.part else "profile"
+    print(f"extkv bench: {which} {profile} on {where}; results in {run_dir}", flush=True)
 
     storage = benchmark_storage(args.benchmark_storage, profile)
-    command = pytest_command(suite_directory("bench"), run_dir, profile, device, args.rounds, storage) + pytest_args
+    command = pytest_command(suite_directory("bench"), run_dir, profile, device, args.rounds, storage, args.part)
+    command += pytest_args
     started = _phase(1, "measuring (a line per case)", command)
     process = None
     with interruptible():
@@ -181,17 +203,18 @@ def run(args: argparse.Namespace, pytest_args: list[str], *, render: Callable[[P
             status = process.wait()
         except RunInterrupted as interrupt:
             end_all([process] if process else [])
-            _record_run(run_dir, command, process.returncode if process else None, interrupt.signal_name)
+            _record_run(run_dir, args.part, command, process.returncode if process else None, interrupt.signal_name)
             print(f"extkv bench: INTERRUPTED by {interrupt.signal_name}: the run did not measure every case; "
                   f"{interrupted_report(run_dir, render)}", flush=True)
             return interrupt.exit_status
         except BaseException:
             end_all([process] if process else [])  # a run that fails takes its pytest with it
             raise
-    _record_run(run_dir, command, status)
+    _record_run(run_dir, args.part, command, status)
+    saved = (f"; pytest-benchmark's storage {storage} (`pytest-benchmark --storage {storage} compare` sets its "
+             "runs side by side)") if args.part != "engines" else ""
     print(f"extkv bench [1/2] {'done' if status == 0 else f'FAILED (exit status {status})'} "
-          f"in {time.monotonic() - started:.0f} s; pytest-benchmark's storage {storage} "
-          f"(`pytest-benchmark --storage {storage} compare` sets its runs side by side)", flush=True)
+          f"in {time.monotonic() - started:.0f} s{saved}", flush=True)
 
     started = _phase(2, "report")
     try:
