@@ -42,7 +42,7 @@ from extkv.benchmarking.geometry import GEOMETRIES
 from extkv.benchmarking.measure import interleave
 from extkv.benchmarking.playback import PLAYBACK_TIMER
 from extkv.benchmarking.primitives import primitives_for
-from extkv.benchmarking.raw import GranuleStore, RawStore
+from extkv.benchmarking.raw import GranuleStore, MapOnlyStore, RawStore, ZeroOnlyStore
 from extkv.benchmarking.result_files import BENCH_JSON, CASES_FILE
 from extkv.benchmarking.results import BenchRun, CaseResult, Entry, carryover, ratio
 from extkv.benchmarking.rounds import in_rounds, round_order
@@ -147,6 +147,84 @@ def test_raw_sequences_map_grant_and_zero_exactly_the_new_bytes(device, store_cl
     finally:
         store.close()
     assert open_raw_fds() == fds_before, "the raw store left memfds open"
+
+
+@pytest.mark.parametrize("geometry", sorted(STORE_GEOMETRIES))
+def test_the_driver_calls_alone_map_what_the_raw_sequence_maps_and_zero_nothing(device, geometry):
+    store = poisoned_store(MapOnlyStore, device, geometry)
+    store.open()
+    try:
+        for fraction in GROWTH:
+            blocks = max(1, int(store.capacity_blocks * fraction))
+            store.grow(blocks)
+            store.synchronize()
+            g = store.prims.granularity
+            for i, stride in enumerate(store.strides):
+                mapped = -(-blocks * stride // g) * g
+                owners = granule_chunks(store, i)
+                assert all(owner is not None for owner in owners[:mapped // g]), f"segment {i}: {owners}"
+                assert all(owner is None for owner in owners[mapped // g:]), f"segment {i}: {owners}"
+                check_all_equal(uint8_view(store.base + store.offsets[i], mapped, device), POISON,
+                                f"segment {i}: bytes the driver calls alone mapped")
+    finally:
+        store.close()
+
+
+@pytest.mark.parametrize("geometry", sorted(STORE_GEOMETRIES))
+def test_the_zeroing_alone_zeroes_exactly_the_new_bytes_of_memory_mapped_at_open(device, geometry):
+    store = poisoned_store(ZeroOnlyStore, device, geometry)
+    store.open()
+    try:
+        g = store.prims.granularity
+        chunks_at_open = [len(chunks) for chunks in store.chunks]
+        previous = [0] * len(store.strides)
+        for fraction in GROWTH:
+            blocks = max(1, int(store.capacity_blocks * fraction))
+            store.grow(blocks)
+            store.synchronize()
+            for i, stride in enumerate(store.strides):
+                whole = -(-store.capacity_blocks * stride // g) * g
+                assert all(owner is not None for owner in granule_chunks(store, i)), f"segment {i} not mapped whole"
+                view = uint8_view(store.base + store.offsets[i], whole, device)
+                check_all_equal(view[:previous[i]], MARK, f"segment {i}: bytes zeroed before this growth")
+                check_all_equal(view[previous[i]:blocks * stride], 0, f"segment {i}: bytes this growth added")
+                check_all_equal(view[blocks * stride:], POISON, f"segment {i}: bytes past the grown end")
+                view[:blocks * stride].fill_(MARK)
+                previous[i] = blocks * stride
+            store.synchronize()
+        assert [len(chunks) for chunks in store.chunks] == chunks_at_open, "the zeroing alone created chunks"
+    finally:
+        store.close()
+
+
+def test_the_thread_beside_the_loop_grows_to_each_count_and_its_failure_is_raised(device):
+    """The thread grows its store to the last count given, in order; a
+    count it could not grow to is raised by `close`, which frees the store
+    all the same."""
+    fds_before = open_raw_fds()
+    store = poisoned_store(ZeroOnlyStore, device, "one-segment")
+    store.open()
+    grown, grow = [], store.grow
+    store.grow = lambda blocks: (grown.append(blocks), grow(blocks))
+    beside = growth_loop.Beside(store, device)
+    for blocks in (8, 8, 4, 16, 32):  # smaller or equal counts ask nothing
+        beside.grow(blocks)
+    beside.close()
+    assert grown == [8, 16, 32] and not beside.thread.is_alive(), grown
+    assert open_raw_fds() == fds_before, "close left the store's chunks"
+
+    store = poisoned_store(MapOnlyStore, device, "one-segment")
+    store.open()
+
+    def refused(blocks: int) -> None:
+        raise OSError(f"no room for {blocks} blocks")
+
+    store.grow = refused
+    beside = growth_loop.Beside(store, device)
+    beside.grow(8)
+    with pytest.raises(RuntimeError, match="the thread beside the loop failed: OSError.'no room for 8 blocks'"):
+        beside.close()
+    assert open_raw_fds() == fds_before, "a failed thread's store was not freed"
 
 
 def test_raw_sequence_is_one_chunk_per_segment_per_commit(device):
@@ -1158,6 +1236,30 @@ def test_the_growth_loop_commits_an_eighth_then_equal_commits_to_full():
     setting = growth_loop.Setting("blhnc1", 64 << 20, steps=24, growth_commits=7, rounds=1)
     assert growth_loop.schedule(setting, 64) == [8 + 8 * (step // 3) for step in range(24)]
     assert growth_loop.schedule(setting, 64)[-3:] == [64, 64, 64]
+
+
+def growth_result(modes: tuple[str, ...]) -> dict:
+    """A growth-loop result whose mode i has p99 (i + 1) ms and added (i + 1) * 10 ms."""
+    rows = {mode: {"p50_s": 1e-3, "p99_s": (i + 1) * 1e-3, "added_s": (i + 1) * 1e-2}
+            | ({} if mode in growth_loop.BESIDE_MODES else {"fresh_p50_s": 2e-3, "fresh_p99_s": 4e-3})
+            for i, mode in enumerate(modes)}
+    return {"setting": {"steps": 600, "geometry": "lbhnc32", "capacity_bytes": 32 << 30, "growth_commits": 28,
+                        "rounds": 3},
+            "device": "cuda:0", "torch": "2.11", "grown_bytes": 28 << 30, "memset_s": 0.02, "modes": rows}
+
+
+@pytest.mark.harness
+def test_the_growth_section_sets_the_worker_s_halves_beside_the_ahead_row():
+    from extkv.benchmarking.growth_report import growth_section
+
+    lines = growth_section(growth_result(growth_loop.MODES + growth_loop.BESIDE_MODES))
+    rows = {line.split(" | ")[0].lstrip("| "): line for line in lines if line.startswith("| ") and " ms " in line}
+    assert list(rows) == [*growth_loop.MODES, *growth_loop.BESIDE_MODES], rows
+    assert rows["ahead"].endswith("| 3.000x | 30.00 ms | 1.50x | 2.000 ms / 4.000 ms |"), rows["ahead"]
+    assert rows["beside driver calls"].endswith("| 5.000x | 50.00 ms | 2.50x | not run |"), rows["beside driver calls"]
+    assert rows["beside zeroing"].endswith("| 6.000x | 60.00 ms | 3.00x | not run |"), rows["beside zeroing"]
+    assert any(line.startswith("*beside driver calls* and *beside zeroing*") for line in lines), lines
+    assert not any(line.startswith("*beside") for line in growth_section(growth_result(growth_loop.MODES)))
 
 
 @pytest.mark.harness

@@ -22,9 +22,23 @@ Williams design over rounds (extkv.benchmarking.rounds):
 - `per granule`: the raw driver sequence with one handle per granule
   (`GranuleStore`, the kvcached / vAttention strategy), inline.
 
+Two more modes take commit-ahead's worker apart (`BESIDE_MODES`): no cache
+grows under the steps; a thread beside them does, at each growth commit,
+one half of what the worker does for it, on the raw sequence of the same
+segments (extkv.benchmarking.raw):
+
+- `beside driver calls`: create, map and set access for the new granules,
+  nothing zeroed (`MapOnlyStore`).
+- `beside zeroing`: the new bytes zeroed on a stream of the thread's own,
+  as the worker zeroes, on memory mapped before the loop (`ZeroOnlyStore`).
+
+What each adds to the p99 step, beside what `ahead` adds, says where the
+worker's cost to the steps lies: in the driver's calls or in the zeroing's
+share of the device.
+
 Between rounds every cache is freed, so each round after the first meets
 memory a previous round released (*recycled*): on the H200 a create right
-after a large release took 10-150 ms. Each mode also runs once in a new
+after a large release took 10-150 ms. Each mode but those beside also runs once in a new
 process of its own (`python -m extkv.benchmarking.growth_loop`), on memory
 never used before (*fresh*). Per mode: the least p50 and least p99 over the
 recycled rounds, the fresh round's, and what growth added in total (the
@@ -36,9 +50,11 @@ floor).
 from __future__ import annotations
 
 import json
+import queue
 import statistics
 import subprocess
 import sys
+import threading
 import time
 from dataclasses import dataclass
 
@@ -49,10 +65,12 @@ from ..vmm import driver_for
 from .decode import p99
 from .geometry import GEOMETRIES
 from .primitives import synchronize
-from .raw import GranuleStore
+from .raw import GranuleStore, MapOnlyStore, RawStore, ZeroOnlyStore
 from .rounds import round_order
 
 MODES = ("no growth", "inline", "ahead", "per granule")
+#: Modes with one half of commit-ahead's worker beside the steps, and no cache growing.
+BESIDE_MODES = ("beside driver calls", "beside zeroing")
 #: Matmuls of the GPU step: 16 of 4096 x 4096 bf16 took 3.3 ms on the H200.
 GPU_STEP_MATMULS = 16
 GPU_STEP_SIZE = 4096
@@ -107,13 +125,60 @@ def schedule(setting: Setting, capacity: int) -> list[int]:
     return [min(capacity, start + per * min(setting.growth_commits, i // every)) for i in range(setting.steps)]
 
 
+class Beside:
+    """A thread growing `store` to each count `grow` is given, one after
+    another, its device work on a stream of its own, as commit-ahead's
+    worker grows beside the steps; `close` waits for it and frees the store."""
+
+    def __init__(self, store: RawStore, device: torch.device):
+        self.store, self.driver = store, driver_for(device)
+        self.counts: queue.SimpleQueue[int | None] = queue.SimpleQueue()
+        self.grown = store.blocks
+        self.failure: BaseException | None = None
+        self.thread = threading.Thread(target=self._grow_each, name="growth loop beside", daemon=True)
+        self.thread.start()
+
+    def _grow_each(self) -> None:
+        try:
+            with self.driver.side_stream():
+                while (blocks := self.counts.get()) is not None:
+                    self.store.grow(blocks)
+        except BaseException as error:  # raised by close, on the loop's thread
+            self.failure = error
+
+    def grow(self, blocks: int) -> None:
+        if blocks > self.grown:
+            self.counts.put(blocks)
+            self.grown = blocks
+
+    def close(self) -> None:
+        self.counts.put(None)
+        self.thread.join()
+        try:
+            if self.failure is not None:
+                raise RuntimeError(f"the thread beside the loop failed: {self.failure!r}") from self.failure
+        finally:
+            self.store.prims.synchronize()
+            self.store.close()
+
+
 def run_mode(mode: str, device: torch.device, setting: Setting, step) -> list[float]:
     """One round of one mode: the step times (s)."""
     geometry = GEOMETRIES[setting.geometry]
     capacity = max(8, setting.capacity_bytes // geometry.bytes_per_block)
     wanted = schedule(setting, capacity)
     times = []
-    if mode == "per granule":
+    if mode in BESIDE_MODES:
+        store = (MapOnlyStore if mode == "beside driver calls" else ZeroOnlyStore)(device, geometry.strides(), capacity)
+        store.open()
+        try:
+            store.grow(wanted[0])
+        except BaseException:
+            store.close()
+            raise
+        beside = Beside(store, device)
+        grow, close = beside.grow, beside.close
+    elif mode == "per granule":
         store = GranuleStore(device, geometry.strides(), capacity)
         store.open()
         grow, close = store.grow, store.close
@@ -121,7 +186,8 @@ def run_mode(mode: str, device: torch.device, setting: Setting, step) -> list[fl
         cache = ExtensibleKVCache(geometry.config(capacity), driver_for(device), geometry.layout)
         grow, close = cache.commit, cache.free
     try:
-        grow(capacity if mode == "no growth" else wanted[0])
+        if mode not in BESIDE_MODES:
+            grow(capacity if mode == "no growth" else wanted[0])
         if mode == "ahead":
             cache.commit_ahead(2 * (wanted[-1] - wanted[0]) // setting.growth_commits)
         synchronize(device)
@@ -167,9 +233,9 @@ def run(device: torch.device | str, profile: str, progress=print) -> dict:
     for _ in range(3):
         step()
     synchronize(device)
-    rounds: dict[str, list[list[float]]] = {mode: [] for mode in MODES}
+    rounds: dict[str, list[list[float]]] = {mode: [] for mode in MODES + BESIDE_MODES}
     for r in range(setting.rounds):
-        for mode in round_order(MODES, r):
+        for mode in round_order(MODES + BESIDE_MODES, r):
             times = run_mode(mode, device, setting, step)
             rounds[mode].append(times)
             progress(f"growth loop round {r + 1}/{setting.rounds} {mode}: p50 {statistics.median(times) * 1e3:.3f} ms, "
@@ -189,9 +255,7 @@ def run(device: torch.device | str, profile: str, progress=print) -> dict:
             "p50_s": min(statistics.median(t) for t in seen),
             "p99_s": min(p99(t) for t in seen),
             "added_s": min(sum(t) - len(t) * floor_p50 for t in seen),
-            "fresh_p50_s": statistics.median(fresh[mode]),
-            "fresh_p99_s": p99(fresh[mode]),
-        }
+        } | ({"fresh_p50_s": statistics.median(fresh[mode]), "fresh_p99_s": p99(fresh[mode])} if mode in fresh else {})
         for mode, seen in rounds.items()
     }
     return {"format": "extkv-bench-growth/1", "device": str(device), "torch": torch.__version__,

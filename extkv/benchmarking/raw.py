@@ -18,7 +18,10 @@ copy at once (twice the memory, where extkv moves one segment at a time):
 it is the create + device copy floor the target is stated against.
 
 `GranuleStore` is the same sequence with one handle per granule, as
-page-based designs (kvcached, vAttention) map.
+page-based designs (kvcached, vAttention) map. `MapOnlyStore` and
+`ZeroOnlyStore` are its two halves apart, the driver's calls and the
+zeroing, which the growth loop runs beside its steps
+(extkv.benchmarking.growth_loop).
 
 The sequence calls `primitives` (extkv.benchmarking.primitives): the timed
 raw calls of the device by default, or any vmm driver, so the tests run it
@@ -168,6 +171,46 @@ class RawStore(Store):
         with self.prims.batch():
             self.prims.free_reservation(self.base, self.reserved_bytes)
         self.base = None
+
+
+class MapOnlyStore(RawStore):
+    """The raw sequence's driver calls alone: growth creates, maps and sets
+    access for the new granules, and zeroes nothing."""
+
+    what = "raw driver calls alone: per segment create, map, set access; nothing zeroed"
+
+    def grow(self, blocks: int) -> None:
+        with self.prims.batch():
+            for i, stride in enumerate(self.strides):
+                wanted = _round_up(blocks * stride, self.prims.granularity)
+                if wanted > self._mapped[i]:
+                    self._map_new(i, self.base + self.offsets[i] + self._mapped[i], wanted - self._mapped[i])
+                    self._mapped[i] = wanted
+        self.blocks = max(self.blocks, blocks)
+
+
+class ZeroOnlyStore(RawStore):
+    """The raw sequence's zeroing alone: every granule is mapped when the
+    store opens, and growth zeroes the new bytes of each segment."""
+
+    what = "raw zeroing alone: the new bytes of each segment, on memory mapped before"
+
+    def open(self) -> None:
+        super().open()
+        with self.prims.batch():
+            for i, stride in enumerate(self.strides):
+                size = _round_up(self.capacity_blocks * stride, self.prims.granularity)
+                self._map_new(i, self.base + self.offsets[i], size)
+                self._mapped[i] = size
+
+    def grow(self, blocks: int) -> None:
+        with self.prims.batch():
+            for i, stride in enumerate(self.strides):
+                old, new = self._sizes[i], blocks * stride
+                if new > old:
+                    self.prims.zero(self.base + self.offsets[i] + old, new - old)
+                    self._sizes[i] = new
+        self.blocks = max(self.blocks, blocks)
 
 
 class GranuleStore(RawStore):
