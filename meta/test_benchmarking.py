@@ -95,10 +95,9 @@ def granule_chunks(store: RawStore, segment: int) -> list:
     return vmm.driver_for(store.device).chunks_at([start + i * g for i in range(-(-capacity // g))])
 
 
-def check_segment(store: RawStore, segment: int, committed: int, marked: int) -> None:
-    """Granules up to the committed end mapped and writable, none after; the
-    first `marked` bytes still hold MARK, the rest of the committed bytes
-    read zero, and the mapped bytes past them still hold the poison."""
+def check_mapped(store: RawStore, segment: int, committed: int) -> int:
+    """Granules up to the committed end mapped and writable, none after;
+    returns the bytes mapped."""
     g = store.prims.granularity
     mapped = -(-committed // g) * g
     owners = granule_chunks(store, segment)
@@ -109,7 +108,15 @@ def check_segment(store: RawStore, segment: int, committed: int, marked: int) ->
     accesses = vmm.driver_for(store.device).accesses_at(range(start, start + mapped, g))
     for offset, access in zip(range(0, mapped, g), accesses):
         assert access == READ_WRITE, f"segment {segment}: {access} at +{offset}, not read/write access"
-    view = uint8_view(start, mapped, store.device)
+    return mapped
+
+
+def check_segment(store: RawStore, segment: int, committed: int, marked: int) -> None:
+    """`check_mapped`; the first `marked` bytes still hold MARK, the rest of
+    the committed bytes read zero, and the mapped bytes past them still hold
+    the poison."""
+    mapped = check_mapped(store, segment, committed)
+    view = uint8_view(store.base + store.offsets[segment], mapped, store.device)
     check_all_equal(view[:marked], MARK, f"segment {segment}: bytes committed before this commit")
     check_all_equal(view[marked:committed], 0, f"segment {segment}: bytes this commit added")
     check_all_equal(view[committed:mapped], POISON, f"segment {segment}: mapped bytes past the committed end")
@@ -158,12 +165,8 @@ def test_the_driver_calls_alone_map_what_the_raw_sequence_maps_and_zero_nothing(
             blocks = max(1, int(store.capacity_blocks * fraction))
             store.grow(blocks)
             store.synchronize()
-            g = store.prims.granularity
             for i, stride in enumerate(store.strides):
-                mapped = -(-blocks * stride // g) * g
-                owners = granule_chunks(store, i)
-                assert all(owner is not None for owner in owners[:mapped // g]), f"segment {i}: {owners}"
-                assert all(owner is None for owner in owners[mapped // g:]), f"segment {i}: {owners}"
+                mapped = check_mapped(store, i, blocks * stride)
                 check_all_equal(uint8_view(store.base + store.offsets[i], mapped, device), POISON,
                                 f"segment {i}: bytes the driver calls alone mapped")
     finally:
