@@ -332,7 +332,7 @@ def _add_bench(command: argparse.ArgumentParser) -> None:
     command.add_argument(
         "--part", choices=sorted(PARTS), default=None,
         help="measure one part into --report-dir, leaving the other's results there: the cases (extkv against "
-        "raw sequences and peers) or the engines (decode, growth loop, shared budget); each fits ten minutes "
+        "raw sequences and peers) or the engines (decode, growth loop, shared budget), each sized to fit ten minutes "
         "of one GPU (default: both, in one run)",
     )
     _add_report_dir(command, _RUN_REPORT_DIR)
