@@ -13,7 +13,7 @@ import pytest
 
 from extkv.benchmarking.report import budget_result, partial_reason
 from extkv.benchmarking.result_files import PARTS, RUN_FILE, harness_step, part_of, run_file
-from extkv.benchmarking.run import own_files
+from extkv.benchmarking.run import drop_whole_run_records, own_files
 from extkv.runs.rundir import prepare_run_directory, suite_directory
 
 pytestmark = pytest.mark.harness
@@ -98,3 +98,17 @@ def test_a_part_collects_its_own_modules_only(tmp_path, part):
     assert finished.returncode == 0, finished.stdout[-3000:] + finished.stderr[-3000:]
     collected = [line.split("::")[0] for line in finished.stdout.splitlines() if "::" in line]
     assert collected and {Path(path).name for path in collected} == set(PARTS[part]["modules"]), collected
+
+
+def test_a_whole_run_s_records_go_once_every_part_has_its_own(tmp_path):
+    """A reference re-made part by part over a whole run leaves no record
+    that describes none of its results; one part's record alone keeps the
+    whole run's, which the other part's results still rest on."""
+    whole = [RUN_FILE, f"{harness_step(None)}.json"]
+    for name in [*whole, run_file("cases")]:
+        (tmp_path / name).write_text("{}")
+    drop_whole_run_records(tmp_path)
+    assert all((tmp_path / name).exists() for name in whole), "the engines' results still rest on the whole run's record"
+    (tmp_path / run_file("engines")).write_text("{}")
+    drop_whole_run_records(tmp_path)
+    assert sorted(path.name for path in tmp_path.iterdir()) == sorted([run_file("cases"), run_file("engines")])

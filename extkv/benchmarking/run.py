@@ -174,6 +174,16 @@ def _record_run(run_dir: Path, part: str | None, command: list[str], status: int
     """Write the run record (`run_file`): pytest's command and exit status, and the signal that ended the run."""
     record = {"pytest": command, "exit_status": status} | ({"interrupted": interrupted} if interrupted else {})
     (run_dir / run_file(part)).write_text(json.dumps(record, indent=1) + "\n")
+    if part is not None:
+        drop_whole_run_records(run_dir)
+
+
+def drop_whole_run_records(run_dir: Path) -> None:
+    """Remove a whole bench run's records from `run_dir` once every part
+    has a record of its own: they then describe none of its results."""
+    if all((run_dir / run_file(part)).exists() for part in PARTS):
+        for name in (run_file(None), f"{harness_step(None)}.json"):
+            (run_dir / name).unlink(missing_ok=True)
 
 
 def run(args: argparse.Namespace, pytest_args: list[str], *, render: Callable[[Path], Path]) -> int:
