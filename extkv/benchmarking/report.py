@@ -12,14 +12,15 @@ target, the scaling plots (extkv.benchmarking.plots) and every case with
 every contender. extkv.report.render_report puts it beside the check and
 stress sections.
 
-A run that did not end on its own is partial: its run record (`bench-run.json`,
-or a part's own, `bench-run-cases.json`: extkv.benchmarking.result_files'
-`record_of`, written by `extkv bench`) names the signal that ended it, or
-pytest's exit status where pytest did not finish (extkv.runs.results'
-FINISHED_STATUSES). Its section is headed as partial, says so before any figure, and renders what
-was measured; the cases it did not reach read `not run`, their targets `not
-measured`. A run without that file (pooled runs, runs of older versions) is
-read as complete.
+A run that did not end on its own is partial: its run record
+(`bench-run.json`, or a part's own, `bench-run-cases.json`:
+extkv.benchmarking.result_files' `record_of`, written by `extkv bench`)
+names the signal that ended it, or pytest's exit status where pytest did
+not finish (extkv.runs.results' FINISHED_STATUSES). Its section is headed
+as partial, says so before any figure, and renders what was measured; the
+cases it did not reach read `not run`, their targets `not measured`. A run
+without that file (pooled runs, runs of older versions) is read as
+complete.
 
 A run that measures nothing worth quoting judges nothing (`not_a_verdict`):
 a smoke run (`extkv bench --quick`, profile `quick`: tiny sizes, two
