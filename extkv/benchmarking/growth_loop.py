@@ -38,13 +38,14 @@ share of the device.
 
 Between rounds every cache is freed, so each round after the first meets
 memory a previous round released (*recycled*): on the H200 a create right
-after a large release took 10-150 ms. Each mode but those beside also runs once in a new
-process of its own (`python -m extkv.benchmarking.growth_loop`), on memory
-never used before (*fresh*). Per mode: the least p50 and least p99 over the
-recycled rounds, the fresh round's, and what growth added in total (the
-sum of step times less `steps` times the no-growth p50), beside the time
-the device takes to zero the grown bytes on a plain allocation (its memset
-floor).
+after a large release took 10-150 ms. Each mode but those beside also
+runs once in a new process of its own
+(`python -m extkv.benchmarking.growth_loop`), on memory never used before
+(*fresh*).
+Per mode: the least p50 and least p99 over the recycled rounds, the fresh
+round's, and what growth added in total (the sum of step times less
+`steps` times the no-growth p50), beside the time the device takes to zero
+the grown bytes on a plain allocation (its memset floor).
 """
 
 from __future__ import annotations
