@@ -131,12 +131,19 @@ def benchmark_storage(chosen: str | None, profile: str) -> str:
     return str(Path(chosen).absolute())
 
 
+def saves_benchmarks(part: str | None) -> bool:
+    """Whether a run of `part` (None: the whole bench) records pytest-benchmark
+    results: those whose files hold its json. The engine-level benches write
+    their own files."""
+    return part is None or BENCH_JSON in PARTS[part]["files"]
+
+
 def pytest_command(suite: Path, run_dir: Path, profile: str, device: str, rounds: int | None, storage: str,
                    part: str | None = None) -> list[str]:
     """The pytest command of the measuring phase, of `part` (None: the whole bench)."""
     command = [sys.executable, "-m", "pytest", str(suite), "-q", "-s", "-o", "python_files=bench_*.py"]
     command += installed_suite_options(suite)
-    if part != "engines":  # the engine-level benches write their own files, no pytest-benchmark run
+    if saves_benchmarks(part):
         command += [
             f"--benchmark-json={run_dir / BENCH_JSON}",
             f"--benchmark-timer={PLAYBACK_TIMER}",
@@ -222,7 +229,7 @@ def run(args: argparse.Namespace, pytest_args: list[str], *, render: Callable[[P
             raise
     _record_run(run_dir, args.part, command, status)
     saved = (f"; pytest-benchmark's storage {storage} (`pytest-benchmark --storage {storage} compare` sets its "
-             "runs side by side)") if args.part != "engines" else ""
+             "runs side by side)") if saves_benchmarks(args.part) else ""
     print(f"extkv bench [1/2] {'done' if status == 0 else f'FAILED (exit status {status})'} "
           f"in {time.monotonic() - started:.0f} s{saved}", flush=True)
 
