@@ -96,8 +96,8 @@ def test_the_smoke_run_measures_every_reading_and_reports_readings_only(tmp_path
     assert finished.returncode == 0, finished.stdout[-4000:] + finished.stderr[-4000:]
     result = json.loads((tmp_path / "run" / BUDGET_FILE).read_text())
     quick = budget_bench.QUICK_SETTING
-    assert [r["samples"] for r in result["grant"]["rounds"]] == [quick.grant_samples] * quick.grant_rounds, \
-        result["grant"]
+    assert [r["samples"] for side in ("rounds", "floor_rounds") for r in result["grant"][side]] == \
+        [quick.grant_samples] * quick.grant_rounds * 2, result["grant"]
     assert [(len(c["budgeted_s"]), len(c["unbudgeted_s"])) for c in result["commits"]] == \
         [(quick.commit_rounds, quick.commit_rounds)] * len(quick.commit_bytes), result["commits"]
     assert {key: len(result["reclaim"][key]) for key in ("grant_s", "handler_shrink_s", "alone_s")} == \
@@ -235,6 +235,10 @@ def worked_result() -> dict:
             {"p50_s": 60e-6, "p99_s": 120e-6, "max_s": 1e-3, "samples": 100},
             {"p50_s": 50e-6, "p99_s": 100e-6, "max_s": 1e-3, "samples": 100},
             {"p50_s": 70e-6, "p99_s": 400e-6, "max_s": 1e-3, "samples": 100},
+        ], "floor_rounds": [
+            {"p50_s": 40e-6, "p99_s": 90e-6, "max_s": 1e-3, "samples": 100},
+            {"p50_s": 30e-6, "p99_s": 95e-6, "max_s": 1e-3, "samples": 100},
+            {"p50_s": 35e-6, "p99_s": 80e-6, "max_s": 1e-3, "samples": 100},
         ]},
         "commits": [
             {"bytes": 256 * MiB, "budgeted_s": [0.51, 0.6, 0.7], "unbudgeted_s": [0.5, 0.52, 0.53]},
@@ -261,6 +265,8 @@ def test_the_budget_verdicts_read_the_least_rounds_worked_by_hand():
     ], read
     assert [row.median for row in rows] == pytest.approx(
         [120e-6, 0.6 / 0.52, 1.031, 2.0, 0.23 - 0.04, 0.01125 / 0.00975, 0]), rows
+    assert rows[0].parts == ("p50 50 us at least; 3 rounds of 100, p99 100 us to 400 us; the floor, a bare message "
+                             "round trip between two Python processes: p99 80 us, p50 30 us"), rows[0].parts
     assert rows[5].parts == (
         "p99 step budgeted 10.50 ms / static 9.50 ms (least of 2 rounds; medians 11.25 ms / 9.75 ms) over each "
         "burst's first 3 steps; slowest compared step 9.00 ms, step 3 of burst 1 in round 1; least reach: engine A "
@@ -317,6 +323,7 @@ def test_a_run_that_judges_nothing_shows_each_reading_alone():
 def test_a_reading_with_no_rounds_is_not_measured():
     result = worked_result()
     result["grant"]["rounds"], result["commits"][0]["budgeted_s"], result["reclaim"]["alone_s"] = [], [], []
+    result["grant"]["floor_rounds"] = []
     for rounds in result["bursts"]["rounds"]:
         rounds["static"]["p99_s"], rounds["budgeted"]["samples"] = None, 0
     rows = evaluate_budget(result)

@@ -15,6 +15,12 @@ here asks which kind of device it runs on):
   together: what a budgeted commit waits for. `grant_samples` round trips a
   round (after `grant_warm_up` untimed ones), and per round their p50, p99
   and slowest; a daemon of the device's whole memory, so every reserve fits.
+  Beside each round, in the order of a Williams design, the *floor*: as
+  many round trips of a reserve's message and a grant's reply, same
+  framing (extkv.wire), between this thread and a child process that
+  answers each at once (`_echo`): what two Python processes take to
+  exchange them here, with no reader thread, no ledger and no checks, the
+  least any client of a Python daemon could take.
 - *Commit through the budget*: `commit(N)` on a cache just made, to the
   device's synchronize, through a budgeted cache (`budget=client`), through
   one whose client keeps the commit's footprint granted ahead
@@ -53,6 +59,7 @@ renders it in the bench's report.
 from __future__ import annotations
 
 import os
+import socket
 import statistics
 import threading
 import time
@@ -68,6 +75,7 @@ from ..cache import ExtensibleKVCache
 from ..vmm import driver_for
 from ..testing.budget import daemon_process, short_run_dir
 from ..testing.children import fork_server
+from ..wire import receive_message, send_message
 from .decode import p99
 from .geometry import GEOMETRIES
 from .primitives import synchronize
@@ -141,24 +149,67 @@ def footprint(geometry: str, blocks: int, device: torch.device) -> int:
 
 
 # -- grant round trip -------------------------------------------------------------------------
-def measure_grants(client: BudgetClient, nbytes: int, setting: Setting, progress: Callable[[str], None]) -> list[dict]:
-    """Per round: p50, p99 and slowest of `grant_samples` reserve + confirm round trips."""
-    for _ in range(setting.grant_warm_up):
-        client.confirm(client.reserve(nbytes), 0)
-    rounds = []
+GRANT_SIDES = ("grant", "floor")
+
+
+def _echo(sock: socket.socket) -> None:
+    """The floor's child: answer each message with a grant's reply at once, until the parent hangs up."""
+    with sock:
+        while True:
+            try:
+                message = receive_message(sock)
+            except ConnectionError:
+                return
+            send_message(sock, {"op": "granted", "id": message["id"], "ticket": 1, "bytes": message["bytes"]})
+
+
+def _round(samples: int, round_trip: Callable[[], object]) -> dict:
+    times = []
     clock = time.perf_counter
-    for r in range(setting.grant_rounds):
-        times = []
-        for _ in range(setting.grant_samples):
-            start = clock()
-            ticket = client.reserve(nbytes)
-            client.confirm(ticket, 0)
-            times.append(clock() - start)
-        rounds.append({"p50_s": statistics.median(times), "p99_s": p99(times), "max_s": max(times),
-                       "samples": len(times)})
-        progress(f"budget grant round trip round {r + 1}/{setting.grant_rounds}: p50 "
-                 f"{rounds[-1]['p50_s'] * 1e6:.0f} us, p99 {rounds[-1]['p99_s'] * 1e6:.0f} us")
-    return rounds
+    for _ in range(samples):
+        start = clock()
+        round_trip()
+        times.append(clock() - start)
+    return {"p50_s": statistics.median(times), "p99_s": p99(times), "max_s": max(times), "samples": len(times)}
+
+
+def measure_grants(client: BudgetClient, nbytes: int, setting: Setting,
+                   progress: Callable[[str], None]) -> tuple[list[dict], list[dict]]:
+    """Per round, the grant's and the floor's: p50, p99 and slowest of
+    `grant_samples` round trips (reserve + confirm; a bare message and its
+    reply)."""
+    ours, theirs = socket.socketpair()
+    echo = fork_server().Process(target=_echo, args=(theirs,), daemon=True)
+    echo.start()
+    theirs.close()
+    ours.settimeout(HANG_S)
+    request = {"op": "reserve", "id": 0, "bytes": nbytes, "ahead": 0}
+
+    def bare() -> None:
+        request["id"] += 1
+        send_message(ours, request)
+        receive_message(ours)
+
+    round_trips = {"grant": lambda: client.confirm(client.reserve(nbytes), 0), "floor": bare}
+    rounds: dict[str, list[dict]] = {side: [] for side in GRANT_SIDES}
+    try:
+        for side in GRANT_SIDES:
+            for _ in range(setting.grant_warm_up):
+                round_trips[side]()
+        for r in range(setting.grant_rounds):
+            for side in round_order(GRANT_SIDES, r):
+                rounds[side].append(_round(setting.grant_samples, round_trips[side]))
+            grant, floor = rounds["grant"][-1], rounds["floor"][-1]
+            progress(f"budget grant round trip round {r + 1}/{setting.grant_rounds}: p50 {grant['p50_s'] * 1e6:.0f} "
+                     f"us, p99 {grant['p99_s'] * 1e6:.0f} us (floor: p50 {floor['p50_s'] * 1e6:.0f} us, p99 "
+                     f"{floor['p99_s'] * 1e6:.0f} us)")
+    finally:
+        ours.close()  # the child's read ends
+        echo.join(HANG_S)
+        if echo.exitcode is None:
+            echo.kill()
+            echo.join(HANG_S)
+    return rounds["grant"], rounds["floor"]
 
 
 # -- commit through the budget ----------------------------------------------------------------
@@ -380,9 +431,9 @@ def run(device: torch.device | str, profile: str, progress: Callable[[str], None
     granule = driver_for(device).granularity
     with short_run_dir() as run_dir, daemon_process(run_dir, open_device(spec).total_bytes, device=spec) as daemon:
         with client_class(daemon.path, timeout=HANG_S) as client:
-            grants = measure_grants(client, granule, setting, progress)
+            grants, floor = measure_grants(client, granule, setting, progress)
             commits = measure_commits(client, device, setting, progress)
     reclaim = measure_reclaim(device, setting, client_class, progress)
     return {"format": FORMAT, "profile": profile, "device": str(device), "daemon_device": spec,
             "torch": torch.__version__, "setting": asdict(setting), "geometry_what": GEOMETRIES[setting.geometry].what,
-            "grant": {"bytes": granule, "rounds": grants}, "commits": commits, "reclaim": reclaim}
+            "grant": {"bytes": granule, "rounds": grants, "floor_rounds": floor}, "commits": commits, "reclaim": reclaim}

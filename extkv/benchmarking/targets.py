@@ -495,10 +495,14 @@ def evaluate_budget(result: dict) -> list[BudgetRow]:
     if rounds:
         p99s, p50s = [r["p99_s"] for r in rounds], [r["p50_s"] for r in rounds]
         value = min(p99s)
+        floor = result["grant"]["floor_rounds"]
+        floor_words = (f"; the floor, a bare message round trip between two Python processes: p99 "
+                       f"{grant.shown(min(r['p99_s'] for r in floor))}, p50 {grant.shown(min(r['p50_s'] for r in floor))}"
+                       if floor else "")
         rows.append(BudgetRow(grant, label, value, statistics.median(p99s), *grant.verdict(value),
                               parts=f"p50 {grant.shown(min(p50s))} at least; {len(rounds)} rounds of "
                                     f"{rounds[0]['samples']}, p99 {grant.shown(min(p99s))} to "
-                                    f"{grant.shown(max(p99s))}"))
+                                    f"{grant.shown(max(p99s))}{floor_words}"))
     else:
         rows.append(BudgetRow(grant, label, None, None, None, "not measured (no rounds)"))
     rows += [_commit_row(BUDGET_TARGETS[1], commit, commit["budgeted_s"], "budgeted") for commit in result["commits"]]
