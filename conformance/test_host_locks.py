@@ -401,13 +401,17 @@ def test_a_child_forked_during_a_commit_holds_none_of_its_locks(driver, lock_pat
         # Closed, not written to: the child's reads end whichever it waits
         # in (a test that failed before the first word wrote none).
         os.close(commit_now)
+        tensor.free()  # first: a tensor left to a failed assertion below would count in the worker's later tests
         if pid is not None:
-            if os.waitpid(pid, os.WNOHANG) == (0, 0) and not select.select([report], [], [], HANG_S)[0]:
-                os.kill(pid, signal.SIGKILL)  # hung in its commit
-            _, status = os.waitpid(pid, 0)
+            # The child may have ended already (the close above ends its
+            # last read), and then this first wait reaps it.
+            reaped, status = os.waitpid(pid, os.WNOHANG)
+            if reaped == 0:
+                if not select.select([report], [], [], HANG_S)[0]:
+                    os.kill(pid, signal.SIGKILL)  # hung in its commit
+                _, status = os.waitpid(pid, 0)
             os.close(report)
             assert os.WIFEXITED(status) and os.WEXITSTATUS(status) == 0, f"the child ended with status {status}"
-        tensor.free()
 
 
 HOLDS_THE_LOCK = """
