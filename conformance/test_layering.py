@@ -89,7 +89,7 @@ LAYERS: list[set[str]] = [
      "extkv.testing.stress.__main__", "extkv.testing.stress.budget"},
     {"extkv.testing.stress"},
     {"extkv.benchmarking.budget_bursts"},
-    {"extkv.runs.rundir", "extkv.runs", "extkv.runs.steps"},
+    {"extkv.runs.rundir", "extkv.runs", "extkv.runs.steps", "extkv.runs.bytecode"},
     {"extkv.runs.results", "extkv.runs.commands", "extkv.runs.plots"},
     {"extkv.check.features"},
     {"extkv.runs.machine", "extkv.check", "extkv.stress", "extkv.check.plots", "extkv.stress.plots", "extkv.check.verdict", "extkv.runs.portable"},

@@ -63,6 +63,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
 
+from ..runs.bytecode import run_bytecode
 from ..runs.commands import installed_suite_options, interrupted_report
 from ..runs.machine import machine_facts
 from ..runs.rundir import RunDirectoryInUse, checkout_root, prepare_run_directory, suite_directory
@@ -186,8 +187,15 @@ def run_phase(number: int, total: int, phase: Phase, suite: Path, run_dir: Path,
 
 
 def run(args: argparse.Namespace, pytest_args: list[str], *, render: Callable[[Path], Path]) -> int:
-    """`extkv check`; `render` writes the report (extkv.report.render_report)."""
+    """`extkv check`; `render` writes the report (extkv.report.render_report).
+    Its processes share one bytecode tree where writing it is forbidden
+    (extkv.runs.bytecode), which this process fills with torch first."""
     started = time.monotonic()
+    with run_bytecode(lambda words: print(f"extkv check: {words}", flush=True)):
+        return _run(started, args, pytest_args, render)
+
+
+def _run(started: float, args: argparse.Namespace, pytest_args: list[str], render: Callable[[Path], Path]) -> int:
     facts = machine_facts()
     try:
         run_dir = prepare_run_directory(args.report_dir, facts, args.overwrite, CHECK_FILES)
