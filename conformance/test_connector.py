@@ -389,6 +389,7 @@ def test_fragmented_cache_is_refused_and_nothing_changes(device, build, connecto
 
 
 @pytest.mark.invariant(1, 4, 5, 8)
+@pytest.mark.long
 def test_restore_after_release_and_recommit_reads_new_bytes(device, build, connector, peers, usage):
     baseline = usage.read_outside_torch()
     kv_cache = build.cache_for("padded", KVCacheLayout.LBHNC)

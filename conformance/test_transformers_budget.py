@@ -354,6 +354,7 @@ def test_a_margin_shrink_failing_part_way_keeps_every_token_and_generate_goes_on
 
 @pytest.mark.invariant(5)
 @pytest.mark.invariant(7)
+@pytest.mark.long
 def test_two_engines_alternating_bursts_each_reach_the_budget_less_the_other_s_floor(device):
     """Engines A and B, processes of their own with floors of their own,
     burst A, B, A, B; the idle one holds its finished generation (at first,
