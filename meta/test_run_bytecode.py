@@ -13,6 +13,7 @@ from pathlib import Path
 
 import pytest
 
+from extkv.runs import bytecode
 from extkv.runs.bytecode import FORBIDS, PREFIX, run_bytecode
 
 #: Tooling: it proves no invariant of the cache.
@@ -27,7 +28,18 @@ print(sys.pycache_prefix, sys.dont_write_bytecode)
 
 
 @pytest.fixture
-def forbidden(monkeypatch):
+def sources(tmp_path, monkeypatch) -> Path:
+    """A module with no bytecode, importable here, deciding in torch's place."""
+    sources = tmp_path / "sources"
+    sources.mkdir()
+    (sources / "bytecode_probe.py").write_text("VALUE = 1\n")
+    monkeypatch.syspath_prepend(str(sources))
+    monkeypatch.setattr(bytecode, "DECIDING_MODULE", "bytecode_probe")
+    return sources
+
+
+@pytest.fixture
+def forbidden(monkeypatch, sources):
     """This process as PYTHONDONTWRITEBYTECODE=1 starts it, with no prefix."""
     monkeypatch.setattr(sys, "dont_write_bytecode", True)
     monkeypatch.setattr(sys, "pycache_prefix", None)
@@ -35,15 +47,8 @@ def forbidden(monkeypatch):
     monkeypatch.delenv(PREFIX, raising=False)
 
 
-def source(tmp_path: Path) -> Path:
-    sources = tmp_path / "sources"
-    sources.mkdir()
-    (sources / "bytecode_probe.py").write_text("VALUE = 1\n")
-    return sources
-
-
-def test_where_writing_is_forbidden_the_run_and_its_children_share_a_tree_removed_at_the_end(forbidden, tmp_path):
-    sources, said = source(tmp_path), []
+def test_where_writing_is_forbidden_the_run_and_its_children_share_a_tree_removed_at_the_end(forbidden, sources):
+    said = []
     with run_bytecode(said.append) as tree:
         assert tree is not None and sys.pycache_prefix == tree and sys.dont_write_bytecode is False
         assert os.environ[PREFIX] == tree and FORBIDS not in os.environ
@@ -57,7 +62,19 @@ def test_where_writing_is_forbidden_the_run_and_its_children_share_a_tree_remove
     assert not Path(tree).exists(), f"the run's bytecode tree {tree} outlived the run"
     assert (sys.pycache_prefix, sys.dont_write_bytecode) == (None, True)
     assert os.environ[FORBIDS] == "1" and PREFIX not in os.environ
-    assert len(said) == 1 and tree in said[0] and "forbidden" in said[0], said
+    assert len(said) == 1 and tree in said[0] and "bytecode_probe has none" in said[0], said
+
+
+def test_where_the_deciding_module_has_bytecode_nothing_changes(forbidden, sources):
+    """As where pip wrote torch's bytecode at install: read from there, it is
+    faster than anything a run could compile."""
+    compiled = subprocess.run([sys.executable, "-m", "py_compile", str(sources / "bytecode_probe.py")],
+                              env={**os.environ, FORBIDS: ""}, capture_output=True, text=True, timeout=60)
+    assert compiled.returncode == 0 and (sources / "__pycache__").is_dir(), compiled.stderr
+    environment, said = dict(os.environ), []
+    with run_bytecode(said.append) as tree:
+        assert tree is None and sys.pycache_prefix is None and dict(os.environ) == environment
+    assert said == []
 
 
 def test_an_interrupted_run_removes_its_tree_and_restores_the_settings(forbidden):
@@ -71,7 +88,7 @@ def test_an_interrupted_run_removes_its_tree_and_restores_the_settings(forbidden
 
 @pytest.mark.parametrize(("forbidden_here", "prefix"), [(False, None), (True, "/elsewhere")],
                          ids=["writing allowed", "a prefix set"])
-def test_where_bytecode_may_be_written_or_has_a_place_nothing_changes(monkeypatch, forbidden_here, prefix):
+def test_where_bytecode_may_be_written_or_has_a_place_nothing_changes(monkeypatch, sources, forbidden_here, prefix):
     monkeypatch.setattr(sys, "dont_write_bytecode", forbidden_here)
     monkeypatch.setattr(sys, "pycache_prefix", prefix)
     environment, said = dict(os.environ), []

@@ -12,8 +12,10 @@ what it imports from source. On a 16-core H100 machine set up that way
 transformers 16.5 s; on the 2-core host, the same imports from source took
 3.1-3.4 s and 8.8 s, against 1.3 s and 3.7 s from bytecode.
 
-Where writing bytecode is forbidden and no prefix is set
-(PYTHONPYCACHEPREFIX, `-X pycache_prefix`), `run_bytecode()` gives the run
+Where writing bytecode is forbidden, no prefix is set (PYTHONPYCACHEPREFIX,
+`-X pycache_prefix`) and torch has no bytecode where Python looks for it
+(pip writes it at install unless told not to, and then nothing is to be
+gained), `run_bytecode()` gives the run
 a temporary directory of its own as the bytecode tree: this process writes
 there from then on (sys.pycache_prefix), and the processes it starts inherit
 it (PYTHONPYCACHEPREFIX, with PYTHONDONTWRITEBYTECODE unset for them). So
@@ -27,6 +29,7 @@ else it changes nothing.
 from __future__ import annotations
 
 import contextlib
+import importlib.util
 import os
 import shutil
 import sys
@@ -36,14 +39,26 @@ from typing import Callable, Iterator
 #: The environment variables that forbid writing bytecode and that place it.
 FORBIDS = "PYTHONDONTWRITEBYTECODE"
 PREFIX = "PYTHONPYCACHEPREFIX"
+#: The module whose bytecode decides: what every process of a run imports, and the most of it.
+DECIDING_MODULE = "torch"
+
+
+def _compiled(module: str) -> bool:
+    """Whether `module` (found, not imported) has its bytecode where this
+    process would read it, or is no source to compile."""
+    spec = importlib.util.find_spec(module)
+    if spec is None or not spec.has_location or not spec.origin or not spec.origin.endswith(".py"):
+        return True
+    return os.path.exists(importlib.util.cache_from_source(spec.origin))
 
 
 @contextlib.contextmanager
 def run_bytecode(say: Callable[[str], None]) -> Iterator[str | None]:
     """Inside, this process and those it starts keep bytecode in a temporary
-    directory (yielded), where writing it is forbidden and no prefix is set;
-    elsewhere nothing changes (None). `say` is told the directory and why."""
-    if not sys.dont_write_bytecode or sys.pycache_prefix is not None:
+    directory (yielded), where writing it is forbidden, no prefix is set and
+    DECIDING_MODULE has none; elsewhere nothing changes (None). `say` is
+    told the directory and why."""
+    if not sys.dont_write_bytecode or sys.pycache_prefix is not None or _compiled(DECIDING_MODULE):
         yield None
         return
     directory = tempfile.mkdtemp(prefix="extkv-bytecode-")
@@ -53,7 +68,7 @@ def run_bytecode(say: Callable[[str], None]) -> Iterator[str | None]:
     os.environ.pop(FORBIDS, None)
     try:
         say(f"bytecode of this run's processes goes to {directory}, removed at the end (writing it is forbidden "
-            "here, so each process would compile torch from source)")
+            f"here and {DECIDING_MODULE} has none, so each process would compile it from source)")
         yield directory
     finally:
         sys.pycache_prefix, sys.dont_write_bytecode = None, True
