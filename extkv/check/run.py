@@ -188,8 +188,9 @@ def run_phase(number: int, total: int, phase: Phase, suite: Path, run_dir: Path,
 
 def run(args: argparse.Namespace, pytest_args: list[str], *, render: Callable[[Path], Path]) -> int:
     """`extkv check`; `render` writes the report (extkv.report.render_report).
-    Its processes share one bytecode tree where writing it is forbidden
-    (extkv.runs.bytecode), which this process fills with torch first."""
+    Where writing bytecode is forbidden and torch has none, its processes
+    share one bytecode tree (extkv.runs.bytecode), which this process fills
+    with torch first."""
     started = time.monotonic()
     with run_bytecode(lambda words: print(f"extkv check: {words}", flush=True)):
         return _run(started, args, pytest_args, render)

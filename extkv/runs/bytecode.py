@@ -15,15 +15,15 @@ transformers 16.5 s; on the 2-core host, the same imports from source took
 Where writing bytecode is forbidden, no prefix is set (PYTHONPYCACHEPREFIX,
 `-X pycache_prefix`) and torch has no bytecode where Python looks for it
 (pip writes it at install unless told not to, and then nothing is to be
-gained), `run_bytecode()` gives the run
-a temporary directory of its own as the bytecode tree: this process writes
-there from then on (sys.pycache_prefix), and the processes it starts inherit
-it (PYTHONPYCACHEPREFIX, with PYTHONDONTWRITEBYTECODE unset for them). So
-the first process to import a module compiles it once for every later one,
-and the run's own process, which imports torch before it starts any step,
-does so for torch. Nothing is written beside the sources, the directory
-goes when the run ends, and the process's own settings come back. Anywhere
-else it changes nothing.
+gained), `run_bytecode()` gives the run a temporary directory of its own as
+the bytecode tree: this process writes there from then on
+(sys.pycache_prefix), and the processes it starts inherit it
+(PYTHONPYCACHEPREFIX, with PYTHONDONTWRITEBYTECODE unset for them). So the
+first process to import a module compiles it once for every later one, and
+the run's own process, which imports torch before it starts any step, does
+so for torch. Nothing is written beside the sources, the directory goes
+when the run ends, and the process's own settings come back. Anywhere else
+it changes nothing.
 """
 
 from __future__ import annotations
