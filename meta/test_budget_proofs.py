@@ -13,7 +13,10 @@ from pathlib import Path
 
 import pytest
 
+from extkv import ExtensibleTensor
+from extkv.testing.budget import served_daemon
 from extkv.testing.invariants import BUDGET_PROOFS
+from extkv.vmm import HostDriver
 
 pytestmark = pytest.mark.harness
 
@@ -80,3 +83,22 @@ def test_every_budget_proof_has_a_planted_defect():
     assert set(planted) <= set(BUDGET_PROOFS), sorted(set(planted) - set(BUDGET_PROOFS))
     lacking = [proof for proof in BUDGET_PROOFS if not planted.get(proof)]
     assert not lacking, f"budget proofs no planted defect undoes: {lacking}; planted: {planted}"
+
+
+def test_a_served_daemon_refuses_to_start_over_chunks_an_earlier_test_left():
+    """A tensor an earlier test left in this process would count as held by
+    every engine of it that a served daemon reads from outside: the daemon
+    says so before it starts, naming the bytes, rather than the test failing
+    on numbers off by them. Once the tensor is gone it starts."""
+    driver = HostDriver()
+    left = ExtensibleTensor(driver.granularity, device=driver)
+    try:
+        left.resize_segments_([driver.granularity])
+        with pytest.raises(AssertionError, match=rf"^this process holds {driver.granularity} bytes of extkv chunks "
+                                                 "before its budget daemon starts: an earlier test left them"):
+            with served_daemon(1000):
+                pass
+    finally:
+        left.free()
+    with served_daemon(1000) as served:
+        assert served.thread.is_alive()

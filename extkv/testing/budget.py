@@ -97,8 +97,16 @@ class ServedDaemon:
     def __init__(self, run_dir: str, budget: int, allowed_uids=None,
                  make_daemon: Callable[..., BudgetDaemon] = BudgetDaemon):
         self.log: list[str] = []
-        self.daemon = make_daemon(HostDevice(), budget, run_dir=run_dir, allowed_uids=allowed_uids,
-                                  log=self.log.append)
+        device = HostDevice()
+        # It reads its engines from outside, this process among them: chunks
+        # an earlier test left here would count as held by every engine of
+        # this process, and the test would fail on numbers that name none.
+        left = device.read_process(os.getpid())
+        if left:
+            raise AssertionError(f"this process holds {left} bytes of extkv chunks before its budget daemon starts: "
+                                 "an earlier test left them (its own failure says so); this test's outside "
+                                 "readings would count them")
+        self.daemon = make_daemon(device, budget, run_dir=run_dir, allowed_uids=allowed_uids, log=self.log.append)
         self.daemon.start()
         self.path = self.daemon.socket_path
         self.thread = threading.Thread(target=self.daemon.serve_forever, name="budget-daemon", daemon=True)
