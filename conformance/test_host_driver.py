@@ -505,10 +505,10 @@ def test_a_commit_of_many_runs_that_fit_alone_is_refused_whole_before_any_create
 @pytest.mark.invariant(5)
 def test_a_commit_reads_the_machine_once_and_its_creates_take_what_it_admitted(driver, monkeypatch):
     """A commit of one granule in each of 16 segments checks its total once,
-    before its first create, and its creates read the machine no more (a
-    reading took 23 us on the 2-core host: 6 of the 9 ms by which a
-    32-segment growth trailed the raw sequence). A create outside any
-    commit still checks its own size, and the next commit its own total."""
+    before its first create, and its creates read the machine no more (each
+    reading took 23 us on the 2-core host, 17 of them a commit of a
+    32-segment cache). A create outside any commit still checks its own
+    size, and the next commit its own total."""
     reads: list[int] = []
     real = host_memory.read_host_memory_headroom
     monkeypatch.setattr(host_memory, "read_host_memory_headroom", lambda size: reads.append(size) or real(size))
