@@ -607,6 +607,27 @@ def test_stopping_the_worker_under_the_callers_lock_returns_and_leaves_no_worker
     cache.free()
 
 
+@pytest.mark.invariant(7)
+def test_a_commit_of_no_new_blocks_leaves_the_worker_asleep(build, poisoned):
+    """An engine commits its count before every step; only a commit that
+    counts new blocks moves the window. The settled worker is not woken by
+    commits that count none (it never asks for the reservation's lock), and
+    is by the next one that counts a new block."""
+    cache = cache_over(build, poisoned)
+    observed = cache.buffer.lock = _ObservedLock(cache.buffer.lock)
+    cache.commit_ahead(100, step_blocks=10)
+    assert cache.settle_commit_ahead(PATIENCE_S)
+    observed.worker_waits.clear()
+    for _ in range(20):
+        cache.commit(10)
+    assert cache.settle_commit_ahead(PATIENCE_S)
+    assert not observed.worker_waits.is_set(), "a commit of no new blocks woke the worker, which asked for the lock"
+    cache.commit(11)
+    assert observed.worker_waits.wait(PATIENCE_S), "a commit of a new block never woke the worker"
+    assert cache.settle_commit_ahead(PATIENCE_S)
+    cache.free()
+
+
 class _HeldStep(WrappingDriver):
     """Holds the commit-ahead worker inside its next map until `go` is set:
     a step in flight while other threads turn the worker off and on."""

@@ -52,8 +52,11 @@ How the other operations meet the worker:
   engine's current stream waits for the fence of the last step
   (`Driver.wait_for`), so no kernel it queues later touches a block before
   its zeroing has run. Past ready, the locked commit grows the buffer
-  itself, as without commit-ahead. Either way the worker is woken to
-  restore the window.
+  itself, as without commit-ahead. Either way a commit that counts new
+  blocks wakes the worker to restore the window, and one that counts none
+  (an engine commits its count before every step) leaves it asleep: on
+  the 2-core host such a commit took 7.75 us of wall time and 8.53 us of
+  CPU when it woke the worker, and 4.82 us of both when it did not.
 - shrink and defragment withdraw ready first; the blocks past committed
   are discarded with the rest of what they remap, then the window grows
   again (a defragmented prefix stays one chunk per segment; the blocks
@@ -70,7 +73,8 @@ How the other operations meet the worker:
 
 Faults: a step that meets out-of-memory (the engine's own allocations took
 the memory, or the budget denied its reserve) idles the worker silently
-until the next commit wakes it: the engine never asked for those blocks.
+until the next commit that counts new blocks wakes it: the engine never
+asked for those blocks.
 So does a budget daemon gone (BudgetUnavailableError): the engine serves
 on from the blocks it holds, its commits within ready counted as ever, and
 its own first commit past them meets the error itself (growth fails
@@ -268,7 +272,7 @@ class CommitAhead:
         try:
             more = self._step(driver)
         except (OutOfMemoryError, BudgetUnavailableError):
-            more = False  # idle until the next commit wakes it
+            more = False  # idle until the next commit of new blocks wakes it
         except Exception as error:  # kept for the next commit, which raises it
             self._keep(error)
             more = False

@@ -394,7 +394,7 @@ class ExtensibleKVCache:
             if num_blocks > self._committed:
                 self.buffer.driver.wait_for(ahead.fence)
                 self._committed = num_blocks
-            ahead.wake()  # to restore the window
+                ahead.wake()  # the window moved: restore it
             return True
 
     @_operation
@@ -763,10 +763,10 @@ class ExtensibleKVCache:
         headroom. Under a shared budget, the capacity: each step reserves its
         bytes as any create does, so the reserve may wait while the daemon
         reclaims from engines above their shares, or be denied, which idles
-        the worker until the next commit. The reclaim is then waited for
-        beside the engine's steps, not by the commit that reaches past the
-        window (what the budget grants without a wait is nothing while an
-        idle engine keeps its finished KV)."""
+        the worker until the next commit of new blocks. The reclaim is then
+        waited for beside the engine's steps, not by the commit that reaches
+        past the window (what the budget grants without a wait is nothing
+        while an idle engine keeps its finished KV)."""
         if isinstance(self.buffer.driver, BudgetedDriver):
             return self.capacity_blocks
         return self.committable_blocks()
