@@ -47,6 +47,8 @@ class RawStore(Store):
     """The best raw driver sequence: one chunk per segment per commit."""
 
     what = "raw driver sequence: per segment create, map, set access, zero; one chunk per segment"
+    #: Whether growth zeroes the new bytes (MapOnlyStore's does not).
+    zeroes_new = True
 
     def __init__(self, device, strides, capacity_blocks, primitives: Primitives | None = None):
         super().__init__(device, strides, capacity_blocks)
@@ -92,7 +94,8 @@ class RawStore(Store):
                 if wanted > self._mapped[i]:
                     self._map_new(i, start + self._mapped[i], wanted - self._mapped[i])
                     self._mapped[i] = wanted
-                prims.zero(start + old, new - old)
+                if self.zeroes_new:
+                    prims.zero(start + old, new - old)
                 self._sizes[i] = new
         self.blocks = max(self.blocks, blocks)
 
@@ -178,20 +181,13 @@ class MapOnlyStore(RawStore):
     access for the new granules, and zeroes nothing."""
 
     what = "raw driver calls alone: per segment create, map, set access; nothing zeroed"
-
-    def grow(self, blocks: int) -> None:
-        with self.prims.batch():
-            for i, stride in enumerate(self.strides):
-                wanted = _round_up(blocks * stride, self.prims.granularity)
-                if wanted > self._mapped[i]:
-                    self._map_new(i, self.base + self.offsets[i] + self._mapped[i], wanted - self._mapped[i])
-                    self._mapped[i] = wanted
-        self.blocks = max(self.blocks, blocks)
+    zeroes_new = False
 
 
 class ZeroOnlyStore(RawStore):
     """The raw sequence's zeroing alone: every granule is mapped when the
-    store opens, and growth zeroes the new bytes of each segment."""
+    store opens, so growth finds nothing to map and zeroes the new bytes of
+    each segment."""
 
     what = "raw zeroing alone: the new bytes of each segment, on memory mapped before"
 
@@ -202,15 +198,6 @@ class ZeroOnlyStore(RawStore):
                 size = _round_up(self.capacity_blocks * stride, self.prims.granularity)
                 self._map_new(i, self.base + self.offsets[i], size)
                 self._mapped[i] = size
-
-    def grow(self, blocks: int) -> None:
-        with self.prims.batch():
-            for i, stride in enumerate(self.strides):
-                old, new = self._sizes[i], blocks * stride
-                if new > old:
-                    self.prims.zero(self.base + self.offsets[i] + old, new - old)
-                    self._sizes[i] = new
-        self.blocks = max(self.blocks, blocks)
 
 
 class GranuleStore(RawStore):
