@@ -423,6 +423,37 @@ def test_the_worker_never_grows_into_the_headroom(build, poisoned):
     assert cache.grown_blocks == more, f"grown {cache.grown_blocks} of {more} once memory allows"
 
 
+class _CountedReads(WrappingDriver):
+    """Counts the commit-ahead worker's reads of free memory."""
+
+    def __init__(self, inner):
+        super().__init__(inner)
+        self.worker_reads = 0
+
+    def memory_info(self) -> tuple[int, int]:
+        if threading.current_thread().name == "extkv-commit-ahead":
+            self.worker_reads += 1
+        return super().memory_info()
+
+
+@pytest.mark.invariant(5)
+def test_the_worker_reads_free_memory_once_per_wake_not_per_step(build, poisoned):
+    """A read of the device's free memory per step cost the engine's steps
+    on the GPU (extkv.ahead): the worker reads its ceiling at the first step
+    of a wake and keeps it for the steps that follow, and a wake reads again."""
+    counted = _CountedReads(poisoned)
+    cache = cache_over(build, counted)
+    cache.commit_ahead(100, step_blocks=10)
+    assert cache.settle_commit_ahead(PATIENCE_S), f"the worker never went idle: grown {cache.grown_blocks}"
+    assert cache.commit_ahead_steps >= 10, f"{cache.commit_ahead_steps} steps: the window needs ten"
+    assert counted.worker_reads == 1, f"{counted.worker_reads} reads of free memory over one wake's steps"
+    cache.commit(30)  # a commit of new blocks wakes the worker: 20 blocks, two steps
+    assert cache.settle_commit_ahead(PATIENCE_S), f"the worker never went idle: grown {cache.grown_blocks}"
+    assert cache.grown_blocks == 130, f"grown {cache.grown_blocks} blocks; the window ends at 130"
+    assert counted.worker_reads == 2, f"{counted.worker_reads} reads after a second wake; expected 2"
+    cache.free()
+
+
 @pytest.mark.invariant(7)
 def test_a_forked_child_frees_its_copy_without_touching_the_parents_worker(build):
     """Forked while the worker steps one block at a time: the child's copy

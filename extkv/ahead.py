@@ -24,7 +24,14 @@ Counts, all in blocks:
   commit ahead never eats into `reserved_headroom_bytes`; under a shared
   budget it is the capacity, and each step's reserve asks the daemon,
   waiting while it reclaims from idle engines: the engine's steps go on
-  over the blocks already ready meanwhile.
+  over the blocks already ready meanwhile. The ceiling is read once per
+  wake, at the first step that needs it, and kept for the steps that
+  follow: the worker's own creates leave it where it was (what they take
+  from free memory they add to what the cache holds), and a read of the
+  device's free memory per step cost the engine's steps. On the H100, the
+  growth loop's p99 step with commit-ahead read 1.101x the no-growth loop
+  with a read per 256 MiB step, and 1.035x with none (600 graphed steps,
+  32 GiB grown by 28 GiB, least of two rounds).
 
 One small lock, the cache's count lock, guards committed, ready, the fence
 and the worker's flags; lock order: the reservation's lock, then the count
@@ -151,6 +158,11 @@ class CommitAhead:
         self._withdrawn = False
         self._stopping = False
         self._pending = True
+        #: The ceiling as the first step of the latest wake that needed it
+        #: read it; `_fresh`: a wake came since, and the next such step reads
+        #: it again.
+        self._ceiling_read: int | None = None
+        self._fresh = True
         #: The worker waits on `_work`; `settle` waits on `_idle`; both on
         #: the cache's count lock.
         self._work = threading.Condition(count_lock)
@@ -219,7 +231,7 @@ class CommitAhead:
 
     # -- any thread, count lock held ------------------------------------------------
     def wake(self) -> None:
-        self._pending = True
+        self._pending = self._fresh = True
         self._work.notify()
 
     # -- any thread, nothing held -------------------------------------------------------
@@ -287,7 +299,11 @@ class CommitAhead:
         wanted = min(cache.num_committed_blocks + self.window_blocks, self.max_blocks)
         if wanted <= cache.grown_blocks:
             return wanted
-        return min(wanted, self._ceiling())
+        with self._work:
+            fresh, self._fresh = self._fresh, False
+        if fresh or self._ceiling_read is None:
+            self._ceiling_read = self._ceiling()
+        return min(wanted, self._ceiling_read)
 
     def _step(self, driver) -> bool:
         """One step toward the target, reservation lock held; whether another is due."""
