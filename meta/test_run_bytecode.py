@@ -97,3 +97,41 @@ def test_where_bytecode_may_be_written_or_has_a_place_nothing_changes(monkeypatc
         assert (sys.dont_write_bytecode, sys.pycache_prefix) == (forbidden_here, prefix)
         assert dict(os.environ) == environment
     assert said == []
+
+
+@pytest.fixture
+def package(tmp_path, monkeypatch) -> Path:
+    """A package of two modules with no bytecode, deciding in torch's place."""
+    sources = tmp_path / "package_sources"
+    (sources / "bytecode_package").mkdir(parents=True)
+    (sources / "bytecode_package" / "__init__.py").write_text("VALUE = 1\n")
+    (sources / "bytecode_package" / "never_imported.py").write_text("VALUE = 2\n")
+    monkeypatch.syspath_prepend(str(sources))
+    monkeypatch.setattr(bytecode, "DECIDING_MODULE", "bytecode_package")
+    return sources / "bytecode_package"
+
+
+def _compiled_in(tree: str, package: Path) -> list[str]:
+    """The modules of `package` whose bytecode is in `tree`."""
+    return sorted(path.name.split(".")[0] for path in (Path(tree) / str(package).lstrip("/")).rglob("*.pyc"))
+
+
+def test_on_enough_cores_the_deciding_package_is_compiled_whole_before_anything_imports_it(forbidden, package,
+                                                                                           monkeypatch):
+    """Every file of the package, imported or not, is in the tree once the run
+    begins, so no process of the run compiles it; nothing beside the sources."""
+    monkeypatch.setattr(bytecode, "COMPILE_AHEAD_CORES", 1)
+    said = []
+    with run_bytecode(said.append) as tree:
+        assert "bytecode_package" not in sys.modules
+        assert _compiled_in(tree, package) == ["__init__", "never_imported"]
+        assert not (package / "__pycache__").exists(), "bytecode was written beside the source"
+    assert len(said) == 2 and "bytecode_package compiled into it on" in said[1], said
+
+
+def test_below_enough_cores_the_deciding_package_is_left_to_its_import(forbidden, package, monkeypatch):
+    monkeypatch.setattr(bytecode, "COMPILE_AHEAD_CORES", len(os.sched_getaffinity(0)) + 1)
+    said = []
+    with run_bytecode(said.append) as tree:
+        assert _compiled_in(tree, package) == []
+    assert len(said) == 1, said

@@ -24,16 +24,27 @@ the run's own process, which imports torch before it starts any step, does
 so for torch. Nothing is written beside the sources, the directory goes
 when the run ends, and the process's own settings come back. Anywhere else
 it changes nothing.
+
+On COMPILE_AHEAD_CORES cores or more, torch's package is compiled into the
+tree first, every file of it, one compiler process per core (compileall):
+an import compiles its modules one after another, and the run waits for it
+before its first step. On the 2-core host, compiling all of torch 2.13's
+2,285 files took 7.8 s of CPU (5.1 s of wall time on both cores), against
+3.8 s for `import torch` from source, and from bytecode the import then
+takes 1.3 s: on c cores about 7.8 / c + 1.3 s against 3.8 s, less from
+four cores on.
 """
 
 from __future__ import annotations
 
+import compileall
 import contextlib
 import importlib.util
 import os
 import shutil
 import sys
 import tempfile
+import time
 from typing import Callable, Iterator
 
 #: The environment variables that forbid writing bytecode and that place it.
@@ -41,6 +52,22 @@ FORBIDS = "PYTHONDONTWRITEBYTECODE"
 PREFIX = "PYTHONPYCACHEPREFIX"
 #: The module whose bytecode decides: what every process of a run imports, and the most of it.
 DECIDING_MODULE = "torch"
+#: Cores from which DECIDING_MODULE's package is compiled ahead, a process per core.
+COMPILE_AHEAD_CORES = 4
+
+
+def compile_ahead(module: str, cores: int) -> bool:
+    """Compile every file of `module`'s package into this process's tree,
+    `cores` compilers at once; whether it did (not below
+    COMPILE_AHEAD_CORES, nor for a module that is no package). A file that
+    does not compile is left to its import, which reports it."""
+    spec = importlib.util.find_spec(module)
+    locations = None if spec is None else spec.submodule_search_locations
+    if cores < COMPILE_AHEAD_CORES or not locations:
+        return False
+    for location in locations:
+        compileall.compile_dir(location, quiet=2, workers=cores)
+    return True
 
 
 def _compiled(module: str) -> bool:
@@ -69,6 +96,10 @@ def run_bytecode(say: Callable[[str], None]) -> Iterator[str | None]:
     try:
         say(f"bytecode of this run's processes goes to {directory}, removed at the end (writing it is forbidden "
             f"here and {DECIDING_MODULE} has none, so each process would compile it from source)")
+        cores = len(os.sched_getaffinity(0))
+        started = time.monotonic()
+        if compile_ahead(DECIDING_MODULE, cores):
+            say(f"{DECIDING_MODULE} compiled into it on {cores} cores in {time.monotonic() - started:.1f} s")
         yield directory
     finally:
         sys.pycache_prefix, sys.dont_write_bytecode = None, True
