@@ -149,7 +149,7 @@ def test_the_plan_runs_every_gpu_test_on_every_gpu_and_host_tests_once(tmp_path)
     without_gpu = [step.name for phase in plan(tmp_path, {**FACTS, "gpus": []}, 2, 0) for step in phase.steps]
     assert without_gpu == ["check-host"]
     assert "--extkv-device=all" in plan(tmp_path, {**FACTS, "gpus": []}, 2, 0)[0].steps[0].options, "GPU tests show as skipped"
-    assert workers(2, 0, None, None) == (2, 0) and workers(16, 1, None, None) == (8, 8) and workers(32, 2, None, None) == (16, 8)
+    assert workers(2, 0, None, None) == (2, 0) and workers(16, 1, None, None) == (6, 10) and workers(32, 2, None, None) == (12, 10)
 
 
 def test_runs_get_a_directory_of_their_own_and_a_named_one_must_be_empty(tmp_path):
