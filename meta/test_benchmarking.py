@@ -230,6 +230,26 @@ def test_the_thread_beside_the_loop_grows_to_each_count_and_its_failure_is_raise
     assert open_raw_fds() == fds_before, "a failed thread's store was not freed"
 
 
+def test_the_short_switch_interval_mode_grows_ahead_and_gives_the_interval_back(device, monkeypatch):
+    """The mode runs commit-ahead's loop with the interval it names, and the
+    process's own interval comes back after the round, also when it fails."""
+    seen = []
+    step = growth_loop.make_step(device)
+    monkeypatch.setattr(sys, "setswitchinterval", lambda seconds, set_=sys.setswitchinterval: (seen.append(seconds),
+                                                                                              set_(seconds)))
+    before = sys.getswitchinterval()
+    times = growth_loop.run_mode(growth_loop.SHORT_SWITCH_MODE, device, growth_loop.QUICK_SETTING, step)
+    assert len(times) == growth_loop.QUICK_SETTING.steps and sys.getswitchinterval() == before
+    assert seen == [growth_loop.SHORT_SWITCH_S, before], seen
+
+    def failing() -> None:
+        raise RuntimeError("the step failed")
+
+    with pytest.raises(RuntimeError, match="the step failed"):
+        growth_loop.run_mode(growth_loop.SHORT_SWITCH_MODE, device, growth_loop.QUICK_SETTING, failing)
+    assert sys.getswitchinterval() == before
+
+
 def test_raw_sequence_is_one_chunk_per_segment_per_commit(device):
     store = poisoned_store(RawStore, device, "three-segments")
     store.open()
@@ -1244,7 +1264,7 @@ def test_the_growth_loop_commits_an_eighth_then_equal_commits_to_full():
 def growth_result(modes: tuple[str, ...]) -> dict:
     """A growth-loop result whose mode i has p99 (i + 1) ms and added (i + 1) * 10 ms."""
     rows = {mode: {"p50_s": 1e-3, "p99_s": (i + 1) * 1e-3, "added_s": (i + 1) * 1e-2}
-            | ({} if mode in growth_loop.BESIDE_MODES else {"fresh_p50_s": 2e-3, "fresh_p99_s": 4e-3})
+            | ({} if mode in growth_loop.APART_MODES else {"fresh_p50_s": 2e-3, "fresh_p99_s": 4e-3})
             for i, mode in enumerate(modes)}
     return {"setting": {"steps": 600, "geometry": "lbhnc32", "capacity_bytes": 32 << 30, "growth_commits": 28,
                         "rounds": 3},
@@ -1255,14 +1275,18 @@ def growth_result(modes: tuple[str, ...]) -> dict:
 def test_the_growth_section_sets_the_worker_s_halves_beside_the_ahead_row():
     from extkv.benchmarking.growth_report import growth_section
 
-    lines = growth_section(growth_result(growth_loop.MODES + growth_loop.BESIDE_MODES))
+    lines = growth_section(growth_result(growth_loop.MODES + growth_loop.APART_MODES))
     rows = {line.split(" | ")[0].lstrip("| "): line for line in lines if line.startswith("| ") and " ms " in line}
-    assert list(rows) == [*growth_loop.MODES, *growth_loop.BESIDE_MODES], rows
+    assert list(rows) == [*growth_loop.MODES, *growth_loop.APART_MODES], rows
     assert rows["ahead"].endswith("| 3.000x | 30.00 ms | 1.50x | 2.000 ms / 4.000 ms |"), rows["ahead"]
     assert rows["beside driver calls"].endswith("| 5.000x | 50.00 ms | 2.50x | not run |"), rows["beside driver calls"]
     assert rows["beside zeroing"].endswith("| 6.000x | 60.00 ms | 3.00x | not run |"), rows["beside zeroing"]
+    switch = rows[growth_loop.SHORT_SWITCH_MODE]
+    assert switch.endswith("| 7.000x | 70.00 ms | 3.50x | not run |"), switch
     assert any(line.startswith("*beside driver calls* and *beside zeroing*") for line in lines), lines
-    assert not any(line.startswith("*beside") for line in growth_section(growth_result(growth_loop.MODES)))
+    assert any(line.startswith(f"*{growth_loop.SHORT_SWITCH_MODE}*") for line in lines), lines
+    plain = growth_section(growth_result(growth_loop.MODES))
+    assert not any(line.startswith(("*beside", "*ahead,")) for line in plain), plain
 
 
 @pytest.mark.harness
