@@ -16,6 +16,6 @@ def test_growth_loop(bench_run):
     result = growth_loop.run(device, profile, progress=lambda line: print(f"bench {line}", flush=True))
     run_dir.mkdir(parents=True, exist_ok=True)
     (run_dir / GROWTH_FILE).write_text(json.dumps(result, indent=1) + "\n")
-    assert set(result["modes"]) == set(growth_loop.MODES + growth_loop.BESIDE_MODES)
+    assert set(result["modes"]) == set(growth_loop.MODES + growth_loop.APART_MODES)
     assert all("fresh_p50_s" in result["modes"][mode] for mode in growth_loop.MODES)
     assert all(mode["p50_s"] > 0 for mode in result["modes"].values())
