@@ -155,9 +155,14 @@ _SET_ASIDE: dict[int, tuple[int, int]] = {}
 #: wait for anything but a system call, so a fork never finds it held for
 #: long; the child takes a fresh one all the same (`_forget_parents_mappings`).
 ADDRESS_BOOK_LOCK = threading.Lock()
-#: Per thread, the bytes the commit under way (`HostDriver.admit`) checked
-#: and its creates have not yet taken.
-_ADMITTED = threading.local()
+class _Admitted(threading.local):
+    #: The bytes the commit under way (`HostDriver.admit`) checked and its
+    #: creates have not yet taken; none outside a commit.
+    bytes = 0
+
+
+#: Per thread: see `_Admitted`.
+_ADMITTED = _Admitted()
 
 
 def make_undumpable() -> None:
@@ -292,7 +297,7 @@ class HostDriver(Driver):
                 del _MAPPED_AT[start]
 
     def _create(self, size: int) -> Chunk:
-        admitted = getattr(_ADMITTED, "bytes", 0)
+        admitted = _ADMITTED.bytes
         if size <= admitted:
             _ADMITTED.bytes = admitted - size  # checked with the commit's total
         else:
@@ -447,7 +452,7 @@ class HostDriver(Driver):
             step = "map_new_chunks (the commit's runs together)"
             check_descriptors(chunks, step)
             check_room(size, step)
-            outer, _ADMITTED.bytes = getattr(_ADMITTED, "bytes", 0), size
+            outer, _ADMITTED.bytes = _ADMITTED.bytes, size
             try:
                 yield
             finally:
