@@ -160,8 +160,9 @@ class CommitAhead:
         self._pending = True
         #: The ceiling as the first step of the latest wake that needed it
         #: read it; `_fresh`: a wake came since, and the next such step reads
-        #: it again.
-        self._ceiling_read: int | None = None
+        #: it again. A step runs only after a wake (the first is the start),
+        #: and a read that raised idles the worker until the next one.
+        self._ceiling_read = 0
         self._fresh = True
         #: The worker waits on `_work`; `settle` waits on `_idle`; both on
         #: the cache's count lock.
@@ -301,7 +302,7 @@ class CommitAhead:
             return wanted
         with self._work:
             fresh, self._fresh = self._fresh, False
-        if fresh or self._ceiling_read is None:
+        if fresh:
             self._ceiling_read = self._ceiling()
         return min(wanted, self._ceiling_read)
 
